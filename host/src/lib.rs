@@ -1,0 +1,18 @@
+//! # pagedkv-host: everything pagedkv does on the CPU
+//!
+//! * [`emulator`]: the SIMT emulator that runs the kernel bodies of `pagedkv-kernels`
+//!   thread by thread on the CPU, so the tests prove the real kernel source.
+//! * [`buffer`]: 16-byte aligned host buffers, the emulator's stand-in for device memory.
+//! * [`ops`]: the host API of each kernel: input validation (shared by every backend),
+//!   the CPU reference, and the emulator entry point.
+//! * [`error`]: the crate's error type.
+//!
+//! Nothing in this crate needs a GPU or a CUDA installation.
+
+pub mod buffer;
+pub mod emulator;
+pub mod error;
+pub mod ops;
+
+pub use buffer::AlignedBuf;
+pub use error::{Error, Result};

@@ -1,0 +1,276 @@
+//! The device layer: everything a kernel body may ask of the machine it runs on.
+//!
+//! This is the only module of pagedkv with NVPTX intrinsics and inline assembly
+//! (in its `nvptx` submodule, compiled for `nvptx64-nvidia-cuda` only). Kernel bodies
+//! are generic over [`Ctx`], so the same source runs on the GPU (through [`Gpu`]) and
+//! in `pagedkv-host`'s SIMT emulator (which implements [`Ctx`] with one coroutine per
+//! thread).
+//!
+//! ## Global memory
+//! Kernels reach global memory only through [`GlobalSlice`] / [`GlobalSliceMut`]
+//! views stored in their parameter structs and the `Ctx` load/store methods. Building a
+//! view is `unsafe` (the caller vouches for the pointer and length); using one is safe
+//! code in the kernel body. On the GPU the bounds are not checked (the host validated
+//! every index before the launch); the emulator checks every access and fails the
+//! launch with the slice, index and length on a stray one.
+//!
+//! Vector accesses move 16 bytes (`[u32; 4]`) and must be 16-byte aligned: that is what
+//! `ld.global.v4.u32` needs, and the emulator checks it too.
+
+pub mod convert;
+#[cfg(target_arch = "nvptx64")]
+mod nvptx;
+
+#[cfg(target_arch = "nvptx64")]
+pub use nvptx::{Gpu, trap};
+
+pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+
+/// Threads in a warp on every NVIDIA GPU pagedkv supports.
+pub const WARP_SIZE: u32 = 32;
+
+/// A CUDA-style three-dimensional index or extent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Dim3 {
+    /// Fastest-varying component.
+    pub x: u32,
+    /// Middle component.
+    pub y: u32,
+    /// Slowest-varying component.
+    pub z: u32,
+}
+
+impl Dim3 {
+    /// A `Dim3` from its three components.
+    pub const fn new(x: u32, y: u32, z: u32) -> Self {
+        Self { x, y, z }
+    }
+
+    /// The number of elements this extent spans (`x * y * z`).
+    pub const fn volume(self) -> u64 {
+        self.x as u64 * self.y as u64 * self.z as u64
+    }
+}
+
+/// A read-only view of `len` elements of type `T` in device (global) memory.
+///
+/// `#[repr(C)]`: a pointer and a 64-bit length, 16 bytes, so host code can fill a
+/// kernel's parameter struct field by field.
+#[repr(C)]
+pub struct GlobalSlice<T> {
+    ptr: *const T,
+    len: u64,
+}
+
+/// A writable view of `len` elements of type `T` in device (global) memory.
+///
+/// Same layout as [`GlobalSlice`].
+#[repr(C)]
+pub struct GlobalSliceMut<T> {
+    ptr: *mut T,
+    len: u64,
+}
+
+// Manual impls: derive would add a `T: Copy` bound the raw pointer does not need.
+impl<T> Clone for GlobalSlice<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for GlobalSlice<T> {}
+impl<T> Clone for GlobalSliceMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for GlobalSliceMut<T> {}
+
+impl<T> core::fmt::Debug for GlobalSlice<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "GlobalSlice({:p}, len {})", self.ptr, self.len)
+    }
+}
+impl<T> core::fmt::Debug for GlobalSliceMut<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "GlobalSliceMut({:p}, len {})", self.ptr, self.len)
+    }
+}
+
+impl<T> GlobalSlice<T> {
+    /// An empty view (null pointer, length 0). Any access through it is out of bounds.
+    pub const fn empty() -> Self {
+        Self {
+            ptr: core::ptr::null(),
+            len: 0,
+        }
+    }
+
+    /// A view of `len` elements starting at `ptr`.
+    ///
+    /// # Safety
+    /// 1. `ptr` is valid for reads of `len` elements of `T` in the address space the
+    ///    kernel runs in (device memory for a GPU launch, host memory for the emulator)
+    ///    for as long as any kernel using the view runs.
+    /// 2. `ptr` is aligned for `T`, and to 16 bytes if the view is used for vector loads.
+    /// 3. Nothing writes the memory while a kernel reads it through `ld_nc_v4`
+    ///    (the non-coherent read-only path).
+    pub const unsafe fn from_raw_parts(ptr: *const T, len: u64) -> Self {
+        Self { ptr, len }
+    }
+
+    /// The number of elements in the view.
+    pub const fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the view holds no element.
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first element's address.
+    pub const fn as_ptr(&self) -> *const T {
+        self.ptr
+    }
+}
+
+impl<T> GlobalSliceMut<T> {
+    /// An empty view (null pointer, length 0). Any access through it is out of bounds.
+    pub const fn empty() -> Self {
+        Self {
+            ptr: core::ptr::null_mut(),
+            len: 0,
+        }
+    }
+
+    /// A writable view of `len` elements starting at `ptr`.
+    ///
+    /// # Safety
+    /// As [`GlobalSlice::from_raw_parts`], and `ptr` is also valid for writes, and no two
+    /// threads of a launch write the same element unless the kernel documents it.
+    pub const unsafe fn from_raw_parts(ptr: *mut T, len: u64) -> Self {
+        Self { ptr, len }
+    }
+
+    /// The number of elements in the view.
+    pub const fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the view holds no element.
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first element's address.
+    pub const fn as_mut_ptr(&self) -> *mut T {
+        self.ptr
+    }
+
+    /// The same memory as a read-only view.
+    pub const fn as_const(&self) -> GlobalSlice<T> {
+        GlobalSlice {
+            ptr: self.ptr as *const T,
+            len: self.len,
+        }
+    }
+}
+
+/// What a kernel body may ask of the machine: indices, barrier, warp shuffle, fast math,
+/// global and shared memory.
+///
+/// Implemented by [`Gpu`] (nvptx only, zero-sized, every method inlines to one or two
+/// PTX instructions) and by the emulator's per-thread context in `pagedkv-host`.
+///
+/// Index arguments of memory accesses are element indices of the view's `T`; vector
+/// accesses take the index of the first of the 16 bytes' elements.
+pub trait Ctx {
+    /// `threadIdx`.
+    fn thread_idx(&self) -> Dim3;
+    /// `blockIdx`.
+    fn block_idx(&self) -> Dim3;
+    /// `blockDim`.
+    fn block_dim(&self) -> Dim3;
+    /// `gridDim`.
+    fn grid_dim(&self) -> Dim3;
+
+    /// `__syncthreads()`: every thread of the block waits here until all have arrived,
+    /// and their shared- and global-memory writes before it are visible after it.
+    /// Every thread of the block must reach the same barrier.
+    fn sync_threads(&self);
+
+    /// `__shfl_xor_sync(0xffffffff, v, lane_mask)`: returns `v` of lane
+    /// `lane ^ lane_mask`. All 32 lanes of the warp must call it together.
+    fn shfl_xor_u32(&self, v: u32, lane_mask: u32) -> u32;
+
+    /// [`Ctx::shfl_xor_u32`] for an `f32`.
+    #[inline(always)]
+    fn shfl_xor_f32(&self, v: f32, lane_mask: u32) -> f32 {
+        f32::from_bits(self.shfl_xor_u32(v.to_bits(), lane_mask))
+    }
+
+    /// `2^x`, fast (`ex2.approx.ftz.f32` on the GPU: about 2 ulp; `exp2(-inf) = 0`).
+    fn exp2(&self, x: f32) -> f32;
+
+    /// `tanh(x)`, fast (`tanh.approx.f32` on the GPU: about 2^-11 relative error).
+    fn tanh(&self, x: f32) -> f32;
+
+    /// Loads element `i` of `s` (a plain, coherent load).
+    fn ld<T: Copy>(&self, s: &GlobalSlice<T>, i: u64) -> T;
+
+    /// Stores `v` into element `i` of `s`.
+    fn st<T: Copy>(&self, s: &GlobalSliceMut<T>, i: u64, v: T);
+
+    /// Loads the 16 bytes that start at element `i` of `s` (`ld.global.v4.u32`,
+    /// coherent: safe on memory the same launch writes elsewhere).
+    fn ld_v4<T>(&self, s: &GlobalSlice<T>, i: u64) -> [u32; 4];
+
+    /// Loads the 16 bytes that start at element `i` of `s` through the read-only
+    /// non-coherent path (`ld.global.nc.v4.u32`). Only for memory no thread of the
+    /// launch writes.
+    fn ld_nc_v4<T>(&self, s: &GlobalSlice<T>, i: u64) -> [u32; 4];
+
+    /// Stores 16 bytes at element `i` of `s` (`st.global.v4.u32`).
+    fn st_v4<T>(&self, s: &GlobalSliceMut<T>, i: u64, v: [u32; 4]);
+
+    /// Reads `f32` number `i` of the block's dynamic shared memory.
+    fn smem_ld_f32(&self, i: u32) -> f32;
+
+    /// Writes `f32` number `i` of the block's dynamic shared memory.
+    fn smem_st_f32(&self, i: u32, v: f32);
+
+    /// The linear thread index within the block (`x + y*dim.x + z*dim.x*dim.y`).
+    #[inline(always)]
+    fn linear_thread(&self) -> u32 {
+        let t = self.thread_idx();
+        let d = self.block_dim();
+        t.x + d.x * (t.y + d.y * t.z)
+    }
+
+    /// The lane of this thread within its warp.
+    #[inline(always)]
+    fn lane(&self) -> u32 {
+        self.linear_thread() % WARP_SIZE
+    }
+
+    /// The warp of this thread within its block.
+    #[inline(always)]
+    fn warp(&self) -> u32 {
+        self.linear_thread() / WARP_SIZE
+    }
+}
+
+/// A kernel: a name (the PTX entry point), a parameter struct, and a body generic over
+/// the execution context.
+///
+/// The same `run` serves the GPU entry point (`entry.rs`, nvptx only) and the
+/// emulator, so what the tests prove is the code that runs on the GPU.
+pub trait Kernel {
+    /// The `#[repr(C)]` parameter struct, passed by value to the PTX entry point.
+    type Params: Copy + 'static;
+    /// The PTX entry point's name (`.visible .entry NAME`).
+    const NAME: &'static str;
+    /// The kernel body, run by every thread of every block.
+    fn run<C: Ctx>(ctx: &C, p: &Self::Params);
+}

@@ -1,0 +1,243 @@
+//! The GPU implementation of [`Ctx`](super::Ctx): NVPTX intrinsics and inline PTX.
+//!
+//! Compiled for `nvptx64-nvidia-cuda` only. Every method is `#[inline(always)]` and
+//! lowers to one or a few PTX instructions; the PTX under `ptx/` shows the result.
+//!
+//! Global loads and stores convert the generic pointer that a by-value parameter struct
+//! yields into a global one (`cvta.to.global.u64`) and use `ld.global` / `st.global`
+//! explicitly: left to itself LLVM emits generic `ld`, which costs an address-space
+//! check on every access.
+
+use core::arch::{asm, global_asm, nvptx};
+
+use super::{Ctx, Dim3, GlobalSlice, GlobalSliceMut};
+
+// The block's dynamic shared memory: its size is set at launch time.
+global_asm!(".extern .shared .align 16 .b8 smem[];");
+
+/// The GPU execution context. Zero-sized: every method reads a special register or
+/// issues an instruction.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Gpu;
+
+/// Stops the kernel with an error (`trap`). Used by the panic handler.
+#[inline(always)]
+pub fn trap() -> ! {
+    // SAFETY: `trap` aborts the kernel; it touches no memory.
+    unsafe { nvptx::trap() }
+}
+
+#[inline(always)]
+fn to_global(p: *const u8) -> u64 {
+    let g: u64;
+    // SAFETY: pure address-space conversion of a pointer the host vouched for.
+    unsafe {
+        asm!("cvta.to.global.u64 {g}, {p};", g = out(reg64) g, p = in(reg64) p as u64,
+             options(pure, nomem, nostack));
+    }
+    g
+}
+
+#[inline(always)]
+fn smem_base() -> u64 {
+    let a: u64;
+    // SAFETY: takes the address of the `smem` symbol in the shared window.
+    unsafe {
+        asm!("mov.u64 {a}, smem;", a = out(reg64) a, options(pure, nomem, nostack));
+    }
+    a
+}
+
+#[inline(always)]
+pub(super) fn cvt_f32_f16(h: u16) -> f32 {
+    let f: f32;
+    // SAFETY: register-only conversion.
+    unsafe {
+        asm!("cvt.f32.f16 {f}, {h};", f = out(reg32) f, h = in(reg16) h,
+             options(pure, nomem, nostack));
+    }
+    f
+}
+
+#[inline(always)]
+pub(super) fn cvt_rn_f16_f32(f: f32) -> u16 {
+    let h: u16;
+    // SAFETY: register-only conversion.
+    unsafe {
+        asm!("cvt.rn.f16.f32 {h}, {f};", h = out(reg16) h, f = in(reg32) f,
+             options(pure, nomem, nostack));
+    }
+    h
+}
+
+#[inline(always)]
+pub(super) fn cvt_rn_bf16_f32(f: f32) -> u16 {
+    let h: u16;
+    // SAFETY: register-only conversion.
+    unsafe {
+        asm!("cvt.rn.bf16.f32 {h}, {f};", h = out(reg16) h, f = in(reg32) f,
+             options(pure, nomem, nostack));
+    }
+    h
+}
+
+impl Ctx for Gpu {
+    #[inline(always)]
+    fn thread_idx(&self) -> Dim3 {
+        // SAFETY: reads special registers.
+        unsafe {
+            Dim3::new(
+                nvptx::_thread_idx_x() as u32,
+                nvptx::_thread_idx_y() as u32,
+                nvptx::_thread_idx_z() as u32,
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn block_idx(&self) -> Dim3 {
+        // SAFETY: reads special registers.
+        unsafe {
+            Dim3::new(
+                nvptx::_block_idx_x() as u32,
+                nvptx::_block_idx_y() as u32,
+                nvptx::_block_idx_z() as u32,
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn block_dim(&self) -> Dim3 {
+        // SAFETY: reads special registers.
+        unsafe {
+            Dim3::new(
+                nvptx::_block_dim_x() as u32,
+                nvptx::_block_dim_y() as u32,
+                nvptx::_block_dim_z() as u32,
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn grid_dim(&self) -> Dim3 {
+        // SAFETY: reads special registers.
+        unsafe {
+            Dim3::new(
+                nvptx::_grid_dim_x() as u32,
+                nvptx::_grid_dim_y() as u32,
+                nvptx::_grid_dim_z() as u32,
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn sync_threads(&self) {
+        // SAFETY: `bar.sync 0`; the kernel contract says every thread reaches it.
+        unsafe { nvptx::_syncthreads() }
+    }
+
+    #[inline(always)]
+    fn shfl_xor_u32(&self, v: u32, lane_mask: u32) -> u32 {
+        let r: u32;
+        // SAFETY: register exchange within the full warp.
+        unsafe {
+            asm!("shfl.sync.bfly.b32 {r}, {v}, {m}, 0x1f, 0xffffffff;",
+                 r = out(reg32) r, v = in(reg32) v, m = in(reg32) lane_mask,
+                 options(nomem, nostack));
+        }
+        r
+    }
+
+    #[inline(always)]
+    fn exp2(&self, x: f32) -> f32 {
+        let r: f32;
+        // SAFETY: register-only arithmetic.
+        unsafe {
+            asm!("ex2.approx.ftz.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x,
+                 options(pure, nomem, nostack));
+        }
+        r
+    }
+
+    #[inline(always)]
+    fn tanh(&self, x: f32) -> f32 {
+        let r: f32;
+        // SAFETY: register-only arithmetic.
+        unsafe {
+            asm!("tanh.approx.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x,
+                 options(pure, nomem, nostack));
+        }
+        r
+    }
+
+    #[inline(always)]
+    fn ld<T: Copy>(&self, s: &GlobalSlice<T>, i: u64) -> T {
+        // SAFETY: the host validated `i < s.len()` (kernel contract).
+        unsafe { core::ptr::read(s.as_ptr().add(i as usize)) }
+    }
+
+    #[inline(always)]
+    fn st<T: Copy>(&self, s: &GlobalSliceMut<T>, i: u64, v: T) {
+        // SAFETY: the host validated `i < s.len()` (kernel contract).
+        unsafe { core::ptr::write(s.as_mut_ptr().add(i as usize), v) }
+    }
+
+    #[inline(always)]
+    fn ld_v4<T>(&self, s: &GlobalSlice<T>, i: u64) -> [u32; 4] {
+        let g = to_global(s.as_ptr().wrapping_add(i as usize) as *const u8);
+        let (a, b, c, d): (u32, u32, u32, u32);
+        // SAFETY: 16 aligned, in-bounds bytes (kernel contract).
+        unsafe {
+            asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{g}];",
+                 a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                 g = in(reg64) g, options(readonly, nostack));
+        }
+        [a, b, c, d]
+    }
+
+    #[inline(always)]
+    fn ld_nc_v4<T>(&self, s: &GlobalSlice<T>, i: u64) -> [u32; 4] {
+        let g = to_global(s.as_ptr().wrapping_add(i as usize) as *const u8);
+        let (a, b, c, d): (u32, u32, u32, u32);
+        // SAFETY: 16 aligned, in-bounds bytes that nothing writes during the launch.
+        unsafe {
+            asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{g}];",
+                 a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                 g = in(reg64) g, options(pure, readonly, nostack));
+        }
+        [a, b, c, d]
+    }
+
+    #[inline(always)]
+    fn st_v4<T>(&self, s: &GlobalSliceMut<T>, i: u64, v: [u32; 4]) {
+        let g = to_global(s.as_mut_ptr().wrapping_add(i as usize) as *const u8);
+        // SAFETY: 16 aligned, in-bounds, writable bytes (kernel contract).
+        unsafe {
+            asm!("st.global.v4.u32 [{g}], {{{a}, {b}, {c}, {d}}};",
+                 g = in(reg64) g, a = in(reg32) v[0], b = in(reg32) v[1],
+                 c = in(reg32) v[2], d = in(reg32) v[3], options(nostack));
+        }
+    }
+
+    #[inline(always)]
+    fn smem_ld_f32(&self, i: u32) -> f32 {
+        let a = smem_base() + 4 * i as u64;
+        let r: f32;
+        // SAFETY: the launch sized shared memory for the kernel's indices.
+        unsafe {
+            asm!("ld.shared.f32 {r}, [{a}];", r = out(reg32) r, a = in(reg64) a,
+                 options(readonly, nostack));
+        }
+        r
+    }
+
+    #[inline(always)]
+    fn smem_st_f32(&self, i: u32, v: f32) {
+        let a = smem_base() + 4 * i as u64;
+        // SAFETY: the launch sized shared memory for the kernel's indices.
+        unsafe {
+            asm!("st.shared.f32 [{a}], {v};", a = in(reg64) a, v = in(reg32) v,
+                 options(nostack));
+        }
+    }
+}
