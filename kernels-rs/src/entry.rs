@@ -1,13 +1,65 @@
 //! PTX entry points: one-line wrappers that run a kernel body with the GPU context.
 //!
 //! Each takes its kernel's `#[repr(C)]` parameter struct by value (one `.param` of the
-//! struct's size), so the host launch passes exactly one argument.
+//! struct's size), so the host launch passes exactly one argument. The names are the
+//! kernels' `Kernel::NAME`s (a test in the root crate checks they match the PTX).
 
 use crate::device::{Gpu, Kernel};
-use crate::kernels::{CopyBlocks, CopyBlocksParams};
+use crate::elem::{Bf16, F16};
+use crate::kernels::{
+    CopyBlocks, CopyBlocksParams, DecodeParams, DecodeReduce, KvAppend, KvAppendParams,
+    PagedDecode, ReduceParams,
+};
 
 /// `copy_blocks(CopyBlocksParams)`, see [`CopyBlocks`].
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn copy_blocks(p: CopyBlocksParams) {
     CopyBlocks::run(&Gpu, &p)
 }
+
+macro_rules! typed_entries {
+    ($t:ty, $append:ident, $decode:ident, $split:ident, $reduce:ident) => {
+        /// `kv_append` for this element type, see [`KvAppend`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $append(p: KvAppendParams<$t>) {
+            KvAppend::<$t>::run(&Gpu, &p)
+        }
+        /// Paged decode attention (no split) for this element type, see [`PagedDecode`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $decode(p: DecodeParams<$t>) {
+            PagedDecode::<$t, false>::run(&Gpu, &p)
+        }
+        /// Paged decode attention, split-K partials, for this element type.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $split(p: DecodeParams<$t>) {
+            PagedDecode::<$t, true>::run(&Gpu, &p)
+        }
+        /// The split-K reduce for this element type, see [`DecodeReduce`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $reduce(p: ReduceParams<$t>) {
+            DecodeReduce::<$t>::run(&Gpu, &p)
+        }
+    };
+}
+
+typed_entries!(
+    F16,
+    kv_append_f16,
+    paged_decode_attention_f16,
+    paged_decode_attention_split_f16,
+    paged_decode_reduce_f16
+);
+typed_entries!(
+    Bf16,
+    kv_append_bf16,
+    paged_decode_attention_bf16,
+    paged_decode_attention_split_bf16,
+    paged_decode_reduce_bf16
+);
+typed_entries!(
+    f32,
+    kv_append_f32,
+    paged_decode_attention_f32,
+    paged_decode_attention_split_f32,
+    paged_decode_reduce_f32
+);

@@ -15,6 +15,9 @@
 //!   assembly. It defines the [`device::Ctx`] trait (thread indices, barrier, warp
 //!   shuffle, shared and global memory, fast math) that kernel bodies are generic over,
 //!   its GPU implementation, and the typed global-memory views kernels take.
+//! * [`layout`]: [`PagedLayout`], all page-table address arithmetic.
+//! * [`elem`]: the element types (f16, bf16, f32) and 16-byte vector packing.
+//! * [`softmax`]: [`SoftmaxState`], the online-softmax state with its merge.
 //! * [`kernels`]: kernel bodies as ordinary generic Rust (`fn run<C: Ctx>`), each with
 //!   its `#[repr(C)]` parameter struct. They contain no `unsafe`.
 //! * `entry` (nvptx only): the `extern "ptx-kernel"` entry points, one-line wrappers
@@ -32,12 +35,18 @@
 )]
 
 pub mod device;
+pub mod elem;
 pub mod kernels;
+pub mod layout;
+pub mod softmax;
 
 #[cfg(target_arch = "nvptx64")]
 mod entry;
 
 pub use device::{Ctx, Dim3, GlobalSlice, GlobalSliceMut, Kernel};
+pub use elem::{Bf16, Elem, F16};
+pub use layout::PagedLayout;
+pub use softmax::SoftmaxState;
 
 #[cfg(target_arch = "nvptx64")]
 #[panic_handler]

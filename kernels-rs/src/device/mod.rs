@@ -234,11 +234,23 @@ pub trait Ctx {
     /// Stores 16 bytes at element `i` of `s` (`st.global.v4.u32`).
     fn st_v4<T>(&self, s: &GlobalSliceMut<T>, i: u64, v: [u32; 4]);
 
-    /// Reads `f32` number `i` of the block's dynamic shared memory.
-    fn smem_ld_f32(&self, i: u32) -> f32;
+    /// Reads 32-bit word number `i` of the block's dynamic shared memory.
+    fn smem_ld_u32(&self, i: u32) -> u32;
 
-    /// Writes `f32` number `i` of the block's dynamic shared memory.
-    fn smem_st_f32(&self, i: u32, v: f32);
+    /// Writes 32-bit word number `i` of the block's dynamic shared memory.
+    fn smem_st_u32(&self, i: u32, v: u32);
+
+    /// Reads word `i` of the block's dynamic shared memory as an `f32`.
+    #[inline(always)]
+    fn smem_ld_f32(&self, i: u32) -> f32 {
+        f32::from_bits(self.smem_ld_u32(i))
+    }
+
+    /// Writes word `i` of the block's dynamic shared memory as an `f32`.
+    #[inline(always)]
+    fn smem_st_f32(&self, i: u32, v: f32) {
+        self.smem_st_u32(i, v.to_bits())
+    }
 
     /// The linear thread index within the block (`x + y*dim.x + z*dim.x*dim.y`).
     #[inline(always)]

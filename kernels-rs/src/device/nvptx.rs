@@ -220,23 +220,23 @@ impl Ctx for Gpu {
     }
 
     #[inline(always)]
-    fn smem_ld_f32(&self, i: u32) -> f32 {
+    fn smem_ld_u32(&self, i: u32) -> u32 {
         let a = smem_base() + 4 * i as u64;
-        let r: f32;
+        let r: u32;
         // SAFETY: the launch sized shared memory for the kernel's indices.
         unsafe {
-            asm!("ld.shared.f32 {r}, [{a}];", r = out(reg32) r, a = in(reg64) a,
+            asm!("ld.shared.u32 {r}, [{a}];", r = out(reg32) r, a = in(reg64) a,
                  options(readonly, nostack));
         }
         r
     }
 
     #[inline(always)]
-    fn smem_st_f32(&self, i: u32, v: f32) {
+    fn smem_st_u32(&self, i: u32, v: u32) {
         let a = smem_base() + 4 * i as u64;
         // SAFETY: the launch sized shared memory for the kernel's indices.
         unsafe {
-            asm!("st.shared.f32 [{a}], {v};", a = in(reg64) a, v = in(reg32) v,
+            asm!("st.shared.u32 [{a}], {v};", a = in(reg64) a, v = in(reg32) v,
                  options(nostack));
         }
     }
