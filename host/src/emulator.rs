@@ -282,12 +282,12 @@ impl Ctx for EmuCtx {
                 .write_unaligned(v)
         }
     }
-    fn smem_ld_f32(&self, i: u32) -> f32 {
+    fn smem_ld_u32(&self, i: u32) -> u32 {
         let o = self.smem_check(4 * i as u64, 4);
         let s = self.block.smem.borrow();
-        f32::from_le_bytes(s[o..o + 4].try_into().unwrap())
+        u32::from_le_bytes(s[o..o + 4].try_into().unwrap())
     }
-    fn smem_st_f32(&self, i: u32, v: f32) {
+    fn smem_st_u32(&self, i: u32, v: u32) {
         let o = self.smem_check(4 * i as u64, 4);
         self.block.smem.borrow_mut()[o..o + 4].copy_from_slice(&v.to_le_bytes());
     }

@@ -5,6 +5,8 @@
 //! * [`buffer`]: 16-byte aligned host buffers, the emulator's stand-in for device memory.
 //! * [`ops`]: the host API of each kernel: input validation (shared by every backend),
 //!   the CPU reference, and the emulator entry point.
+//! * [`tensor`]: [`DType`] and [`HostTensor`], typed host buffers.
+//! * [`reference`]: the CPU references (f64), the ground truth of the tests.
 //! * [`error`]: the crate's error type.
 //!
 //! Nothing in this crate needs a GPU or a CUDA installation.
@@ -13,6 +15,9 @@ pub mod buffer;
 pub mod emulator;
 pub mod error;
 pub mod ops;
+pub mod reference;
+pub mod tensor;
 
 pub use buffer::AlignedBuf;
 pub use error::{Error, Result};
+pub use tensor::{DType, HostTensor};

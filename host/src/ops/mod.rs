@@ -2,6 +2,126 @@
 //!
 //! Each kernel has one validation function that every backend (the emulator here, the
 //! CUDA backend) calls before building the kernel's parameter struct, one launch
-//! configuration function, and a plain-Rust reference that is the ground truth in tests.
+//! configuration function, and a reference path that is the ground truth in tests.
 
+pub mod attention;
 pub mod copy_blocks;
+pub mod kv_append;
+
+use pagedkv_kernels::{GlobalSlice, GlobalSliceMut, PagedLayout};
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, HostTensor};
+
+/// Head dimensions the kernels support.
+pub const SUPPORTED_HEAD_DIMS: [u32; 6] = [64, 80, 96, 112, 128, 256];
+/// Block sizes (tokens per block) the kernels support.
+pub const SUPPORTED_BLOCK_SIZES: [u32; 3] = [8, 16, 32];
+/// CUDA's limit on `gridDim.y` and `gridDim.z`.
+pub const MAX_GRID_YZ: u32 = 65_535;
+
+/// Checks that a cache layout is one the kernels support.
+pub fn check_layout(l: &PagedLayout) -> Result<()> {
+    if !SUPPORTED_HEAD_DIMS.contains(&l.head_dim) {
+        return Err(Error::invalid(
+            "head_dim",
+            format!(
+                "{} is not supported (one of {SUPPORTED_HEAD_DIMS:?})",
+                l.head_dim
+            ),
+        ));
+    }
+    if !SUPPORTED_BLOCK_SIZES.contains(&l.block_size) {
+        return Err(Error::invalid(
+            "block_size",
+            format!(
+                "{} is not supported (one of {SUPPORTED_BLOCK_SIZES:?})",
+                l.block_size
+            ),
+        ));
+    }
+    if l.num_kv_heads == 0 {
+        return Err(Error::invalid("num_kv_heads", "must be at least 1"));
+    }
+    if l.num_blocks == 0 {
+        return Err(Error::invalid("num_blocks", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// Checks a tensor's element type and element count.
+pub(crate) fn check_tensor(
+    arg: &'static str,
+    t: &HostTensor,
+    dtype: DType,
+    elems: u64,
+) -> Result<()> {
+    if t.dtype() != dtype {
+        return Err(Error::invalid(
+            arg,
+            format!("dtype {} but the cache is {dtype}", t.dtype()),
+        ));
+    }
+    if t.len() as u64 != elems {
+        return Err(Error::invalid(
+            arg,
+            format!("{} elements, expected {elems}", t.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// A read-only kernel view of a host tensor's storage as elements of `T`.
+///
+/// # Safety
+/// `T` is the kernel element type matching `t.dtype()`, and the view must not be used
+/// after `t` is dropped or while `t` is written other than through a kernel launch that
+/// the caller's contract covers.
+pub(crate) unsafe fn view<T>(t: &HostTensor) -> GlobalSlice<T> {
+    let b = t.buf().as_bytes();
+    // SAFETY: the pointer and length cover `t`'s 16-byte aligned storage; the caller
+    // upholds the lifetime and aliasing rules.
+    unsafe { GlobalSlice::from_raw_parts(b.as_ptr().cast(), (b.len() / size_of::<T>()) as u64) }
+}
+
+/// A writable kernel view of a host tensor's storage as elements of `T`.
+///
+/// # Safety
+/// As [`view`], and nothing else reads or writes `t` while a launch uses the view.
+pub(crate) unsafe fn view_mut<T>(t: &mut HostTensor) -> GlobalSliceMut<T> {
+    let b = t.buf_mut().as_bytes_mut();
+    // SAFETY: as above.
+    unsafe {
+        GlobalSliceMut::from_raw_parts(b.as_mut_ptr().cast(), (b.len() / size_of::<T>()) as u64)
+    }
+}
+
+/// A read-only kernel view of a host slice.
+///
+/// # Safety
+/// The view must not outlive `s`.
+pub(crate) unsafe fn slice_view<T>(s: &[T]) -> GlobalSlice<T> {
+    // SAFETY: pointer and length of a live slice; the caller bounds the lifetime.
+    unsafe { GlobalSlice::from_raw_parts(s.as_ptr(), s.len() as u64) }
+}
+
+/// Runs `$body` with `$t` bound to the kernel element type of `$dtype`.
+macro_rules! with_elem {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            $crate::tensor::DType::F16 => {
+                type $t = pagedkv_kernels::F16;
+                $body
+            }
+            $crate::tensor::DType::Bf16 => {
+                type $t = pagedkv_kernels::Bf16;
+                $body
+            }
+            $crate::tensor::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_elem;

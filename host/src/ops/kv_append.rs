@@ -1,0 +1,142 @@
+//! `kv_append`: write the new tokens' K and V into their slots of one layer's cache.
+//!
+//! ```
+//! use pagedkv_host::{DType, HostTensor, emulator::Emulator};
+//! use pagedkv_host::ops::kv_append::kv_append_emulated;
+//! use pagedkv_kernels::PagedLayout;
+//!
+//! let layout = PagedLayout { num_blocks: 4, num_kv_heads: 2, block_size: 8, head_dim: 64 };
+//! let pool = [4 * 2 * 8 * 64];
+//! let (mut kc, mut vc) = (HostTensor::full(DType::F16, &pool, f64::NAN), HostTensor::full(DType::F16, &pool, f64::NAN));
+//! let k = HostTensor::full(DType::F16, &[3, 2, 64], 1.5);
+//! let v = HostTensor::full(DType::F16, &[3, 2, 64], -2.0);
+//! // Token 1 is padding (slot -1).
+//! kv_append_emulated(&Emulator::new(), &layout, &k, &v, &[9, -1, 30], &mut kc, &mut vc).unwrap();
+//! assert_eq!(kc.get(layout.slot_offset(9, 1) as usize), 1.5);
+//! assert!(kc.get(layout.slot_offset(10, 0) as usize).is_nan());
+//! ```
+
+use std::collections::HashSet;
+
+use pagedkv_kernels::kernels::kv_append::THREADS;
+use pagedkv_kernels::kernels::{KvAppend, KvAppendParams};
+use pagedkv_kernels::{Dim3, PagedLayout};
+
+use super::{check_layout, check_tensor, slice_view, view, view_mut, with_elem};
+use crate::emulator::{Emulator, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::reference;
+use crate::tensor::HostTensor;
+
+/// Most tokens one launch appends (`gridDim.x`).
+pub const MAX_TOKENS: usize = i32::MAX as usize;
+
+/// Checks every argument of a `kv_append` launch.
+///
+/// `key`, `value`: `[num_tokens, num_kv_heads, head_dim]`; `slot_mapping`: `[num_tokens]`
+/// (negative: skip); caches: `[num_blocks, num_kv_heads, block_size, head_dim]`, all
+/// of one dtype. Every non-negative slot must be inside the pool and appear once.
+pub fn validate(
+    layout: &PagedLayout,
+    key: &HostTensor,
+    value: &HostTensor,
+    slot_mapping: &[i64],
+    key_cache: &HostTensor,
+    value_cache: &HostTensor,
+) -> Result<()> {
+    check_layout(layout)?;
+    let n = slot_mapping.len();
+    if n > MAX_TOKENS {
+        return Err(Error::invalid(
+            "slot_mapping",
+            format!("{n} tokens (at most {MAX_TOKENS})"),
+        ));
+    }
+    let dtype = key_cache.dtype();
+    check_tensor("key_cache", key_cache, dtype, layout.pool_elems())?;
+    check_tensor("value_cache", value_cache, dtype, layout.pool_elems())?;
+    let row = layout.num_kv_heads as u64 * layout.head_dim as u64;
+    check_tensor("key", key, dtype, n as u64 * row)?;
+    check_tensor("value", value, dtype, n as u64 * row)?;
+    let mut seen = HashSet::with_capacity(n);
+    for (i, &slot) in slot_mapping.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        if slot as u64 >= layout.num_slots() {
+            return Err(Error::invalid(
+                "slot_mapping",
+                format!(
+                    "token {i}: slot {slot} is outside the pool of {} slots",
+                    layout.num_slots()
+                ),
+            ));
+        }
+        if !seen.insert(slot) {
+            return Err(Error::invalid(
+                "slot_mapping",
+                format!("token {i}: slot {slot} is written twice"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The launch configuration: one thread block per token.
+pub fn launch_config(num_tokens: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid: Dim3::new(num_tokens as u32, 1, 1),
+        block: Dim3::new(THREADS, 1, 1),
+        shared_bytes: 0,
+    }
+}
+
+/// The reference path: validation, then [`reference::kv_append`].
+pub fn kv_append_reference(
+    layout: &PagedLayout,
+    key: &HostTensor,
+    value: &HostTensor,
+    slot_mapping: &[i64],
+    key_cache: &mut HostTensor,
+    value_cache: &mut HostTensor,
+) -> Result<()> {
+    validate(layout, key, value, slot_mapping, key_cache, value_cache)?;
+    reference::kv_append(layout, key, value, slot_mapping, key_cache, value_cache);
+    Ok(())
+}
+
+/// Runs the real `kv_append` kernel body in the emulator.
+pub fn kv_append_emulated(
+    emu: &Emulator,
+    layout: &PagedLayout,
+    key: &HostTensor,
+    value: &HostTensor,
+    slot_mapping: &[i64],
+    key_cache: &mut HostTensor,
+    value_cache: &mut HostTensor,
+) -> Result<()> {
+    validate(layout, key, value, slot_mapping, key_cache, value_cache)?;
+    if slot_mapping.is_empty() {
+        return Ok(());
+    }
+    let cfg = launch_config(slot_mapping.len());
+    with_elem!(key_cache.dtype(), T => {
+        // SAFETY: every view covers a tensor or slice borrowed for this whole function,
+        // of the element type its dtype names (checked by `validate`).
+        let params = unsafe {
+            KvAppendParams::<T> {
+                key: view(key),
+                value: view(value),
+                slot_mapping: slice_view(slot_mapping),
+                key_cache: view_mut(key_cache),
+                value_cache: view_mut(value_cache),
+                layout: *layout,
+            }
+        };
+        // SAFETY: (1) views valid for the launch (above); (2) the caches are borrowed
+        // mutably and the inputs immutably, so nothing else touches them; (3) slots are
+        // unique (validated), so each cache element is written by one thread.
+        unsafe { emu.launch::<KvAppend<T>>(cfg, params)? };
+    });
+    Ok(())
+}

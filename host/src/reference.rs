@@ -1,0 +1,183 @@
+//! CPU references: the ground truth the kernels are tested against.
+//!
+//! Deliberately straightforward code that accumulates in `f64`:
+//! * [`dense_decode_attention`]: one sequence's decode attention over contiguous K/V;
+//! * [`paged_decode_attention`]: the same for a batch, walking each sequence's block
+//!   table token by token to find every K and V row in the paged cache;
+//! * [`gather`]: a sequence's K/V rows copied out of the paged cache, contiguous, so
+//!   the paged reference can be checked against the dense one;
+//! * [`kv_append`]: write tokens into their slots.
+//!
+//! Inputs are read through [`HostTensor::get`], so 16-bit inputs are the exact values the
+//! kernels see; only the kernels' own arithmetic (f32, fast exp2) and output rounding
+//! separate their results from these.
+
+use crate::ops::attention::{DecodeOptions, DecodeShape};
+use crate::tensor::HostTensor;
+use pagedkv_kernels::PagedLayout;
+
+/// Decode attention of one query token over `ctx` contiguous tokens.
+///
+/// * `q`: `[num_q_heads, head_dim]`; `k`, `v`: `[ctx, num_kv_heads, head_dim]`.
+/// * Query head `h` attends with KV head `h / (num_q_heads / num_kv_heads)`.
+/// * Returns `[num_q_heads, head_dim]`.
+pub fn dense_decode_attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    num_q_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    opts: &DecodeOptions,
+) -> Vec<f64> {
+    let ctx = k.len() / (num_kv_heads * head_dim);
+    let group = num_q_heads / num_kv_heads;
+    let first = match opts.window {
+        Some(w) if (w as usize) < ctx => ctx - w as usize,
+        _ => 0,
+    };
+    let mut out = vec![0.0; num_q_heads * head_dim];
+    for h in 0..num_q_heads {
+        let kvh = h / group;
+        let row = |t: usize| (t * num_kv_heads + kvh) * head_dim;
+        let scores: Vec<f64> = (first..ctx)
+            .map(|t| {
+                let dot: f64 = (0..head_dim)
+                    .map(|d| q[h * head_dim + d] * k[row(t) + d])
+                    .sum();
+                let mut s = dot * opts.scale as f64;
+                if let Some(cap) = opts.softcap {
+                    s = cap as f64 * (s / cap as f64).tanh();
+                }
+                if let Some(slopes) = &opts.alibi_slopes {
+                    s += slopes[h] as f64 * (t as f64 - (ctx - 1) as f64);
+                }
+                s
+            })
+            .collect();
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let sum: f64 = w.iter().sum();
+        for (i, t) in (first..ctx).enumerate() {
+            for d in 0..head_dim {
+                out[h * head_dim + d] += w[i] / sum * v[row(t) + d];
+            }
+        }
+    }
+    out
+}
+
+/// Physical block of token `t` of sequence `seq`.
+fn block_of(block_tables: &[i32], shape: &DecodeShape, seq: usize, t: usize) -> u32 {
+    block_tables[seq * shape.max_blocks_per_seq as usize + t / shape.block_size as usize] as u32
+}
+
+fn layout(shape: &DecodeShape) -> PagedLayout {
+    PagedLayout {
+        num_blocks: shape.num_blocks,
+        num_kv_heads: shape.num_kv_heads,
+        block_size: shape.block_size,
+        head_dim: shape.head_dim,
+    }
+}
+
+/// Sequence `seq`'s K and V rows gathered from the paged cache: `[ctx, num_kv_heads,
+/// head_dim]` each, token by token through the block table.
+pub fn gather(
+    shape: &DecodeShape,
+    key_cache: &HostTensor,
+    value_cache: &HostTensor,
+    block_tables: &[i32],
+    ctx: usize,
+    seq: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let l = layout(shape);
+    let (kvh, d) = (shape.num_kv_heads as usize, shape.head_dim as usize);
+    let mut k = vec![0.0; ctx * kvh * d];
+    let mut v = vec![0.0; ctx * kvh * d];
+    for t in 0..ctx {
+        let phys = block_of(block_tables, shape, seq, t);
+        for h in 0..kvh {
+            let src = l.offset(phys, h as u32, t as u32 % shape.block_size) as usize;
+            for e in 0..d {
+                k[(t * kvh + h) * d + e] = key_cache.get(src + e);
+                v[(t * kvh + h) * d + e] = value_cache.get(src + e);
+            }
+        }
+    }
+    (k, v)
+}
+
+/// Decode attention for a batch over the paged cache: for every sequence, walk its
+/// block table token by token (only the tokens its window attends to), then compute as
+/// [`dense_decode_attention`]. Returns `[num_seqs, num_q_heads, head_dim]`.
+pub fn paged_decode_attention(
+    shape: &DecodeShape,
+    opts: &DecodeOptions,
+    q: &HostTensor,
+    key_cache: &HostTensor,
+    value_cache: &HostTensor,
+    block_tables: &[i32],
+    context_lens: &[i32],
+) -> Vec<f64> {
+    let (qh, kvh, d) = (
+        shape.num_q_heads as usize,
+        shape.num_kv_heads as usize,
+        shape.head_dim as usize,
+    );
+    let l = layout(shape);
+    let mut out = Vec::with_capacity(shape.num_seqs as usize * qh * d);
+    for (seq, &len) in context_lens
+        .iter()
+        .enumerate()
+        .take(shape.num_seqs as usize)
+    {
+        let ctx = len as usize;
+        let first = match opts.window {
+            Some(w) if (w as usize) < ctx => ctx - w as usize,
+            _ => 0,
+        };
+        // Tokens before the window are never read (their blocks may be freed): fill
+        // their rows with zeros, which the window excludes anyway.
+        let mut k = vec![0.0; ctx * kvh * d];
+        let mut v = vec![0.0; ctx * kvh * d];
+        for t in first..ctx {
+            let phys = block_of(block_tables, shape, seq, t);
+            for h in 0..kvh {
+                let src = l.offset(phys, h as u32, t as u32 % shape.block_size) as usize;
+                for e in 0..d {
+                    k[(t * kvh + h) * d + e] = key_cache.get(src + e);
+                    v[(t * kvh + h) * d + e] = value_cache.get(src + e);
+                }
+            }
+        }
+        let qs: Vec<f64> = (0..qh * d).map(|i| q.get(seq * qh * d + i)).collect();
+        out.extend(dense_decode_attention(&qs, &k, &v, qh, kvh, d, opts));
+    }
+    out
+}
+
+/// Writes token `i`'s K and V rows (`[num_tokens, num_kv_heads, head_dim]`) into slot
+/// `slot_mapping[i]` of the caches; negative slots are skipped.
+pub fn kv_append(
+    layout: &PagedLayout,
+    key: &HostTensor,
+    value: &HostTensor,
+    slot_mapping: &[i64],
+    key_cache: &mut HostTensor,
+    value_cache: &mut HostTensor,
+) {
+    let (kvh, d) = (layout.num_kv_heads as usize, layout.head_dim as usize);
+    for (i, &slot) in slot_mapping.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        for h in 0..kvh {
+            let dst = layout.slot_offset(slot as u64, h as u32) as usize;
+            for e in 0..d {
+                key_cache.set(dst + e, key.get((i * kvh + h) * d + e));
+                value_cache.set(dst + e, value.get((i * kvh + h) * d + e));
+            }
+        }
+    }
+}

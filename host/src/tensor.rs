@@ -1,0 +1,152 @@
+//! [`DType`] and [`HostTensor`]: typed, shaped host buffers for the kernels' host API.
+//!
+//! A `HostTensor` is an [`AlignedBuf`] with an element type and a shape (row-major).
+//! It is the emulator's stand-in for a device tensor, and what the CPU references read.
+
+use pagedkv_kernels::device::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+
+use crate::buffer::AlignedBuf;
+use crate::error::{Error, Result};
+
+/// Element type of the cache, the queries and the outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// IEEE single precision.
+    F32,
+}
+
+impl DType {
+    /// Every supported type.
+    pub const ALL: [DType; 3] = [DType::F16, DType::Bf16, DType::F32];
+
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F16 | DType::Bf16 => 2,
+            DType::F32 => 4,
+        }
+    }
+
+    /// Elements per 16-byte vector.
+    pub const fn per_v4(self) -> u32 {
+        16 / self.size() as u32
+    }
+
+    /// The short name (`"f16"`, `"bf16"`, `"f32"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+            DType::F32 => "f32",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A row-major host tensor of one [`DType`].
+#[derive(Clone, Debug)]
+pub struct HostTensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    buf: AlignedBuf,
+}
+
+impl HostTensor {
+    /// A tensor of the given shape with every element `value` (rounded to `dtype`).
+    pub fn full(dtype: DType, shape: &[usize], value: f64) -> Self {
+        let n: usize = shape.iter().product();
+        let mut t = HostTensor {
+            dtype,
+            shape: shape.to_vec(),
+            buf: AlignedBuf::zeroed(n * dtype.size()),
+        };
+        t.fill(value);
+        t
+    }
+
+    /// A tensor holding `values` rounded to `dtype`; `values.len()` must equal the
+    /// shape's element count.
+    pub fn from_f64(dtype: DType, shape: &[usize], values: &[f64]) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        if values.len() != n {
+            return Err(Error::invalid(
+                "values",
+                format!("{} values for shape {shape:?} ({n} elements)", values.len()),
+            ));
+        }
+        let mut t = HostTensor::full(dtype, shape, 0.0);
+        for (i, v) in values.iter().enumerate() {
+            t.set(i, *v);
+        }
+        Ok(t)
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.buf.len() / self.dtype.size()
+    }
+
+    /// Whether the tensor has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The raw storage.
+    pub fn buf(&self) -> &AlignedBuf {
+        &self.buf
+    }
+
+    /// The raw storage, writable.
+    pub fn buf_mut(&mut self) -> &mut AlignedBuf {
+        &mut self.buf
+    }
+
+    /// Element `i` (flat index), widened to `f64` exactly.
+    pub fn get(&self, i: usize) -> f64 {
+        match self.dtype {
+            DType::F16 => f16_to_f32(self.buf.as_slice::<u16>()[i]) as f64,
+            DType::Bf16 => bf16_to_f32(self.buf.as_slice::<u16>()[i]) as f64,
+            DType::F32 => self.buf.as_slice::<f32>()[i] as f64,
+        }
+    }
+
+    /// Sets element `i` (flat index) to `v` rounded to the tensor's type.
+    pub fn set(&mut self, i: usize, v: f64) {
+        match self.dtype {
+            DType::F16 => self.buf.as_mut_slice::<u16>()[i] = f32_to_f16(v as f32),
+            DType::Bf16 => self.buf.as_mut_slice::<u16>()[i] = f32_to_bf16(v as f32),
+            DType::F32 => self.buf.as_mut_slice::<f32>()[i] = v as f32,
+        }
+    }
+
+    /// Sets every element to `v` (NaN poisons the tensor).
+    pub fn fill(&mut self, v: f64) {
+        for i in 0..self.len() {
+            self.set(i, v);
+        }
+    }
+
+    /// Every element, widened to `f64`.
+    pub fn to_f64(&self) -> Vec<f64> {
+        (0..self.len()).map(|i| self.get(i)).collect()
+    }
+}

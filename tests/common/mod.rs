@@ -1,0 +1,50 @@
+//! Helpers shared by the kernel tests: random data, relative L2 error, tolerances.
+#![allow(dead_code)]
+
+use pagedkv::host::DType;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+/// A seeded generator: every test case draws its data from its own seed.
+pub fn rng(seed: u64) -> SmallRng {
+    SmallRng::seed_from_u64(seed)
+}
+
+/// `n` values uniform in `[-1, 1)`.
+pub fn uniform(r: &mut SmallRng, n: usize) -> Vec<f64> {
+    (0..n).map(|_| r.random_range(-1.0..1.0)).collect()
+}
+
+/// `||got - want|| / ||want||`; NaN anywhere makes it NaN (and so fails any `<=`).
+pub fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
+    let den: f64 = want.iter().map(|b| b * b).sum();
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Kernel vs f64 reference: f32 arithmetic for f32, plus output rounding for 16-bit.
+pub fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 | DType::Bf16 => 1e-2,
+    }
+}
+
+/// Split-K vs unsplit: f32 rounding; for 16-bit outputs, up to one unit in the last
+/// place of the output type where the two f32 results round differently.
+pub fn split_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        DType::Bf16 => 1e-2,
+    }
+}
+
+/// Proptest cases: `PROPTEST_CASES` or the given default.
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}

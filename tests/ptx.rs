@@ -1,0 +1,62 @@
+//! The embedded PTX matches the kernels: every `Kernel::NAME` is an entry point of
+//! every module, and the modules are the architectures the README promises.
+
+use pagedkv::kernels::kernels::{CopyBlocks, DecodeReduce, KvAppend, PagedDecode};
+use pagedkv::kernels::{Bf16, F16, Kernel};
+use pagedkv::ptx;
+
+fn names() -> Vec<&'static str> {
+    macro_rules! typed {
+        ($t:ty) => {
+            [
+                <KvAppend<$t> as Kernel>::NAME,
+                <PagedDecode<$t, false> as Kernel>::NAME,
+                <PagedDecode<$t, true> as Kernel>::NAME,
+                <DecodeReduce<$t> as Kernel>::NAME,
+            ]
+        };
+    }
+    let mut v = vec![<CopyBlocks as Kernel>::NAME];
+    v.extend(typed!(F16));
+    v.extend(typed!(Bf16));
+    v.extend(typed!(f32));
+    v
+}
+
+#[test]
+fn every_kernel_is_an_entry_point_of_every_module() {
+    let archs: Vec<_> = ptx::ALL.iter().map(|m| m.arch).collect();
+    assert_eq!(archs, ["sm_80", "sm_90"]);
+    for m in ptx::ALL {
+        assert!(m.ptx.contains(&format!(".target {}", m.arch)));
+        let mut want = names();
+        want.sort();
+        let mut got = m.entry_points.to_vec();
+        got.sort();
+        assert_eq!(got, want, "{}", m.arch);
+    }
+}
+
+#[test]
+fn the_newest_module_a_device_can_run_is_chosen() {
+    assert_eq!(ptx::for_compute_capability(7, 5), None);
+    assert_eq!(ptx::for_compute_capability(8, 0).unwrap().arch, "sm_80");
+    assert_eq!(ptx::for_compute_capability(8, 9).unwrap().arch, "sm_80");
+    assert_eq!(ptx::for_compute_capability(9, 0).unwrap().arch, "sm_90");
+    assert_eq!(ptx::for_compute_capability(12, 0).unwrap().arch, "sm_90");
+}
+
+#[test]
+fn hot_loads_are_global_and_sixteen_bytes_wide() {
+    for m in ptx::ALL {
+        // K and V are read through the non-coherent global path, 16 bytes at a time.
+        assert!(m.ptx.contains("ld.global.nc.v4.u32"), "{}", m.arch);
+        assert!(m.ptx.contains("st.global.v4.u32"), "{}", m.arch);
+        // No local memory anywhere (no spilled arrays).
+        assert!(
+            !m.ptx.contains(".local"),
+            "{}: local memory in the PTX",
+            m.arch
+        );
+    }
+}
