@@ -16,6 +16,25 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// The block pool (or the host swap pool) has too few free blocks.
+    #[error("out of KV-cache blocks: {needed} needed, {free} free")]
+    OutOfBlocks {
+        /// Blocks the operation needed.
+        needed: u32,
+        /// Blocks that were free.
+        free: u32,
+    },
+    /// An id that names nothing the scheduler knows (or no longer knows).
+    #[error("unknown {what} {id}")]
+    Unknown {
+        /// What kind of id (`"request"`, `"sequence"`).
+        what: &'static str,
+        /// The id.
+        id: u64,
+    },
+    /// An operation that the object's current state does not allow.
+    #[error("{0}")]
+    InvalidState(String),
     /// An emulated launch failed (a kernel bug or misuse; see [`EmuError`]).
     #[error("emulated launch failed: {0}")]
     Emulator(#[from] EmuError),

@@ -1,0 +1,16 @@
+//! Block management: the pool of KV-cache blocks and the per-sequence block tables.
+//!
+//! * [`pool`]: [`BlockPool`], `num_blocks` fixed-size blocks with reference counts, an
+//!   LRU free queue and the prefix-cache map.
+//! * [`table`]: [`BlockTable`] (one sequence's logical → physical map) and
+//!   [`KvCacheManager`], which allocates, shares (fork, prefix hits), copies on write,
+//!   slides windows and swaps through the pool.
+//!
+//! A block id names `block_size` token slots in every layer's K and V pool: the
+//! kernels' `slot = block_id * block_size + offset_in_block`.
+
+pub mod pool;
+pub mod table;
+
+pub use pool::{BlockHash, BlockId, BlockPool, NULL_BLOCK, PAD_SLOT, hash_block};
+pub use table::{BlockTable, KvCacheManager, Location};

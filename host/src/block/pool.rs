@@ -1,0 +1,288 @@
+//! [`BlockPool`]: fixed-size KV-cache blocks with reference counts, an LRU free queue,
+//! and the prefix-cache map.
+//!
+//! # Invariants
+//! * Block [`NULL_BLOCK`] (id 0, when the pool reserves it) is never allocated and
+//!   never freed: block tables use it for padding and for entries a sliding window has
+//!   released, so every table entry is a valid id for the kernels.
+//! * `ref_cnt[b]` is the number of block-table entries (across all sequences) that
+//!   hold `b`. A block is in the *free queue* exactly when `ref_cnt[b] == 0`; so a block
+//!   is never owned by a sequence and free at once, and `allocate` never returns a
+//!   block somebody holds.
+//! * The free queue is a doubly linked list in LRU order: `free` appends at the tail,
+//!   `allocate` takes the head. All operations are O(1).
+//! * A *cached* block carries the hash of its (full) contents and is in the hash map.
+//!   Freed cached blocks stay in the map, reusable by a prefix hit ([`BlockPool::touch`]
+//!   takes them out of the free queue), until `allocate` evicts them: eviction drops the
+//!   map entry, so a hit never returns a block whose contents were overwritten.
+//! * `held_fill` is the number of token slots holding data, summed over held blocks
+//!   (the KV-utilisation metric). Callers report fills as they change
+//!   ([`BlockPool::add_fill`]) and when they drop a reference ([`BlockPool::free`]
+//!   takes the block's fill as the caller sees it: a block shared by several tables
+//!   has the same fill in each, since only a block held alone is ever written).
+
+use rustc_hash::FxHashMap as HashMap;
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::error::{Error, Result};
+
+/// A physical block id.
+pub type BlockId = u32;
+/// The hash that names a full block's contents in the prefix cache.
+pub type BlockHash = u64;
+/// The reserved padding block.
+pub const NULL_BLOCK: BlockId = 0;
+/// The slot of a padding token in a slot mapping (the kernels skip negative slots).
+pub const PAD_SLOT: i64 = -1;
+
+const NIL: u32 = u32::MAX;
+
+/// The hash of a full block: a chain over the parent block's hash, the block's token
+/// ids, and an optional salt (so tenants can keep their caches apart). XXH3-64.
+pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<u64>) -> BlockHash {
+    let mut h = Xxh3::new();
+    match parent {
+        Some(p) => {
+            h.update(&[1]);
+            h.update(&p.to_le_bytes());
+        }
+        None => h.update(&[0]),
+    }
+    match salt {
+        Some(s) => {
+            h.update(&[1]);
+            h.update(&s.to_le_bytes());
+        }
+        None => h.update(&[0]),
+    }
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    h.digest()
+}
+
+/// A pool of blocks; see the module docs for its invariants.
+#[derive(Clone, Debug)]
+pub struct BlockPool {
+    ref_cnt: Vec<u32>,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    num_free: u32,
+    reserve_null: bool,
+    hash: Vec<Option<BlockHash>>,
+    cached: HashMap<BlockHash, BlockId>,
+    num_cached_free: u32,
+    held_fill: u64,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks; with `reserve_null`, block 0 is the null block and
+    /// `num_blocks - 1` are allocatable.
+    pub fn new(num_blocks: u32, reserve_null: bool) -> Result<Self> {
+        let min = if reserve_null { 2 } else { 1 };
+        if num_blocks < min || num_blocks == NIL {
+            return Err(Error::invalid(
+                "num_blocks",
+                format!("{num_blocks} (must be at least {min})"),
+            ));
+        }
+        let n = num_blocks as usize;
+        let mut p = BlockPool {
+            ref_cnt: vec![0; n],
+            prev: vec![NIL; n],
+            next: vec![NIL; n],
+            head: NIL,
+            tail: NIL,
+            num_free: 0,
+            reserve_null,
+            hash: vec![None; n],
+            cached: HashMap::default(),
+            num_cached_free: 0,
+            held_fill: 0,
+        };
+        let first = if reserve_null {
+            p.ref_cnt[0] = 1;
+            1
+        } else {
+            0
+        };
+        for b in first..num_blocks {
+            p.push_back(b);
+        }
+        Ok(p)
+    }
+
+    /// Blocks in the pool, the null block included.
+    pub fn num_blocks(&self) -> u32 {
+        self.ref_cnt.len() as u32
+    }
+
+    /// Blocks that can ever be allocated.
+    pub fn num_usable(&self) -> u32 {
+        self.num_blocks() - self.reserve_null as u32
+    }
+
+    /// Blocks in the free queue (cached ones included: they are evictable).
+    pub fn num_free(&self) -> u32 {
+        self.num_free
+    }
+
+    /// Blocks held by at least one table.
+    pub fn num_used(&self) -> u32 {
+        self.num_usable() - self.num_free
+    }
+
+    /// Free blocks that still hold a prefix-cache entry.
+    pub fn num_cached_free(&self) -> u32 {
+        self.num_cached_free
+    }
+
+    /// Entries in the prefix-cache map (held or free).
+    pub fn num_cached(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// The reference count of `b`.
+    pub fn ref_cnt(&self, b: BlockId) -> u32 {
+        self.ref_cnt[b as usize]
+    }
+
+    /// Token slots holding data, summed over held blocks.
+    pub fn held_fill(&self) -> u64 {
+        self.held_fill
+    }
+
+    /// The prefix-cache hash of `b`, if it is cached.
+    pub fn block_hash(&self, b: BlockId) -> Option<BlockHash> {
+        self.hash[b as usize]
+    }
+
+    fn is_null(&self, b: BlockId) -> bool {
+        self.reserve_null && b == NULL_BLOCK
+    }
+
+    fn push_back(&mut self, b: BlockId) {
+        let i = b as usize;
+        self.prev[i] = self.tail;
+        self.next[i] = NIL;
+        if self.tail == NIL {
+            self.head = b;
+        } else {
+            self.next[self.tail as usize] = b;
+        }
+        self.tail = b;
+        self.num_free += 1;
+        if self.hash[i].is_some() {
+            self.num_cached_free += 1;
+        }
+    }
+
+    fn unlink(&mut self, b: BlockId) {
+        let i = b as usize;
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[i] = NIL;
+        self.next[i] = NIL;
+        self.num_free -= 1;
+        if self.hash[i].is_some() {
+            self.num_cached_free -= 1;
+        }
+    }
+
+    /// Takes the least recently freed block (evicting its cache entry, if any) with
+    /// `ref_cnt = 1` and no data. Running out is [`Error::OutOfBlocks`].
+    pub fn allocate(&mut self) -> Result<BlockId> {
+        let b = self.head;
+        if b == NIL {
+            return Err(Error::OutOfBlocks { needed: 1, free: 0 });
+        }
+        self.unlink(b);
+        if let Some(h) = self.hash[b as usize].take()
+            && self.cached.get(&h) == Some(&b)
+        {
+            self.cached.remove(&h);
+        }
+        self.ref_cnt[b as usize] = 1;
+        Ok(b)
+    }
+
+    /// Adds a reference to a held block (a fork sharing it).
+    pub fn incref(&mut self, b: BlockId) {
+        if self.is_null(b) {
+            return;
+        }
+        debug_assert!(self.ref_cnt[b as usize] > 0, "incref of free block {b}");
+        self.ref_cnt[b as usize] += 1;
+    }
+
+    /// Drops a reference to `b`, which holds `fill` tokens; at zero the block joins
+    /// the free queue's tail (keeping its cache entry, so it stays reusable until
+    /// evicted).
+    pub fn free(&mut self, b: BlockId, fill: u32) {
+        if self.is_null(b) {
+            return;
+        }
+        let i = b as usize;
+        debug_assert!(self.ref_cnt[i] > 0, "double free of block {b}");
+        self.ref_cnt[i] -= 1;
+        if self.ref_cnt[i] == 0 {
+            self.held_fill -= fill as u64;
+            self.push_back(b);
+        }
+    }
+
+    /// The block cached under `h`, if any, without taking a reference.
+    pub fn lookup(&self, h: BlockHash) -> Option<BlockId> {
+        self.cached.get(&h).copied()
+    }
+
+    /// Takes a reference to cached block `b` (a prefix hit), which holds `fill`
+    /// tokens: out of the free queue if it was free.
+    pub fn touch(&mut self, b: BlockId, fill: u32) {
+        let i = b as usize;
+        if self.ref_cnt[i] == 0 {
+            self.unlink(b);
+            self.held_fill += fill as u64;
+        }
+        self.ref_cnt[i] += 1;
+    }
+
+    /// Registers held block `b` as holding the full block named `h`. A hash already
+    /// cached under another block keeps that block (the first copy wins).
+    pub fn cache(&mut self, b: BlockId, h: BlockHash) {
+        let i = b as usize;
+        if self.hash[i].is_some() || self.cached.contains_key(&h) {
+            return;
+        }
+        self.hash[i] = Some(h);
+        self.cached.insert(h, b);
+    }
+
+    /// Records `n` more token slots holding data in held blocks.
+    pub fn add_fill(&mut self, n: u32) {
+        self.held_fill += n as u64;
+    }
+
+    /// Blocks in free-queue order (LRU first). O(n); for tests and debugging.
+    pub fn free_queue(&self) -> Vec<BlockId> {
+        let mut v = Vec::with_capacity(self.num_free as usize);
+        let mut b = self.head;
+        while b != NIL {
+            v.push(b);
+            b = self.next[b as usize];
+        }
+        v
+    }
+}
