@@ -2,20 +2,24 @@
 //!
 //! * [`emulator`]: the SIMT emulator that runs the kernel bodies of `pagedkv-kernels`
 //!   thread by thread on the CPU, so the tests prove the real kernel source.
+//! * [`block`]: the block pool, block tables, prefix caching, copy-on-write, swap.
 //! * [`buffer`]: 16-byte aligned host buffers, the emulator's stand-in for device memory.
 //! * [`ops`]: the host API of each kernel: input validation (shared by every backend),
 //!   the CPU reference, and the emulator entry point.
+//! * [`scheduler`]: the decode scheduler (continuous batching, preemption, swap).
 //! * [`tensor`]: [`DType`] and [`HostTensor`], typed host buffers.
 //! * [`reference`]: the CPU references (f64), the ground truth of the tests.
 //! * [`error`]: the crate's error type.
 //!
 //! Nothing in this crate needs a GPU or a CUDA installation.
 
+pub mod block;
 pub mod buffer;
 pub mod emulator;
 pub mod error;
 pub mod ops;
 pub mod reference;
+pub mod scheduler;
 pub mod tensor;
 
 pub use buffer::AlignedBuf;

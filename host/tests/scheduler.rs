@@ -1,0 +1,528 @@
+//! The block manager and scheduler against a simple model, under random interleavings
+//! of add, step (with sampled tokens), fork, abort, preemption and swap.
+//!
+//! A fake cache holds a token id per slot (device and host). Every step applies the
+//! batch's swap-outs, swap-ins and copy-on-write copies, then writes each new token's id
+//! through `slot_mapping`, like the kernels would write its K and V. After every step,
+//! every sequence is read back through its block table and must equal its tokens. The
+//! invariants are checked after every operation.
+
+use std::collections::{HashMap, HashSet};
+
+use pagedkv_host::Error;
+use pagedkv_host::block::{Location, NULL_BLOCK, PAD_SLOT};
+use pagedkv_host::scheduler::{
+    FinishReason, PreemptionMode, QueuePolicy, Request, Scheduler, SchedulerConfig,
+};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add {
+        prefix: usize,
+        len: usize,
+        max_tokens: u32,
+        swap: bool,
+    },
+    Step {
+        stop_every: u32,
+    },
+    Fork(usize),
+    Abort(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0usize..3, 1usize..50, 1u32..40, any::<bool>()).prop_map(|(prefix, len, max_tokens, swap)| Op::Add { prefix, len, max_tokens, swap }),
+        8 => (0u32..12).prop_map(|stop_every| Op::Step { stop_every }),
+        1 => any::<usize>().prop_map(Op::Fork),
+        1 => any::<usize>().prop_map(Op::Abort),
+    ]
+}
+
+fn config() -> impl Strategy<Value = SchedulerConfig> {
+    (
+        prop::sample::select(vec![8u32, 16]),
+        12u32..48,
+        prop::sample::select(vec![0u32, 8, 40]),
+        any::<bool>(),
+        any::<bool>(),
+        prop::option::weighted(0.25, 10u32..60),
+        any::<bool>(),
+        1usize..12,
+    )
+        .prop_map(
+            |(block_size, num_blocks, host, swap, prefix, window, prio, max_seqs)| {
+                SchedulerConfig {
+                    num_blocks,
+                    block_size,
+                    num_host_blocks: host,
+                    max_num_seqs: max_seqs,
+                    max_tokens_per_step: 256,
+                    watermark: 0.0,
+                    preemption: if swap {
+                        PreemptionMode::Swap
+                    } else {
+                        PreemptionMode::Recompute
+                    },
+                    policy: if prio {
+                        QueuePolicy::Priority
+                    } else {
+                        QueuePolicy::Fcfs
+                    },
+                    enable_prefix_caching: prefix,
+                    sliding_window: window,
+                    max_model_len: 128,
+                }
+            },
+        )
+}
+
+struct Model {
+    s: Scheduler,
+    dev: Vec<Option<u32>>,
+    host: Vec<Option<u32>>,
+    next_req: u64,
+    next_token: u32,
+}
+
+impl Model {
+    fn new(cfg: SchedulerConfig) -> Self {
+        let bs = cfg.block_size as usize;
+        let dev = vec![None; cfg.num_blocks as usize * bs];
+        let host = vec![None; cfg.num_host_blocks.max(1) as usize * bs];
+        Model {
+            s: Scheduler::new(cfg).unwrap(),
+            dev,
+            host,
+            next_req: 0,
+            next_token: 1000,
+        }
+    }
+
+    fn bs(&self) -> usize {
+        self.s.config().block_size as usize
+    }
+
+    fn copy(src: &[Option<u32>], dst: &mut [Option<u32>], s: u32, d: u32, bs: usize) {
+        let (s, d) = (s as usize * bs, d as usize * bs);
+        dst[d..d + bs].copy_from_slice(&src[s..s + bs]);
+    }
+
+    /// One step: apply the batch to the fake cache like an engine would, sample.
+    fn step(&mut self, stop_every: u32) -> Result<(), TestCaseError> {
+        let bs = self.bs();
+        let batch = self.s.step().unwrap().clone();
+        // Swap-outs first, then swap-ins, then copy-on-write copies, then the writes.
+        for &(d, h) in &batch.swap_out {
+            Self::copy(&self.dev, &mut self.host, d, h, bs);
+        }
+        for &(h, d) in &batch.swap_in {
+            Self::copy(&self.host, &mut self.dev, h, d, bs);
+        }
+        let dsts: HashSet<u32> = batch.copies.iter().map(|c| c.1).collect();
+        prop_assert_eq!(dsts.len(), batch.copies.len(), "a copy destination repeats");
+        for &(src, dst) in &batch.copies {
+            prop_assert!(!dsts.contains(&src), "a copy source is also a destination");
+            let dev = self.dev.clone();
+            Self::copy(&dev, &mut self.dev, src, dst, bs);
+        }
+        // No two new tokens share a slot, and every written block is held alone.
+        let real: Vec<i64> = batch
+            .slot_mapping
+            .iter()
+            .copied()
+            .filter(|s| *s >= 0)
+            .collect();
+        let slots: HashSet<i64> = real.iter().copied().collect();
+        prop_assert_eq!(slots.len(), real.len(), "two tokens got the same slot");
+        let w = batch.max_blocks_per_seq as usize;
+        prop_assert_eq!(batch.block_tables.len(), batch.seqs.len() * w);
+        for (row, q) in batch.seqs.iter().enumerate() {
+            let tokens = self.s.tokens(q.seq).unwrap().to_vec();
+            prop_assert_eq!(batch.context_lens[row] as u32, q.context_len);
+            let table = self.s.block_table(q.seq).unwrap();
+            for (i, b) in table.blocks().iter().enumerate() {
+                prop_assert_eq!(
+                    batch.block_tables[row * w + i],
+                    *b as i32,
+                    "row {} entry {}",
+                    row,
+                    i
+                );
+            }
+            for k in 0..q.num_new_tokens {
+                let slot = batch.slot_mapping[(q.token_offset + k) as usize];
+                let pos = q.start_pos + k;
+                if slot == PAD_SLOT {
+                    // Only a prefill's tokens before the window are not stored.
+                    let w = self.s.config().sliding_window;
+                    prop_assert!(
+                        q.is_prefill
+                            && w.is_some_and(|w| ((q.context_len.saturating_sub(w)) as usize / bs)
+                                * bs
+                                > pos as usize),
+                        "pad slot at {}",
+                        pos
+                    );
+                    continue;
+                }
+                prop_assert!(slot >= 0);
+                let block = (slot as usize / bs) as u32;
+                prop_assert_eq!(table.blocks()[pos as usize / bs], block);
+                prop_assert_eq!(
+                    self.s.kv().device().ref_cnt(block),
+                    1,
+                    "write into a shared block"
+                );
+                self.dev[slot as usize] = Some(tokens[pos as usize]);
+            }
+        }
+        let sampled: Vec<(u64, u32)> = batch
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                self.next_token += 1;
+                let stop = stop_every > 0 && (i as u32 + self.next_token).is_multiple_of(stop_every * 7);
+                (q.seq, if stop { 7 } else { self.next_token % 300 + 100 })
+            })
+            .collect();
+        if !batch.seqs.is_empty() {
+            self.s.on_step_done(&sampled).unwrap();
+        }
+        Ok(())
+    }
+
+    /// Every invariant, and every sequence's tokens read back through its table.
+    fn check(&self) -> Result<(), TestCaseError> {
+        let bs = self.bs();
+        let kv = self.s.kv();
+        let (dev, host) = (kv.device(), kv.host());
+        let mut dref: HashMap<u32, u32> = HashMap::new();
+        let mut dfill: HashMap<u32, usize> = HashMap::new();
+        let mut href: HashMap<u32, u32> = HashMap::new();
+        for seq in self.s.live_seqs() {
+            let t = self.s.block_table(seq).unwrap();
+            let computed = self.s.num_computed(seq).unwrap() as usize;
+            let tokens = self.s.tokens(seq).unwrap();
+            let first = match self.s.config().sliding_window {
+                Some(w) => (t.num_tokens() as usize).saturating_sub(w as usize) / bs,
+                None => 0,
+            };
+            for (i, &b) in t.blocks().iter().enumerate() {
+                if i < first {
+                    if t.location() == Location::Device {
+                        prop_assert_eq!(b, NULL_BLOCK, "a block before the window is still held");
+                    }
+                    continue;
+                }
+                let m = if t.location() == Location::Device {
+                    &mut dref
+                } else {
+                    &mut href
+                };
+                *m.entry(b).or_default() += 1;
+                if t.location() == Location::Device {
+                    let fill = (t.num_tokens() as usize - i * bs).min(bs);
+                    let f = dfill.entry(b).or_default();
+                    *f = (*f).max(fill);
+                }
+            }
+            let cache = if t.location() == Location::Device {
+                &self.dev
+            } else {
+                &self.host
+            };
+            for pos in first * bs..computed {
+                let b = t.blocks()[pos / bs] as usize;
+                prop_assert_eq!(
+                    cache[b * bs + pos % bs],
+                    Some(tokens[pos]),
+                    "sequence {} position {} ({:?})",
+                    seq,
+                    pos,
+                    t.location()
+                );
+            }
+        }
+        prop_assert!(
+            !dref.contains_key(&NULL_BLOCK),
+            "the null block is in a table"
+        );
+        prop_assert_eq!(
+            dev.held_fill() as usize,
+            dfill.values().sum::<usize>(),
+            "held fill"
+        );
+        for b in 1..dev.num_blocks() {
+            prop_assert_eq!(
+                dev.ref_cnt(b),
+                dref.get(&b).copied().unwrap_or(0),
+                "device block {} ref_cnt",
+                b
+            );
+        }
+        if self.s.config().num_host_blocks > 0 {
+            for b in 0..host.num_blocks() {
+                prop_assert_eq!(
+                    host.ref_cnt(b),
+                    href.get(&b).copied().unwrap_or(0),
+                    "host block {} ref_cnt",
+                    b
+                );
+            }
+        }
+        let mut free: Vec<u32> = dev.free_queue();
+        free.sort();
+        let want: Vec<u32> = (1..dev.num_blocks())
+            .filter(|b| dev.ref_cnt(*b) == 0)
+            .collect();
+        prop_assert_eq!(free, want, "free queue != blocks with ref_cnt 0");
+        prop_assert_eq!(dev.num_used() + dev.num_free(), dev.num_usable());
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(96),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn random_interleavings_keep_every_invariant(cfg in config(), ops in prop::collection::vec(op(), 1..120)) {
+        let mut m = Model::new(cfg);
+        let prefixes: [Vec<u32>; 3] = [(0..40).collect(), (50..70).collect(), vec![]];
+        for op in ops {
+            match op {
+                Op::Add { prefix, len, max_tokens, swap } => {
+                    let mut prompt: Vec<u32> = prefixes[prefix].iter().copied().take(len).collect();
+                    while prompt.len() < len {
+                        prompt.push(200 + prompt.len() as u32);
+                    }
+                    let mut r = Request::new(m.next_req, prompt, max_tokens);
+                    r.stop_token = Some(7);
+                    r.priority = (m.next_req % 3) as i32;
+                    r.preemption = swap.then_some(PreemptionMode::Swap);
+                    m.next_req += 1;
+                    // Too long for this pool: an error, never a panic.
+                    let _ = m.s.add_request(r);
+                }
+                Op::Step { stop_every } => m.step(stop_every)?,
+                Op::Fork(i) => {
+                    let running = m.s.running_seqs().to_vec();
+                    if !running.is_empty() {
+                        let _ = m.s.fork(running[i % running.len()]);
+                    }
+                }
+                Op::Abort(i) => {
+                    let live = m.s.live_seqs();
+                    if !live.is_empty() {
+                        let seq = live[i % live.len()];
+                        let req = m.s.finished().len(); // any value; look the request up:
+                        let _ = req;
+                        let id = (0..m.next_req).find(|r| m.s.request_seqs(*r).is_ok_and(|s| s.contains(&seq)));
+                        m.s.abort(id.unwrap()).unwrap();
+                    }
+                }
+            }
+            m.check()?;
+        }
+        // Drain: everything finishes (or is aborted), then nothing is leaked.
+        for _ in 0..2000 {
+            if m.s.is_idle() {
+                break;
+            }
+            m.step(0)?;
+            m.check()?;
+        }
+        prop_assert!(m.s.is_idle(), "requests never finished: {:?}", m.s.metrics());
+        let dev = m.s.kv().device();
+        prop_assert_eq!(dev.num_free(), dev.num_usable(), "blocks leaked");
+        if m.s.config().num_host_blocks > 0 {
+            prop_assert_eq!(m.s.kv().host().num_free(), m.s.kv().host().num_blocks(), "host blocks leaked");
+        }
+    }
+
+    #[test]
+    fn under_fcfs_every_request_that_fits_finishes(
+        lens in prop::collection::vec((1usize..60, 1u32..60), 1..25),
+        swap in any::<bool>(),
+    ) {
+        // The pool holds the longest request (128 tokens = 8 blocks of 16) and a bit.
+        let cfg = SchedulerConfig {
+            num_blocks: 12,
+            block_size: 16,
+            num_host_blocks: if swap { 16 } else { 0 },
+            max_num_seqs: 8,
+            max_tokens_per_step: 256,
+            watermark: 0.0,
+            preemption: if swap { PreemptionMode::Swap } else { PreemptionMode::Recompute },
+            max_model_len: 128,
+            ..SchedulerConfig::default()
+        };
+        let mut m = Model::new(cfg);
+        for (i, (len, max_tokens)) in lens.iter().enumerate() {
+            m.s.add_request(Request::new(i as u64, (0..*len as u32).collect(), *max_tokens)).unwrap();
+        }
+        let mut steps = 0;
+        while !m.s.is_idle() {
+            m.step(0)?;
+            m.check()?;
+            steps += 1;
+            prop_assert!(steps < 20_000, "no progress");
+        }
+        let finished = m.s.finished();
+        prop_assert_eq!(finished.len(), lens.len());
+        for (req, _, why, tokens) in finished {
+            let (len, max_tokens) = lens[*req as usize];
+            prop_assert_eq!(*why, FinishReason::MaxTokens);
+            prop_assert_eq!(tokens.len(), len + max_tokens as usize);
+        }
+    }
+}
+
+#[test]
+fn prefix_hits_reuse_blocks_and_leave_one_token_to_compute() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 32,
+        block_size: 8,
+        enable_prefix_caching: true,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let prompt: Vec<u32> = (0..24).collect();
+    let a = s.add_request(Request::new(1, prompt.clone(), 2)).unwrap();
+    let b = s.step().unwrap();
+    assert_eq!(b.seqs[0].num_new_tokens, 24);
+    s.on_step_done(&[(a, 99)]).unwrap();
+    let a_blocks = s.block_table(a).unwrap().blocks().to_vec();
+    // Same 24-token prompt: 3 full blocks cached, but one token must be computed, so 2 hit.
+    let c = s.add_request(Request::new(2, prompt, 2)).unwrap();
+    let b = s.step().unwrap().clone();
+    let q = b.seqs.iter().find(|q| q.seq == c).unwrap();
+    assert_eq!((q.start_pos, q.num_new_tokens), (16, 8));
+    let c_blocks = s.block_table(c).unwrap().blocks().to_vec();
+    assert_eq!(c_blocks[..2], a_blocks[..2]);
+    assert_ne!(c_blocks[2], a_blocks[2]);
+    assert_eq!(s.kv().device().ref_cnt(a_blocks[0]), 2);
+    assert!((s.metrics().prefix_hit_rate() - 16.0 / 48.0).abs() < 1e-12);
+    // A different salt never hits.
+    let mut r = Request::new(3, (0..24).collect(), 2);
+    r.cache_salt = Some(5);
+    s.on_step_done(&b.seqs.iter().map(|q| (q.seq, 1)).collect::<Vec<_>>())
+        .unwrap();
+    let d = s.add_request(r).unwrap();
+    let b = s.step().unwrap();
+    assert_eq!(b.seqs.iter().find(|q| q.seq == d).unwrap().start_pos, 0);
+}
+
+#[test]
+fn fork_shares_blocks_and_copies_the_partial_block_on_write() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 16,
+        block_size: 8,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let a = s
+        .add_request(Request::new(1, (0..12).collect(), 10))
+        .unwrap();
+    s.step().unwrap();
+    s.on_step_done(&[(a, 50)]).unwrap();
+    let child = s.fork(a).unwrap();
+    let blocks = s.block_table(a).unwrap().blocks().to_vec();
+    assert_eq!(s.block_table(child).unwrap().blocks(), blocks.as_slice());
+    assert_eq!(s.kv().device().ref_cnt(blocks[1]), 2);
+    let b = s.step().unwrap();
+    // The first writer into the shared partial block 1 copies it; the second then owns
+    // the original alone.
+    assert_eq!(b.copies.len(), 1);
+    assert_eq!(b.copies[0].0, blocks[1]);
+    let (ta, tc) = (s.block_table(a).unwrap(), s.block_table(child).unwrap());
+    assert_eq!(ta.blocks()[0], tc.blocks()[0]);
+    assert_ne!(ta.blocks()[1], tc.blocks()[1]);
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let cfg = SchedulerConfig {
+        num_blocks: 8,
+        block_size: 16,
+        max_model_len: 512,
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(cfg.clone()).unwrap();
+    let err = |r: Result<u64, Error>| match r {
+        Err(Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    };
+    assert_eq!(err(s.add_request(Request::new(1, vec![], 4))), "prompt");
+    assert_eq!(
+        err(s.add_request(Request::new(1, vec![1], 0))),
+        "max_tokens"
+    );
+    // 7 usable blocks of 16 tokens: 200 tokens can never fit.
+    assert_eq!(
+        err(s.add_request(Request::new(1, vec![1; 150], 50))),
+        "prompt"
+    );
+    assert_eq!(
+        err(s.add_request(Request::new(1, vec![1; 500], 50))),
+        "prompt"
+    );
+    s.add_request(Request::new(1, vec![1, 2], 4)).unwrap();
+    assert_eq!(err(s.add_request(Request::new(1, vec![1], 4))), "id");
+    assert!(matches!(
+        s.abort(99),
+        Err(Error::Unknown {
+            what: "request",
+            id: 99
+        })
+    ));
+    assert!(matches!(
+        s.fork(99),
+        Err(Error::Unknown {
+            what: "sequence",
+            ..
+        })
+    ));
+    assert!(matches!(s.on_step_done(&[]), Err(Error::InvalidState(_))));
+    let b = s.step().unwrap().clone();
+    assert!(matches!(s.step(), Err(Error::InvalidState(_))));
+    assert!(matches!(
+        s.on_step_done(&[(42, 1)]),
+        Err(Error::Unknown { .. })
+    ));
+    assert!(matches!(
+        s.on_step_done(&[]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let q = b.seqs[0].seq;
+    assert!(matches!(
+        s.on_step_done(&[(q, 1), (q, 2)]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    s.on_step_done(&[(q, 1)]).unwrap();
+    for bad in [
+        SchedulerConfig {
+            block_size: 12,
+            ..cfg.clone()
+        },
+        SchedulerConfig {
+            num_blocks: 1,
+            ..cfg.clone()
+        },
+        SchedulerConfig {
+            max_tokens_per_step: 100,
+            ..cfg.clone()
+        },
+        SchedulerConfig {
+            watermark: 1.5,
+            ..cfg.clone()
+        },
+    ] {
+        assert!(Scheduler::new(bad).is_err());
+    }
+}
