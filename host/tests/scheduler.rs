@@ -184,7 +184,8 @@ impl Model {
             .enumerate()
             .map(|(i, q)| {
                 self.next_token += 1;
-                let stop = stop_every > 0 && (i as u32 + self.next_token).is_multiple_of(stop_every * 7);
+                let stop =
+                    stop_every > 0 && (i as u32 + self.next_token).is_multiple_of(stop_every * 7);
                 (q.seq, if stop { 7 } else { self.next_token % 300 + 100 })
             })
             .collect();
