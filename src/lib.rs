@@ -11,6 +11,10 @@
 //! * [`host`] (`pagedkv-host`): the host API of each kernel (validation, CPU reference),
 //!   the SIMT emulator that runs the kernel bodies on the CPU.
 //! * [`ptx`]: the committed, validated PTX per architecture, as typed constants.
+//! * [`sim`]: the serving simulator behind `pagedkv simulate` (paged vs contiguous KV
+//!   memory), and [`plot`], its SVG figure.
+//! * [`tiny`]: `pagedkv run`, decode of a small random transformer through the kernels
+//!   over the paged cache.
 //!
 //! ## A first run: copy cache blocks in the emulator
 //! ```
@@ -30,7 +34,10 @@
 //! # Ok::<(), pagedkv::host::Error>(())
 //! ```
 
+pub mod plot;
 pub mod ptx;
+pub mod sim;
+pub mod tiny;
 
 pub use pagedkv_host as host;
 pub use pagedkv_kernels as kernels;

@@ -1,0 +1,452 @@
+//! `pagedkv run`: real decode through pagedkv's kernels over the paged cache, for a
+//! small synthetic transformer.
+//!
+//! The model is a few layers of random Q/K/V/O projections with residual connections
+//! and RMS normalisation, a random embedding shared with the output layer, and greedy
+//! sampling: the point is the cache and the kernels, not the text. Every step:
+//!
+//! 1. the [`Scheduler`] plans the batch (admissions, block allocations, slots);
+//! 2. per layer, Q/K/V of the step's new tokens are computed on the CPU, `kv_append`
+//!    writes K and V into the layer's paged cache through `slot_mapping`, and
+//!    `paged_decode_attention` attends each decoding sequence's query over its cache
+//!    through its block table; a prefill's tokens attend causally over the cache with
+//!    the CPU reference;
+//! 3. the last hidden state of each sequence picks its next token.
+//!
+//! With `Backend::Cpu` the two kernels run in the SIMT emulator (the real kernel
+//! bodies). After every step a sample of decoding sequences is checked against dense
+//! attention over their gathered cache (layer 0); the report gives the worst error.
+
+use std::fmt;
+use std::time::Instant;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use pagedkv_host::emulator::Emulator;
+use pagedkv_host::ops::attention::{DecodeOptions, DecodeShape, decode_emulated, plan};
+use pagedkv_host::ops::kv_append::kv_append_emulated;
+use pagedkv_host::reference::{dense_decode_attention, gather};
+use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};
+use pagedkv_host::{DType, HostTensor};
+use pagedkv_kernels::PagedLayout;
+
+/// Where the kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The SIMT emulator on the CPU (the real kernel bodies).
+    Cpu,
+    /// An NVIDIA GPU through the CUDA backend.
+    Cuda,
+}
+
+/// The run's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    /// Where the kernels run.
+    pub backend: Backend,
+    /// Requests to decode.
+    pub num_requests: usize,
+    /// Tokens each request generates.
+    pub max_tokens: u32,
+    /// Seed of weights and prompts.
+    pub seed: u64,
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_q_heads: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Tokens per cache block.
+    pub block_size: u32,
+    /// Blocks in the cache pool.
+    pub num_blocks: u32,
+    /// Cache, query and output element type.
+    pub dtype: DType,
+    /// Decoding sequences checked against dense attention per step.
+    pub verify_per_step: usize,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            backend: Backend::Cpu,
+            num_requests: 12,
+            max_tokens: 24,
+            seed: 0,
+            num_layers: 2,
+            num_q_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 64,
+            vocab: 512,
+            block_size: 16,
+            num_blocks: 64,
+            dtype: DType::F16,
+            verify_per_step: 2,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunReport {
+    /// Decode steps.
+    pub steps: u64,
+    /// Tokens generated.
+    pub tokens: u64,
+    /// Wall-clock seconds.
+    pub seconds: f64,
+    /// Mean KV utilisation (tokens stored / slots of held blocks) over the steps.
+    pub mean_kv_utilization: f64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Attention outputs checked against dense attention.
+    pub verified: usize,
+    /// The worst relative L2 error among them.
+    pub max_error: f64,
+    /// The error allowed for the dtype.
+    pub tolerance: f64,
+}
+
+impl RunReport {
+    /// Whether every check passed (and there was at least one).
+    pub fn verified(&self) -> bool {
+        self.verified > 0 && self.max_error <= self.tolerance
+    }
+}
+
+impl fmt::Display for RunReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "generated {} tokens in {} steps, {:.3} s wall clock: {:.1} tokens/s",
+            self.tokens,
+            self.steps,
+            self.seconds,
+            self.tokens as f64 / self.seconds.max(1e-9)
+        )?;
+        writeln!(
+            f,
+            "mean KV utilisation {:.1}% (tokens stored / slots of held blocks), {} preemptions",
+            100.0 * self.mean_kv_utilization,
+            self.preemptions
+        )?;
+        write!(
+            f,
+            "verification: {} attention outputs vs dense attention over the gathered cache, max relative L2 error {:.2e} (tolerance {:.0e}): {}",
+            self.verified,
+            self.max_error,
+            self.tolerance,
+            if self.verified() { "PASS" } else { "FAIL" }
+        )
+    }
+}
+
+struct Layer {
+    wq: Vec<f32>,
+    wk: Vec<f32>,
+    wv: Vec<f32>,
+    wo: Vec<f32>,
+    key_cache: HostTensor,
+    value_cache: HostTensor,
+}
+
+/// `x [n, k] @ w [k, m]`.
+fn matmul(x: &[f32], w: &[f32], k: usize, m: usize) -> Vec<f32> {
+    let n = x.len() / k;
+    let mut out = vec![0.0f32; n * m];
+    for i in 0..n {
+        for (j, xv) in x[i * k..(i + 1) * k].iter().enumerate() {
+            let row = &w[j * m..(j + 1) * m];
+            for (o, wv) in out[i * m..(i + 1) * m].iter_mut().zip(row) {
+                *o += xv * wv;
+            }
+        }
+    }
+    out
+}
+
+fn rms_norm(x: &mut [f32], width: usize) {
+    for row in x.chunks_mut(width) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / width as f32;
+        let inv = 1.0 / (ms + 1e-6).sqrt();
+        row.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+fn random(r: &mut SmallRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| r.random_range(-1.0f32..1.0) * scale)
+        .collect()
+}
+
+/// Runs the model; `progress` receives a line every few steps.
+pub fn run(
+    cfg: &RunConfig,
+    progress: &mut dyn FnMut(String),
+) -> Result<RunReport, Box<dyn std::error::Error>> {
+    if cfg.backend == Backend::Cuda {
+        return Err("--backend cuda: this build has no CUDA backend yet (it is the GPU-backend issue's work); use --backend cpu".into());
+    }
+    if cfg.num_requests == 0 || cfg.max_tokens == 0 {
+        return Err("--requests and --max-tokens must be at least 1".into());
+    }
+    let (qh, kvh, d) = (
+        cfg.num_q_heads as usize,
+        cfg.num_kv_heads as usize,
+        cfg.head_dim as usize,
+    );
+    let hidden = qh * d;
+    let layout = PagedLayout {
+        num_blocks: cfg.num_blocks,
+        num_kv_heads: cfg.num_kv_heads,
+        block_size: cfg.block_size,
+        head_dim: cfg.head_dim,
+    };
+    let mut r = SmallRng::seed_from_u64(cfg.seed);
+    let embed = random(&mut r, cfg.vocab * hidden, 1.0);
+    let scale = 1.0 / (hidden as f32).sqrt();
+    let pool = [layout.pool_elems() as usize];
+    let mut layers: Vec<Layer> = (0..cfg.num_layers)
+        .map(|_| Layer {
+            wq: random(&mut r, hidden * hidden, scale),
+            wk: random(&mut r, hidden * kvh * d, scale),
+            wv: random(&mut r, hidden * kvh * d, scale),
+            wo: random(&mut r, hidden * hidden, scale),
+            // Unused slots hold NaN: a kernel that read one would poison the output.
+            key_cache: HostTensor::full(cfg.dtype, &pool, f64::NAN),
+            value_cache: HostTensor::full(cfg.dtype, &pool, f64::NAN),
+        })
+        .collect();
+    let max_model_len = 256;
+    let mut sched = Scheduler::new(SchedulerConfig {
+        num_blocks: cfg.num_blocks,
+        block_size: cfg.block_size,
+        max_num_seqs: cfg.num_requests,
+        max_tokens_per_step: 2048,
+        max_model_len,
+        ..SchedulerConfig::default()
+    })?;
+    for i in 0..cfg.num_requests {
+        let len = r.random_range(4..40usize);
+        let prompt: Vec<u32> = (0..len)
+            .map(|_| r.random_range(0..cfg.vocab as u32))
+            .collect();
+        sched.add_request(Request::new(i as u64, prompt, cfg.max_tokens))?;
+    }
+    let emu = Emulator::new();
+    let opts = DecodeOptions::new(cfg.head_dim);
+    let (mut steps, mut tokens, mut util_sum) = (0u64, 0u64, 0.0f64);
+    let (mut verified, mut max_error) = (0usize, 0.0f64);
+    let start = Instant::now();
+    while !sched.is_idle() {
+        let batch = sched.step()?.clone();
+        if batch.seqs.is_empty() {
+            return Err("the scheduler made an empty step with requests left".into());
+        }
+        let n_new = batch.slot_mapping.len();
+        // Hidden states of every new token, sequence by sequence.
+        let mut x = Vec::with_capacity(n_new * hidden);
+        for q in &batch.seqs {
+            let toks = sched.tokens(q.seq)?;
+            for p in q.start_pos..q.start_pos + q.num_new_tokens {
+                let t = toks[p as usize] as usize;
+                x.extend_from_slice(&embed[t * hidden..(t + 1) * hidden]);
+            }
+        }
+        let decode: Vec<usize> = (0..batch.seqs.len())
+            .filter(|&i| !batch.seqs[i].is_prefill)
+            .collect();
+        for (li, layer) in layers.iter_mut().enumerate() {
+            let q = matmul(&x, &layer.wq, hidden, hidden);
+            let k = matmul(&x, &layer.wk, hidden, kvh * d);
+            let v = matmul(&x, &layer.wv, hidden, kvh * d);
+            let shape_kv = [n_new, kvh, d];
+            let kt = HostTensor::from_f64(
+                cfg.dtype,
+                &shape_kv,
+                &k.iter().map(|&a| a as f64).collect::<Vec<_>>(),
+            )?;
+            let vt = HostTensor::from_f64(
+                cfg.dtype,
+                &shape_kv,
+                &v.iter().map(|&a| a as f64).collect::<Vec<_>>(),
+            )?;
+            kv_append_emulated(
+                &emu,
+                &layout,
+                &kt,
+                &vt,
+                &batch.slot_mapping,
+                &mut layer.key_cache,
+                &mut layer.value_cache,
+            )?;
+
+            let mut attn = vec![0.0f32; n_new * hidden];
+            // Decoding sequences: the paged decode kernel over the cache.
+            if !decode.is_empty() {
+                let w = batch.max_blocks_per_seq as usize;
+                let mut tables = Vec::with_capacity(decode.len() * w);
+                let mut lens = Vec::with_capacity(decode.len());
+                let mut qv = Vec::with_capacity(decode.len() * hidden);
+                for &i in &decode {
+                    tables.extend_from_slice(&batch.block_tables[i * w..(i + 1) * w]);
+                    lens.push(batch.context_lens[i]);
+                    let o = batch.seqs[i].token_offset as usize * hidden;
+                    qv.extend(q[o..o + hidden].iter().map(|&a| a as f64));
+                }
+                let shape = DecodeShape {
+                    num_seqs: decode.len() as u32,
+                    num_q_heads: cfg.num_q_heads,
+                    num_kv_heads: cfg.num_kv_heads,
+                    head_dim: cfg.head_dim,
+                    block_size: cfg.block_size,
+                    num_blocks: cfg.num_blocks,
+                    max_blocks_per_seq: w as u32,
+                };
+                let qt = HostTensor::from_f64(cfg.dtype, &[decode.len(), qh, d], &qv)?;
+                let mut out = HostTensor::full(cfg.dtype, &[decode.len(), qh, d], f64::NAN);
+                let max_ctx = *lens.iter().max().unwrap_or(&1) as u32;
+                let p = plan(&shape, cfg.dtype, max_ctx, 16);
+                decode_emulated(
+                    &emu,
+                    &shape,
+                    &opts,
+                    &p,
+                    &qt,
+                    &layer.key_cache,
+                    &layer.value_cache,
+                    &tables,
+                    &lens,
+                    &mut out,
+                )?;
+                let outv = out.to_f64();
+                for (j, &i) in decode.iter().enumerate() {
+                    let o = batch.seqs[i].token_offset as usize * hidden;
+                    for e in 0..hidden {
+                        attn[o + e] = outv[j * hidden + e] as f32;
+                    }
+                }
+                // Check a sample against dense attention over the gathered cache.
+                if li == 0 {
+                    for (j, &i) in decode.iter().enumerate().take(cfg.verify_per_step) {
+                        let (kg, vg) = gather(
+                            &shape,
+                            &layer.key_cache,
+                            &layer.value_cache,
+                            &tables,
+                            lens[j] as usize,
+                            j,
+                        );
+                        let qs: Vec<f64> = (0..hidden).map(|e| qt.get(j * hidden + e)).collect();
+                        let want = dense_decode_attention(&qs, &kg, &vg, qh, kvh, d, &opts);
+                        let got = &outv[j * hidden..(j + 1) * hidden];
+                        let num: f64 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
+                        let den: f64 = want.iter().map(|b| b * b).sum();
+                        let e = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+                        max_error = if e.is_nan() {
+                            f64::INFINITY
+                        } else {
+                            max_error.max(e)
+                        };
+                        verified += 1;
+                        let _ = i;
+                    }
+                }
+            }
+            // Prefills: each new token attends causally over the cache (CPU reference).
+            for (si, sq) in batch.seqs.iter().enumerate() {
+                if !sq.is_prefill {
+                    continue;
+                }
+                let w = batch.max_blocks_per_seq as usize;
+                let row = &batch.block_tables[si * w..(si + 1) * w];
+                let shape = DecodeShape {
+                    num_seqs: 1,
+                    num_q_heads: cfg.num_q_heads,
+                    num_kv_heads: cfg.num_kv_heads,
+                    head_dim: cfg.head_dim,
+                    block_size: cfg.block_size,
+                    num_blocks: cfg.num_blocks,
+                    max_blocks_per_seq: w as u32,
+                };
+                let (kg, vg) = gather(
+                    &shape,
+                    &layer.key_cache,
+                    &layer.value_cache,
+                    row,
+                    sq.context_len as usize,
+                    0,
+                );
+                for k in 0..sq.num_new_tokens as usize {
+                    let pos = sq.start_pos as usize + k;
+                    let o = (sq.token_offset as usize + k) * hidden;
+                    let qs: Vec<f64> = q[o..o + hidden].iter().map(|&a| a as f64).collect();
+                    let upto = (pos + 1) * kvh * d;
+                    let a =
+                        dense_decode_attention(&qs, &kg[..upto], &vg[..upto], qh, kvh, d, &opts);
+                    for e in 0..hidden {
+                        attn[o + e] = a[e] as f32;
+                    }
+                }
+            }
+            let o = matmul(&attn, &layer.wo, hidden, hidden);
+            for (xv, ov) in x.iter_mut().zip(&o) {
+                *xv += ov;
+            }
+            rms_norm(&mut x, hidden);
+        }
+        // Greedy sampling from each sequence's last new token.
+        let mut sampled = Vec::with_capacity(batch.seqs.len());
+        for q in &batch.seqs {
+            let last = (q.token_offset + q.num_new_tokens - 1) as usize;
+            let h = &x[last * hidden..(last + 1) * hidden];
+            let best = (0..cfg.vocab)
+                .map(|t| {
+                    (
+                        t,
+                        embed[t * hidden..(t + 1) * hidden]
+                            .iter()
+                            .zip(h)
+                            .map(|(a, b)| a * b)
+                            .sum::<f32>(),
+                    )
+                })
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .map(|(t, _)| t as u32)
+                .unwrap_or(0);
+            sampled.push((q.seq, best));
+        }
+        tokens += sampled.len() as u64;
+        steps += 1;
+        util_sum += sched.metrics().kv_utilization;
+        sched.on_step_done(&sampled)?;
+        if steps.is_multiple_of(8) {
+            progress(format!(
+                "step {steps}: {} running, {} waiting, {} tokens, KV blocks used {}",
+                sched.metrics().running,
+                sched.metrics().waiting,
+                tokens,
+                sched.metrics().blocks_used
+            ));
+        }
+    }
+    let m = sched.metrics();
+    Ok(RunReport {
+        steps,
+        tokens,
+        seconds: start.elapsed().as_secs_f64(),
+        mean_kv_utilization: util_sum / steps.max(1) as f64,
+        preemptions: m.preempted_recompute + m.preempted_swap,
+        verified,
+        max_error,
+        tolerance: match cfg.dtype {
+            DType::F32 => 1e-5,
+            _ => 1e-2,
+        },
+    })
+}

@@ -1,0 +1,204 @@
+//! The `pagedkv` binary, run as a user would: the default report, `run`, and every kind
+//! of bad input (a clear error naming the line or flag, a non-zero exit, no partial
+//! output file).
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pagedkv"))
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pagedkv-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn fails_with(args: &[&str], want: &str) {
+    let o = bin().args(args).output().unwrap();
+    assert!(!o.status.success(), "{args:?} succeeded");
+    let e = stderr(&o);
+    assert!(
+        e.contains(want),
+        "{args:?}: stderr does not mention `{want}`:\n{e}"
+    );
+}
+
+#[test]
+fn no_arguments_prints_the_simulate_report_for_both_paper_scenarios() {
+    let o = bin().output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for want in [
+        "ShareGPT",
+        "Alpaca",
+        "contiguous Max",
+        "contiguous Pow2",
+        "contiguous Oracle",
+        "paged (block 8)",
+        "paged (block 16)",
+        "paged (block 32)",
+        "Fig. 13",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in:\n{out}");
+    }
+}
+
+#[test]
+fn a_trace_run_writes_json_and_svg() {
+    let trace = tmp("ok.jsonl");
+    let lines: Vec<String> = (0..60)
+        .map(|i| {
+            format!(
+                "{{\"arrival_s\": {}, \"prompt_len\": {}, \"output_len\": {}}}",
+                i as f64 * 0.1,
+                20 + i,
+                10 + i % 7
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let (json, svg) = (tmp("ok.json"), tmp("ok.svg"));
+    let o = bin()
+        .args(["simulate", "--trace"])
+        .arg(&trace)
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let policies = v[0]["policies"].as_array().unwrap();
+    assert_eq!(policies.len(), 6);
+    for p in policies {
+        assert_eq!(p["completed"], 60, "{p}");
+    }
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+}
+
+#[test]
+fn bad_trace_lines_are_named() {
+    let cases = [
+        (
+            "{\"arrival_s\": 0, \"prompt_len\": 5, \"output_len\": 5}\nnot json\n",
+            "trace line 2",
+        ),
+        (
+            "{\"arrival_s\": 0, \"prompt_len\": -5, \"output_len\": 5}\n",
+            "trace line 1: prompt_len -5 must be positive",
+        ),
+        (
+            "{\"arrival_s\": 0, \"prompt_len\": 5, \"output_len\": 0}\n",
+            "trace line 1: output_len 0 must be positive",
+        ),
+        (
+            "\n{\"arrival_s\": 0, \"prompt_len\": 2000, \"output_len\": 100}\n",
+            "trace line 2: 2000 + 100 tokens exceed the model's maximum length 2048",
+        ),
+        (
+            "{\"arrival_s\": -1, \"prompt_len\": 5, \"output_len\": 5}\n",
+            "trace line 1: arrival_s -1",
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let trace = tmp(&format!("bad{i}.jsonl"));
+        std::fs::write(&trace, text).unwrap();
+        let json = tmp(&format!("bad{i}.json"));
+        let o = bin()
+            .args(["simulate", "--trace"])
+            .arg(&trace)
+            .arg("--json")
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains(want), "{want}: {}", stderr(&o));
+        assert!(!json.exists(), "a partial output file was left behind");
+    }
+}
+
+#[test]
+fn bad_flags_are_named() {
+    fails_with(
+        &["simulate", "--gpu", "v100"],
+        "--gpu: unknown preset `v100`",
+    );
+    fails_with(
+        &["simulate", "--model", "gpt-5"],
+        "--model: unknown preset `gpt-5`",
+    );
+    fails_with(
+        &["simulate", "--workload", "wiki"],
+        "--workload: unknown workload `wiki`",
+    );
+    fails_with(
+        &["simulate", "--workload", "alpaca", "--rate", "0"],
+        "--rate: 0 is not a positive number",
+    );
+    fails_with(
+        &["simulate", "--workload", "alpaca", "--num-requests", "0"],
+        "--num-requests",
+    );
+    fails_with(
+        &["simulate", "--kv-budget-gib", "0.5"],
+        "memory budget too small",
+    );
+    fails_with(
+        &["simulate", "--model", "llama-3-70b", "--gpu", "h100"],
+        "memory budget too small",
+    );
+    fails_with(
+        &["simulate", "--bandwidth-gbs=-3"],
+        "--bandwidth-gbs: -3 is not a positive number",
+    );
+    fails_with(
+        &["simulate", "--trace", "/nonexistent/trace.jsonl"],
+        "--trace /nonexistent/trace.jsonl",
+    );
+    fails_with(
+        &["run", "--backend", "tpu"],
+        "--backend: unknown backend `tpu`",
+    );
+    fails_with(&["run", "--requests", "0"], "--requests");
+    let json = tmp("never.json");
+    let o = bin()
+        .args(["simulate", "--gpu", "v100", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(!json.exists());
+}
+
+#[test]
+fn a_bad_model_file_is_named() {
+    let m = tmp("model.json");
+    std::fs::write(&m, "{\"name\": \"x\", \"num_layers\": 0}").unwrap();
+    let o = bin()
+        .args(["simulate", "--model"])
+        .arg(&m)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("model.json"), "{}", stderr(&o));
+}
+
+#[test]
+fn run_on_the_cpu_backend_completes_and_verifies() {
+    let o = bin()
+        .args(["run", "--requests", "5", "--max-tokens", "6"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("generated 30 tokens"), "{out}");
+    assert!(out.contains("PASS"), "{out}");
+}
