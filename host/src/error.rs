@@ -35,6 +35,25 @@ pub enum Error {
     /// An operation that the object's current state does not allow.
     #[error("{0}")]
     InvalidState(String),
+    /// The CUDA driver library could not be found or loaded.
+    #[error(
+        "no CUDA driver found (libcuda could not be loaded): the CUDA backend needs an NVIDIA driver"
+    )]
+    NoCudaDriver,
+    /// The driver is there but reports no device (or not the one asked for).
+    #[error("no CUDA device: {0}")]
+    NoCudaDevice(String),
+    /// The device is older than every embedded PTX architecture.
+    #[error("unsupported CUDA device: {0}")]
+    UnsupportedDevice(String),
+    /// A CUDA driver call failed.
+    #[error("CUDA error in {what}: {message}")]
+    Cuda {
+        /// The operation.
+        what: &'static str,
+        /// The driver's message.
+        message: String,
+    },
     /// An emulated launch failed (a kernel bug or misuse; see [`EmuError`]).
     #[error("emulated launch failed: {0}")]
     Emulator(#[from] EmuError),

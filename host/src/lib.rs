@@ -1,5 +1,6 @@
 //! # pagedkv-host: everything pagedkv does on the CPU
 //!
+//! * [`cuda`]: the CUDA backend (cudarc, dynamic loading): loads the PTX, launches.
 //! * [`emulator`]: the SIMT emulator that runs the kernel bodies of `pagedkv-kernels`
 //!   thread by thread on the CPU, so the tests prove the real kernel source.
 //! * [`block`]: the block pool, block tables, prefix caching, copy-on-write, swap.
@@ -11,10 +12,12 @@
 //! * [`reference`]: the CPU references (f64), the ground truth of the tests.
 //! * [`error`]: the crate's error type.
 //!
-//! Nothing in this crate needs a GPU or a CUDA installation.
+//! Nothing in this crate needs a GPU or a CUDA installation to build or test; the CUDA
+//! backend finds the driver at run time.
 
 pub mod block;
 pub mod buffer;
+pub mod cuda;
 pub mod emulator;
 pub mod error;
 pub mod ops;

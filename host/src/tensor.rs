@@ -52,6 +52,28 @@ impl std::fmt::Display for DType {
     }
 }
 
+/// What validation needs to know of a tensor, wherever it lives: its element type and
+/// element count. Implemented by [`HostTensor`] and by the CUDA backend's device tensors.
+pub trait TensorDesc {
+    /// The element type.
+    fn dtype(&self) -> DType;
+    /// Number of elements.
+    fn len(&self) -> usize;
+    /// Whether it has no element.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl TensorDesc for HostTensor {
+    fn dtype(&self) -> DType {
+        HostTensor::dtype(self)
+    }
+    fn len(&self) -> usize {
+        HostTensor::len(self)
+    }
+}
+
 /// A row-major host tensor of one [`DType`].
 #[derive(Clone, Debug)]
 pub struct HostTensor {
@@ -87,6 +109,21 @@ impl HostTensor {
         for (i, v) in values.iter().enumerate() {
             t.set(i, *v);
         }
+        Ok(t)
+    }
+
+    /// A tensor holding raw element bytes (`bytes.len()` must be the shape's element
+    /// count times the element size).
+    pub fn from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        if bytes.len() != n * dtype.size() {
+            return Err(Error::invalid(
+                "bytes",
+                format!("{} bytes for {n} elements of {dtype}", bytes.len()),
+            ));
+        }
+        let mut t = HostTensor::full(dtype, shape, 0.0);
+        t.buf.as_bytes_mut().copy_from_slice(bytes);
         Ok(t)
     }
 

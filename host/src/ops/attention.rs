@@ -34,7 +34,7 @@ use pagedkv_kernels::{Dim3, GlobalSlice, GlobalSliceMut, PagedLayout};
 use super::{MAX_GRID_YZ, check_layout, check_tensor, slice_view, view, view_mut, with_elem};
 use crate::emulator::{Emulator, LaunchConfig};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor, TensorDesc};
 
 /// The shapes of one decode-attention launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,12 +212,12 @@ pub fn validate_plan(
 pub fn validate(
     shape: &DecodeShape,
     opts: &DecodeOptions,
-    q: &HostTensor,
-    key_cache: &HostTensor,
-    value_cache: &HostTensor,
+    q: &impl TensorDesc,
+    key_cache: &impl TensorDesc,
+    value_cache: &impl TensorDesc,
     block_tables: &[i32],
     context_lens: &[i32],
-    out: &HostTensor,
+    out: &impl TensorDesc,
 ) -> Result<u32> {
     let l = shape.layout();
     check_layout(&l)?;
@@ -320,6 +320,30 @@ pub fn validate(
         }
     }
     Ok(max_len)
+}
+
+/// The bytes a decode launch must move through device memory, the benchmarks' count:
+/// K and V of every attended token once per KV head (`2 * Σ ctx * num_kv_heads *
+/// head_dim * size`), the queries and outputs (`2 * num_seqs * num_q_heads * head_dim *
+/// size`), the block-table entries each thread block reads (`4 * Σ ceil(ctx /
+/// block_size)` per KV head chunk), and with split-K the partials written and read back
+/// (`2 * num_seqs * num_q_heads * partitions * (head_dim + 2) * 4`).
+pub fn decode_bytes(shape: &DecodeShape, dtype: DType, context_lens: &[i32], p: &SplitPlan) -> u64 {
+    let size = dtype.size() as u64;
+    let d = shape.head_dim as u64;
+    let tokens: u64 = context_lens.iter().map(|&c| c.max(0) as u64).sum();
+    let blocks: u64 = context_lens
+        .iter()
+        .map(|&c| (c.max(0) as u64).div_ceil(shape.block_size as u64))
+        .sum();
+    let qo = 2 * shape.num_seqs as u64 * shape.num_q_heads as u64 * d * size;
+    let chunks = shape.num_kv_heads as u64 * p.head_chunks(shape) as u64;
+    let partials = if p.is_split() {
+        2 * shape.num_seqs as u64 * shape.num_q_heads as u64 * p.num_partitions as u64 * (d + 2) * 4
+    } else {
+        0
+    };
+    2 * tokens * shape.num_kv_heads as u64 * d * size + qo + 4 * blocks * chunks + partials
 }
 
 /// Launch configuration of the decode kernel for a plan.

@@ -79,27 +79,22 @@ pub fn validate(num_blocks: u64, block_bytes: u64, pairs: &[(u32, u32)]) -> Resu
     Ok(())
 }
 
-/// The block count shared by all pools, after checking they have one size that is a
-/// whole number of blocks.
-fn pools_num_blocks(pools: &[AlignedBuf], block_bytes: u64) -> Result<u64> {
-    let Some(first) = pools.first() else {
+/// The block count shared by pools of these byte lengths, after checking they have one
+/// size that is a whole number of `block_bytes`-byte blocks (shared by every backend).
+pub fn pool_blocks(pool_lens: &[u64], block_bytes: u64) -> Result<u64> {
+    let Some(&len) = pool_lens.first() else {
         return Ok(0);
     };
-    if pools.len() > MAX_POOLS {
+    if pool_lens.len() > MAX_POOLS {
         return Err(Error::invalid(
             "pools",
-            format!("{} pools (at most {MAX_POOLS})", pools.len()),
+            format!("{} pools (at most {MAX_POOLS})", pool_lens.len()),
         ));
     }
-    let len = first.len() as u64;
-    if let Some((i, p)) = pools
-        .iter()
-        .enumerate()
-        .find(|(_, p)| p.len() as u64 != len)
-    {
+    if let Some((i, l)) = pool_lens.iter().enumerate().find(|(_, l)| **l != len) {
         return Err(Error::invalid(
             "pools",
-            format!("pool {i} has {} bytes, pool 0 has {len}", p.len()),
+            format!("pool {i} has {l} bytes, pool 0 has {len}"),
         ));
     }
     if block_bytes == 0 || !len.is_multiple_of(block_bytes) {
@@ -109,6 +104,11 @@ fn pools_num_blocks(pools: &[AlignedBuf], block_bytes: u64) -> Result<u64> {
         ));
     }
     Ok(len / block_bytes)
+}
+
+fn pools_num_blocks(pools: &[AlignedBuf], block_bytes: u64) -> Result<u64> {
+    let lens: Vec<u64> = pools.iter().map(|p| p.len() as u64).collect();
+    pool_blocks(&lens, block_bytes)
 }
 
 /// The launch configuration: one thread block per (pair, pool).

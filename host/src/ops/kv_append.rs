@@ -26,7 +26,7 @@ use super::{check_layout, check_tensor, slice_view, view, view_mut, with_elem};
 use crate::emulator::{Emulator, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::reference;
-use crate::tensor::HostTensor;
+use crate::tensor::{HostTensor, TensorDesc};
 
 /// Most tokens one launch appends (`gridDim.x`).
 pub const MAX_TOKENS: usize = i32::MAX as usize;
@@ -38,11 +38,11 @@ pub const MAX_TOKENS: usize = i32::MAX as usize;
 /// of one dtype. Every non-negative slot must be inside the pool and appear once.
 pub fn validate(
     layout: &PagedLayout,
-    key: &HostTensor,
-    value: &HostTensor,
+    key: &impl TensorDesc,
+    value: &impl TensorDesc,
     slot_mapping: &[i64],
-    key_cache: &HostTensor,
-    value_cache: &HostTensor,
+    key_cache: &impl TensorDesc,
+    value_cache: &impl TensorDesc,
 ) -> Result<()> {
     check_layout(layout)?;
     let n = slot_mapping.len();

@@ -11,7 +11,7 @@ pub mod kv_append;
 use pagedkv_kernels::{GlobalSlice, GlobalSliceMut, PagedLayout};
 
 use crate::error::{Error, Result};
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor, TensorDesc};
 
 /// Head dimensions the kernels support.
 pub const SUPPORTED_HEAD_DIMS: [u32; 6] = [64, 80, 96, 112, 128, 256];
@@ -52,7 +52,7 @@ pub fn check_layout(l: &PagedLayout) -> Result<()> {
 /// Checks a tensor's element type and element count.
 pub(crate) fn check_tensor(
     arg: &'static str,
-    t: &HostTensor,
+    t: &impl TensorDesc,
     dtype: DType,
     elems: u64,
 ) -> Result<()> {

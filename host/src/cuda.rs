@@ -1,0 +1,810 @@
+//! The CUDA backend: loads pagedkv's PTX with cudarc and launches the kernels.
+//!
+//! cudarc is built with dynamic loading, so this module compiles everywhere and finds
+//! the driver (`libcuda`) only at run time. Without a driver or a device,
+//! [`CudaBackend::new`] returns [`Error::NoCudaDriver`] or [`Error::NoCudaDevice`];
+//! it never panics.
+//!
+//! ```no_run
+//! # fn ptx() -> Vec<pagedkv_host::cuda::PtxSource> { Vec::new() }
+//! use pagedkv_host::cuda::{CudaBackend, DeviceTensor};
+//! use pagedkv_host::{DType, HostTensor};
+//!
+//! // `pagedkv::cuda::backend(0)` does this with the PTX embedded in the `pagedkv` crate.
+//! let gpu = CudaBackend::new(0, &ptx())?;
+//! let q = DeviceTensor::from_host(&gpu, &HostTensor::full(DType::F16, &[8, 32, 128], 0.5))?;
+//! # Ok::<(), pagedkv_host::Error>(())
+//! ```
+//!
+//! # Layers
+//! cudarc's safe driver API is the raw layer. This module adds the one `unsafe` launch
+//! ([`CudaBackend::launch`], with its numbered safety conditions) and, above it, a safe
+//! API whose every entry point runs the same validation as the emulator path
+//! (`ops::*::validate`) before it uploads or launches anything.
+//!
+//! # Buffers
+//! A [`DeviceTensor`] is a `CudaSlice<u8>` with a dtype and a shape. Engines that already
+//! use cudarc wrap their own allocations with [`DeviceTensor::from_cuda_slice`] (no copy)
+//! and can build the backend on their own stream with [`CudaBackend::with_stream`].
+//! Small per-step metadata (slot mapping, block tables, context lengths) comes from the
+//! scheduler's [`Batch`](crate::scheduler::Batch) on the host: it is validated there and
+//! uploaded on the backend's stream.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    DriverError, LaunchConfig as CuConfig, PinnedHostSlice, PushKernelArg, sys,
+};
+use cudarc::nvrtc::Ptx;
+use pagedkv_kernels::kernels::{
+    CopyBlocks, CopyBlocksParams, DecodeParams, DecodeReduce, KvAppend, KvAppendParams,
+    PagedDecode, ReduceParams,
+};
+use pagedkv_kernels::{Bf16, F16, GlobalSlice, GlobalSliceMut, Kernel, PagedLayout};
+
+use crate::emulator::LaunchConfig;
+use crate::error::{Error, Result};
+use crate::ops::attention::{self, DecodeOptions, DecodeShape, SplitPlan};
+use crate::ops::{copy_blocks, kv_append, with_elem};
+use crate::tensor::{DType, HostTensor, TensorDesc};
+
+/// One PTX module the backend may load: the `pagedkv` crate embeds one per architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PtxSource {
+    /// `"sm_80"`, `"sm_90"`, ...
+    pub arch: &'static str,
+    /// Lowest compute capability that runs it.
+    pub compute_capability: (u32, u32),
+    /// The PTX text.
+    pub ptx: &'static str,
+}
+
+/// Every entry point the backend loads.
+pub const KERNEL_NAMES: [&str; 13] = [
+    CopyBlocks::NAME,
+    <KvAppend<F16> as Kernel>::NAME,
+    <KvAppend<Bf16> as Kernel>::NAME,
+    <KvAppend<f32> as Kernel>::NAME,
+    <PagedDecode<F16, false> as Kernel>::NAME,
+    <PagedDecode<Bf16, false> as Kernel>::NAME,
+    <PagedDecode<f32, false> as Kernel>::NAME,
+    <PagedDecode<F16, true> as Kernel>::NAME,
+    <PagedDecode<Bf16, true> as Kernel>::NAME,
+    <PagedDecode<f32, true> as Kernel>::NAME,
+    <DecodeReduce<F16> as Kernel>::NAME,
+    <DecodeReduce<Bf16> as Kernel>::NAME,
+    <DecodeReduce<f32> as Kernel>::NAME,
+];
+
+fn cuda(what: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| Error::Cuda {
+        what,
+        message: format!("{e:?}"),
+    }
+}
+
+/// A kernel's parameter struct as one by-value launch argument.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct KernelParams<P>(P);
+
+// SAFETY: every kernel parameter struct is `#[repr(C)]` plain data (integers, floats and
+// device addresses), which the driver copies byte for byte into the entry point's single
+// `.param` of the same size and layout.
+unsafe impl<P: Copy> DeviceRepr for KernelParams<P> {}
+
+/// A tensor in device memory: bytes, an element type and a shape.
+#[derive(Debug)]
+pub struct DeviceTensor {
+    buf: CudaSlice<u8>,
+    dtype: DType,
+    shape: Vec<usize>,
+}
+
+impl TensorDesc for DeviceTensor {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.buf.len() / self.dtype.size()
+    }
+}
+
+impl DeviceTensor {
+    /// A zero-filled tensor.
+    pub fn zeros(gpu: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        let buf = gpu
+            .stream
+            .alloc_zeros::<u8>(n * dtype.size())
+            .map_err(cuda("cuMemAlloc"))?;
+        Ok(Self {
+            buf,
+            dtype,
+            shape: shape.to_vec(),
+        })
+    }
+
+    /// A copy of a host tensor.
+    pub fn from_host(gpu: &CudaBackend, t: &HostTensor) -> Result<Self> {
+        let buf = gpu
+            .stream
+            .clone_htod(t.buf().as_bytes())
+            .map_err(cuda("cuMemcpyHtoD"))?;
+        Ok(Self {
+            buf,
+            dtype: t.dtype(),
+            shape: t.shape().to_vec(),
+        })
+    }
+
+    /// Copies the tensor back to the host (waits for the stream).
+    pub fn to_host(&self, gpu: &CudaBackend) -> Result<HostTensor> {
+        let bytes = gpu
+            .stream
+            .clone_dtoh(&self.buf)
+            .map_err(cuda("cuMemcpyDtoH"))?;
+        HostTensor::from_bytes(self.dtype, &self.shape, &bytes)
+    }
+
+    /// Overwrites the tensor with a host tensor of the same dtype and length.
+    pub fn copy_from_host(&mut self, gpu: &CudaBackend, t: &HostTensor) -> Result<()> {
+        if t.dtype() != self.dtype || t.len() != TensorDesc::len(self) {
+            return Err(Error::invalid(
+                "t",
+                format!(
+                    "{} x {} into {} x {}",
+                    t.len(),
+                    t.dtype(),
+                    TensorDesc::len(self),
+                    self.dtype
+                ),
+            ));
+        }
+        gpu.stream
+            .memcpy_htod(t.buf().as_bytes(), &mut self.buf)
+            .map_err(cuda("cuMemcpyHtoD"))
+    }
+
+    /// Fills the tensor with `pattern` repeated (uploaded once, then copied on the
+    /// device), e.g. random data for benchmarks without a host copy of the whole tensor.
+    pub fn fill_repeat(&mut self, gpu: &CudaBackend, pattern: &[u8]) -> Result<()> {
+        if pattern.is_empty() {
+            return Err(Error::invalid("pattern", "must not be empty"));
+        }
+        let src = gpu.upload("upload pattern", pattern)?;
+        let total = self.buf.len();
+        let mut at = 0;
+        while at < total {
+            let n = pattern.len().min(total - at);
+            let mut dst = self.buf.slice_mut(at..at + n);
+            gpu.stream
+                .memcpy_dtod(&src.slice(0..n), &mut dst)
+                .map_err(cuda("cuMemcpyDtoD"))?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Wraps an engine's own allocation, without a copy. Errors when its length is not
+    /// the shape's element count times the element size.
+    pub fn from_cuda_slice(buf: CudaSlice<u8>, dtype: DType, shape: &[usize]) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        if buf.len() != n * dtype.size() {
+            return Err(Error::invalid(
+                "buf",
+                format!("{} bytes for shape {shape:?} of {dtype}", buf.len()),
+            ));
+        }
+        Ok(Self {
+            buf,
+            dtype,
+            shape: shape.to_vec(),
+        })
+    }
+
+    /// Gives the allocation back.
+    pub fn into_cuda_slice(self) -> CudaSlice<u8> {
+        self.buf
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+/// One layer's K and V pools.
+#[derive(Debug)]
+pub struct LayerCache {
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`.
+    pub key: DeviceTensor,
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`.
+    pub value: DeviceTensor,
+}
+
+/// The paged cache of a model: every layer's K and V pools, one layout.
+#[derive(Debug)]
+pub struct PagedCache {
+    /// The layout shared by every pool.
+    pub layout: PagedLayout,
+    /// One entry per layer.
+    pub layers: Vec<LayerCache>,
+}
+
+impl PagedCache {
+    /// Blocks of `layout` (its `num_blocks` ignored) that fit in `budget_bytes` for
+    /// `num_layers` layers of K and V in `dtype`.
+    pub fn blocks_for_budget(
+        layout: &PagedLayout,
+        dtype: DType,
+        num_layers: usize,
+        budget_bytes: u64,
+    ) -> u32 {
+        let per_block = layout.block_stride() * dtype.size() as u64 * 2 * num_layers as u64;
+        (budget_bytes / per_block.max(1)).min(u32::MAX as u64) as u32
+    }
+}
+
+/// Host memory for swapped-out blocks: pinned, `[num_host_blocks, num_pools, block_bytes]`.
+pub struct HostSwapPool {
+    buf: PinnedHostSlice<u8>,
+    num_pools: usize,
+    block_bytes: usize,
+    num_blocks: usize,
+}
+
+impl std::fmt::Debug for HostSwapPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "HostSwapPool({} blocks x {} pools x {} bytes)",
+            self.num_blocks, self.num_pools, self.block_bytes
+        )
+    }
+}
+
+/// The CUDA backend: a context, a stream, and the loaded kernels.
+#[derive(Debug)]
+pub struct CudaBackend {
+    stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    arch: &'static str,
+    sm_count: u32,
+    device_name: String,
+}
+
+impl CudaBackend {
+    /// A backend on device `ordinal`'s primary context and default stream, with the
+    /// newest of `modules` the device can run (an error below compute capability 8.0).
+    pub fn new(ordinal: usize, modules: &[PtxSource]) -> Result<Self> {
+        // SAFETY: only tries to load the driver library; no CUDA call is made.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::NoCudaDriver);
+        }
+        let n = CudaContext::device_count().map_err(|e| {
+            Error::NoCudaDevice(format!("the driver could not count devices ({e:?})"))
+        })?;
+        if n <= 0 {
+            return Err(Error::NoCudaDevice("the driver reports no device".into()));
+        }
+        if ordinal >= n as usize {
+            return Err(Error::NoCudaDevice(format!(
+                "device {ordinal} asked for, {n} present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda("cuCtxCreate"))?;
+        Self::with_stream(ctx.default_stream(), modules)
+    }
+
+    /// A backend on an existing stream (and its context): engines that already use
+    /// cudarc share theirs, so pagedkv's launches order with their own work.
+    pub fn with_stream(stream: Arc<CudaStream>, modules: &[PtxSource]) -> Result<Self> {
+        let ctx = stream.context().clone();
+        let device_name = ctx.name().map_err(cuda("cuDeviceGetName"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda("cuDeviceGetAttribute"))?;
+        let cc = (major as u32, minor as u32);
+        let module = modules
+            .iter()
+            .filter(|m| m.compute_capability <= cc)
+            .max_by_key(|m| m.compute_capability)
+            .ok_or_else(|| {
+                Error::UnsupportedDevice(format!(
+                    "{device_name} has compute capability {major}.{minor}; pagedkv's PTX needs 8.0 or newer"
+                ))
+            })?;
+        let loaded = ctx
+            .load_module(Ptx::from_src(module.ptx))
+            .map_err(cuda("cuModuleLoadData"))?;
+        let mut funcs = HashMap::new();
+        for name in KERNEL_NAMES {
+            let f = loaded
+                .load_function(name)
+                .map_err(cuda("cuModuleGetFunction"))?;
+            funcs.insert(name, f);
+        }
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda("cuDeviceGetAttribute"))? as u32;
+        Ok(Self {
+            stream,
+            funcs,
+            arch: module.arch,
+            sm_count,
+            device_name,
+        })
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The architecture of the loaded PTX.
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
+    /// Streaming multiprocessors (the split-K planner's input).
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// The stream every launch goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for all work on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(cuda("cuStreamSynchronize"))
+    }
+
+    /// Allocates a paged cache: `num_layers` K and V pools of `layout`, zero-filled.
+    pub fn alloc_cache(
+        &self,
+        layout: PagedLayout,
+        dtype: DType,
+        num_layers: usize,
+    ) -> Result<PagedCache> {
+        crate::ops::check_layout(&layout)?;
+        let shape = [
+            layout.num_blocks as usize,
+            layout.num_kv_heads as usize,
+            layout.block_size as usize,
+            layout.head_dim as usize,
+        ];
+        let layers = (0..num_layers)
+            .map(|_| {
+                Ok(LayerCache {
+                    key: DeviceTensor::zeros(self, dtype, &shape)?,
+                    value: DeviceTensor::zeros(self, dtype, &shape)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PagedCache { layout, layers })
+    }
+
+    fn upload<T: DeviceRepr>(&self, what: &'static str, data: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(data).map_err(cuda(what))
+    }
+
+    /// Launches kernel `K` on the backend's stream.
+    ///
+    /// # Safety
+    /// 1. Every `GlobalSlice` / `GlobalSliceMut` in `params` holds a device address in
+    ///    this backend's context, valid for its whole length (for writes when mutable)
+    ///    until the launch completes on the stream.
+    /// 2. The parameters passed the kernel's host validation (`ops::*::validate`), so
+    ///    every index the kernel computes stays inside those lengths.
+    /// 3. Until the launch completes, nothing else writes memory the kernel reads or
+    ///    touches memory it writes: the buffers are borrowed by the calling method and
+    ///    all of pagedkv's work runs on this one stream.
+    /// 4. `cfg` is the kernel's own launch configuration (`ops::*::launch_config`),
+    ///    which sizes shared memory for the parameters.
+    unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, params: K::Params) -> Result<()> {
+        let f = self
+            .funcs
+            .get(K::NAME)
+            .ok_or_else(|| Error::InvalidState(format!("kernel {} is not loaded", K::NAME)))?;
+        let p = KernelParams(params);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&p);
+        let c = CuConfig {
+            grid_dim: (cfg.grid.x, cfg.grid.y, cfg.grid.z),
+            block_dim: (cfg.block.x, cfg.block.y, cfg.block.z),
+            shared_mem_bytes: cfg.shared_bytes,
+        };
+        // SAFETY: conditions 1-4 above are the caller's; `p` lives until the call returns.
+        unsafe { b.launch(c) }.map_err(cuda(K::NAME))?;
+        Ok(())
+    }
+
+    /// Appends tokens' K and V to one layer's cache (see `ops::kv_append`). `key`,
+    /// `value`: `[num_tokens, num_kv_heads, head_dim]`; `slot_mapping` from the batch.
+    pub fn kv_append(
+        &self,
+        layout: &PagedLayout,
+        key: &DeviceTensor,
+        value: &DeviceTensor,
+        slot_mapping: &[i64],
+        key_cache: &mut DeviceTensor,
+        value_cache: &mut DeviceTensor,
+    ) -> Result<()> {
+        kv_append::validate(layout, key, value, slot_mapping, key_cache, value_cache)?;
+        if slot_mapping.is_empty() {
+            return Ok(());
+        }
+        let slots = self.upload("upload slot_mapping", slot_mapping)?;
+        let s = &self.stream;
+        let (kp, _gk) = key.buf.device_ptr(s);
+        let (vp, _gv) = value.buf.device_ptr(s);
+        let (sp, _gs) = slots.device_ptr(s);
+        let (kcp, _gkc) = key_cache.buf.device_ptr_mut(s);
+        let (vcp, _gvc) = value_cache.buf.device_ptr_mut(s);
+        let n = TensorDesc::len(key) as u64;
+        let pool = layout.pool_elems();
+        let cfg = kv_append::launch_config(slot_mapping.len());
+        with_elem!(key_cache.dtype, T => {
+            // SAFETY: device addresses of buffers borrowed for this call, with their
+            // validated lengths in elements of the validated dtype.
+            let params = unsafe {
+                KvAppendParams::<T> {
+                    key: GlobalSlice::from_raw_parts(kp as *const T, n),
+                    value: GlobalSlice::from_raw_parts(vp as *const T, n),
+                    slot_mapping: GlobalSlice::from_raw_parts(sp as *const i64, slot_mapping.len() as u64),
+                    key_cache: GlobalSliceMut::from_raw_parts(kcp as *mut T, pool),
+                    value_cache: GlobalSliceMut::from_raw_parts(vcp as *mut T, pool),
+                    layout: *layout,
+                }
+            };
+            // SAFETY: (1) above; (2) validated; (3) the buffers are borrowed (caches
+            // mutably) until return and `slots` lives until the stream's next sync point
+            // through cudarc's stream-ordered free; (4) kv_append's own config.
+            unsafe { self.launch::<KvAppend<T>>(cfg, params)? };
+        });
+        Ok(())
+    }
+
+    /// Paged decode attention over one layer's cache (see `ops::attention`). With no
+    /// `plan`, plans split-K from this device's SM count. Returns the plan used.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_decode_attention(
+        &self,
+        shape: &DecodeShape,
+        opts: &DecodeOptions,
+        q: &DeviceTensor,
+        key_cache: &DeviceTensor,
+        value_cache: &DeviceTensor,
+        block_tables: &[i32],
+        context_lens: &[i32],
+        out: &mut DeviceTensor,
+        plan: Option<SplitPlan>,
+    ) -> Result<SplitPlan> {
+        let max_len = attention::validate(
+            shape,
+            opts,
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            out,
+        )?;
+        let dtype = key_cache.dtype;
+        let p = plan.unwrap_or_else(|| attention::plan(shape, dtype, max_len, self.sm_count));
+        attention::validate_plan(shape, dtype, &p, max_len)?;
+        let tables = self.upload("upload block_tables", block_tables)?;
+        let lens = self.upload("upload context_lens", context_lens)?;
+        let slopes: Option<CudaSlice<f32>> = match &opts.alibi_slopes {
+            Some(v) => Some(self.upload("upload alibi_slopes", v)?),
+            None => None,
+        };
+        let heads = shape.num_seqs as usize * shape.num_q_heads as usize;
+        let parts = p.num_partitions as usize;
+        let (mut part_out, mut part_ml) = if p.is_split() {
+            (
+                Some(
+                    self.stream
+                        .alloc_zeros::<f32>(heads * parts * shape.head_dim as usize)
+                        .map_err(cuda("cuMemAlloc"))?,
+                ),
+                Some(
+                    self.stream
+                        .alloc_zeros::<f32>(heads * parts * 2)
+                        .map_err(cuda("cuMemAlloc"))?,
+                ),
+            )
+        } else {
+            (None, None)
+        };
+        let s = &self.stream;
+        let (qp, _gq) = q.buf.device_ptr(s);
+        let (kp, _gk) = key_cache.buf.device_ptr(s);
+        let (vp, _gv) = value_cache.buf.device_ptr(s);
+        let (tp, _gt) = tables.device_ptr(s);
+        let (lp, _gl) = lens.device_ptr(s);
+        let slope_ptr = slopes.as_ref().map(|x| x.device_ptr(s));
+        let part_out_ptr = part_out.as_mut().map(|x| (x.len(), x.device_ptr_mut(s)));
+        let part_ml_ptr = part_ml.as_mut().map(|x| (x.len(), x.device_ptr_mut(s)));
+        let (op, _go) = out.buf.device_ptr_mut(s);
+        let pool = shape.layout().pool_elems();
+        let qn = TensorDesc::len(q) as u64;
+        with_elem!(dtype, T => {
+            // SAFETY: device addresses of buffers borrowed or owned for this call, with
+            // their validated lengths in elements of the validated dtype.
+            let params = unsafe {
+                DecodeParams::<T> {
+                    q: GlobalSlice::from_raw_parts(qp as *const T, qn),
+                    key_cache: GlobalSlice::from_raw_parts(kp as *const T, pool),
+                    value_cache: GlobalSlice::from_raw_parts(vp as *const T, pool),
+                    block_tables: GlobalSlice::from_raw_parts(tp as *const i32, block_tables.len() as u64),
+                    context_lens: GlobalSlice::from_raw_parts(lp as *const i32, context_lens.len() as u64),
+                    alibi_slopes: match &slope_ptr {
+                        Some((ptr, _)) => GlobalSlice::from_raw_parts(*ptr as *const f32, shape.num_q_heads as u64),
+                        None => GlobalSlice::empty(),
+                    },
+                    out: if p.is_split() { GlobalSliceMut::empty() } else { GlobalSliceMut::from_raw_parts(op as *mut T, qn) },
+                    part_out: match &part_out_ptr {
+                        Some((len, (ptr, _))) => GlobalSliceMut::from_raw_parts(*ptr as *mut f32, *len as u64),
+                        None => GlobalSliceMut::empty(),
+                    },
+                    part_ml: match &part_ml_ptr {
+                        Some((len, (ptr, _))) => GlobalSliceMut::from_raw_parts(*ptr as *mut f32, *len as u64),
+                        None => GlobalSliceMut::empty(),
+                    },
+                    layout: shape.layout(),
+                    num_q_heads: shape.num_q_heads,
+                    max_blocks_per_seq: shape.max_blocks_per_seq,
+                    heads_per_block: p.heads_per_block,
+                    partition_tokens: p.partition_tokens,
+                    num_partitions: p.num_partitions,
+                    scale: opts.scale,
+                    softcap: opts.softcap.unwrap_or(0.0),
+                    window: opts.window.unwrap_or(0),
+                }
+            };
+            let cfg = attention::decode_launch_config(shape, &p);
+            if p.is_split() {
+                // SAFETY: (1) above; (2) validated shapes and plan; (3) inputs borrowed,
+                // `out` borrowed mutably, partials owned until return; (4) own config.
+                unsafe { self.launch::<PagedDecode<T, true>>(cfg, params)? };
+                // SAFETY: as above; the reduce reads the partials the decode wrote
+                // (ordered on the same stream) and writes `out`.
+                let rp = unsafe {
+                    ReduceParams::<T> {
+                        part_out: params.part_out.as_const(),
+                        part_ml: params.part_ml.as_const(),
+                        out: GlobalSliceMut::from_raw_parts(op as *mut T, qn),
+                        num_q_heads: shape.num_q_heads,
+                        head_dim: shape.head_dim,
+                        num_partitions: p.num_partitions,
+                    }
+                };
+                // SAFETY: as above.
+                unsafe { self.launch::<DecodeReduce<T>>(attention::reduce_launch_config(shape), rp)? };
+            } else {
+                // SAFETY: as for the split launch.
+                unsafe { self.launch::<PagedDecode<T, false>>(cfg, params)? };
+            }
+        });
+        Ok(p)
+    }
+
+    /// Copies whole blocks for `(src, dst)` pairs in every pool (copy-on-write).
+    pub fn copy_blocks(
+        &self,
+        pools: &mut [&mut DeviceTensor],
+        block_bytes: u64,
+        pairs: &[(u32, u32)],
+    ) -> Result<()> {
+        let lens: Vec<u64> = pools.iter().map(|p| p.num_bytes() as u64).collect();
+        let num_blocks = copy_blocks::pool_blocks(&lens, block_bytes)?;
+        copy_blocks::validate(num_blocks, block_bytes, pairs)?;
+        if pairs.is_empty() || pools.is_empty() {
+            return Ok(());
+        }
+        let flat: Vec<i64> = pairs
+            .iter()
+            .flat_map(|&(s, d)| [s as i64, d as i64])
+            .collect();
+        let num_pools = pools.len();
+        let s = &self.stream;
+        let mut guards = Vec::with_capacity(pools.len());
+        // Each PoolView is `#[repr(C)] { ptr, len }`: two u64 words on the device.
+        let mut views: Vec<u64> = Vec::with_capacity(2 * pools.len());
+        for p in pools.iter_mut() {
+            let len = p.buf.len() as u64;
+            let (ptr, g) = p.buf.device_ptr_mut(s);
+            views.extend([ptr, len]);
+            guards.push(g);
+        }
+        let dev_views = self.upload("upload pools", &views)?;
+        let dev_pairs = self.upload("upload pairs", &flat)?;
+        let (vp, _gv) = dev_views.device_ptr(s);
+        let (pp, _gp) = dev_pairs.device_ptr(s);
+        // SAFETY: `dev_views` holds `pools.len()` PoolViews (16 bytes each, the layout
+        // of GlobalSliceMut<u8>) and `dev_pairs` the flattened pairs, both owned here.
+        let params = unsafe {
+            CopyBlocksParams {
+                pools: GlobalSlice::from_raw_parts(vp as *const _, num_pools as u64),
+                pairs: GlobalSlice::from_raw_parts(pp as *const i64, flat.len() as u64),
+                block_bytes,
+            }
+        };
+        // SAFETY: (1) pools borrowed mutably, tables owned, for the call; (2) validated
+        // (ids in range, destinations distinct and never sources); (3) as (1); (4) own config.
+        unsafe {
+            self.launch::<CopyBlocks>(copy_blocks::launch_config(pairs.len(), num_pools), params)
+        }
+    }
+
+    /// Allocates pinned host memory for `num_host_blocks` swapped blocks of `num_pools`
+    /// pools of `block_bytes` each.
+    pub fn alloc_swap_pool(
+        &self,
+        num_host_blocks: usize,
+        num_pools: usize,
+        block_bytes: usize,
+    ) -> Result<HostSwapPool> {
+        let n = num_host_blocks
+            .checked_mul(num_pools)
+            .and_then(|x| x.checked_mul(block_bytes))
+            .ok_or_else(|| Error::invalid("num_host_blocks", "size overflows"))?;
+        // SAFETY: the memory is only ever read after a copy into it completes.
+        let buf = unsafe { self.stream.context().alloc_pinned::<u8>(n) }
+            .map_err(cuda("cuMemHostAlloc"))?;
+        Ok(HostSwapPool {
+            buf,
+            num_pools,
+            block_bytes,
+            num_blocks: num_host_blocks,
+        })
+    }
+
+    fn check_swap(
+        pools: &[&DeviceTensor],
+        block_bytes: u64,
+        host: &HostSwapPool,
+        pairs: &[(u32, u32)],
+        dev_first: bool,
+    ) -> Result<u64> {
+        let lens: Vec<u64> = pools.iter().map(|p| p.num_bytes() as u64).collect();
+        let num_blocks = copy_blocks::pool_blocks(&lens, block_bytes)?;
+        if pools.len() != host.num_pools || block_bytes as usize != host.block_bytes {
+            return Err(Error::invalid(
+                "host",
+                format!(
+                    "{host:?} does not match {} pools of {block_bytes} bytes",
+                    pools.len()
+                ),
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, &(a, b)) in pairs.iter().enumerate() {
+            let (dev, hst) = if dev_first { (a, b) } else { (b, a) };
+            if dev as u64 >= num_blocks || hst as usize >= host.num_blocks {
+                return Err(Error::invalid(
+                    "pairs",
+                    format!("pair {i}: device block {dev} or host block {hst} out of range"),
+                ));
+            }
+            if !seen.insert(b) {
+                return Err(Error::invalid(
+                    "pairs",
+                    format!("pair {i}: destination {b} is written twice"),
+                ));
+            }
+        }
+        Ok(num_blocks)
+    }
+
+    /// Copies device blocks to host blocks (`(device, host)` pairs from the scheduler's
+    /// `swap_out`), asynchronously on the stream.
+    pub fn swap_out(
+        &self,
+        pools: &[&DeviceTensor],
+        block_bytes: u64,
+        pairs: &[(u32, u32)],
+        host: &mut HostSwapPool,
+    ) -> Result<()> {
+        Self::check_swap(pools, block_bytes, host, pairs, true)?;
+        let bb = block_bytes as usize;
+        let base = host.buf.as_mut_ptr().map_err(cuda("pinned memory"))?;
+        for (pi, pool) in pools.iter().enumerate() {
+            let (src, _g) = pool.buf.device_ptr(&self.stream);
+            for &(d, h) in pairs {
+                let off = (h as usize * host.num_pools + pi) * bb;
+                // SAFETY: `off + bb` is inside the pinned buffer (checked ranges), which
+                // `host` keeps alive and borrowed mutably for the call.
+                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(off), bb) };
+                // SAFETY: the source range is inside the pool (checked); the copy is
+                // ordered on the stream after every earlier write to the pool.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        dst,
+                        src + d as u64 * block_bytes,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(cuda("cuMemcpyDtoHAsync"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies host blocks back to device blocks (`(host, device)` pairs from the
+    /// scheduler's `swap_in`), asynchronously on the stream.
+    pub fn swap_in(
+        &self,
+        pools: &mut [&mut DeviceTensor],
+        block_bytes: u64,
+        pairs: &[(u32, u32)],
+        host: &HostSwapPool,
+    ) -> Result<()> {
+        {
+            let view: Vec<&DeviceTensor> = pools.iter().map(|p| &**p).collect();
+            Self::check_swap(&view, block_bytes, host, pairs, false)?;
+        }
+        let bb = block_bytes as usize;
+        let base = host.buf.as_ptr().map_err(cuda("pinned memory"))?;
+        for (pi, pool) in pools.iter_mut().enumerate() {
+            let (dst, _g) = pool.buf.device_ptr_mut(&self.stream);
+            for &(h, d) in pairs {
+                let off = (h as usize * host.num_pools + pi) * bb;
+                // SAFETY: `off + bb` is inside the pinned buffer (checked ranges).
+                let src = unsafe { std::slice::from_raw_parts(base.add(off), bb) };
+                // SAFETY: the destination range is inside the pool (checked), which is
+                // borrowed mutably for the call.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        dst + d as u64 * block_bytes,
+                        src,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(cuda("cuMemcpyHtoDAsync"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Times `f` on the stream with CUDA events, in milliseconds (for benchmarks).
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f32> {
+        let ctx = self.stream.context();
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = ctx.new_event(flags).map_err(cuda("cuEventCreate"))?;
+        let end = ctx.new_event(flags).map_err(cuda("cuEventCreate"))?;
+        start.record(&self.stream).map_err(cuda("cuEventRecord"))?;
+        f()?;
+        end.record(&self.stream).map_err(cuda("cuEventRecord"))?;
+        start.elapsed_ms(&end).map_err(cuda("cuEventElapsedTime"))
+    }
+
+    /// A device-to-device copy of `bytes` bytes (the bandwidth ceiling benchmarks
+    /// compare against).
+    pub fn copy_d2d(&self, src: &DeviceTensor, dst: &mut DeviceTensor) -> Result<()> {
+        if src.num_bytes() != dst.num_bytes() {
+            return Err(Error::invalid("dst", "sizes differ"));
+        }
+        self.stream
+            .memcpy_dtod(&src.buf, &mut dst.buf)
+            .map_err(cuda("cuMemcpyDtoD"))
+    }
+}
