@@ -10,6 +10,7 @@
 //!   the device layer.
 //! * [`host`] (`pagedkv-host`): the host API of each kernel (validation, CPU reference),
 //!   the SIMT emulator that runs the kernel bodies on the CPU.
+//! * [`cuda`]: the CUDA backend (cudarc, dynamic loading) with the embedded PTX.
 //! * [`ptx`]: the committed, validated PTX per architecture, as typed constants.
 //! * [`sim`]: the serving simulator behind `pagedkv simulate` (paged vs contiguous KV
 //!   memory), and [`plot`], its SVG figure.
@@ -34,6 +35,7 @@
 //! # Ok::<(), pagedkv::host::Error>(())
 //! ```
 
+pub mod cuda;
 pub mod plot;
 pub mod ptx;
 pub mod sim;

@@ -29,6 +29,8 @@ use pagedkv_host::ops::kv_append::kv_append_emulated;
 use pagedkv_host::reference::{dense_decode_attention, gather};
 use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};
 use pagedkv_host::{DType, HostTensor};
+
+use crate::cuda::DeviceTensor;
 use pagedkv_kernels::PagedLayout;
 
 /// Where the kernels run.
@@ -151,8 +153,12 @@ struct Layer {
     wk: Vec<f32>,
     wv: Vec<f32>,
     wo: Vec<f32>,
+    /// The cache the kernels write and read (on the CPU backend), or a host copy of it
+    /// (on the CUDA backend) that the prefill path and the verification read.
     key_cache: HostTensor,
     value_cache: HostTensor,
+    /// The device cache (CUDA backend only).
+    device: Option<(DeviceTensor, DeviceTensor)>,
 }
 
 /// `x [n, k] @ w [k, m]`.
@@ -189,9 +195,10 @@ pub fn run(
     cfg: &RunConfig,
     progress: &mut dyn FnMut(String),
 ) -> Result<RunReport, Box<dyn std::error::Error>> {
-    if cfg.backend == Backend::Cuda {
-        return Err("--backend cuda: this build has no CUDA backend yet (it is the GPU-backend issue's work); use --backend cpu".into());
-    }
+    let gpu = match cfg.backend {
+        Backend::Cpu => None,
+        Backend::Cuda => Some(crate::cuda::backend(0)?),
+    };
     if cfg.num_requests == 0 || cfg.max_tokens == 0 {
         return Err("--requests and --max-tokens must be at least 1".into());
     }
@@ -220,8 +227,17 @@ pub fn run(
             // Unused slots hold NaN: a kernel that read one would poison the output.
             key_cache: HostTensor::full(cfg.dtype, &pool, f64::NAN),
             value_cache: HostTensor::full(cfg.dtype, &pool, f64::NAN),
+            device: None,
         })
         .collect();
+    if let Some(g) = &gpu {
+        for l in layers.iter_mut() {
+            l.device = Some((
+                DeviceTensor::from_host(g, &l.key_cache)?,
+                DeviceTensor::from_host(g, &l.value_cache)?,
+            ));
+        }
+    }
     let max_model_len = 256;
     let mut sched = Scheduler::new(SchedulerConfig {
         num_blocks: cfg.num_blocks,
@@ -276,15 +292,24 @@ pub fn run(
                 &shape_kv,
                 &v.iter().map(|&a| a as f64).collect::<Vec<_>>(),
             )?;
-            kv_append_emulated(
-                &emu,
-                &layout,
-                &kt,
-                &vt,
-                &batch.slot_mapping,
-                &mut layer.key_cache,
-                &mut layer.value_cache,
-            )?;
+            match (&gpu, &mut layer.device) {
+                (Some(g), Some((kc, vc))) => {
+                    let kd = DeviceTensor::from_host(g, &kt)?;
+                    let vd = DeviceTensor::from_host(g, &vt)?;
+                    g.kv_append(&layout, &kd, &vd, &batch.slot_mapping, kc, vc)?;
+                    layer.key_cache = kc.to_host(g)?;
+                    layer.value_cache = vc.to_host(g)?;
+                }
+                _ => kv_append_emulated(
+                    &emu,
+                    &layout,
+                    &kt,
+                    &vt,
+                    &batch.slot_mapping,
+                    &mut layer.key_cache,
+                    &mut layer.value_cache,
+                )?,
+            }
 
             let mut attn = vec![0.0f32; n_new * hidden];
             // Decoding sequences: the paged decode kernel over the cache.
@@ -312,18 +337,29 @@ pub fn run(
                 let mut out = HostTensor::full(cfg.dtype, &[decode.len(), qh, d], f64::NAN);
                 let max_ctx = *lens.iter().max().unwrap_or(&1) as u32;
                 let p = plan(&shape, cfg.dtype, max_ctx, 16);
-                decode_emulated(
-                    &emu,
-                    &shape,
-                    &opts,
-                    &p,
-                    &qt,
-                    &layer.key_cache,
-                    &layer.value_cache,
-                    &tables,
-                    &lens,
-                    &mut out,
-                )?;
+                match (&gpu, &layer.device) {
+                    (Some(g), Some((kc, vc))) => {
+                        let qd = DeviceTensor::from_host(g, &qt)?;
+                        let mut od = DeviceTensor::from_host(g, &out)?;
+                        let plan = Some(p);
+                        g.paged_decode_attention(
+                            &shape, &opts, &qd, kc, vc, &tables, &lens, &mut od, plan,
+                        )?;
+                        out = od.to_host(g)?;
+                    }
+                    _ => decode_emulated(
+                        &emu,
+                        &shape,
+                        &opts,
+                        &p,
+                        &qt,
+                        &layer.key_cache,
+                        &layer.value_cache,
+                        &tables,
+                        &lens,
+                        &mut out,
+                    )?,
+                }
                 let outv = out.to_f64();
                 for (j, &i) in decode.iter().enumerate() {
                     let o = batch.seqs[i].token_offset as usize * hidden;

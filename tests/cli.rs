@@ -202,3 +202,28 @@ fn run_on_the_cpu_backend_completes_and_verifies() {
     assert!(out.contains("generated 30 tokens"), "{out}");
     assert!(out.contains("PASS"), "{out}");
 }
+
+#[test]
+fn run_on_cuda_either_verifies_or_says_there_is_no_gpu() {
+    let o = bin()
+        .args([
+            "run",
+            "--backend",
+            "cuda",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    if o.status.success() {
+        assert!(String::from_utf8_lossy(&o.stdout).contains("PASS"));
+    } else {
+        let e = stderr(&o);
+        assert!(
+            e.contains("no CUDA driver found") || e.contains("no CUDA device"),
+            "{e}"
+        );
+    }
+}

@@ -1,6 +1,8 @@
 //! Helpers shared by the kernel tests: random data, relative L2 error, tolerances.
 #![allow(dead_code)]
 
+pub mod case;
+
 use pagedkv::host::DType;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -1,0 +1,322 @@
+#![allow(missing_docs)] // criterion's macros and this bench's helpers.
+//! Kernel throughput: `cargo bench --bench kernels`.
+//!
+//! On a machine with an NVIDIA GPU: `paged_decode_attention` and `kv_append` over the
+//! shape table (batch 1/8/64/256 × context 512/4096/32768, GQA 32/8 and MHA 32/32,
+//! head_dim 128, f16 and bf16, block_size 16), timed with CUDA events after warm-up on
+//! random (never zero) data, rotating between cache regions so the inputs of successive
+//! launches together exceed the L2 cache. Criterion reports time and throughput from the
+//! documented byte count (`ops::attention::decode_bytes`); a summary table (median time,
+//! GB/s, and the ratio to a device-to-device copy measured in the same run) is printed
+//! last and written as markdown to `$PAGEDKV_BENCH_REPORT` (default
+//! `target/pagedkv-bench.md`). Shapes whose K+V would exceed `PAGEDKV_BENCH_MAX_GIB`
+//! (default 48 GiB) are skipped and listed as such.
+//!
+//! Without a GPU the GPU benchmarks print one line saying they were skipped, and the CPU
+//! benchmark (the f64 reference attention) still runs.
+
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use pagedkv::cuda::{CudaBackend, DeviceTensor, backend};
+use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape, decode_bytes, plan};
+use pagedkv::host::reference::paged_decode_attention;
+use pagedkv::host::{DType, HostTensor};
+use pagedkv::kernels::PagedLayout;
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+const L2_BYTES: u64 = 60 << 20;
+
+fn cpu_reference(c: &mut Criterion) {
+    // Batch 4, context 512, GQA 32/8, head_dim 128, f16: the ground truth's speed.
+    let shape = DecodeShape {
+        num_seqs: 4,
+        num_q_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        num_blocks: 4 * 32,
+        max_blocks_per_seq: 32,
+    };
+    let mut r = SmallRng::seed_from_u64(1);
+    let n = shape.layout().pool_elems() as usize;
+    let vals: Vec<f64> = (0..n).map(|_| r.random_range(-1.0..1.0)).collect();
+    let kc = HostTensor::from_f64(DType::F16, &[n], &vals).unwrap();
+    let vc = kc.clone();
+    let q = HostTensor::from_f64(DType::F16, &[4, 32, 128], &vals[..4 * 32 * 128]).unwrap();
+    let tables: Vec<i32> = (0..4 * 32).collect();
+    let lens = [512; 4];
+    let opts = DecodeOptions::new(128);
+    c.bench_function("cpu_reference_attention_b4_ctx512_gqa32_8_d128", |b| {
+        b.iter(|| paged_decode_attention(&shape, &opts, &q, &kc, &vc, &tables, &lens))
+    });
+}
+
+/// Fills a device tensor with random values (never zeros): a 64 MiB random chunk of
+/// the tensor's dtype, repeated on the device.
+fn fill_random(gpu: &CudaBackend, t: &mut DeviceTensor, r: &mut SmallRng) {
+    let dtype = t.dtype();
+    let chunk_elems = ((64usize << 20) / dtype.size())
+        .min(t.num_bytes() / dtype.size())
+        .max(1);
+    let vals: Vec<f64> = (0..chunk_elems)
+        .map(|_| r.random_range(-1.0..1.0))
+        .collect();
+    let chunk = HostTensor::from_f64(dtype, &[chunk_elems], &vals).unwrap();
+    t.fill_repeat(gpu, chunk.buf().as_bytes()).unwrap();
+}
+
+struct Row {
+    name: String,
+    bytes: u64,
+    median_ms: f64,
+}
+
+fn median_ms(gpu: &CudaBackend, reps: usize, mut f: impl FnMut(usize)) -> f64 {
+    for i in 0..3 {
+        f(i);
+    }
+    let mut v: Vec<f64> = (0..reps)
+        .map(|i| {
+            gpu.time_ms(|| {
+                f(i);
+                Ok(())
+            })
+            .unwrap() as f64
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn copy_bandwidth(gpu: &CudaBackend) -> f64 {
+    let n = 1usize << 30;
+    let mut r = SmallRng::seed_from_u64(2);
+    let mut a = DeviceTensor::zeros(gpu, DType::F16, &[n / 2]).unwrap();
+    fill_random(gpu, &mut a, &mut r);
+    let mut b = DeviceTensor::zeros(gpu, DType::F16, &[n / 2]).unwrap();
+    let ms = median_ms(gpu, 20, |_| gpu.copy_d2d(&a, &mut b).unwrap());
+    2.0 * n as f64 / (ms * 1e-3) / 1e9
+}
+
+fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
+    let max_gib: f64 = std::env::var("PAGEDKV_BENCH_MAX_GIB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(48.0);
+    let copy_gbs = copy_bandwidth(gpu);
+    println!(
+        "device-to-device copy: {copy_gbs:.0} GB/s (read + write) on {}",
+        gpu.device_name()
+    );
+    let mut rows: Vec<Row> = Vec::new();
+    let mut skipped: Vec<String> = Vec::new();
+    let mut r = SmallRng::seed_from_u64(3);
+    let mut g = c.benchmark_group("paged_decode_attention");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    for dtype in [DType::F16, DType::Bf16] {
+        for (qh, kvh) in [(32u32, 8u32), (32, 32)] {
+            for batch in [1u32, 8, 64, 256] {
+                for ctx in [512u32, 4096, 32768] {
+                    let name = format!("{dtype}/q{qh}kv{kvh}/b{batch}/ctx{ctx}");
+                    let blocks_per_seq = ctx.div_ceil(16);
+                    let needed = batch as u64 * blocks_per_seq as u64;
+                    let block_bytes = kvh as u64 * 16 * 128 * dtype.size() as u64;
+                    let kv_bytes = 2 * needed * block_bytes;
+                    if kv_bytes as f64 > max_gib * (1u64 << 30) as f64 {
+                        skipped.push(format!(
+                            "{name} (K+V {:.1} GiB > {max_gib} GiB)",
+                            kv_bytes as f64 / (1u64 << 30) as f64
+                        ));
+                        continue;
+                    }
+                    // Rotate between regions so successive launches' K/V exceed 3x L2.
+                    let rotations = (3 * L2_BYTES).div_ceil(kv_bytes).clamp(1, 64) as u32;
+                    let num_blocks = needed as u32 * rotations + 1;
+                    let shape = DecodeShape {
+                        num_seqs: batch,
+                        num_q_heads: qh,
+                        num_kv_heads: kvh,
+                        head_dim: 128,
+                        block_size: 16,
+                        num_blocks,
+                        max_blocks_per_seq: blocks_per_seq,
+                    };
+                    let pool = [shape.layout().pool_elems() as usize];
+                    let mut kc = DeviceTensor::zeros(gpu, dtype, &pool).unwrap();
+                    let mut vc = DeviceTensor::zeros(gpu, dtype, &pool).unwrap();
+                    fill_random(gpu, &mut kc, &mut r);
+                    fill_random(gpu, &mut vc, &mut r);
+                    let mut ids: Vec<i32> = (1..num_blocks as i32).collect();
+                    ids.shuffle(&mut r);
+                    let tables: Vec<Vec<i32>> =
+                        ids.chunks(needed as usize).map(|c| c.to_vec()).collect();
+                    let lens = vec![ctx as i32; batch as usize];
+                    let qn = (batch * qh * 128) as usize;
+                    let qv: Vec<f64> = (0..qn).map(|_| r.random_range(-1.0..1.0)).collect();
+                    let q = DeviceTensor::from_host(
+                        gpu,
+                        &HostTensor::from_f64(dtype, &[qn], &qv).unwrap(),
+                    )
+                    .unwrap();
+                    let mut out = DeviceTensor::zeros(gpu, dtype, &[qn]).unwrap();
+                    let opts = DecodeOptions::new(128);
+                    let p = plan(&shape, dtype, ctx, gpu.sm_count());
+                    let bytes = decode_bytes(&shape, dtype, &lens, &p);
+                    let mut launch = |i: usize| {
+                        let t = &tables[i % tables.len()];
+                        gpu.paged_decode_attention(
+                            &shape,
+                            &opts,
+                            &q,
+                            &kc,
+                            &vc,
+                            t,
+                            &lens,
+                            &mut out,
+                            Some(p),
+                        )
+                        .unwrap();
+                    };
+                    let ms = median_ms(gpu, 30, &mut launch);
+                    rows.push(Row {
+                        name: format!("decode {name} (parts {})", p.num_partitions),
+                        bytes,
+                        median_ms: ms,
+                    });
+                    g.throughput(Throughput::Bytes(bytes));
+                    g.bench_function(BenchmarkId::from_parameter(&name), |b| {
+                        b.iter_custom(|iters| {
+                            let ms = gpu
+                                .time_ms(|| {
+                                    for i in 0..iters as usize {
+                                        launch(i);
+                                    }
+                                    Ok(())
+                                })
+                                .unwrap();
+                            Duration::from_secs_f64(ms as f64 * 1e-3)
+                        })
+                    });
+                }
+            }
+        }
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("kv_append");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    for dtype in [DType::F16, DType::Bf16] {
+        for kvh in [8u32, 32] {
+            for tokens in [1usize, 8, 64, 256] {
+                let name = format!("{dtype}/kv{kvh}/tokens{tokens}");
+                let layout = PagedLayout {
+                    num_blocks: 4096,
+                    num_kv_heads: kvh,
+                    block_size: 16,
+                    head_dim: 128,
+                };
+                let pool = [layout.pool_elems() as usize];
+                let mut kc = DeviceTensor::zeros(gpu, dtype, &pool).unwrap();
+                let mut vc = DeviceTensor::zeros(gpu, dtype, &pool).unwrap();
+                let row = kvh as usize * 128;
+                let vals: Vec<f64> = (0..tokens * row)
+                    .map(|_| r.random_range(-1.0..1.0))
+                    .collect();
+                let k = DeviceTensor::from_host(
+                    gpu,
+                    &HostTensor::from_f64(dtype, &[tokens * row], &vals).unwrap(),
+                )
+                .unwrap();
+                let v = DeviceTensor::from_host(
+                    gpu,
+                    &HostTensor::from_f64(dtype, &[tokens * row], &vals).unwrap(),
+                )
+                .unwrap();
+                let mut slots: Vec<i64> = (0..layout.num_slots() as i64).collect();
+                slots.shuffle(&mut r);
+                let mappings: Vec<Vec<i64>> =
+                    slots.chunks(tokens).take(64).map(|c| c.to_vec()).collect();
+                let bytes = 4 * (tokens * row * dtype.size()) as u64 + 8 * tokens as u64;
+                let mut launch = |i: usize| {
+                    gpu.kv_append(
+                        &layout,
+                        &k,
+                        &v,
+                        &mappings[i % mappings.len()],
+                        &mut kc,
+                        &mut vc,
+                    )
+                    .unwrap();
+                };
+                let ms = median_ms(gpu, 30, &mut launch);
+                rows.push(Row {
+                    name: format!("kv_append {name}"),
+                    bytes,
+                    median_ms: ms,
+                });
+                g.throughput(Throughput::Bytes(bytes));
+                g.bench_function(BenchmarkId::from_parameter(&name), |b| {
+                    b.iter_custom(|iters| {
+                        let ms = gpu
+                            .time_ms(|| {
+                                for i in 0..iters as usize {
+                                    launch(i);
+                                }
+                                Ok(())
+                            })
+                            .unwrap();
+                        Duration::from_secs_f64(ms as f64 * 1e-3)
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+
+    let mut md = format!(
+        "| kernel / shape | bytes | median time (ms) | GB/s | % of copy ({copy_gbs:.0} GB/s) |\n|---|---|---|---|---|\n"
+    );
+    for row in &rows {
+        let gbs = row.bytes as f64 / (row.median_ms * 1e-3) / 1e9;
+        md.push_str(&format!(
+            "| {} | {} | {:.4} | {:.0} | {:.1}% |\n",
+            row.name,
+            row.bytes,
+            row.median_ms,
+            gbs,
+            100.0 * gbs / copy_gbs
+        ));
+    }
+    for s in &skipped {
+        md.push_str(&format!("| {s}: skipped | | | | |\n"));
+    }
+    println!("\n{md}");
+    let path =
+        std::env::var("PAGEDKV_BENCH_REPORT").unwrap_or_else(|_| "target/pagedkv-bench.md".into());
+    let header = format!(
+        "GPU: {} ({}, {} SMs); device-to-device copy {copy_gbs:.0} GB/s (bytes read + written / time)\n\n",
+        gpu.device_name(),
+        gpu.arch(),
+        gpu.sm_count()
+    );
+    if let Err(e) = std::fs::write(&path, header + &md) {
+        eprintln!("could not write {path}: {e}");
+    }
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args();
+    cpu_reference(&mut c);
+    match backend(0) {
+        Ok(gpu) => gpu_benches(&mut c, &gpu),
+        Err(e) => println!("GPU benchmarks skipped: {e}"),
+    }
+    c.final_summary();
+}

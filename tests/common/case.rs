@@ -1,0 +1,156 @@
+//! The decode-attention test case shared by the emulator proptests and the GPU tests:
+//! a batch over a shuffled pool with shared blocks, NaN in every unused cache slot,
+//! garbage in unused block-table entries, optional window (freeing the blocks before
+//! it), soft-cap and ALiBi.
+
+use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv::host::{DType, HostTensor};
+use rand::Rng;
+use rand::seq::SliceRandom;
+
+use super::{rng, uniform};
+
+/// What a case is made of.
+#[derive(Clone, Debug)]
+pub struct Params {
+    pub dtype: DType,
+    pub head_dim: u32,
+    pub block_size: u32,
+    pub num_kv_heads: u32,
+    pub group: u32,
+    pub batch: u32,
+    pub max_len: u32,
+    pub window: Option<u32>,
+    pub softcap: Option<f32>,
+    pub alibi: bool,
+    pub partition: Option<u32>,
+    pub narrow_heads: bool,
+    pub seed: u64,
+    /// Every sequence has `max_len` tokens (otherwise only the first).
+    pub full_length: bool,
+}
+
+/// A built case: shapes, options, inputs.
+pub struct Case {
+    pub shape: DecodeShape,
+    pub opts: DecodeOptions,
+    pub q: HostTensor,
+    pub kc: HostTensor,
+    pub vc: HostTensor,
+    pub tables: Vec<i32>,
+    pub lens: Vec<i32>,
+    pub windowed: bool,
+}
+
+pub fn build(p: &Params) -> Case {
+    let mut r = rng(p.seed);
+    let bs = p.block_size;
+    let lens: Vec<i32> = (0..p.batch)
+        .map(|i| {
+            if i == 0 || p.full_length {
+                p.max_len
+            } else {
+                r.random_range(1..=p.max_len)
+            }
+        } as i32)
+        .collect();
+    let nblk: Vec<u32> = lens.iter().map(|&l| (l as u32).div_ceil(bs)).collect();
+    let max_blocks = *nblk.iter().max().unwrap() + 1;
+    let extra = 3;
+    let num_blocks = nblk.iter().sum::<u32>() + extra;
+    let mut pool: Vec<u32> = (0..num_blocks).collect();
+    pool.shuffle(&mut r);
+    let mut next = 0;
+    // Garbage in unused table entries: reading one fails the test (out-of-pool id).
+    let mut tables = vec![-7i32; (p.batch * max_blocks) as usize];
+    for s in 0..p.batch as usize {
+        for lb in 0..nblk[s] as usize {
+            // Some sequences share their first block with the previous one (a prefix).
+            let shared = lb == 0 && s > 0 && r.random_bool(0.3);
+            tables[s * max_blocks as usize + lb] = if shared {
+                tables[(s - 1) * max_blocks as usize]
+            } else {
+                next += 1;
+                pool[next - 1] as i32
+            };
+        }
+    }
+    let shape = DecodeShape {
+        num_seqs: p.batch,
+        num_q_heads: p.num_kv_heads * p.group,
+        num_kv_heads: p.num_kv_heads,
+        head_dim: p.head_dim,
+        block_size: bs,
+        num_blocks,
+        max_blocks_per_seq: max_blocks,
+    };
+    let l = shape.layout();
+    let pool_shape = [l.pool_elems() as usize];
+    let mut kc = HostTensor::full(p.dtype, &pool_shape, f64::NAN);
+    let mut vc = HostTensor::full(p.dtype, &pool_shape, f64::NAN);
+    // Fill exactly the slots some sequence reads; everything else stays NaN.
+    let row = p.head_dim as usize;
+    for s in 0..p.batch as usize {
+        for t in 0..lens[s] as u32 {
+            let phys = tables[s * max_blocks as usize + (t / bs) as usize] as u32;
+            for h in 0..p.num_kv_heads {
+                let o = l.offset(phys, h, t % bs) as usize;
+                if kc.get(o).is_nan() {
+                    for (e, (kv, vv)) in uniform(&mut r, row)
+                        .into_iter()
+                        .zip(uniform(&mut r, row))
+                        .enumerate()
+                    {
+                        kc.set(o + e, 2.0 * kv);
+                        vc.set(o + e, vv);
+                    }
+                }
+            }
+        }
+    }
+    let mut opts = DecodeOptions::new(p.head_dim);
+    opts.scale *= r.random_range(0.5..2.0);
+    opts.softcap = p.softcap;
+    opts.window = p.window;
+    if p.alibi {
+        opts.alibi_slopes = Some(
+            (0..shape.num_q_heads)
+                .map(|h| 2f32.powf(-((h + 1) as f32) * 8.0 / shape.num_q_heads as f32))
+                .collect(),
+        );
+    }
+    // With a window, the blocks wholly before it are freed: poison their table entries.
+    let mut windowed = false;
+    if let Some(w) = p.window {
+        for s in 0..p.batch as usize {
+            let len = lens[s] as u32;
+            if len > w {
+                for lb in 0..(len - w) / bs {
+                    tables[s * max_blocks as usize + lb as usize] = -3;
+                    windowed = true;
+                }
+            }
+        }
+    }
+    let qn = (p.batch * shape.num_q_heads * p.head_dim) as usize;
+    let q = HostTensor::from_f64(
+        p.dtype,
+        &[
+            p.batch as usize,
+            shape.num_q_heads as usize,
+            p.head_dim as usize,
+        ],
+        &uniform(&mut r, qn),
+    )
+    .unwrap();
+    Case {
+        shape,
+        opts,
+        q,
+        kc,
+        vc,
+        tables,
+        lens,
+        windowed,
+    }
+}

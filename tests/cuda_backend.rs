@@ -1,0 +1,260 @@
+//! The CUDA backend. Without a GPU: constructing it is an error, never a panic. With one
+//! (`cargo test --release --test cuda_backend -- --ignored`): every kernel against the
+//! CPU reference at realistic sizes, on the same test cases as the emulator proofs
+//! (`common::case`), outputs poisoned with NaN, unused cache slots NaN.
+
+mod common;
+
+use common::case::{Params, build};
+use common::{rel_l2, rng, tolerance, uniform};
+use pagedkv::cuda::{CudaBackend, DeviceTensor, backend};
+use pagedkv::host::ops::kv_append::kv_append_reference;
+use pagedkv::host::reference::paged_decode_attention;
+use pagedkv::host::{DType, Error, HostTensor};
+use pagedkv::kernels::PagedLayout;
+use rand::seq::SliceRandom;
+
+#[test]
+fn constructing_the_backend_without_a_gpu_is_an_error_not_a_panic() {
+    match backend(0) {
+        // On a machine with a GPU the backend comes up and knows its SMs.
+        Ok(gpu) => assert!(gpu.sm_count() > 0 && !gpu.device_name().is_empty()),
+        Err(e @ (Error::NoCudaDriver | Error::NoCudaDevice(_))) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("no CUDA driver found") || msg.contains("no CUDA device"),
+                "{msg}"
+            );
+        }
+        Err(e) => panic!("unexpected error: {e}"),
+    }
+    // A device that does not exist is an error on every machine.
+    assert!(matches!(
+        backend(1 << 20),
+        Err(Error::NoCudaDriver | Error::NoCudaDevice(_))
+    ));
+}
+
+fn gpu() -> CudaBackend {
+    backend(0).expect("this test needs an NVIDIA GPU")
+}
+
+fn decode_case(
+    gpu: &CudaBackend,
+    dtype: DType,
+    batch: u32,
+    len: u32,
+    kv_heads: u32,
+    group: u32,
+    want_split: Option<bool>,
+) {
+    let p = Params {
+        dtype,
+        head_dim: 128,
+        block_size: 16,
+        num_kv_heads: kv_heads,
+        group,
+        batch,
+        max_len: len,
+        window: None,
+        softcap: None,
+        alibi: false,
+        partition: None,
+        narrow_heads: false,
+        seed: 7 + batch as u64 + len as u64,
+        full_length: true,
+    };
+    let c = build(&p);
+    let want = paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+    let q = DeviceTensor::from_host(gpu, &c.q).unwrap();
+    let kc = DeviceTensor::from_host(gpu, &c.kc).unwrap();
+    let vc = DeviceTensor::from_host(gpu, &c.vc).unwrap();
+    let mut out =
+        DeviceTensor::from_host(gpu, &HostTensor::full(dtype, c.q.shape(), f64::NAN)).unwrap();
+    let plan = gpu
+        .paged_decode_attention(
+            &c.shape, &c.opts, &q, &kc, &vc, &c.tables, &c.lens, &mut out, None,
+        )
+        .unwrap();
+    if let Some(split) = want_split {
+        assert_eq!(plan.is_split(), split, "{plan:?}");
+    }
+    let got = out.to_host(gpu).unwrap().to_f64();
+    let e = rel_l2(&got, &want);
+    assert!(
+        e <= tolerance(dtype),
+        "{dtype} batch {batch} ctx {len}: rel L2 {e:e} ({plan:?})"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn decode_batch_64_context_4096_gqa_32_8_every_dtype() {
+    let gpu = gpu();
+    for dtype in DType::ALL {
+        decode_case(&gpu, dtype, 64, 4096, 8, 4, Some(false));
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn decode_batch_1_context_32768_splits_k_every_dtype() {
+    let gpu = gpu();
+    for dtype in DType::ALL {
+        decode_case(&gpu, dtype, 1, 32768, 8, 4, Some(true));
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn decode_awkward_shapes_with_every_option() {
+    let gpu = gpu();
+    for (i, dtype) in DType::ALL.into_iter().enumerate() {
+        let p = Params {
+            dtype,
+            head_dim: [80, 96, 256][i],
+            block_size: [8, 16, 32][i],
+            num_kv_heads: 2,
+            group: [3, 5, 7][i],
+            batch: 17,
+            max_len: 700,
+            window: Some(300),
+            softcap: Some(20.0),
+            alibi: true,
+            partition: None,
+            narrow_heads: false,
+            seed: 99 + i as u64,
+            full_length: false,
+        };
+        let c = build(&p);
+        let want =
+            paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+        let q = DeviceTensor::from_host(&gpu, &c.q).unwrap();
+        let kc = DeviceTensor::from_host(&gpu, &c.kc).unwrap();
+        let vc = DeviceTensor::from_host(&gpu, &c.vc).unwrap();
+        for parts in [None, Some(128u32)] {
+            let mut out =
+                DeviceTensor::from_host(&gpu, &HostTensor::full(dtype, c.q.shape(), f64::NAN))
+                    .unwrap();
+            let plan = parts.map(|t| pagedkv::host::ops::attention::SplitPlan {
+                heads_per_block: c.shape.group(),
+                partition_tokens: t,
+                num_partitions: 700u32.div_ceil(t),
+            });
+            gpu.paged_decode_attention(
+                &c.shape, &c.opts, &q, &kc, &vc, &c.tables, &c.lens, &mut out, plan,
+            )
+            .unwrap();
+            let e = rel_l2(&out.to_host(&gpu).unwrap().to_f64(), &want);
+            assert!(e <= tolerance(dtype), "{dtype} {parts:?}: {e:e}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn kv_append_matches_the_reference_every_dtype() {
+    let gpu = gpu();
+    for dtype in DType::ALL {
+        let l = PagedLayout {
+            num_blocks: 512,
+            num_kv_heads: 8,
+            block_size: 16,
+            head_dim: 128,
+        };
+        let mut r = rng(3);
+        let mut slots: Vec<i64> = (0..l.num_slots() as i64).collect();
+        slots.shuffle(&mut r);
+        let n = 1000;
+        let mapping: Vec<i64> = (0..n)
+            .map(|i| if i % 17 == 0 { -1 } else { slots[i] })
+            .collect();
+        let shape = [n, 8, 128];
+        let k = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * 8 * 128)).unwrap();
+        let v = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * 8 * 128)).unwrap();
+        let pool = [l.pool_elems() as usize];
+        let mut kr = HostTensor::full(dtype, &pool, f64::NAN);
+        let mut vr = kr.clone();
+        let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
+        let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
+        kv_append_reference(&l, &k, &v, &mapping, &mut kr, &mut vr).unwrap();
+        let (kd, vd) = (
+            DeviceTensor::from_host(&gpu, &k).unwrap(),
+            DeviceTensor::from_host(&gpu, &v).unwrap(),
+        );
+        gpu.kv_append(&l, &kd, &vd, &mapping, &mut kc, &mut vc)
+            .unwrap();
+        assert_eq!(
+            kc.to_host(&gpu).unwrap().buf().as_bytes(),
+            kr.buf().as_bytes(),
+            "{dtype} K"
+        );
+        assert_eq!(
+            vc.to_host(&gpu).unwrap().buf().as_bytes(),
+            vr.buf().as_bytes(),
+            "{dtype} V"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn copy_blocks_and_swap_round_trip() {
+    let gpu = gpu();
+    let (num_blocks, block_bytes) = (64usize, 32 * 1024usize);
+    let mut r = rng(5);
+    let hosts: Vec<HostTensor> = (0..4)
+        .map(|_| {
+            let bytes: Vec<u8> = (0..num_blocks * block_bytes)
+                .map(|_| rand::Rng::random(&mut r))
+                .collect();
+            HostTensor::from_bytes(DType::F16, &[num_blocks * block_bytes / 2], &bytes).unwrap()
+        })
+        .collect();
+    let mut pools: Vec<DeviceTensor> = hosts
+        .iter()
+        .map(|h| DeviceTensor::from_host(&gpu, h).unwrap())
+        .collect();
+    let pairs = [(1u32, 40u32), (2, 41), (1, 42)];
+    {
+        let mut refs: Vec<&mut DeviceTensor> = pools.iter_mut().collect();
+        gpu.copy_blocks(&mut refs, block_bytes as u64, &pairs)
+            .unwrap();
+    }
+    for (h, d) in hosts.iter().zip(&pools) {
+        let got = d.to_host(&gpu).unwrap();
+        let (g, o) = (got.buf().as_bytes(), h.buf().as_bytes());
+        for b in 0..num_blocks {
+            let src = pairs
+                .iter()
+                .find(|p| p.1 as usize == b)
+                .map_or(b, |p| p.0 as usize);
+            assert_eq!(
+                &g[b * block_bytes..(b + 1) * block_bytes],
+                &o[src * block_bytes..(src + 1) * block_bytes],
+                "block {b}"
+            );
+        }
+    }
+    // Swap blocks 3 and 4 out, overwrite them by a copy, swap them back in.
+    let mut host = gpu.alloc_swap_pool(8, pools.len(), block_bytes).unwrap();
+    let before: Vec<Vec<u8>> = pools
+        .iter()
+        .map(|p| p.to_host(&gpu).unwrap().buf().as_bytes().to_vec())
+        .collect();
+    {
+        let refs: Vec<&DeviceTensor> = pools.iter().collect();
+        gpu.swap_out(&refs, block_bytes as u64, &[(3, 0), (4, 5)], &mut host)
+            .unwrap();
+    }
+    {
+        let mut refs: Vec<&mut DeviceTensor> = pools.iter_mut().collect();
+        gpu.copy_blocks(&mut refs, block_bytes as u64, &[(10, 3), (11, 4)])
+            .unwrap();
+        gpu.swap_in(&mut refs, block_bytes as u64, &[(0, 3), (5, 4)], &host)
+            .unwrap();
+    }
+    for (b, p) in before.iter().zip(&pools) {
+        assert_eq!(p.to_host(&gpu).unwrap().buf().as_bytes(), b.as_slice());
+    }
+}
