@@ -1,0 +1,952 @@
+//! The C ABI of pagedkv (`include/pagedkv.h`).
+//!
+//! Built as `libpagedkv_c.a` and `libpagedkv_c.so`. Every function:
+//! * returns a [`pagedkv_status`] (`PAGEDKV_OK` = 0), and on failure leaves a message
+//!   for [`pagedkv_last_error_message`] (per thread);
+//! * checks its pointers (null is `PAGEDKV_ERR_NULL`) and lengths before use;
+//! * catches panics: none crosses the boundary (`PAGEDKV_ERR_PANIC`);
+//! * refuses a handle that was destroyed or never created (a registry of live handles)
+//!   and a call on a scheduler that is already inside a call (re-entrance, or two
+//!   threads at once): `PAGEDKV_ERR_INVALID_STATE`.
+//!
+//! Ownership: the library owns every handle (create/destroy) and the arrays a
+//! [`pagedkv_batch`] points to, which stay valid until the next `pagedkv_step` or
+//! `pagedkv_scheduler_destroy` on that scheduler. The caller owns everything it passes in.
+#![allow(non_camel_case_types)]
+
+#[cfg(feature = "header-check")]
+mod header_check;
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+use std::ffi::{CString, c_char};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv::host::ops::kv_append::kv_append_reference;
+use pagedkv::host::reference::paged_decode_attention;
+use pagedkv::host::scheduler::{
+    Batch, PreemptionMode, QueuePolicy, Request, Scheduler, SchedulerConfig,
+};
+use pagedkv::host::{DType, Error, HostTensor};
+use pagedkv::kernels::PagedLayout;
+
+/// Result of every call. `PAGEDKV_OK` is 0.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum pagedkv_status {
+    /// Success.
+    PAGEDKV_OK = 0,
+    /// A required pointer was null.
+    PAGEDKV_ERR_NULL = 1,
+    /// An argument is out of range or inconsistent.
+    PAGEDKV_ERR_INVALID_ARGUMENT = 2,
+    /// The block pool is full.
+    PAGEDKV_ERR_OUT_OF_BLOCKS = 3,
+    /// A request or sequence id names nothing live.
+    PAGEDKV_ERR_UNKNOWN_ID = 4,
+    /// The call is not allowed now (destroyed handle, re-entrance, call order).
+    PAGEDKV_ERR_INVALID_STATE = 5,
+    /// A CUDA driver call failed, or no CUDA driver or device.
+    PAGEDKV_ERR_CUDA = 6,
+    /// A panic inside the library was caught (a bug: please report it).
+    PAGEDKV_ERR_PANIC = 7,
+}
+
+use pagedkv_status::*;
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+fn fail(status: pagedkv_status, msg: impl AsRef<str>) -> pagedkv_status {
+    set_error(msg.as_ref());
+    status
+}
+
+fn from_error(e: &Error) -> pagedkv_status {
+    let s = match e {
+        Error::InvalidArgument { .. } => PAGEDKV_ERR_INVALID_ARGUMENT,
+        Error::OutOfBlocks { .. } => PAGEDKV_ERR_OUT_OF_BLOCKS,
+        Error::Unknown { .. } => PAGEDKV_ERR_UNKNOWN_ID,
+        Error::InvalidState(_) => PAGEDKV_ERR_INVALID_STATE,
+        Error::NoCudaDriver
+        | Error::NoCudaDevice(_)
+        | Error::UnsupportedDevice(_)
+        | Error::Cuda { .. } => PAGEDKV_ERR_CUDA,
+        _ => PAGEDKV_ERR_INVALID_STATE,
+    };
+    fail(s, e.to_string())
+}
+
+/// Runs `f`, turning a panic into `PAGEDKV_ERR_PANIC` with its message.
+fn guard(f: impl FnOnce() -> pagedkv_status) -> pagedkv_status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(s) => {
+            if s == PAGEDKV_OK {
+                set_error("");
+            }
+            s
+        }
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            fail(PAGEDKV_ERR_PANIC, format!("internal panic: {msg}"))
+        }
+    }
+}
+
+/// The message of the last failed call on this thread ("" after a success). The
+/// pointer stays valid until the next pagedkv call on this thread. Never null.
+#[unsafe(no_mangle)]
+pub extern "C" fn pagedkv_last_error_message() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// The library's version, `"MAJOR.MINOR.PATCH"`, static. Never null.
+#[unsafe(no_mangle)]
+pub extern "C" fn pagedkv_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+// ---------------------------------------------------------------------------------
+// Scheduler
+// ---------------------------------------------------------------------------------
+
+/// Scheduler settings (see `pagedkv_scheduler_config_default`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct pagedkv_scheduler_config {
+    /// Device blocks (block 0 is the null block).
+    pub num_blocks: u32,
+    /// Tokens per block: 8, 16 or 32.
+    pub block_size: u32,
+    /// Host blocks for swapping (0: preemption always recomputes).
+    pub num_host_blocks: u32,
+    /// Longest sequence (prompt + output).
+    pub max_model_len: u32,
+    /// Most running sequences.
+    pub max_num_seqs: u64,
+    /// Most tokens one step processes (at least `max_model_len`).
+    pub max_tokens_per_step: u64,
+    /// Fraction of blocks admission keeps free, in [0, 1).
+    pub watermark: f64,
+    /// 1: preempt by swapping to the host pool; 0: by recompute.
+    pub preempt_by_swap: u32,
+    /// 1: waiting queue by priority (then FCFS); 0: FCFS.
+    pub priority_policy: u32,
+    /// 1: reuse cached full blocks of matching prefixes.
+    pub enable_prefix_caching: u32,
+    /// Sliding window in tokens; 0: none.
+    pub sliding_window: u32,
+}
+
+/// A generation request.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct pagedkv_request {
+    /// Caller-chosen id, unique among live requests.
+    pub id: u64,
+    /// `prompt_len` token ids (borrowed for the call).
+    pub prompt: *const u32,
+    /// Prompt tokens, at least 1.
+    pub prompt_len: u64,
+    /// Tokens to generate at most, at least 1.
+    pub max_tokens: u32,
+    /// Stop token id, or -1 for none.
+    pub stop_token: i64,
+    /// Priority (higher first) under the priority policy.
+    pub priority: i32,
+    /// 1: `cache_salt` keeps this request's prefix cache apart.
+    pub has_cache_salt: u32,
+    /// The salt.
+    pub cache_salt: u64,
+}
+
+/// One sequence's part of a step.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct pagedkv_scheduled_seq {
+    /// Sequence id.
+    pub seq: u64,
+    /// Its request.
+    pub request: u64,
+    /// 1: prefill (several new tokens); 0: decode (one).
+    pub is_prefill: u32,
+    /// Position of its first new token.
+    pub start_pos: u32,
+    /// New tokens this step.
+    pub num_new_tokens: u32,
+    /// Tokens in its cache after this step.
+    pub context_len: u32,
+    /// Offset of its first new token in `slot_mapping`.
+    pub token_offset: u32,
+    /// Padding (0).
+    pub reserved: u32,
+}
+
+/// A step's batch. Every pointer stays valid until the next `pagedkv_step` or
+/// `pagedkv_scheduler_destroy` on the same scheduler; the library owns the arrays.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct pagedkv_batch {
+    /// Scheduled sequences.
+    pub num_seqs: u64,
+    /// `[num_seqs]`.
+    pub seqs: *const pagedkv_scheduled_seq,
+    /// Row length of `block_tables`.
+    pub max_blocks_per_seq: u32,
+    /// Padding (0).
+    pub reserved: u32,
+    /// `[num_seqs, max_blocks_per_seq]`, padded with the null block 0.
+    pub block_tables: *const i32,
+    /// `[num_seqs]`.
+    pub context_lens: *const i32,
+    /// New tokens.
+    pub num_slots: u64,
+    /// `[num_slots]`: slot of each new token; -1: skip.
+    pub slot_mapping: *const i64,
+    /// Copy-on-write pairs.
+    pub num_copies: u64,
+    /// `[num_copies, 2]`: (src, dst) blocks, to copy before the kernels write.
+    pub copies: *const u32,
+    /// Blocks to swap out.
+    pub num_swap_out: u64,
+    /// `[num_swap_out, 2]`: (device, host) blocks, to copy first of all.
+    pub swap_out: *const u32,
+    /// Blocks to swap in.
+    pub num_swap_in: u64,
+    /// `[num_swap_in, 2]`: (host, device) blocks, after the swap-outs.
+    pub swap_in: *const u32,
+}
+
+/// A sampled token for one scheduled sequence.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct pagedkv_sampled {
+    /// Sequence id (from the batch).
+    pub seq: u64,
+    /// The token id.
+    pub token: u32,
+    /// Padding (0).
+    pub reserved: u32,
+}
+
+/// Counters and gauges after the last step.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct pagedkv_metrics {
+    /// Steps run.
+    pub steps: u64,
+    /// Blocks held by sequences.
+    pub blocks_used: u32,
+    /// Blocks free (cached ones included).
+    pub blocks_free: u32,
+    /// Free blocks holding a reusable prefix.
+    pub blocks_cached_free: u32,
+    /// Padding (0).
+    pub reserved: u32,
+    /// Tokens stored / slots of held blocks.
+    pub kv_utilization: f64,
+    /// Running request groups.
+    pub running: u64,
+    /// Waiting request groups.
+    pub waiting: u64,
+    /// Swapped-out request groups.
+    pub swapped: u64,
+    /// Preemptions by recompute.
+    pub preempted_recompute: u64,
+    /// Preemptions by swap.
+    pub preempted_swap: u64,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_queried_tokens: u64,
+    /// Of those, found cached.
+    pub prefix_hit_tokens: u64,
+}
+
+/// An opaque scheduler handle.
+pub struct pagedkv_scheduler {
+    inner: Scheduler,
+    busy: AtomicBool,
+    lists: StepLists,
+}
+
+static LIVE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+fn live(p: usize) -> bool {
+    LIVE.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .is_some_and(|s| s.contains(&p))
+}
+
+/// Runs `f` on a live, idle scheduler; refuses null, destroyed and busy handles.
+fn with_scheduler(
+    s: *mut pagedkv_scheduler,
+    f: impl FnOnce(&mut pagedkv_scheduler) -> pagedkv_status,
+) -> pagedkv_status {
+    guard(|| {
+        if s.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "scheduler is null");
+        }
+        if !live(s as usize) {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                "scheduler handle was destroyed or never created",
+            );
+        }
+        // SAFETY: the registry says `s` came from `pagedkv_scheduler_create` and has
+        // not been destroyed; `busy` below makes this the only active reference.
+        let sched = unsafe { &*s };
+        if sched.busy.swap(true, Ordering::Acquire) {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                "scheduler is already inside a call (re-entrant or concurrent use)",
+            );
+        }
+        // SAFETY: as above; exclusive while `busy` is set.
+        let r = f(unsafe { &mut *s });
+        // SAFETY: still live: destroy refuses a busy handle.
+        unsafe { &*s }.busy.store(false, Ordering::Release);
+        r
+    })
+}
+
+/// Fills `out` with the defaults (1024 blocks of 16 tokens, no swap, FCFS, no prefix
+/// caching, no window, max_model_len 4096).
+///
+/// # Safety
+/// `out` is null or valid for writing one `pagedkv_scheduler_config`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_scheduler_config_default(
+    out: *mut pagedkv_scheduler_config,
+) -> pagedkv_status {
+    guard(|| {
+        if out.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "out is null");
+        }
+        let d = SchedulerConfig::default();
+        let c = pagedkv_scheduler_config {
+            num_blocks: d.num_blocks,
+            block_size: d.block_size,
+            num_host_blocks: d.num_host_blocks,
+            max_model_len: d.max_model_len,
+            max_num_seqs: d.max_num_seqs as u64,
+            max_tokens_per_step: d.max_tokens_per_step as u64,
+            watermark: d.watermark,
+            preempt_by_swap: 0,
+            priority_policy: 0,
+            enable_prefix_caching: 0,
+            sliding_window: 0,
+        };
+        // SAFETY: non-null and valid for a write (the caller's contract).
+        unsafe { out.write(c) };
+        PAGEDKV_OK
+    })
+}
+
+/// Creates a scheduler. On success `*out` is a new handle, to be released with
+/// `pagedkv_scheduler_destroy`.
+///
+/// # Safety
+/// `config` is null or points to a valid config; `out` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_scheduler_create(
+    config: *const pagedkv_scheduler_config,
+    out: *mut *mut pagedkv_scheduler,
+) -> pagedkv_status {
+    guard(|| {
+        if config.is_null() || out.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "config or out is null");
+        }
+        // SAFETY: non-null, valid for a read (the caller's contract).
+        let c = unsafe { config.read() };
+        let cfg = SchedulerConfig {
+            num_blocks: c.num_blocks,
+            block_size: c.block_size,
+            num_host_blocks: c.num_host_blocks,
+            max_num_seqs: c.max_num_seqs.min(usize::MAX as u64) as usize,
+            max_tokens_per_step: c.max_tokens_per_step.min(usize::MAX as u64) as usize,
+            watermark: c.watermark,
+            preemption: if c.preempt_by_swap != 0 {
+                PreemptionMode::Swap
+            } else {
+                PreemptionMode::Recompute
+            },
+            policy: if c.priority_policy != 0 {
+                QueuePolicy::Priority
+            } else {
+                QueuePolicy::Fcfs
+            },
+            enable_prefix_caching: c.enable_prefix_caching != 0,
+            sliding_window: (c.sliding_window != 0).then_some(c.sliding_window),
+            max_model_len: c.max_model_len,
+        };
+        let inner = match Scheduler::new(cfg) {
+            Ok(s) => s,
+            Err(e) => return from_error(&e),
+        };
+        let h = Box::into_raw(Box::new(pagedkv_scheduler {
+            inner,
+            busy: AtomicBool::new(false),
+            lists: StepLists::default(),
+        }));
+        LIVE.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(HashSet::new)
+            .insert(h as usize);
+        // SAFETY: non-null, valid for a write.
+        unsafe { out.write(h) };
+        PAGEDKV_OK
+    })
+}
+
+/// Destroys a scheduler and everything it owns (batch arrays included). A second
+/// destroy of the same handle is `PAGEDKV_ERR_INVALID_STATE`.
+///
+/// # Safety
+/// `s` is null or a pointer this library returned (a destroyed one is detected).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_scheduler_destroy(s: *mut pagedkv_scheduler) -> pagedkv_status {
+    guard(|| {
+        if s.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "scheduler is null");
+        }
+        let mut reg = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(set) = reg.as_mut().filter(|set| set.contains(&(s as usize))) else {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                "scheduler handle was destroyed or never created",
+            );
+        };
+        // SAFETY: registered, so created by `Box::into_raw` and not yet freed.
+        if unsafe { &*s }.busy.load(Ordering::Acquire) {
+            return fail(PAGEDKV_ERR_INVALID_STATE, "scheduler is inside a call");
+        }
+        set.remove(&(s as usize));
+        // SAFETY: registered until just now: this is the only release.
+        drop(unsafe { Box::from_raw(s) });
+        PAGEDKV_OK
+    })
+}
+
+/// Queues a request; `*out_seq` receives its first sequence's id.
+///
+/// # Safety
+/// `req` is null or valid for a read, and `req->prompt` for `req->prompt_len` reads;
+/// `out_seq` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_add_request(
+    s: *mut pagedkv_scheduler,
+    req: *const pagedkv_request,
+    out_seq: *mut u64,
+) -> pagedkv_status {
+    with_scheduler(s, |h| {
+        if req.is_null() || out_seq.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "req or out_seq is null");
+        }
+        // SAFETY: non-null, valid for a read.
+        let r = unsafe { req.read() };
+        if r.prompt.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "req->prompt is null");
+        }
+        if r.prompt_len > (1 << 24) {
+            return fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!("req->prompt_len {} is implausibly large", r.prompt_len),
+            );
+        }
+        if r.stop_token < -1 || r.stop_token > u32::MAX as i64 {
+            return fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!("req->stop_token {} (a token id, or -1)", r.stop_token),
+            );
+        }
+        // SAFETY: non-null, valid for `prompt_len` reads (the caller's contract).
+        let prompt = unsafe { std::slice::from_raw_parts(r.prompt, r.prompt_len as usize) };
+        let request = Request {
+            id: r.id,
+            prompt: prompt.to_vec(),
+            max_tokens: r.max_tokens,
+            stop_token: (r.stop_token >= 0).then_some(r.stop_token as u32),
+            priority: r.priority,
+            cache_salt: (r.has_cache_salt != 0).then_some(r.cache_salt),
+            preemption: None,
+        };
+        match h.inner.add_request(request) {
+            Ok(seq) => {
+                // SAFETY: non-null, valid for a write.
+                unsafe { out_seq.write(seq) };
+                PAGEDKV_OK
+            }
+            Err(e) => from_error(&e),
+        }
+    })
+}
+
+/// Ends a request wherever it is and frees its blocks.
+///
+/// # Safety
+/// `s` is null or a pointer this library returned.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_abort(
+    s: *mut pagedkv_scheduler,
+    request_id: u64,
+) -> pagedkv_status {
+    with_scheduler(s, |h| match h.inner.abort(request_id) {
+        Ok(()) => PAGEDKV_OK,
+        Err(e) => from_error(&e),
+    })
+}
+
+fn flatten(v: &mut Vec<u32>, pairs: &[(u32, u32)]) {
+    v.clear();
+    v.extend(pairs.iter().flat_map(|&(a, b)| [a, b]));
+}
+
+/// The per-step lists converted to C layout, kept in the handle until the next step.
+#[derive(Default)]
+struct StepLists {
+    seqs: Vec<pagedkv_scheduled_seq>,
+    copies: Vec<u32>,
+    swap_out: Vec<u32>,
+    swap_in: Vec<u32>,
+}
+
+fn fill_batch(l: &mut StepLists, b: &Batch) -> pagedkv_batch {
+    l.seqs.clear();
+    l.seqs.extend(b.seqs.iter().map(|q| pagedkv_scheduled_seq {
+        seq: q.seq,
+        request: q.request,
+        is_prefill: q.is_prefill as u32,
+        start_pos: q.start_pos,
+        num_new_tokens: q.num_new_tokens,
+        context_len: q.context_len,
+        token_offset: q.token_offset,
+        reserved: 0,
+    }));
+    flatten(&mut l.copies, &b.copies);
+    flatten(&mut l.swap_out, &b.swap_out);
+    flatten(&mut l.swap_in, &b.swap_in);
+    pagedkv_batch {
+        num_seqs: l.seqs.len() as u64,
+        seqs: l.seqs.as_ptr(),
+        max_blocks_per_seq: b.max_blocks_per_seq,
+        reserved: 0,
+        block_tables: b.block_tables.as_ptr(),
+        context_lens: b.context_lens.as_ptr(),
+        num_slots: b.slot_mapping.len() as u64,
+        slot_mapping: b.slot_mapping.as_ptr(),
+        num_copies: b.copies.len() as u64,
+        copies: l.copies.as_ptr(),
+        num_swap_out: b.swap_out.len() as u64,
+        swap_out: l.swap_out.as_ptr(),
+        num_swap_in: b.swap_in.len() as u64,
+        swap_in: l.swap_in.as_ptr(),
+    }
+}
+
+/// Plans the next step into `*out` (see `pagedkv_batch` for the arrays' lifetime).
+/// Then feed the sampled tokens back with `pagedkv_on_step_done` before the next step.
+/// An empty batch (`num_seqs == 0`) means nothing could run.
+///
+/// # Safety
+/// `s` is null or a pointer this library returned; `out` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_step(
+    s: *mut pagedkv_scheduler,
+    out: *mut pagedkv_batch,
+) -> pagedkv_status {
+    with_scheduler(s, |h| {
+        if out.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "out is null");
+        }
+        // The batch's arrays live in the scheduler (valid until its next step); the
+        // per-step lists are converted into the handle's own vectors.
+        let c = match h.inner.step() {
+            Ok(b) => fill_batch(&mut h.lists, b),
+            Err(e) => return from_error(&e),
+        };
+        // SAFETY: non-null, valid for a write.
+        unsafe { out.write(c) };
+        PAGEDKV_OK
+    })
+}
+
+/// Takes the token sampled for every sequence of the last step (`n` entries, each
+/// scheduled sequence exactly once). `*out_finished` (if not null) receives how many
+/// sequences finished (stop token or max_tokens); their blocks are already free.
+///
+/// # Safety
+/// `sampled` is null only when `n` is 0, else valid for `n` reads; `out_finished` is
+/// null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_on_step_done(
+    s: *mut pagedkv_scheduler,
+    sampled: *const pagedkv_sampled,
+    n: u64,
+    out_finished: *mut u64,
+) -> pagedkv_status {
+    with_scheduler(s, |h| {
+        if sampled.is_null() && n > 0 {
+            return fail(PAGEDKV_ERR_NULL, "sampled is null");
+        }
+        let list: Vec<(u64, u32)> = if n == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: non-null, valid for `n` reads.
+            unsafe { std::slice::from_raw_parts(sampled, n as usize) }
+                .iter()
+                .map(|x| (x.seq, x.token))
+                .collect()
+        };
+        match h.inner.on_step_done(&list) {
+            Ok(done) => {
+                if !out_finished.is_null() {
+                    // SAFETY: non-null, valid for a write.
+                    unsafe { out_finished.write(done.len() as u64) };
+                }
+                PAGEDKV_OK
+            }
+            Err(e) => from_error(&e),
+        }
+    })
+}
+
+/// `*out_idle` = 1 when nothing waits, runs or is swapped out, else 0.
+///
+/// # Safety
+/// `s` is null or a pointer this library returned; `out_idle` null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_is_idle(
+    s: *mut pagedkv_scheduler,
+    out_idle: *mut u32,
+) -> pagedkv_status {
+    with_scheduler(s, |h| {
+        if out_idle.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "out_idle is null");
+        }
+        // SAFETY: non-null, valid for a write.
+        unsafe { out_idle.write(h.inner.is_idle() as u32) };
+        PAGEDKV_OK
+    })
+}
+
+/// The scheduler's metrics as of the last step.
+///
+/// # Safety
+/// `s` is null or a pointer this library returned; `out` null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_get_metrics(
+    s: *mut pagedkv_scheduler,
+    out: *mut pagedkv_metrics,
+) -> pagedkv_status {
+    with_scheduler(s, |h| {
+        if out.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "out is null");
+        }
+        let m = h.inner.metrics();
+        let c = pagedkv_metrics {
+            steps: m.steps,
+            blocks_used: m.blocks_used,
+            blocks_free: m.blocks_free,
+            blocks_cached_free: m.blocks_cached_free,
+            reserved: 0,
+            kv_utilization: m.kv_utilization,
+            running: m.running as u64,
+            waiting: m.waiting as u64,
+            swapped: m.swapped as u64,
+            preempted_recompute: m.preempted_recompute,
+            preempted_swap: m.preempted_swap,
+            prefix_queried_tokens: m.prefix_queried_tokens,
+            prefix_hit_tokens: m.prefix_hit_tokens,
+        };
+        // SAFETY: non-null, valid for a write.
+        unsafe { out.write(c) };
+        PAGEDKV_OK
+    })
+}
+
+/// Copies up to `cap` token ids of live sequence `seq` (prompt first) into `out`, and
+/// its total token count into `*out_len` (call with `cap` 0 to ask the length).
+///
+/// # Safety
+/// `out` is null only when `cap` is 0, else valid for `cap` writes; `out_len` valid
+/// for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_seq_tokens(
+    s: *mut pagedkv_scheduler,
+    seq: u64,
+    out: *mut u32,
+    cap: u64,
+    out_len: *mut u64,
+) -> pagedkv_status {
+    with_scheduler(s, |h| {
+        if out_len.is_null() || (out.is_null() && cap > 0) {
+            return fail(PAGEDKV_ERR_NULL, "out_len (or out with cap > 0) is null");
+        }
+        match h.inner.tokens(seq) {
+            Ok(t) => {
+                let n = t.len().min(cap as usize);
+                if n > 0 {
+                    // SAFETY: non-null, valid for `cap >= n` writes.
+                    unsafe { std::ptr::copy_nonoverlapping(t.as_ptr(), out, n) };
+                }
+                // SAFETY: non-null, valid for a write.
+                unsafe { out_len.write(t.len() as u64) };
+                PAGEDKV_OK
+            }
+            Err(e) => from_error(&e),
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------
+// CPU reference kernels (f32 buffers)
+// ---------------------------------------------------------------------------------
+
+/// Shapes of a decode-attention call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct pagedkv_decode_shape {
+    /// Sequences (one query token each).
+    pub num_seqs: u32,
+    /// Query heads (a multiple of `num_kv_heads`).
+    pub num_q_heads: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// 64, 80, 96, 112, 128 or 256.
+    pub head_dim: u32,
+    /// 8, 16 or 32.
+    pub block_size: u32,
+    /// Blocks in the cache.
+    pub num_blocks: u32,
+    /// Row length of the block tables.
+    pub max_blocks_per_seq: u32,
+    /// Padding (0).
+    pub reserved: u32,
+}
+
+unsafe fn slice<'a, T>(p: *const T, n: u64, what: &str) -> Result<&'a [T], pagedkv_status> {
+    if p.is_null() {
+        return Err(fail(PAGEDKV_ERR_NULL, format!("{what} is null")));
+    }
+    // SAFETY: non-null; the caller's contract makes it valid for `n` reads.
+    Ok(unsafe { std::slice::from_raw_parts(p, n as usize) })
+}
+
+unsafe fn slice_mut<'a, T>(p: *mut T, n: u64, what: &str) -> Result<&'a mut [T], pagedkv_status> {
+    if p.is_null() {
+        return Err(fail(PAGEDKV_ERR_NULL, format!("{what} is null")));
+    }
+    // SAFETY: non-null; the caller's contract makes it valid for `n` writes.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, n as usize) })
+}
+
+fn tensor(v: &[f32], shape: &[usize]) -> HostTensor {
+    let f: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+    HostTensor::from_f64(DType::F32, shape, &f).expect("shape matches length")
+}
+
+/// The CPU reference of paged decode attention (f64 arithmetic, f32 buffers): `q`,
+/// `out`: `[num_seqs, num_q_heads, head_dim]`; caches `[num_blocks, num_kv_heads,
+/// block_size, head_dim]`; `block_tables` `[num_seqs, max_blocks_per_seq]`;
+/// `context_lens` `[num_seqs]`. Each `*_len` is the buffer's element count and must
+/// match the shape.
+///
+/// # Safety
+/// Each pointer is null or valid for its `*_len` elements (`out` for writes).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_reference_decode_attention(
+    shape: *const pagedkv_decode_shape,
+    scale: f32,
+    q: *const f32,
+    q_len: u64,
+    key_cache: *const f32,
+    value_cache: *const f32,
+    cache_len: u64,
+    block_tables: *const i32,
+    block_tables_len: u64,
+    context_lens: *const i32,
+    context_lens_len: u64,
+    out: *mut f32,
+    out_len: u64,
+) -> pagedkv_status {
+    guard(|| {
+        if shape.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "shape is null");
+        }
+        // SAFETY: non-null, valid for a read.
+        let c = unsafe { shape.read() };
+        let sh = DecodeShape {
+            num_seqs: c.num_seqs,
+            num_q_heads: c.num_q_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: c.block_size,
+            num_blocks: c.num_blocks,
+            max_blocks_per_seq: c.max_blocks_per_seq,
+        };
+        let run = || -> Result<pagedkv_status, pagedkv_status> {
+            // SAFETY: the caller's contract for each pointer and length.
+            let (q, kc, vc, bt, cl, o) = unsafe {
+                (
+                    slice(q, q_len, "q")?,
+                    slice(key_cache, cache_len, "key_cache")?,
+                    slice(value_cache, cache_len, "value_cache")?,
+                    slice(block_tables, block_tables_len, "block_tables")?,
+                    slice(context_lens, context_lens_len, "context_lens")?,
+                    slice_mut(out, out_len, "out")?,
+                )
+            };
+            let qt = tensor(q, &[q.len()]);
+            let kt = tensor(kc, &[kc.len()]);
+            let vt = tensor(vc, &[vc.len()]);
+            let mut ot = HostTensor::full(DType::F32, &[o.len()], 0.0);
+            let mut opts = DecodeOptions::new(sh.head_dim.max(1));
+            opts.scale = scale;
+            pagedkv::host::ops::attention::validate(&sh, &opts, &qt, &kt, &vt, bt, cl, &ot)
+                .map_err(|e| from_error(&e))?;
+            let r = paged_decode_attention(&sh, &opts, &qt, &kt, &vt, bt, cl);
+            for (i, v) in r.iter().enumerate() {
+                ot.set(i, *v);
+            }
+            o.copy_from_slice(ot.buf().as_slice::<f32>());
+            Ok(PAGEDKV_OK)
+        };
+        run().unwrap_or_else(|s| s)
+    })
+}
+
+/// The CPU reference of `kv_append` (f32 buffers): writes token `i`'s K and V rows
+/// (`key`, `value`: `[num_tokens, num_kv_heads, head_dim]`) into slot
+/// `slot_mapping[i]` of the caches (`[num_blocks, num_kv_heads, block_size,
+/// head_dim]`, `cache_len` elements each); negative slots are skipped.
+///
+/// # Safety
+/// Each pointer is null or valid for its length (`key`/`value` for `num_tokens *
+/// num_kv_heads * head_dim`, the caches for `cache_len` writes).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_reference_kv_append(
+    num_blocks: u32,
+    num_kv_heads: u32,
+    block_size: u32,
+    head_dim: u32,
+    key: *const f32,
+    value: *const f32,
+    num_tokens: u64,
+    slot_mapping: *const i64,
+    key_cache: *mut f32,
+    value_cache: *mut f32,
+    cache_len: u64,
+) -> pagedkv_status {
+    guard(|| {
+        let layout = PagedLayout {
+            num_blocks,
+            num_kv_heads,
+            block_size,
+            head_dim,
+        };
+        let row = num_kv_heads as u64 * head_dim as u64;
+        let Some(n) = num_tokens.checked_mul(row) else {
+            return fail(PAGEDKV_ERR_INVALID_ARGUMENT, "num_tokens * row overflows");
+        };
+        let run = || -> Result<pagedkv_status, pagedkv_status> {
+            // SAFETY: the caller's contract for each pointer and length.
+            let (k, v, sm, kc, vc) = unsafe {
+                (
+                    slice(key, n, "key")?,
+                    slice(value, n, "value")?,
+                    slice(slot_mapping, num_tokens, "slot_mapping")?,
+                    slice_mut(key_cache, cache_len, "key_cache")?,
+                    slice_mut(value_cache, cache_len, "value_cache")?,
+                )
+            };
+            let (kt, vt) = (tensor(k, &[k.len()]), tensor(v, &[v.len()]));
+            let (mut kct, mut vct) = (tensor(kc, &[kc.len()]), tensor(vc, &[vc.len()]));
+            kv_append_reference(&layout, &kt, &vt, sm, &mut kct, &mut vct)
+                .map_err(|e| from_error(&e))?;
+            kc.copy_from_slice(kct.buf().as_slice::<f32>());
+            vc.copy_from_slice(vct.buf().as_slice::<f32>());
+            Ok(PAGEDKV_OK)
+        };
+        run().unwrap_or_else(|s| s)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn create() -> *mut pagedkv_scheduler {
+        let mut cfg = std::mem::MaybeUninit::uninit();
+        let mut s = std::ptr::null_mut();
+        // SAFETY: valid out-pointers.
+        unsafe {
+            assert_eq!(
+                pagedkv_scheduler_config_default(cfg.as_mut_ptr()),
+                PAGEDKV_OK
+            );
+            assert_eq!(pagedkv_scheduler_create(cfg.as_ptr(), &mut s), PAGEDKV_OK);
+        }
+        s
+    }
+
+    fn last_error() -> String {
+        // SAFETY: never null, NUL-terminated.
+        unsafe { std::ffi::CStr::from_ptr(pagedkv_last_error_message()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_scheduler_inside_a_call_refuses_another_and_cannot_be_destroyed() {
+        let s = create();
+        // Simulate a call in progress (re-entrance from a callback, or another thread).
+        // SAFETY: `s` is live.
+        unsafe { &*s }.busy.store(true, Ordering::SeqCst);
+        let mut idle = 0;
+        // SAFETY: valid pointers.
+        assert_eq!(
+            unsafe { pagedkv_is_idle(s, &mut idle) },
+            PAGEDKV_ERR_INVALID_STATE
+        );
+        assert!(
+            last_error().contains("already inside a call"),
+            "{}",
+            last_error()
+        );
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { pagedkv_scheduler_destroy(s) },
+            PAGEDKV_ERR_INVALID_STATE
+        );
+        // SAFETY: `s` is live.
+        unsafe { &*s }.busy.store(false, Ordering::SeqCst);
+        // SAFETY: valid pointers.
+        assert_eq!(unsafe { pagedkv_is_idle(s, &mut idle) }, PAGEDKV_OK);
+        assert_eq!(idle, 1);
+        assert_eq!(last_error(), "");
+        // SAFETY: live handle, destroyed once.
+        assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
+    }
+
+    #[test]
+    fn a_panic_inside_is_an_error_code_not_an_unwind() {
+        let s = guard(|| panic!("boom"));
+        assert_eq!(s, PAGEDKV_ERR_PANIC);
+        assert!(last_error().contains("boom"));
+    }
+}

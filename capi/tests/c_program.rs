@@ -1,0 +1,172 @@
+//! C programs linked against `libpagedkv_c.a`, compiled with the `cc` crate's compiler
+//! discovery: the README's minimal example, and a driver that exercises the scheduler,
+//! the prefix cache, the CPU reference attention (compared here with values computed in
+//! Rust) and the error paths with their messages.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv::host::reference::paged_decode_attention;
+use pagedkv::host::{DType, HostTensor};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
+}
+
+/// `target/<profile>/libpagedkv_c.a`, next to this test's `deps/` folder.
+fn static_lib() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let lib = dir.join("libpagedkv_c.a");
+    assert!(
+        lib.exists(),
+        "{} is missing (cargo builds it with the test)",
+        lib.display()
+    );
+    lib
+}
+
+/// Compiles and links `src` against the static library; returns the executable.
+fn build(src: &Path, name: &str) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("pagedkv-c-{}-{name}", std::process::id()));
+    let compiler = cc::Build::new()
+        .target(env!("PAGEDKV_BUILD_TARGET"))
+        .host(env!("PAGEDKV_BUILD_HOST"))
+        .opt_level(1)
+        .cargo_metadata(false)
+        .warnings(true)
+        .get_compiler();
+    let mut cmd = compiler.to_command();
+    cmd.arg("-std=c11")
+        .arg("-Wall")
+        .arg("-Werror")
+        .arg("-I")
+        .arg(root().join("../include"))
+        .arg(src)
+        .arg(static_lib())
+        .args(["-lpthread", "-ldl", "-lm", "-o"])
+        .arg(&out);
+    let o = cmd.output().expect("run the C compiler");
+    assert!(
+        o.status.success(),
+        "compiling {}:\n{}",
+        src.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+fn run(exe: &Path) -> String {
+    let o = Command::new(exe).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{} failed:\n{out}\n{}",
+        exe.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+#[test]
+fn the_readme_example_compiles_runs_and_is_the_readme_text() {
+    let src = root().join("examples/minimal.c");
+    let out = run(&build(&src, "minimal"));
+    assert_eq!(out.trim(), "finished after 3 steps");
+    let readme = std::fs::read_to_string(root().join("../README.md")).unwrap();
+    let code = std::fs::read_to_string(&src).unwrap();
+    assert!(
+        readme.contains(code.trim()),
+        "README's C example differs from capi/examples/minimal.c"
+    );
+}
+
+fn line<'a>(out: &'a str, prefix: &str) -> &'a str {
+    out.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no `{prefix}` line in:\n{out}"))
+}
+
+#[test]
+fn the_driver_program_sees_what_the_rust_side_computes() {
+    let out = run(&build(&root().join("tests/c/driver.c"), "driver"));
+    assert!(out.ends_with("ok\n"), "{out}");
+    assert_eq!(
+        line(&out, "version"),
+        format!("version {}", env!("CARGO_PKG_VERSION"))
+    );
+    // 20 + 33 + 7 prompt tokens in the first step; rows padded to 512 / 16 blocks.
+    assert_eq!(
+        line(&out, "first step"),
+        "first step seqs=3 slots=60 max_blocks=32 ctx=20,33,7"
+    );
+    // The longest request generates 8 tokens: 8 steps; all three finish.
+    assert_eq!(line(&out, "completed"), "completed steps=8 finished=3");
+    // Two full 16-token blocks of the repeated 33-token prompt are cached.
+    assert_eq!(
+        line(&out, "prefix hit"),
+        "prefix hit start_pos=32 new_tokens=1"
+    );
+    assert_eq!(line(&out, "seq tokens"), "seq tokens len=34 last=5");
+    // Metrics are as of the last step (before its sequences finished and freed blocks).
+    assert_eq!(
+        line(&out, "metrics"),
+        "metrics prefix_hit_tokens=32 blocks_used=3"
+    );
+    for (what, status, msg) in [
+        ("null_handle", 1, "scheduler is null"),
+        ("unknown_request", 4, "unknown request 999"),
+        ("done_without_step", 5, "on_step_done() without a step"),
+        ("empty_prompt", 2, "must hold at least one token"),
+        ("null_out", 1, "out is null"),
+        ("use_after_destroy", 5, "destroyed or never created"),
+        ("double_destroy", 5, "destroyed or never created"),
+        ("bad_config", 2, "block_size"),
+        ("context_too_long", 2, "sequence 1: 49 tokens"),
+        ("wrong_length", 2, "`q`"),
+        ("slot_outside", 2, "slot 96 is outside the pool"),
+    ] {
+        let l = line(&out, &format!("error {what} "));
+        assert!(l.contains(&format!("status={status} ")), "{l}");
+        assert!(l.contains(msg), "{what}: `{msg}` not in `{l}`");
+    }
+    assert_eq!(line(&out, "append"), "append k=323 v=-1");
+
+    // The attention values, recomputed in Rust from the same formulas.
+    let shape = DecodeShape {
+        num_seqs: 2,
+        num_q_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        block_size: 16,
+        num_blocks: 6,
+        max_blocks_per_seq: 3,
+    };
+    let n = 6 * 2 * 16 * 64;
+    let f = |v: Vec<f64>| HostTensor::from_f64(DType::F32, &[v.len()], &v).unwrap();
+    let kc = f((0..n)
+        .map(|i| (0.37 * i as f64).sin() as f32 as f64)
+        .collect());
+    let vc = f((0..n)
+        .map(|i| (0.11 * i as f64).cos() as f32 as f64)
+        .collect());
+    let q = f((0..512)
+        .map(|i| (0.5 * i as f64 + 1.0).sin() as f32 as f64)
+        .collect());
+    let mut opts = DecodeOptions::new(64);
+    opts.scale = 0.125;
+    let want = paged_decode_attention(&shape, &opts, &q, &kc, &vc, &[0, 4, 2, 5, 1, 3], &[37, 20]);
+    let got: Vec<f64> = line(&out, "attention")
+        .split_whitespace()
+        .skip(1)
+        .map(|x| x.parse().unwrap())
+        .collect();
+    assert_eq!(got.len(), want.len());
+    let err = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(err < 1e-6, "max abs error {err}");
+}

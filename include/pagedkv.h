@@ -1,0 +1,229 @@
+/*
+ * pagedkv.h: the C ABI of pagedkv, a paged KV-cache backend for LLM serving.
+ *
+ * Link with libpagedkv_c.a (plus -lpthread -ldl -lm) or libpagedkv_c.so, both built by
+ * `cargo build --release -p pagedkv-capi` into target/release/.
+ *
+ * Conventions
+ * - Every function returns a pagedkv_status; PAGEDKV_OK is 0. After a failure,
+ *   pagedkv_last_error_message() describes it (per thread).
+ * - Pointers the caller passes are borrowed for the call only; the library keeps none.
+ *   Null where a pointer is required is PAGEDKV_ERR_NULL.
+ * - Handles (pagedkv_scheduler*) are owned by the library: create, use, destroy once.
+ *   A destroyed handle, or a call on a scheduler already inside a call (re-entrance,
+ *   or two threads at once), is PAGEDKV_ERR_INVALID_STATE, never undefined behaviour
+ *   as far as the library can detect it.
+ * - No panic crosses the boundary: an internal bug is PAGEDKV_ERR_PANIC.
+ * - Fixed-width types only; every struct is laid out as declared (a test checks the
+ *   Rust side matches this header field by field).
+ */
+#ifndef PAGEDKV_H
+#define PAGEDKV_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Result of every call. */
+typedef enum pagedkv_status {
+    PAGEDKV_OK = 0,                   /* success */
+    PAGEDKV_ERR_NULL = 1,             /* a required pointer was null */
+    PAGEDKV_ERR_INVALID_ARGUMENT = 2, /* an argument is out of range or inconsistent */
+    PAGEDKV_ERR_OUT_OF_BLOCKS = 3,    /* the block pool is full */
+    PAGEDKV_ERR_UNKNOWN_ID = 4,       /* a request or sequence id names nothing live */
+    PAGEDKV_ERR_INVALID_STATE = 5,    /* destroyed handle, re-entrance, call order */
+    PAGEDKV_ERR_CUDA = 6,             /* CUDA failure, or no CUDA driver or device */
+    PAGEDKV_ERR_PANIC = 7             /* an internal bug was caught; please report it */
+} pagedkv_status;
+
+/* The message of the last failed call on this thread ("" after a success). Valid until
+ * the next pagedkv call on this thread. Never null. */
+const char *pagedkv_last_error_message(void);
+
+/* The library version, "MAJOR.MINOR.PATCH". Static, never null. */
+const char *pagedkv_version(void);
+
+/* ---------------------------------------------------------------------------------- */
+/* Scheduler: block pool, block tables, continuous batching                             */
+/* ---------------------------------------------------------------------------------- */
+
+/* An opaque scheduler (its block pool, block tables and queues). */
+typedef struct pagedkv_scheduler pagedkv_scheduler;
+
+/* Scheduler settings. Start from pagedkv_scheduler_config_default(). */
+typedef struct pagedkv_scheduler_config {
+    uint32_t num_blocks;            /* device blocks; block 0 is the null (padding) block */
+    uint32_t block_size;            /* tokens per block: 8, 16 or 32 */
+    uint32_t num_host_blocks;       /* host blocks for swapping; 0: always recompute */
+    uint32_t max_model_len;         /* longest sequence (prompt + output) */
+    uint64_t max_num_seqs;          /* most running sequences */
+    uint64_t max_tokens_per_step;   /* most tokens per step; at least max_model_len */
+    double watermark;               /* fraction of blocks admission keeps free, [0, 1) */
+    uint32_t preempt_by_swap;       /* 1: preempt by swap; 0: by recompute */
+    uint32_t priority_policy;       /* 1: waiting queue by priority then FCFS; 0: FCFS */
+    uint32_t enable_prefix_caching; /* 1: reuse cached full blocks of matching prefixes */
+    uint32_t sliding_window;        /* attend to the last N tokens; 0: no window */
+} pagedkv_scheduler_config;
+
+/* A generation request. */
+typedef struct pagedkv_request {
+    uint64_t id;              /* caller-chosen, unique among live requests */
+    const uint32_t *prompt;   /* prompt_len token ids, borrowed for the call */
+    uint64_t prompt_len;      /* at least 1 */
+    uint32_t max_tokens;      /* tokens to generate at most, at least 1 */
+    int64_t stop_token;       /* finish when sampled; -1: none */
+    int32_t priority;         /* higher first under the priority policy */
+    uint32_t has_cache_salt;  /* 1: cache_salt keeps this prefix cache apart */
+    uint64_t cache_salt;
+} pagedkv_request;
+
+/* One sequence's part of a step. */
+typedef struct pagedkv_scheduled_seq {
+    uint64_t seq;            /* sequence id */
+    uint64_t request;        /* its request id */
+    uint32_t is_prefill;     /* 1: prefill (several new tokens); 0: decode (one) */
+    uint32_t start_pos;      /* position of its first new token */
+    uint32_t num_new_tokens; /* new tokens this step */
+    uint32_t context_len;    /* tokens in its cache after this step */
+    uint32_t token_offset;   /* offset of its first new token in slot_mapping */
+    uint32_t reserved;       /* 0 */
+} pagedkv_scheduled_seq;
+
+/* A step's batch: device-ready arrays. The library owns them; they stay valid until
+ * the next pagedkv_step() or pagedkv_scheduler_destroy() on the same scheduler. */
+typedef struct pagedkv_batch {
+    uint64_t num_seqs;                   /* scheduled sequences; 0: nothing could run */
+    const pagedkv_scheduled_seq *seqs;   /* [num_seqs]; seqs[i] owns row i below */
+    uint32_t max_blocks_per_seq;         /* row length of block_tables */
+    uint32_t reserved;                   /* 0 */
+    const int32_t *block_tables;         /* [num_seqs, max_blocks_per_seq], 0-padded */
+    const int32_t *context_lens;         /* [num_seqs] */
+    uint64_t num_slots;                  /* new tokens this step */
+    const int64_t *slot_mapping;         /* [num_slots]; -1: do not store */
+    uint64_t num_copies;
+    const uint32_t *copies;              /* [num_copies, 2] (src, dst): before the kernels */
+    uint64_t num_swap_out;
+    const uint32_t *swap_out;            /* [num_swap_out, 2] (device, host): first */
+    uint64_t num_swap_in;
+    const uint32_t *swap_in;             /* [num_swap_in, 2] (host, device): after swap-outs */
+} pagedkv_batch;
+
+/* The token sampled for one scheduled sequence. */
+typedef struct pagedkv_sampled {
+    uint64_t seq;
+    uint32_t token;
+    uint32_t reserved; /* 0 */
+} pagedkv_sampled;
+
+/* Counters and gauges after the last step. */
+typedef struct pagedkv_metrics {
+    uint64_t steps;
+    uint32_t blocks_used;        /* blocks held by sequences */
+    uint32_t blocks_free;        /* free blocks, cached ones included */
+    uint32_t blocks_cached_free; /* free blocks still holding a reusable prefix */
+    uint32_t reserved;           /* 0 */
+    double kv_utilization;       /* tokens stored / slots of held blocks */
+    uint64_t running;            /* request groups running */
+    uint64_t waiting;            /* request groups waiting */
+    uint64_t swapped;            /* request groups swapped out */
+    uint64_t preempted_recompute;
+    uint64_t preempted_swap;
+    uint64_t prefix_queried_tokens;
+    uint64_t prefix_hit_tokens;
+} pagedkv_metrics;
+
+/* Fills *out with the defaults: 1024 blocks of 16 tokens, no swap, FCFS, no prefix
+ * caching, no window, max_model_len 4096, 256 sequences, 8192 tokens per step. */
+pagedkv_status pagedkv_scheduler_config_default(pagedkv_scheduler_config *out);
+
+/* Creates a scheduler from *config (validated: an invalid config is
+ * PAGEDKV_ERR_INVALID_ARGUMENT). On success *out owns a new handle; release it with
+ * pagedkv_scheduler_destroy(). */
+pagedkv_status pagedkv_scheduler_create(const pagedkv_scheduler_config *config,
+                                        pagedkv_scheduler **out);
+
+/* Destroys the scheduler and everything it owns, batch arrays included. Destroying
+ * the same handle twice is PAGEDKV_ERR_INVALID_STATE. */
+pagedkv_status pagedkv_scheduler_destroy(pagedkv_scheduler *s);
+
+/* Queues a request (the prompt is copied). *out_seq receives its sequence id. An empty
+ * prompt, zero max_tokens, a duplicate id, or a request that could never fit the pool
+ * or max_model_len is PAGEDKV_ERR_INVALID_ARGUMENT. */
+pagedkv_status pagedkv_add_request(pagedkv_scheduler *s, const pagedkv_request *req,
+                                   uint64_t *out_seq);
+
+/* Ends a request wherever it is (waiting, running, swapped) and frees its blocks.
+ * An unknown id is PAGEDKV_ERR_UNKNOWN_ID. Not allowed between a step and its
+ * pagedkv_on_step_done() (PAGEDKV_ERR_INVALID_STATE). */
+pagedkv_status pagedkv_abort(pagedkv_scheduler *s, uint64_t request_id);
+
+/* Plans the next step into *out (see pagedkv_batch for the arrays' lifetime).
+ * Feed the sampled tokens back with pagedkv_on_step_done() before the next step. */
+pagedkv_status pagedkv_step(pagedkv_scheduler *s, pagedkv_batch *out);
+
+/* Takes one sampled token per scheduled sequence of the last step (n entries, each
+ * scheduled sequence exactly once; otherwise nothing changes and an error says why).
+ * *out_finished (may be null) receives how many sequences finished (stop token or
+ * max_tokens); their blocks are already free. */
+pagedkv_status pagedkv_on_step_done(pagedkv_scheduler *s, const pagedkv_sampled *sampled,
+                                    uint64_t n, uint64_t *out_finished);
+
+/* *out_idle = 1 when nothing waits, runs or is swapped out, else 0. */
+pagedkv_status pagedkv_is_idle(pagedkv_scheduler *s, uint32_t *out_idle);
+
+/* The metrics as of the last step. */
+pagedkv_status pagedkv_get_metrics(pagedkv_scheduler *s, pagedkv_metrics *out);
+
+/* Copies up to cap token ids of live sequence seq (prompt first) into out, and its
+ * total token count into *out_len. Call with cap = 0 (out may be null) to ask the
+ * length. An unknown or finished sequence is PAGEDKV_ERR_UNKNOWN_ID. */
+pagedkv_status pagedkv_seq_tokens(pagedkv_scheduler *s, uint64_t seq, uint32_t *out,
+                                  uint64_t cap, uint64_t *out_len);
+
+/* ---------------------------------------------------------------------------------- */
+/* CPU reference kernels (f32 buffers, f64 arithmetic): the ground truth               */
+/* ---------------------------------------------------------------------------------- */
+
+/* Shapes of a decode-attention call. */
+typedef struct pagedkv_decode_shape {
+    uint32_t num_seqs;           /* sequences, one query token each */
+    uint32_t num_q_heads;        /* a multiple of num_kv_heads */
+    uint32_t num_kv_heads;
+    uint32_t head_dim;           /* 64, 80, 96, 112, 128 or 256 */
+    uint32_t block_size;         /* 8, 16 or 32 */
+    uint32_t num_blocks;         /* blocks in the cache */
+    uint32_t max_blocks_per_seq; /* row length of block_tables */
+    uint32_t reserved;           /* 0 */
+} pagedkv_decode_shape;
+
+/* Paged decode attention on the CPU. q, out: [num_seqs, num_q_heads, head_dim];
+ * key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim] (cache_len
+ * elements each); block_tables: [num_seqs, max_blocks_per_seq]; context_lens:
+ * [num_seqs], each 1..max_blocks_per_seq*block_size. Each *_len is the buffer's element
+ * count and must match the shapes; every block id a sequence reads must be in the
+ * cache. Any mismatch is PAGEDKV_ERR_INVALID_ARGUMENT and out is left untouched. */
+pagedkv_status pagedkv_reference_decode_attention(
+    const pagedkv_decode_shape *shape, float scale, const float *q, uint64_t q_len,
+    const float *key_cache, const float *value_cache, uint64_t cache_len,
+    const int32_t *block_tables, uint64_t block_tables_len, const int32_t *context_lens,
+    uint64_t context_lens_len, float *out, uint64_t out_len);
+
+/* kv_append on the CPU: writes token i's K and V rows (key, value: [num_tokens,
+ * num_kv_heads, head_dim]) into slot slot_mapping[i] of the caches ([num_blocks,
+ * num_kv_heads, block_size, head_dim], cache_len elements each); negative slots are
+ * skipped. A slot outside the cache or written twice is PAGEDKV_ERR_INVALID_ARGUMENT
+ * and the caches are left untouched. */
+pagedkv_status pagedkv_reference_kv_append(uint32_t num_blocks, uint32_t num_kv_heads,
+                                           uint32_t block_size, uint32_t head_dim,
+                                           const float *key, const float *value,
+                                           uint64_t num_tokens, const int64_t *slot_mapping,
+                                           float *key_cache, float *value_cache,
+                                           uint64_t cache_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PAGEDKV_H */
