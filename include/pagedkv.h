@@ -222,6 +222,62 @@ pagedkv_status pagedkv_reference_kv_append(uint32_t num_blocks, uint32_t num_kv_
                                            float *key_cache, float *value_cache,
                                            uint64_t cache_len);
 
+/* ---------------------------------------------------------------------------------- */
+/* CUDA backend on caller-supplied device pointers                                     */
+/* ---------------------------------------------------------------------------------- */
+
+/* Element type of device buffers (passed as int32_t). */
+typedef enum pagedkv_dtype {
+    PAGEDKV_F16 = 0,
+    PAGEDKV_BF16 = 1,
+    PAGEDKV_F32 = 2
+} pagedkv_dtype;
+
+/* An opaque CUDA backend: a context on one device, a stream, the loaded kernels. */
+typedef struct pagedkv_cuda_backend pagedkv_cuda_backend;
+
+/* Creates a backend on device `ordinal` with the PTX embedded in the library (sm_90 PTX
+ * on compute capability 9.x and newer, sm_80 on 8.x). The driver is loaded at run time:
+ * without one, or without a device, this is PAGEDKV_ERR_CUDA with the message
+ * "no CUDA driver found ..." or "no CUDA device: ...". Release with
+ * pagedkv_cuda_backend_destroy(). */
+pagedkv_status pagedkv_cuda_backend_create(int32_t ordinal, pagedkv_cuda_backend **out);
+
+/* Waits for the backend's stream, then destroys it. Twice is
+ * PAGEDKV_ERR_INVALID_STATE. */
+pagedkv_status pagedkv_cuda_backend_destroy(pagedkv_cuda_backend *b);
+
+/* Waits for all work the backend has queued. */
+pagedkv_status pagedkv_cuda_synchronize(pagedkv_cuda_backend *b);
+
+/* kv_append on the GPU. key, value, key_cache, value_cache are device pointers
+ * (CUdeviceptr) the caller owns, in the backend's context: key/value [num_tokens,
+ * num_kv_heads, head_dim], caches [num_blocks, num_kv_heads, block_size, head_dim], all
+ * of `dtype`. slot_mapping is host memory (num_tokens entries, negative: skip),
+ * validated before the launch. Asynchronous on the backend's stream: the caller keeps
+ * the buffers alive and unused until pagedkv_cuda_synchronize(). */
+pagedkv_status pagedkv_cuda_kv_append(pagedkv_cuda_backend *b, uint32_t num_blocks,
+                                      uint32_t num_kv_heads, uint32_t block_size,
+                                      uint32_t head_dim, int32_t dtype, uint64_t key,
+                                      uint64_t value, uint64_t num_tokens,
+                                      const int64_t *slot_mapping, uint64_t key_cache,
+                                      uint64_t value_cache);
+
+/* Paged decode attention on the GPU. q, out: device [num_seqs, num_q_heads, head_dim];
+ * key_cache, value_cache: device [num_blocks, num_kv_heads, block_size, head_dim]; all
+ * of `dtype`. block_tables ([num_seqs, max_blocks_per_seq]) and context_lens
+ * ([num_seqs]) are host memory, validated before anything is launched (the batch's
+ * arrays from pagedkv_step() fit as they are). Split-K is planned from the device.
+ * Asynchronous on the backend's stream, like pagedkv_cuda_kv_append(). */
+pagedkv_status pagedkv_cuda_decode_attention(pagedkv_cuda_backend *b,
+                                             const pagedkv_decode_shape *shape,
+                                             int32_t dtype, float scale, uint64_t q,
+                                             uint64_t key_cache, uint64_t value_cache,
+                                             const int32_t *block_tables,
+                                             uint64_t block_tables_len,
+                                             const int32_t *context_lens,
+                                             uint64_t context_lens_len, uint64_t out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -129,6 +129,12 @@ macro_rules! same_values {
         };
     };
 }
+const _: () = {
+    assert!(c::pagedkv_dtype::PAGEDKV_F16 as i64 == crate::pagedkv_dtype::PAGEDKV_F16 as i64);
+    assert!(c::pagedkv_dtype::PAGEDKV_BF16 as i64 == crate::pagedkv_dtype::PAGEDKV_BF16 as i64);
+    assert!(c::pagedkv_dtype::PAGEDKV_F32 as i64 == crate::pagedkv_dtype::PAGEDKV_F32 as i64);
+};
+
 same_values!(
     PAGEDKV_OK,
     PAGEDKV_ERR_NULL,
@@ -177,6 +183,23 @@ pub fn signatures() {
     same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _, _, _) -> _>(
         f::pagedkv_reference_kv_append,
         r::pagedkv_reference_kv_append,
+    );
+    same::<unsafe extern "C" fn(_, _) -> _>(
+        f::pagedkv_cuda_backend_create,
+        r::pagedkv_cuda_backend_create,
+    );
+    same::<unsafe extern "C" fn(_) -> _>(
+        f::pagedkv_cuda_backend_destroy,
+        r::pagedkv_cuda_backend_destroy,
+    );
+    same::<unsafe extern "C" fn(_) -> _>(f::pagedkv_cuda_synchronize, r::pagedkv_cuda_synchronize);
+    same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _, _, _, _) -> _>(
+        f::pagedkv_cuda_kv_append,
+        r::pagedkv_cuda_kv_append,
+    );
+    same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _, _, _, _) -> _>(
+        f::pagedkv_cuda_decode_attention,
+        r::pagedkv_cuda_decode_attention,
     );
 }
 

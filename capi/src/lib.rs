@@ -886,6 +886,292 @@ pub unsafe extern "C" fn pagedkv_reference_kv_append(
     })
 }
 
+// ---------------------------------------------------------------------------------
+// CUDA backend on caller-supplied device pointers
+// ---------------------------------------------------------------------------------
+
+/// Element type of device buffers.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum pagedkv_dtype {
+    /// IEEE half precision.
+    PAGEDKV_F16 = 0,
+    /// bfloat16.
+    PAGEDKV_BF16 = 1,
+    /// IEEE single precision.
+    PAGEDKV_F32 = 2,
+}
+
+fn dtype_of(d: i32) -> Result<DType, pagedkv_status> {
+    match d {
+        0 => Ok(DType::F16),
+        1 => Ok(DType::Bf16),
+        2 => Ok(DType::F32),
+        other => Err(fail(
+            PAGEDKV_ERR_INVALID_ARGUMENT,
+            format!("dtype {other} (0 f16, 1 bf16, 2 f32)"),
+        )),
+    }
+}
+
+/// An opaque CUDA backend handle (a context, a stream, the loaded kernels).
+pub struct pagedkv_cuda_backend {
+    inner: pagedkv::cuda::CudaBackend,
+    busy: AtomicBool,
+}
+
+static LIVE_CUDA: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+fn with_cuda(
+    b: *mut pagedkv_cuda_backend,
+    f: impl FnOnce(&pagedkv::cuda::CudaBackend) -> Result<(), pagedkv_status>,
+) -> pagedkv_status {
+    guard(|| {
+        if b.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "backend is null");
+        }
+        let registered = LIVE_CUDA
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|s| s.contains(&(b as usize)));
+        if !registered {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                "backend handle was destroyed or never created",
+            );
+        }
+        // SAFETY: registered: created by `pagedkv_cuda_backend_create`, not destroyed.
+        let h = unsafe { &*b };
+        if h.busy.swap(true, Ordering::Acquire) {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                "backend is already inside a call",
+            );
+        }
+        let r = f(&h.inner);
+        h.busy.store(false, Ordering::Release);
+        match r {
+            Ok(()) => PAGEDKV_OK,
+            Err(s) => s,
+        }
+    })
+}
+
+/// Creates a CUDA backend on device `ordinal` with the embedded PTX. Without an NVIDIA
+/// driver or device this is `PAGEDKV_ERR_CUDA` ("no CUDA driver found" / "no CUDA
+/// device"). Release with `pagedkv_cuda_backend_destroy`.
+///
+/// # Safety
+/// `out` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_cuda_backend_create(
+    ordinal: i32,
+    out: *mut *mut pagedkv_cuda_backend,
+) -> pagedkv_status {
+    guard(|| {
+        if out.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "out is null");
+        }
+        if ordinal < 0 {
+            return fail(PAGEDKV_ERR_INVALID_ARGUMENT, format!("ordinal {ordinal}"));
+        }
+        let inner = match pagedkv::cuda::backend(ordinal as usize) {
+            Ok(b) => b,
+            Err(e) => return from_error(&e),
+        };
+        let h = Box::into_raw(Box::new(pagedkv_cuda_backend {
+            inner,
+            busy: AtomicBool::new(false),
+        }));
+        LIVE_CUDA
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(HashSet::new)
+            .insert(h as usize);
+        // SAFETY: non-null, valid for a write.
+        unsafe { out.write(h) };
+        PAGEDKV_OK
+    })
+}
+
+/// Destroys a CUDA backend (after waiting for its stream).
+///
+/// # Safety
+/// `b` is null or a pointer this library returned (a destroyed one is detected).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_cuda_backend_destroy(
+    b: *mut pagedkv_cuda_backend,
+) -> pagedkv_status {
+    guard(|| {
+        if b.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "backend is null");
+        }
+        let mut reg = LIVE_CUDA.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(set) = reg.as_mut().filter(|s| s.contains(&(b as usize))) else {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                "backend handle was destroyed or never created",
+            );
+        };
+        // SAFETY: registered, so live.
+        if unsafe { &*b }.busy.load(Ordering::Acquire) {
+            return fail(PAGEDKV_ERR_INVALID_STATE, "backend is inside a call");
+        }
+        set.remove(&(b as usize));
+        // SAFETY: registered until just now: the only release.
+        let h = unsafe { Box::from_raw(b) };
+        let _ = h.inner.synchronize();
+        PAGEDKV_OK
+    })
+}
+
+/// Waits for all work the backend queued.
+///
+/// # Safety
+/// `b` is null or a pointer this library returned.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_cuda_synchronize(b: *mut pagedkv_cuda_backend) -> pagedkv_status {
+    with_cuda(b, |g| g.synchronize().map_err(|e| from_error(&e)))
+}
+
+/// `kv_append` on the GPU, on device buffers the caller owns: `key`, `value`:
+/// `[num_tokens, num_kv_heads, head_dim]`; the caches `[num_blocks, num_kv_heads,
+/// block_size, head_dim]`, all of `dtype`. `slot_mapping` is host memory
+/// (`num_tokens` entries; negative: skip), validated before the launch. Asynchronous on
+/// the backend's stream.
+///
+/// # Safety
+/// The device pointers are allocations in the backend's context of at least the sizes
+/// the shapes imply, unused by other work until the launch completes; `slot_mapping` is
+/// null only when `num_tokens` is 0, else valid for `num_tokens` reads.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_cuda_kv_append(
+    b: *mut pagedkv_cuda_backend,
+    num_blocks: u32,
+    num_kv_heads: u32,
+    block_size: u32,
+    head_dim: u32,
+    dtype: i32,
+    key: u64,
+    value: u64,
+    num_tokens: u64,
+    slot_mapping: *const i64,
+    key_cache: u64,
+    value_cache: u64,
+) -> pagedkv_status {
+    with_cuda(b, |g| {
+        let dt = dtype_of(dtype)?;
+        let layout = PagedLayout {
+            num_blocks,
+            num_kv_heads,
+            block_size,
+            head_dim,
+        };
+        pagedkv::host::ops::check_layout(&layout).map_err(|e| from_error(&e))?;
+        if num_tokens == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        let sm = unsafe { slice(slot_mapping, num_tokens, "slot_mapping")? };
+        let tok = [
+            num_tokens as usize,
+            num_kv_heads as usize,
+            head_dim as usize,
+        ];
+        let pool = [layout.pool_elems() as usize];
+        // SAFETY: the caller's contract (device allocations of these sizes, unused by
+        // other work until the launch completes).
+        let (k, v, mut kc, mut vc) = unsafe {
+            use pagedkv::cuda::BorrowedDeviceTensor as B;
+            let m = |e: Error| from_error(&e);
+            (
+                B::new(g, key, dt, &tok).map_err(m)?,
+                B::new(g, value, dt, &tok).map_err(m)?,
+                B::new(g, key_cache, dt, &pool).map_err(m)?,
+                B::new(g, value_cache, dt, &pool).map_err(m)?,
+            )
+        };
+        g.kv_append(&layout, &k, &v, sm, &mut kc, &mut vc)
+            .map_err(|e| from_error(&e))
+    })
+}
+
+/// Paged decode attention on the GPU, on device buffers the caller owns: `q`, `out`:
+/// `[num_seqs, num_q_heads, head_dim]`; caches `[num_blocks, num_kv_heads, block_size,
+/// head_dim]`, all of `dtype`. `block_tables` (`[num_seqs, max_blocks_per_seq]`) and
+/// `context_lens` (`[num_seqs]`) are host memory, validated (ids in the pool, lengths in
+/// the tables) before anything is launched; split-K is planned from the device's SM
+/// count. Asynchronous on the backend's stream.
+///
+/// # Safety
+/// As `pagedkv_cuda_kv_append`; the host arrays are valid for their `*_len` reads.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
+    b: *mut pagedkv_cuda_backend,
+    shape: *const pagedkv_decode_shape,
+    dtype: i32,
+    scale: f32,
+    q: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: *const i32,
+    block_tables_len: u64,
+    context_lens: *const i32,
+    context_lens_len: u64,
+    out: u64,
+) -> pagedkv_status {
+    with_cuda(b, |g| {
+        let dt = dtype_of(dtype)?;
+        if shape.is_null() {
+            return Err(fail(PAGEDKV_ERR_NULL, "shape is null"));
+        }
+        // SAFETY: non-null, valid for a read.
+        let c = unsafe { shape.read() };
+        let sh = DecodeShape {
+            num_seqs: c.num_seqs,
+            num_q_heads: c.num_q_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: c.block_size,
+            num_blocks: c.num_blocks,
+            max_blocks_per_seq: c.max_blocks_per_seq,
+        };
+        pagedkv::host::ops::check_layout(&sh.layout()).map_err(|e| from_error(&e))?;
+        // SAFETY: the caller's contract.
+        let (bt, cl) = unsafe {
+            (
+                slice(block_tables, block_tables_len, "block_tables")?,
+                slice(context_lens, context_lens_len, "context_lens")?,
+            )
+        };
+        let qs = [
+            c.num_seqs as usize,
+            c.num_q_heads as usize,
+            c.head_dim as usize,
+        ];
+        let pool = [sh.layout().pool_elems() as usize];
+        // SAFETY: the caller's contract (device allocations of these sizes).
+        let (qt, kc, vc, mut ot) = unsafe {
+            use pagedkv::cuda::BorrowedDeviceTensor as B;
+            let m = |e: Error| from_error(&e);
+            (
+                B::new(g, q, dt, &qs).map_err(m)?,
+                B::new(g, key_cache, dt, &pool).map_err(m)?,
+                B::new(g, value_cache, dt, &pool).map_err(m)?,
+                B::new(g, out, dt, &qs).map_err(m)?,
+            )
+        };
+        let mut opts = DecodeOptions::new(c.head_dim.max(1));
+        opts.scale = scale;
+        g.paged_decode_attention(&sh, &opts, &qt, &kc, &vc, bt, cl, &mut ot, None)
+            .map(|_| ())
+            .map_err(|e| from_error(&e))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

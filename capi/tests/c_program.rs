@@ -132,6 +132,13 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         assert!(l.contains(msg), "{what}: `{msg}` not in `{l}`");
     }
     assert_eq!(line(&out, "append"), "append k=323 v=-1");
+    // The CUDA backend: created on a GPU machine, a clear error elsewhere.
+    let cuda = line(&out, "error cuda_create ");
+    assert!(
+        cuda.contains("status=0 ") || (cuda.contains("status=6 ") && cuda.contains("no CUDA")),
+        "{cuda}"
+    );
+    assert!(line(&out, "error cuda_null_backend ").contains("status=1 message=backend is null"));
 
     // The attention values, recomputed in Rust from the same formulas.
     let shape = DecodeShape {

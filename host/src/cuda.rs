@@ -226,6 +226,58 @@ impl DeviceTensor {
     }
 }
 
+/// A caller's device allocation seen as a [`DeviceTensor`] for the length of a call:
+/// dropping it gives the memory back untouched (never frees it).
+#[derive(Debug)]
+pub struct BorrowedDeviceTensor(Option<DeviceTensor>);
+
+impl BorrowedDeviceTensor {
+    /// Wraps `ptr` (`shape` elements of `dtype`) without taking ownership.
+    ///
+    /// # Safety
+    /// 1. `ptr` is a device allocation in `gpu`'s context, valid for reads and writes of
+    ///    the shape's bytes for as long as the wrapper lives.
+    /// 2. Nothing else uses that memory while a launch that uses the wrapper runs.
+    pub unsafe fn new(gpu: &CudaBackend, ptr: u64, dtype: DType, shape: &[usize]) -> Result<Self> {
+        if ptr == 0 {
+            return Err(Error::invalid("ptr", "device pointer is null"));
+        }
+        let n: usize = shape.iter().product();
+        let bytes = n
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::invalid("shape", "size overflows"))?;
+        // SAFETY: the caller's conditions 1 and 2; `Drop` leaks the slice, so cudarc never
+        // frees the caller's memory.
+        let buf = unsafe { gpu.stream.upgrade_device_ptr::<u8>(ptr, bytes) };
+        Ok(Self(Some(DeviceTensor {
+            buf,
+            dtype,
+            shape: shape.to_vec(),
+        })))
+    }
+}
+
+impl std::ops::Deref for BorrowedDeviceTensor {
+    type Target = DeviceTensor;
+    fn deref(&self) -> &DeviceTensor {
+        self.0.as_ref().expect("present until drop")
+    }
+}
+
+impl std::ops::DerefMut for BorrowedDeviceTensor {
+    fn deref_mut(&mut self) -> &mut DeviceTensor {
+        self.0.as_mut().expect("present until drop")
+    }
+}
+
+impl Drop for BorrowedDeviceTensor {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            let _ = t.buf.leak();
+        }
+    }
+}
+
 /// One layer's K and V pools.
 #[derive(Debug)]
 pub struct LayerCache {

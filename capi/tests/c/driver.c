@@ -152,6 +152,15 @@ int main(void) {
     slots[2] = 6 * 16;
     report("slot_outside", pagedkv_reference_kv_append(6, 2, 16, 64, kk, vv, 3, slots, kc, vc,
                                                        6 * 2 * 16 * 64));
+    /* The CUDA backend: on a machine without a GPU, a clear error. */
+    pagedkv_cuda_backend *gpu = NULL;
+    pagedkv_status cst = pagedkv_cuda_backend_create(0, &gpu);
+    report("cuda_create", cst);
+    if (cst == PAGEDKV_OK) {
+        CHECK(pagedkv_cuda_synchronize(gpu));
+        CHECK(pagedkv_cuda_backend_destroy(gpu));
+    }
+    report("cuda_null_backend", pagedkv_cuda_synchronize(NULL));
     printf("ok\n");
     return 0;
 }
