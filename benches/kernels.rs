@@ -91,6 +91,19 @@ fn median_ms(gpu: &CudaBackend, reps: usize, mut f: impl FnMut(usize)) -> f64 {
     v[v.len() / 2]
 }
 
+/// Times `iters` launches with CUDA events, for criterion's `iter_custom`.
+fn timed(gpu: &CudaBackend, iters: u64, launch: &mut impl FnMut(usize)) -> Duration {
+    let ms = gpu
+        .time_ms(|| {
+            for i in 0..iters as usize {
+                launch(i);
+            }
+            Ok(())
+        })
+        .unwrap();
+    Duration::from_secs_f64(ms as f64 * 1e-3)
+}
+
 fn copy_bandwidth(gpu: &CudaBackend) -> f64 {
     let n = 1usize << 30;
     let mut r = SmallRng::seed_from_u64(2);
@@ -190,17 +203,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                     });
                     g.throughput(Throughput::Bytes(bytes));
                     g.bench_function(BenchmarkId::from_parameter(&name), |b| {
-                        b.iter_custom(|iters| {
-                            let ms = gpu
-                                .time_ms(|| {
-                                    for i in 0..iters as usize {
-                                        launch(i);
-                                    }
-                                    Ok(())
-                                })
-                                .unwrap();
-                            Duration::from_secs_f64(ms as f64 * 1e-3)
-                        })
+                        b.iter_custom(|iters| timed(gpu, iters, &mut launch))
                     });
                 }
             }
@@ -263,17 +266,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                 });
                 g.throughput(Throughput::Bytes(bytes));
                 g.bench_function(BenchmarkId::from_parameter(&name), |b| {
-                    b.iter_custom(|iters| {
-                        let ms = gpu
-                            .time_ms(|| {
-                                for i in 0..iters as usize {
-                                    launch(i);
-                                }
-                                Ok(())
-                            })
-                            .unwrap();
-                        Duration::from_secs_f64(ms as f64 * 1e-3)
-                    })
+                    b.iter_custom(|iters| timed(gpu, iters, &mut launch))
                 });
             }
         }

@@ -281,45 +281,118 @@ pub struct pagedkv_scheduler {
     lists: StepLists,
 }
 
-static LIVE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+/// The live handles of one type: a pointer is used only while registered, so a
+/// destroyed or foreign handle is refused instead of dereferenced.
+struct Registry(Mutex<Option<HashSet<usize>>>);
 
-fn live(p: usize) -> bool {
-    LIVE.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .is_some_and(|s| s.contains(&p))
+impl Registry {
+    const fn new() -> Self {
+        Self(Mutex::new(None))
+    }
+
+    fn set(&self) -> std::sync::MutexGuard<'_, Option<HashSet<usize>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
-/// Runs `f` on a live, idle scheduler; refuses null, destroyed and busy handles.
+/// An opaque handle type of this library.
+trait Handle: Sized {
+    /// Its name in error messages.
+    const WHAT: &'static str;
+    /// Its registry.
+    fn registry() -> &'static Registry;
+    /// Set while a call runs on it.
+    fn busy(&self) -> &AtomicBool;
+}
+
+static SCHEDULERS: Registry = Registry::new();
+
+impl Handle for pagedkv_scheduler {
+    const WHAT: &'static str = "scheduler";
+    fn registry() -> &'static Registry {
+        &SCHEDULERS
+    }
+    fn busy(&self) -> &AtomicBool {
+        &self.busy
+    }
+}
+
+/// Moves a new handle to the heap and registers it.
+fn register<H: Handle>(h: H) -> *mut H {
+    let p = Box::into_raw(Box::new(h));
+    H::registry()
+        .set()
+        .get_or_insert_with(HashSet::new)
+        .insert(p as usize);
+    p
+}
+
+/// Runs `f` on a live, idle handle; refuses null, destroyed and busy handles.
+fn enter<H: Handle>(p: *mut H, f: impl FnOnce(&mut H) -> pagedkv_status) -> pagedkv_status {
+    guard(|| {
+        if p.is_null() {
+            return fail(PAGEDKV_ERR_NULL, format!("{} is null", H::WHAT));
+        }
+        let registered = H::registry()
+            .set()
+            .as_ref()
+            .is_some_and(|s| s.contains(&(p as usize)));
+        if !registered {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                format!("{} handle was destroyed or never created", H::WHAT),
+            );
+        }
+        // SAFETY: registered, so created by `register` and not destroyed; `busy` below
+        // makes this the only active reference.
+        let h = unsafe { &*p };
+        if h.busy().swap(true, Ordering::Acquire) {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                format!(
+                    "{} is already inside a call (re-entrant or concurrent use)",
+                    H::WHAT
+                ),
+            );
+        }
+        // SAFETY: as above; exclusive while `busy` is set.
+        let r = f(unsafe { &mut *p });
+        // SAFETY: still live: `destroy` refuses a busy handle.
+        unsafe { &*p }.busy().store(false, Ordering::Release);
+        r
+    })
+}
+
+/// Unregisters a live, idle handle and gives it back for dropping.
+fn destroy<H: Handle>(p: *mut H) -> Result<Box<H>, pagedkv_status> {
+    if p.is_null() {
+        return Err(fail(PAGEDKV_ERR_NULL, format!("{} is null", H::WHAT)));
+    }
+    let mut reg = H::registry().set();
+    let Some(set) = reg.as_mut().filter(|set| set.contains(&(p as usize))) else {
+        return Err(fail(
+            PAGEDKV_ERR_INVALID_STATE,
+            format!("{} handle was destroyed or never created", H::WHAT),
+        ));
+    };
+    // SAFETY: registered, so created by `register` and not yet freed.
+    if unsafe { &*p }.busy().load(Ordering::Acquire) {
+        return Err(fail(
+            PAGEDKV_ERR_INVALID_STATE,
+            format!("{} is inside a call", H::WHAT),
+        ));
+    }
+    set.remove(&(p as usize));
+    // SAFETY: registered until just now: this is the only release.
+    Ok(unsafe { Box::from_raw(p) })
+}
+
+/// Runs `f` on a live, idle scheduler.
 fn with_scheduler(
     s: *mut pagedkv_scheduler,
     f: impl FnOnce(&mut pagedkv_scheduler) -> pagedkv_status,
 ) -> pagedkv_status {
-    guard(|| {
-        if s.is_null() {
-            return fail(PAGEDKV_ERR_NULL, "scheduler is null");
-        }
-        if !live(s as usize) {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                "scheduler handle was destroyed or never created",
-            );
-        }
-        // SAFETY: the registry says `s` came from `pagedkv_scheduler_create` and has
-        // not been destroyed; `busy` below makes this the only active reference.
-        let sched = unsafe { &*s };
-        if sched.busy.swap(true, Ordering::Acquire) {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                "scheduler is already inside a call (re-entrant or concurrent use)",
-            );
-        }
-        // SAFETY: as above; exclusive while `busy` is set.
-        let r = f(unsafe { &mut *s });
-        // SAFETY: still live: destroy refuses a busy handle.
-        unsafe { &*s }.busy.store(false, Ordering::Release);
-        r
-    })
+    enter(s, f)
 }
 
 /// Fills `out` with the defaults (1024 blocks of 16 tokens, no swap, FCFS, no prefix
@@ -396,15 +469,11 @@ pub unsafe extern "C" fn pagedkv_scheduler_create(
             Ok(s) => s,
             Err(e) => return from_error(&e),
         };
-        let h = Box::into_raw(Box::new(pagedkv_scheduler {
+        let h = register(pagedkv_scheduler {
             inner,
             busy: AtomicBool::new(false),
             lists: StepLists::default(),
-        }));
-        LIVE.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(HashSet::new)
-            .insert(h as usize);
+        });
         // SAFETY: non-null, valid for a write.
         unsafe { out.write(h) };
         PAGEDKV_OK
@@ -418,25 +487,12 @@ pub unsafe extern "C" fn pagedkv_scheduler_create(
 /// `s` is null or a pointer this library returned (a destroyed one is detected).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pagedkv_scheduler_destroy(s: *mut pagedkv_scheduler) -> pagedkv_status {
-    guard(|| {
-        if s.is_null() {
-            return fail(PAGEDKV_ERR_NULL, "scheduler is null");
+    guard(|| match destroy(s) {
+        Ok(h) => {
+            drop(h);
+            PAGEDKV_OK
         }
-        let mut reg = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(set) = reg.as_mut().filter(|set| set.contains(&(s as usize))) else {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                "scheduler handle was destroyed or never created",
-            );
-        };
-        // SAFETY: registered, so created by `Box::into_raw` and not yet freed.
-        if unsafe { &*s }.busy.load(Ordering::Acquire) {
-            return fail(PAGEDKV_ERR_INVALID_STATE, "scheduler is inside a call");
-        }
-        set.remove(&(s as usize));
-        // SAFETY: registered until just now: this is the only release.
-        drop(unsafe { Box::from_raw(s) });
-        PAGEDKV_OK
+        Err(st) => st,
     })
 }
 
@@ -737,6 +793,20 @@ pub struct pagedkv_decode_shape {
     pub reserved: u32,
 }
 
+impl From<pagedkv_decode_shape> for DecodeShape {
+    fn from(c: pagedkv_decode_shape) -> Self {
+        DecodeShape {
+            num_seqs: c.num_seqs,
+            num_q_heads: c.num_q_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: c.block_size,
+            num_blocks: c.num_blocks,
+            max_blocks_per_seq: c.max_blocks_per_seq,
+        }
+    }
+}
+
 unsafe fn slice<'a, T>(p: *const T, n: u64, what: &str) -> Result<&'a [T], pagedkv_status> {
     if p.is_null() {
         return Err(fail(PAGEDKV_ERR_NULL, format!("{what} is null")));
@@ -789,15 +859,7 @@ pub unsafe extern "C" fn pagedkv_reference_decode_attention(
         }
         // SAFETY: non-null, valid for a read.
         let c = unsafe { shape.read() };
-        let sh = DecodeShape {
-            num_seqs: c.num_seqs,
-            num_q_heads: c.num_q_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            block_size: c.block_size,
-            num_blocks: c.num_blocks,
-            max_blocks_per_seq: c.max_blocks_per_seq,
-        };
+        let sh = DecodeShape::from(c);
         let run = || -> Result<pagedkv_status, pagedkv_status> {
             // SAFETY: the caller's contract for each pointer and length.
             let (q, kc, vc, bt, cl, o) = unsafe {
@@ -920,42 +982,23 @@ pub struct pagedkv_cuda_backend {
     busy: AtomicBool,
 }
 
-static LIVE_CUDA: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+static CUDA_BACKENDS: Registry = Registry::new();
+
+impl Handle for pagedkv_cuda_backend {
+    const WHAT: &'static str = "backend";
+    fn registry() -> &'static Registry {
+        &CUDA_BACKENDS
+    }
+    fn busy(&self) -> &AtomicBool {
+        &self.busy
+    }
+}
 
 fn with_cuda(
     b: *mut pagedkv_cuda_backend,
     f: impl FnOnce(&pagedkv::cuda::CudaBackend) -> Result<(), pagedkv_status>,
 ) -> pagedkv_status {
-    guard(|| {
-        if b.is_null() {
-            return fail(PAGEDKV_ERR_NULL, "backend is null");
-        }
-        let registered = LIVE_CUDA
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .is_some_and(|s| s.contains(&(b as usize)));
-        if !registered {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                "backend handle was destroyed or never created",
-            );
-        }
-        // SAFETY: registered: created by `pagedkv_cuda_backend_create`, not destroyed.
-        let h = unsafe { &*b };
-        if h.busy.swap(true, Ordering::Acquire) {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                "backend is already inside a call",
-            );
-        }
-        let r = f(&h.inner);
-        h.busy.store(false, Ordering::Release);
-        match r {
-            Ok(()) => PAGEDKV_OK,
-            Err(s) => s,
-        }
-    })
+    enter(b, |h| f(&h.inner).err().unwrap_or(PAGEDKV_OK))
 }
 
 /// Creates a CUDA backend on device `ordinal` with the embedded PTX. Without an NVIDIA
@@ -980,15 +1023,10 @@ pub unsafe extern "C" fn pagedkv_cuda_backend_create(
             Ok(b) => b,
             Err(e) => return from_error(&e),
         };
-        let h = Box::into_raw(Box::new(pagedkv_cuda_backend {
+        let h = register(pagedkv_cuda_backend {
             inner,
             busy: AtomicBool::new(false),
-        }));
-        LIVE_CUDA
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(HashSet::new)
-            .insert(h as usize);
+        });
         // SAFETY: non-null, valid for a write.
         unsafe { out.write(h) };
         PAGEDKV_OK
@@ -1003,26 +1041,12 @@ pub unsafe extern "C" fn pagedkv_cuda_backend_create(
 pub unsafe extern "C" fn pagedkv_cuda_backend_destroy(
     b: *mut pagedkv_cuda_backend,
 ) -> pagedkv_status {
-    guard(|| {
-        if b.is_null() {
-            return fail(PAGEDKV_ERR_NULL, "backend is null");
+    guard(|| match destroy(b) {
+        Ok(h) => {
+            let _ = h.inner.synchronize();
+            PAGEDKV_OK
         }
-        let mut reg = LIVE_CUDA.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(set) = reg.as_mut().filter(|s| s.contains(&(b as usize))) else {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                "backend handle was destroyed or never created",
-            );
-        };
-        // SAFETY: registered, so live.
-        if unsafe { &*b }.busy.load(Ordering::Acquire) {
-            return fail(PAGEDKV_ERR_INVALID_STATE, "backend is inside a call");
-        }
-        set.remove(&(b as usize));
-        // SAFETY: registered until just now: the only release.
-        let h = unsafe { Box::from_raw(b) };
-        let _ = h.inner.synchronize();
-        PAGEDKV_OK
+        Err(st) => st,
     })
 }
 
@@ -1130,15 +1154,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
         }
         // SAFETY: non-null, valid for a read.
         let c = unsafe { shape.read() };
-        let sh = DecodeShape {
-            num_seqs: c.num_seqs,
-            num_q_heads: c.num_q_heads,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-            block_size: c.block_size,
-            num_blocks: c.num_blocks,
-            max_blocks_per_seq: c.max_blocks_per_seq,
-        };
+        let sh = DecodeShape::from(c);
         pagedkv::host::ops::check_layout(&sh.layout()).map_err(|e| from_error(&e))?;
         // SAFETY: the caller's contract.
         let (bt, cl) = unsafe {

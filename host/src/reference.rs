@@ -91,11 +91,25 @@ pub fn gather(
     ctx: usize,
     seq: usize,
 ) -> (Vec<f64>, Vec<f64>) {
+    gather_from(shape, key_cache, value_cache, block_tables, seq, 0, ctx)
+}
+
+/// As [`gather`], for tokens `first..ctx` only; rows before `first` are zero (their
+/// blocks may have been freed by a sliding window and are never read).
+fn gather_from(
+    shape: &DecodeShape,
+    key_cache: &HostTensor,
+    value_cache: &HostTensor,
+    block_tables: &[i32],
+    seq: usize,
+    first: usize,
+    ctx: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let l = layout(shape);
     let (kvh, d) = (shape.num_kv_heads as usize, shape.head_dim as usize);
     let mut k = vec![0.0; ctx * kvh * d];
     let mut v = vec![0.0; ctx * kvh * d];
-    for t in 0..ctx {
+    for t in first..ctx {
         let phys = block_of(block_tables, shape, seq, t);
         for h in 0..kvh {
             let src = l.offset(phys, h as u32, t as u32 % shape.block_size) as usize;
@@ -125,7 +139,6 @@ pub fn paged_decode_attention(
         shape.num_kv_heads as usize,
         shape.head_dim as usize,
     );
-    let l = layout(shape);
     let mut out = Vec::with_capacity(shape.num_seqs as usize * qh * d);
     for (seq, &len) in context_lens
         .iter()
@@ -137,20 +150,7 @@ pub fn paged_decode_attention(
             Some(w) if (w as usize) < ctx => ctx - w as usize,
             _ => 0,
         };
-        // Tokens before the window are never read (their blocks may be freed): fill
-        // their rows with zeros, which the window excludes anyway.
-        let mut k = vec![0.0; ctx * kvh * d];
-        let mut v = vec![0.0; ctx * kvh * d];
-        for t in first..ctx {
-            let phys = block_of(block_tables, shape, seq, t);
-            for h in 0..kvh {
-                let src = l.offset(phys, h as u32, t as u32 % shape.block_size) as usize;
-                for e in 0..d {
-                    k[(t * kvh + h) * d + e] = key_cache.get(src + e);
-                    v[(t * kvh + h) * d + e] = value_cache.get(src + e);
-                }
-            }
-        }
+        let (k, v) = gather_from(shape, key_cache, value_cache, block_tables, seq, first, ctx);
         let qs: Vec<f64> = (0..qh * d).map(|i| q.get(seq * qh * d + i)).collect();
         out.extend(dense_decode_attention(&qs, &k, &v, qh, kvh, d, opts));
     }
