@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
 use pagedkv::host::reference::paged_decode_attention;
@@ -14,17 +15,32 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
 }
 
-/// `target/<profile>/libpagedkv_c.a`, next to this test's `deps/` folder.
+/// A fresh `libpagedkv_c.a`. `cargo test` builds only the rlib of this crate, so the
+/// static library is built here with a nested `cargo build`, into its own target folder
+/// (the outer cargo holds the lock on the usual one); incremental after the first time.
 fn static_lib() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let lib = dir.join("libpagedkv_c.a");
-    assert!(
-        lib.exists(),
-        "{} is missing (cargo builds it with the test)",
-        lib.display()
-    );
-    lib
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        // target/<profile>/deps/<test> -> target/
+        let target = exe.parent().unwrap().parent().unwrap().parent().unwrap();
+        let dir = target.join("capi-staticlib");
+        let o = Command::new(env!("CARGO"))
+            .args(["build", "-p", "pagedkv-capi", "--lib", "--target-dir"])
+            .arg(&dir)
+            .current_dir(root())
+            .output()
+            .expect("run cargo");
+        assert!(
+            o.status.success(),
+            "building libpagedkv_c.a:\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let lib = dir.join("debug/libpagedkv_c.a");
+        assert!(lib.exists(), "{} is missing", lib.display());
+        lib
+    })
+    .clone()
 }
 
 /// Compiles and links `src` against the static library; returns the executable.
