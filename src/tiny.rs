@@ -254,6 +254,16 @@ pub fn run(
             .collect();
         sched.add_request(Request::new(i as u64, prompt, cfg.max_tokens))?;
     }
+    // The decode shapes of a step: `num_seqs` sequences, block-table rows of `w`.
+    let shape_for = |num_seqs: usize, w: usize| DecodeShape {
+        num_seqs: num_seqs as u32,
+        num_q_heads: cfg.num_q_heads,
+        num_kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        block_size: cfg.block_size,
+        num_blocks: cfg.num_blocks,
+        max_blocks_per_seq: w as u32,
+    };
     let emu = Emulator::new();
     let opts = DecodeOptions::new(cfg.head_dim);
     let (mut steps, mut tokens, mut util_sum) = (0u64, 0u64, 0.0f64);
@@ -324,15 +334,7 @@ pub fn run(
                     let o = batch.seqs[i].token_offset as usize * hidden;
                     qv.extend(q[o..o + hidden].iter().map(|&a| a as f64));
                 }
-                let shape = DecodeShape {
-                    num_seqs: decode.len() as u32,
-                    num_q_heads: cfg.num_q_heads,
-                    num_kv_heads: cfg.num_kv_heads,
-                    head_dim: cfg.head_dim,
-                    block_size: cfg.block_size,
-                    num_blocks: cfg.num_blocks,
-                    max_blocks_per_seq: w as u32,
-                };
+                let shape = shape_for(decode.len(), w);
                 let qt = HostTensor::from_f64(cfg.dtype, &[decode.len(), qh, d], &qv)?;
                 let mut out = HostTensor::full(cfg.dtype, &[decode.len(), qh, d], f64::NAN);
                 let max_ctx = *lens.iter().max().unwrap_or(&1) as u32;
@@ -401,15 +403,7 @@ pub fn run(
                 }
                 let w = batch.max_blocks_per_seq as usize;
                 let row = &batch.block_tables[si * w..(si + 1) * w];
-                let shape = DecodeShape {
-                    num_seqs: 1,
-                    num_q_heads: cfg.num_q_heads,
-                    num_kv_heads: cfg.num_kv_heads,
-                    head_dim: cfg.head_dim,
-                    block_size: cfg.block_size,
-                    num_blocks: cfg.num_blocks,
-                    max_blocks_per_seq: w as u32,
-                };
+                let shape = shape_for(1, w);
                 let (kg, vg) = gather(
                     &shape,
                     &layer.key_cache,

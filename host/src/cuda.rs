@@ -549,7 +549,7 @@ impl CudaBackend {
         out: &mut DeviceTensor,
         plan: Option<SplitPlan>,
     ) -> Result<SplitPlan> {
-        let max_len = attention::validate(
+        let p = attention::validate_launch(
             shape,
             opts,
             q,
@@ -558,10 +558,10 @@ impl CudaBackend {
             block_tables,
             context_lens,
             out,
+            plan,
+            self.sm_count,
         )?;
         let dtype = key_cache.dtype;
-        let p = plan.unwrap_or_else(|| attention::plan(shape, dtype, max_len, self.sm_count));
-        attention::validate_plan(shape, dtype, &p, max_len)?;
         let tables = self.upload("upload block_tables", block_tables)?;
         let lens = self.upload("upload context_lens", context_lens)?;
         let slopes: Option<CudaSlice<f32>> = match &opts.alibi_slopes {

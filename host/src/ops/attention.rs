@@ -346,6 +346,38 @@ pub fn decode_bytes(shape: &DecodeShape, dtype: DType, context_lens: &[i32], p: 
     2 * tokens * shape.num_kv_heads as u64 * d * size + qo + 4 * blocks * chunks + partials
 }
 
+/// Everything a backend checks before a decode launch: [`validate`] the inputs, take
+/// `plan` or make one with [`plan`] for `sm_count` SMs, then [`validate_plan`] it.
+/// Returns the plan to launch with.
+#[allow(clippy::too_many_arguments)]
+pub fn validate_launch(
+    shape: &DecodeShape,
+    opts: &DecodeOptions,
+    q: &impl TensorDesc,
+    key_cache: &impl TensorDesc,
+    value_cache: &impl TensorDesc,
+    block_tables: &[i32],
+    context_lens: &[i32],
+    out: &impl TensorDesc,
+    plan_hint: Option<SplitPlan>,
+    sm_count: u32,
+) -> Result<SplitPlan> {
+    let max_len = validate(
+        shape,
+        opts,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        out,
+    )?;
+    let dtype = key_cache.dtype();
+    let p = plan_hint.unwrap_or_else(|| plan(shape, dtype, max_len, sm_count));
+    validate_plan(shape, dtype, &p, max_len)?;
+    Ok(p)
+}
+
 /// Launch configuration of the decode kernel for a plan.
 pub fn decode_launch_config(shape: &DecodeShape, p: &SplitPlan) -> LaunchConfig {
     LaunchConfig {
@@ -383,7 +415,7 @@ pub fn decode_emulated(
     context_lens: &[i32],
     out: &mut HostTensor,
 ) -> Result<()> {
-    let max_len = validate(
+    validate_launch(
         shape,
         opts,
         q,
@@ -392,9 +424,10 @@ pub fn decode_emulated(
         block_tables,
         context_lens,
         out,
+        Some(*plan),
+        1,
     )?;
     let dtype = key_cache.dtype();
-    validate_plan(shape, dtype, plan, max_len)?;
     let parts = plan.num_partitions as usize;
     let per_head = shape.num_seqs as usize * shape.num_q_heads as usize;
     let (mut part_out, mut part_ml) = if plan.is_split() {
