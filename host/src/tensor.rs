@@ -84,28 +84,58 @@ pub struct HostTensor {
 
 impl HostTensor {
     /// A tensor of the given shape with every element `value` (rounded to `dtype`).
+    ///
+    /// # Panics
+    /// When the shape's size in bytes overflows `isize` (a shape from user input goes
+    /// through [`HostTensor::try_full`] instead).
     pub fn full(dtype: DType, shape: &[usize], value: f64) -> Self {
-        let n: usize = shape.iter().product();
+        match Self::try_full(dtype, shape, value) {
+            Ok(t) => t,
+            Err(e) => panic!("HostTensor::full: {e}"),
+        }
+    }
+
+    /// A tensor of the given shape with every element `value`, or an error naming
+    /// `shape` when its size in bytes overflows `isize`.
+    pub fn try_full(dtype: DType, shape: &[usize], value: f64) -> Result<Self> {
+        let n = Self::checked_elems(dtype, shape)?;
         let mut t = HostTensor {
             dtype,
             shape: shape.to_vec(),
             buf: AlignedBuf::zeroed(n * dtype.size()),
         };
         t.fill(value);
-        t
+        Ok(t)
+    }
+
+    /// The element count of `shape`, checked so that its bytes fit an allocation.
+    pub fn checked_elems(dtype: DType, shape: &[usize]) -> Result<usize> {
+        shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .filter(|n| {
+                n.checked_mul(dtype.size())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+            .ok_or_else(|| {
+                Error::invalid(
+                    "shape",
+                    format!("{shape:?} of {dtype} is too large to allocate"),
+                )
+            })
     }
 
     /// A tensor holding `values` rounded to `dtype`; `values.len()` must equal the
     /// shape's element count.
     pub fn from_f64(dtype: DType, shape: &[usize], values: &[f64]) -> Result<Self> {
-        let n: usize = shape.iter().product();
+        let n = Self::checked_elems(dtype, shape)?;
         if values.len() != n {
             return Err(Error::invalid(
                 "values",
                 format!("{} values for shape {shape:?} ({n} elements)", values.len()),
             ));
         }
-        let mut t = HostTensor::full(dtype, shape, 0.0);
+        let mut t = HostTensor::try_full(dtype, shape, 0.0)?;
         for (i, v) in values.iter().enumerate() {
             t.set(i, *v);
         }
@@ -115,14 +145,14 @@ impl HostTensor {
     /// A tensor holding raw element bytes (`bytes.len()` must be the shape's element
     /// count times the element size).
     pub fn from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
-        let n: usize = shape.iter().product();
+        let n = Self::checked_elems(dtype, shape)?;
         if bytes.len() != n * dtype.size() {
             return Err(Error::invalid(
                 "bytes",
                 format!("{} bytes for {n} elements of {dtype}", bytes.len()),
             ));
         }
-        let mut t = HostTensor::full(dtype, shape, 0.0);
+        let mut t = HostTensor::try_full(dtype, shape, 0.0)?;
         t.buf.as_bytes_mut().copy_from_slice(bytes);
         Ok(t)
     }

@@ -46,7 +46,33 @@ pub fn check_layout(l: &PagedLayout) -> Result<()> {
     if l.num_blocks == 0 {
         return Err(Error::invalid("num_blocks", "must be at least 1"));
     }
+    checked_pool_elems(l)?;
     Ok(())
+}
+
+/// Largest element size of a cache dtype, in bytes: a pool is sized for the widest.
+const MAX_ELEM_BYTES: u64 = 4;
+
+/// Elements of one K (or V) pool of layout `l`, checked: an error naming
+/// `num_blocks` when the pool's bytes (at 4 bytes per element) exceed `isize::MAX`,
+/// the most any allocation, host or device, can hold. [`PagedLayout::pool_elems`]
+/// itself wraps around for such layouts, so every size a backend allocates goes
+/// through here.
+pub fn checked_pool_elems(l: &PagedLayout) -> Result<u64> {
+    (l.num_blocks as u64)
+        .checked_mul(l.num_kv_heads as u64)
+        .and_then(|x| x.checked_mul(l.block_size as u64))
+        .and_then(|x| x.checked_mul(l.head_dim as u64))
+        .filter(|&e| e.checked_mul(MAX_ELEM_BYTES).is_some_and(|b| b <= isize::MAX as u64))
+        .ok_or_else(|| {
+            Error::invalid(
+                "num_blocks",
+                format!(
+                    "a pool of {} blocks x {} KV heads x {} tokens x {} elements is too large to address",
+                    l.num_blocks, l.num_kv_heads, l.block_size, l.head_dim
+                ),
+            )
+        })
 }
 
 /// Checks a tensor's element type and element count.
