@@ -13,7 +13,7 @@
 //! * [`cuda`]: the CUDA backend (cudarc, dynamic loading) with the embedded PTX.
 //! * [`ptx`]: the committed, validated PTX per architecture, as typed constants.
 //! * [`sim`]: the serving simulator behind `pagedkv simulate` (paged vs contiguous KV
-//!   memory), and [`plot`], its SVG figure.
+//!   memory), [`plot`], its SVG figure, and [`output`], how the command writes files.
 //! * [`tiny`]: `pagedkv run`, decode of a small random transformer through the kernels
 //!   over the paged cache.
 //!
@@ -36,6 +36,7 @@
 //! ```
 
 pub mod cuda;
+pub mod output;
 pub mod plot;
 pub mod ptx;
 pub mod sim;
