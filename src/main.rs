@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use pagedkv::sim::{
     GpuSpec, ModelSpec, Policy, ScenarioReport, SimConfig, SimError, Workload, WorkloadKind,
-    run_scenario,
+    check_range, limits, run_scenario,
 };
 use pagedkv::tiny::{Backend, RunConfig};
 
@@ -54,7 +54,7 @@ struct SimArgs {
     /// Arrival rate, requests/s (default: 2 for sharegpt, 30 for alpaca).
     #[arg(long, conflicts_with = "trace")]
     rate: Option<f64>,
-    /// Requests to simulate (synthetic workloads).
+    /// Requests to simulate (synthetic workloads; 1 to 1000000).
     #[arg(long, conflicts_with = "trace")]
     num_requests: Option<usize>,
     /// A JSONL trace: {"arrival_s": …, "prompt_len": …, "output_len": …} per line.
@@ -79,10 +79,11 @@ struct RunArgs {
     /// cpu (kernels in the SIMT emulator) or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Requests to decode.
+    /// Requests to decode (1 to 4096).
     #[arg(long, default_value_t = 12)]
     requests: usize,
-    /// Tokens to generate per request.
+    /// Tokens to generate per request (2 to 217: the first comes from the prefill, and
+    /// prompts of up to 39 tokens plus the output must fit the model's 256).
     #[arg(long, default_value_t = 24)]
     max_tokens: u32,
     /// Random seed (weights and prompts).
@@ -134,18 +135,15 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
 fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut gpu = GpuSpec::preset(&a.gpu)?;
     if let Some(b) = a.bandwidth_gbs {
-        if !(b.is_finite() && b > 0.0) {
-            return Err(SimError(format!("--bandwidth-gbs: {b} is not a positive number")).into());
-        }
-        gpu.bandwidth_gbs = b;
+        gpu.bandwidth_gbs = check_range("--bandwidth-gbs", b, limits::BANDWIDTH_GBS)?;
         gpu.name = format!("{} ({b} GB/s)", gpu.name);
     }
     if let Some(m) = a.memory_gib {
-        if !(m.is_finite() && m > 0.0) {
-            return Err(SimError(format!("--memory-gib: {m} is not a positive number")).into());
-        }
-        gpu.memory_gib = m;
+        gpu.memory_gib = check_range("--memory-gib", m, limits::MEMORY_GIB)?;
         gpu.name = format!("{} ({m} GiB)", gpu.name);
+    }
+    if let Some(r) = a.rate {
+        check_range("--rate", r, limits::RATE)?;
     }
     let model = if a.model.ends_with(".json") || Path::new(&a.model).is_file() {
         ModelSpec::from_json_file(Path::new(&a.model))?
@@ -154,12 +152,9 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut cfg = SimConfig::new(gpu, model);
     if let Some(g) = a.kv_budget_gib {
-        if !(g.is_finite() && g > 0.0) {
-            return Err(SimError(format!("--kv-budget-gib: {g} is not a positive number")).into());
-        }
-        cfg.kv_budget_gib = Some(g);
+        cfg.kv_budget_gib = Some(check_range("--kv-budget-gib", g, limits::KV_BUDGET_GIB)?);
     }
-    cfg.kv_budget_bytes()?;
+    cfg.capacity_tokens()?;
     let max_len = cfg.model.max_model_len;
 
     // The scenarios: a trace, one synthetic workload, or the paper's two.
@@ -225,35 +220,19 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
         cfg.gpu.bandwidth_gbs, cfg.gpu.tflops
     );
 
-    // Outputs last, each written whole (temporary file, then rename).
+    // Outputs last: every one is produced and staged before any is committed.
+    let mut outputs = Vec::new();
     if let Some(p) = &a.json {
-        let text = serde_json::to_string_pretty(&reports)?;
-        write_atomic(p, text.as_bytes())?;
-        println!("wrote {}", p.display());
+        outputs.push((
+            p.clone(),
+            serde_json::to_string_pretty(&reports)?.into_bytes(),
+        ));
     }
     if let Some(p) = &a.plot {
-        let svg = pagedkv::plot::render_svg(&reports)?;
-        write_atomic(p, svg.as_bytes())?;
+        outputs.push((p.clone(), pagedkv::plot::render_svg(&reports)?.into_bytes()));
+    }
+    for p in pagedkv::output::write_all(&outputs)? {
         println!("wrote {}", p.display());
     }
-    Ok(())
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same folder, so a failure
-/// never leaves a partial file behind.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or_else(|| format!("{}: not a file name", path.display()))?;
-    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    std::fs::write(&tmp, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("{}: {e}", path.display())
-    })?;
     Ok(())
 }

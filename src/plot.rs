@@ -16,6 +16,10 @@ const COLORS: [RGBColor; 6] = [
 /// Renders one row per scenario (KV memory held / pool on the left, running requests on
 /// the right) as an SVG document.
 pub fn render_svg(reports: &[ScenarioReport]) -> Result<String, Box<dyn std::error::Error>> {
+    // A NaN or infinite axis bound would make plotters loop forever.
+    for rep in reports {
+        rep.check_finite()?;
+    }
     let mut svg = String::new();
     {
         let rows = reports.len().max(1);

@@ -54,6 +54,62 @@ fn err<T>(msg: impl Into<String>) -> Result<T, SimError> {
     Err(SimError(msg.into()))
 }
 
+/// The ranges the simulator accepts. Outside them a run would mean nothing (a GPU with
+/// a bandwidth of 1e-320 GB/s) or overflow what it computes (times beyond `f64`, a pool
+/// too large to hold in memory); each is an error naming the flag, never a NaN in a
+/// report or a hung plot.
+pub mod limits {
+    use std::ops::RangeInclusive;
+
+    /// `--rate`, requests per second.
+    pub const RATE: RangeInclusive<f64> = 1e-6..=1e6;
+    /// `--bandwidth-gbs`, GB/s.
+    pub const BANDWIDTH_GBS: RangeInclusive<f64> = 1e-3..=1e6;
+    /// `--memory-gib` (GPU memory), GiB.
+    pub const MEMORY_GIB: RangeInclusive<f64> = 1e-3..=1e6;
+    /// `--kv-budget-gib`, GiB.
+    pub const KV_BUDGET_GIB: RangeInclusive<f64> = 1e-6..=1e6;
+    /// Dense peak of a GPU, TFLOP/s.
+    pub const TFLOPS: RangeInclusive<f64> = 1e-3..=1e6;
+    /// A model's parameter count.
+    pub const NUM_PARAMS: RangeInclusive<f64> = 1.0..=1e15;
+    /// Requests of one workload (`--num-requests`, lines of a trace).
+    pub const MAX_REQUESTS: usize = 1_000_000;
+    /// KV token slots the simulator can hold (the pool is simulated block by block).
+    pub const MAX_TOKEN_SLOTS: u64 = 1 << 24;
+    /// A trace's latest arrival time, seconds (about 31.7 years).
+    pub const MAX_ARRIVAL_S: f64 = 1e9;
+    /// Bytes of one trace line (a line is three numbers).
+    pub const MAX_TRACE_LINE_BYTES: usize = 4096;
+}
+
+/// `v`, or an error naming `flag` when it is not a number within `range`.
+pub fn check_range(
+    flag: &str,
+    v: f64,
+    range: std::ops::RangeInclusive<f64>,
+) -> Result<f64, SimError> {
+    if range.contains(&v) {
+        Ok(v)
+    } else {
+        err(format!(
+            "{flag}: {} is outside the range this simulator accepts ({:e} to {:e})",
+            short(v),
+            range.start(),
+            range.end()
+        ))
+    }
+}
+
+/// `v` as a user typed it when it is ordinary, in scientific notation when tiny or huge.
+fn short(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() || (1e-4..1e9).contains(&v.abs()) {
+        format!("{v}")
+    } else {
+        format!("{v:e}")
+    }
+}
+
 /// A GPU: memory, bandwidth and dense 16-bit peak.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GpuSpec {
@@ -91,6 +147,7 @@ impl GpuSpec {
 
 /// A model: the shapes that set KV bytes per token, and the weight size.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// Name for the report.
     pub name: String,
@@ -132,36 +189,74 @@ impl ModelSpec {
         })
     }
 
-    /// Reads a JSON model config (the fields of [`ModelSpec`]).
+    /// Reads a JSON model config (the fields of [`ModelSpec`]; unknown fields are an
+    /// error). The file is read up to 64 KiB.
     pub fn from_json_file(path: &Path) -> Result<Self, SimError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| SimError(format!("--model {}: {e}", path.display())))?;
-        let m: ModelSpec = serde_json::from_str(&text)
-            .map_err(|e| SimError(format!("--model {}: {e}", path.display())))?;
-        m.check()
-            .map_err(|e| SimError(format!("--model {}: {e}", path.display())))?;
+        use std::io::Read as _;
+        const MAX_BYTES: u64 = 64 << 10;
+        let at = |e: &dyn std::fmt::Display| SimError(format!("--model {}: {e}", path.display()));
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_BYTES + 1).read_to_string(&mut text))
+            .map_err(|e| at(&e))?;
+        if text.len() as u64 > MAX_BYTES {
+            return Err(at(&format!("longer than {MAX_BYTES} bytes")));
+        }
+        Self::from_json_str(&text).map_err(|e| at(&e))
+    }
+
+    /// Parses and checks a JSON model config (see [`ModelSpec::from_json_file`]).
+    pub fn from_json_str(text: &str) -> Result<Self, SimError> {
+        let m: ModelSpec = serde_json::from_str(text).map_err(|e| SimError(e.to_string()))?;
+        m.check()?;
         Ok(m)
     }
 
-    fn check(&self) -> Result<(), SimError> {
-        if self.num_layers == 0 || self.num_kv_heads == 0 || self.head_dim == 0 {
-            return err("layers, KV heads and head_dim must be positive");
+    /// Checks that every field is in range and that the sizes computed from them fit;
+    /// errors name the field.
+    pub fn check(&self) -> Result<(), SimError> {
+        for (field, v) in [
+            ("num_layers", self.num_layers),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("dtype_bytes", self.dtype_bytes),
+        ] {
+            if v == 0 {
+                return err(format!("{field}: must be positive"));
+            }
         }
-        if !(self.num_params.is_finite() && self.num_params > 0.0) || self.dtype_bytes == 0 {
-            return err("num_params and dtype_bytes must be positive");
-        }
+        check_range("num_params", self.num_params, limits::NUM_PARAMS)?;
         if self.max_model_len < 2 {
-            return err("max_model_len must be at least 2");
+            return err("max_model_len: must be at least 2");
+        }
+        if self.max_model_len as u64 > limits::MAX_TOKEN_SLOTS {
+            return err(format!(
+                "max_model_len: {} is more than the simulator's {} token slots",
+                self.max_model_len,
+                limits::MAX_TOKEN_SLOTS
+            ));
+        }
+        if self.checked_kv_bytes_per_token().is_none() {
+            return err(format!(
+                "num_layers, num_kv_heads, head_dim, dtype_bytes: 2 x {} x {} x {} x {} bytes per token overflows 64 bits",
+                self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes
+            ));
         }
         Ok(())
     }
 
-    /// K and V bytes of one token, all layers.
+    /// K and V bytes of one token, all layers, or `None` when that overflows `u64`.
+    pub fn checked_kv_bytes_per_token(&self) -> Option<u64> {
+        2u64.checked_mul(self.num_layers as u64)?
+            .checked_mul(self.num_kv_heads as u64)?
+            .checked_mul(self.head_dim as u64)?
+            .checked_mul(self.dtype_bytes as u64)
+    }
+
+    /// K and V bytes of one token, all layers (saturating at `u64::MAX`; a spec that
+    /// passed [`ModelSpec::check`] never saturates).
     pub fn kv_bytes_per_token(&self) -> u64 {
-        2 * self.num_layers as u64
-            * self.num_kv_heads as u64
-            * self.head_dim as u64
-            * self.dtype_bytes as u64
+        self.checked_kv_bytes_per_token().unwrap_or(u64::MAX)
     }
 
     /// Weight bytes.
@@ -272,11 +367,12 @@ impl Workload {
         max_len: u32,
         seed: u64,
     ) -> Result<Self, SimError> {
-        if !(rate.is_finite() && rate > 0.0) {
-            return err(format!("--rate: {rate} is not a positive number"));
-        }
-        if n == 0 {
-            return err("--num-requests: must be at least 1");
+        check_range("--rate", rate, limits::RATE)?;
+        if n == 0 || n > limits::MAX_REQUESTS {
+            return err(format!(
+                "--num-requests: {n} is outside 1 to {}",
+                limits::MAX_REQUESTS
+            ));
         }
         let (mp, mo) = kind.means();
         let prompt_d = calibrated_lognormal(mp, max_len / 2);
@@ -312,55 +408,60 @@ impl Workload {
     }
 
     /// Reads a JSONL trace: one `{"arrival_s": …, "prompt_len": …, "output_len": …}` per
-    /// line (blank lines skipped). Errors name the line.
+    /// line (blank lines skipped), streamed line by line: a line longer than
+    /// [`limits::MAX_TRACE_LINE_BYTES`] or more than [`limits::MAX_REQUESTS`] requests is
+    /// an error. Errors name the line.
     pub fn from_trace(path: &Path, max_len: u32) -> Result<Self, SimError> {
-        let text = std::fs::read_to_string(path)
+        let f = std::fs::File::open(path)
             .map_err(|e| SimError(format!("--trace {}: {e}", path.display())))?;
-        Self::parse_trace(&text, max_len).map(|mut w| {
-            w.description = format!("trace {} ({} requests)", path.display(), w.requests.len());
-            w
-        })
+        Self::read_trace(std::io::BufReader::new(f), max_len)
+            .map_err(|e| SimError(format!("--trace {}: {e}", path.display())))
+            .map(|mut w| {
+                w.description = format!("trace {} ({} requests)", path.display(), w.requests.len());
+                w
+            })
     }
 
     /// Parses JSONL trace text (see [`Workload::from_trace`]).
     pub fn parse_trace(text: &str, max_len: u32) -> Result<Self, SimError> {
-        #[derive(Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct Line {
-            arrival_s: f64,
-            prompt_len: i64,
-            output_len: i64,
-        }
+        Self::read_trace(text.as_bytes(), max_len)
+    }
+
+    /// Reads a JSONL trace from any reader (see [`Workload::from_trace`]).
+    pub fn read_trace(mut r: impl std::io::BufRead, max_len: u32) -> Result<Self, SimError> {
+        use std::io::{BufRead as _, Read as _};
         let mut requests = Vec::new();
-        for (i, line) in text.lines().enumerate() {
-            let n = i + 1;
+        let mut buf = Vec::new();
+        let limit = limits::MAX_TRACE_LINE_BYTES;
+        for n in 1u64.. {
+            buf.clear();
+            let got = (&mut r)
+                .take(limit as u64 + 1)
+                .read_until(b'\n', &mut buf)
+                .map_err(|e| SimError(format!("trace line {n}: {e}")))?;
+            if got == 0 {
+                break;
+            }
+            if buf.last() == Some(&b'\n') {
+                buf.pop();
+            } else if buf.len() > limit {
+                return err(format!("trace line {n}: longer than {limit} bytes"));
+            }
+            let line = std::str::from_utf8(&buf)
+                .map_err(|e| SimError(format!("trace line {n}: not UTF-8 ({e})")))?;
             if line.trim().is_empty() {
                 continue;
             }
-            let l: Line =
-                serde_json::from_str(line).map_err(|e| SimError(format!("trace line {n}: {e}")))?;
-            if !(l.arrival_s.is_finite() && l.arrival_s >= 0.0) {
+            if requests.len() == limits::MAX_REQUESTS {
                 return err(format!(
-                    "trace line {n}: arrival_s {} is not a time >= 0",
-                    l.arrival_s
+                    "trace line {n}: more than {} requests",
+                    limits::MAX_REQUESTS
                 ));
             }
-            for (what, v) in [("prompt_len", l.prompt_len), ("output_len", l.output_len)] {
-                if v <= 0 {
-                    return err(format!("trace line {n}: {what} {v} must be positive"));
-                }
-            }
-            if l.prompt_len + l.output_len > max_len as i64 {
-                return err(format!(
-                    "trace line {n}: {} + {} tokens exceed the model's maximum length {max_len}",
-                    l.prompt_len, l.output_len
-                ));
-            }
-            requests.push(TraceRequest {
-                arrival_s: l.arrival_s,
-                prompt_len: l.prompt_len as u32,
-                output_len: l.output_len as u32,
-            });
+            requests.push(
+                parse_trace_line(line, max_len)
+                    .map_err(|e| SimError(format!("trace line {n}: {e}")))?,
+            );
         }
         if requests.is_empty() {
             return err("trace: no requests");
@@ -371,6 +472,54 @@ impl Workload {
             requests,
         })
     }
+}
+
+/// One trace line, checked: a finite arrival time in `[0, MAX_ARRIVAL_S]`, positive
+/// lengths whose sum fits the model.
+fn parse_trace_line(line: &str, max_len: u32) -> Result<TraceRequest, SimError> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Line {
+        arrival_s: f64,
+        prompt_len: i64,
+        output_len: i64,
+    }
+    let l: Line = serde_json::from_str(line).map_err(|e| SimError(e.to_string()))?;
+    if !(0.0..=limits::MAX_ARRIVAL_S).contains(&l.arrival_s) {
+        return err(format!(
+            "arrival_s {} is not a time from 0 to {:e} s",
+            l.arrival_s,
+            limits::MAX_ARRIVAL_S
+        ));
+    }
+    let mut lens = [0u32; 2];
+    for (slot, (what, v)) in lens
+        .iter_mut()
+        .zip([("prompt_len", l.prompt_len), ("output_len", l.output_len)])
+    {
+        if v <= 0 {
+            return err(format!("{what} {v} must be positive"));
+        }
+        *slot = u32::try_from(v)
+            .ok()
+            .filter(|&x| x <= max_len)
+            .ok_or_else(|| {
+                SimError(format!(
+                    "{what} {v} exceeds the model's maximum length {max_len}"
+                ))
+            })?;
+    }
+    let [prompt_len, output_len] = lens;
+    if prompt_len as u64 + output_len as u64 > max_len as u64 {
+        return err(format!(
+            "{prompt_len} + {output_len} tokens exceed the model's maximum length {max_len}"
+        ));
+    }
+    Ok(TraceRequest {
+        arrival_s: l.arrival_s,
+        prompt_len,
+        output_len,
+    })
 }
 
 fn mean_lengths(r: &[TraceRequest]) -> (f64, f64) {
@@ -465,8 +614,56 @@ impl SimConfig {
         }
     }
 
-    /// The KV budget in bytes, or an error when it cannot hold one maximum-length request.
+    /// Checks the GPU, the model and the budget against [`limits`]: every figure the
+    /// simulation computes from them is then finite.
+    pub fn check(&self) -> Result<(), SimError> {
+        check_range("--memory-gib", self.gpu.memory_gib, limits::MEMORY_GIB)?;
+        check_range(
+            "--bandwidth-gbs",
+            self.gpu.bandwidth_gbs,
+            limits::BANDWIDTH_GBS,
+        )?;
+        check_range("GPU tflops", self.gpu.tflops, limits::TFLOPS)?;
+        self.model
+            .check()
+            .map_err(|e| SimError(format!("--model {}: {e}", self.model.name)))?;
+        if let Some(g) = self.kv_budget_gib {
+            check_range("--kv-budget-gib", g, limits::KV_BUDGET_GIB)?;
+        }
+        for (what, v) in [
+            ("gpu_memory_utilization", self.gpu_memory_utilization),
+            ("bandwidth_efficiency", self.bandwidth_efficiency),
+            ("flops_efficiency", self.flops_efficiency),
+        ] {
+            if !(v > 0.0 && v <= 1.0) {
+                return err(format!("{what}: {v} is not in (0, 1]"));
+            }
+        }
+        if !(0.0..=10.0).contains(&self.step_overhead_s) {
+            return err(format!(
+                "step_overhead_s: {} is not in [0, 10] s",
+                self.step_overhead_s
+            ));
+        }
+        if self.max_num_seqs == 0 || self.max_tokens_per_step == 0 {
+            return err("max_num_seqs and max_tokens_per_step must be positive");
+        }
+        Ok(())
+    }
+
+    /// The flag that sets the KV budget, for error messages.
+    fn budget_flag(&self) -> &'static str {
+        if self.kv_budget_gib.is_some() {
+            "--kv-budget-gib"
+        } else {
+            "--memory-gib (or --gpu)"
+        }
+    }
+
+    /// The KV budget in bytes, or an error when an input is out of range
+    /// ([`SimConfig::check`]) or the budget cannot hold one maximum-length request.
     pub fn kv_budget_bytes(&self) -> Result<f64, SimError> {
+        self.check()?;
         let gib = (1u64 << 30) as f64;
         let b = match self.kv_budget_gib {
             Some(g) => g * gib,
@@ -475,9 +672,10 @@ impl SimConfig {
             }
         };
         let need = self.model.kv_bytes_per_token() as f64 * self.model.max_model_len as f64;
-        if !(b.is_finite() && b >= need) {
+        if b < need {
             return err(format!(
-                "memory budget too small: {:.2} GiB of KV cache for {} on {} cannot hold even one {}-token request ({:.2} GiB); use a larger --gpu or --kv-budget-gib",
+                "{}: memory budget too small: {:.2} GiB of KV cache for {} on {} cannot hold even one {}-token request ({:.2} GiB); use a larger --gpu or --kv-budget-gib",
+                self.budget_flag(),
                 b / gib,
                 self.model.name,
                 self.gpu.name,
@@ -488,9 +686,20 @@ impl SimConfig {
         Ok(b)
     }
 
-    /// KV token slots in the budget.
+    /// KV token slots in the budget; an error naming the flag when they are more than
+    /// the simulator can hold ([`limits::MAX_TOKEN_SLOTS`]).
     pub fn capacity_tokens(&self) -> Result<u64, SimError> {
-        Ok((self.kv_budget_bytes()? / self.model.kv_bytes_per_token() as f64) as u64)
+        let slots = (self.kv_budget_bytes()? / self.model.kv_bytes_per_token() as f64).floor();
+        if slots > limits::MAX_TOKEN_SLOTS as f64 {
+            return err(format!(
+                "{}: a KV budget of {:.4e} token slots for {} is more than the simulator's limit of {} (2^24); use a smaller budget",
+                self.budget_flag(),
+                slots,
+                self.model.name,
+                limits::MAX_TOKEN_SLOTS
+            ));
+        }
+        Ok(slots as u64)
     }
 
     /// Duration of a step that processes `tokens` tokens and reads `kv_tokens` cached
@@ -656,7 +865,9 @@ fn simulate_paged(
     on_finish: &mut dyn FnMut(),
 ) -> Result<PolicyResult, SimError> {
     let capacity = cfg.capacity_tokens()?;
-    let num_blocks = (capacity / block_size as u64) as u32 + 1;
+    // One more block than the budget holds: block 0 is the scheduler's null block.
+    let num_blocks = u32::try_from(capacity / block_size as u64 + 1)
+        .map_err(|_| SimError(format!("{}: too many blocks", cfg.budget_flag())))?;
     let mut s = Scheduler::new(SchedulerConfig {
         num_blocks,
         block_size,
@@ -670,7 +881,7 @@ fn simulate_paged(
         ..SchedulerConfig::default()
     })
     .map_err(|e| SimError(format!("paged scheduler: {e}")))?;
-    let pool = ((num_blocks - 1) * block_size) as f64;
+    let pool = (num_blocks - 1) as f64 * block_size as f64;
     let mut stats = Stats::new();
     let (mut t, mut next, mut done, mut rejected, mut generated) =
         (0.0f64, 0usize, 0usize, 0usize, 0u64);
@@ -931,6 +1142,47 @@ pub struct PolicyReport {
 }
 
 impl ScenarioReport {
+    /// An error naming the first figure that is NaN or infinite: [`run_scenario`]
+    /// refuses to return such a report, so no NaN or infinity reaches a table, a JSON
+    /// file or a plot.
+    pub fn check_finite(&self) -> Result<(), SimError> {
+        let bad = |what: &str, policy: &str| {
+            err(format!(
+                "internal error: {what} of {policy} is not a finite number; please report the inputs"
+            ))
+        };
+        if !self.kv_budget_gib.is_finite() {
+            return bad("kv_budget_gib", "the scenario");
+        }
+        for p in &self.policies {
+            let r = &p.result;
+            let s = &r.split;
+            for (what, v) in [
+                ("sim_seconds", r.sim_seconds),
+                ("requests_per_s", r.requests_per_s),
+                ("tokens_per_s", r.tokens_per_s),
+                ("mean_batch", r.mean_batch),
+                ("p99_batch", r.p99_batch),
+                ("token_states", s.token_states),
+                ("reserved_future", s.reserved_future),
+                ("internal_fragmentation", s.internal_fragmentation),
+                ("external_and_free", s.external_and_free),
+                ("tokens_per_reserved", r.tokens_per_reserved),
+            ] {
+                if !v.is_finite() {
+                    return bad(what, &r.policy);
+                }
+            }
+            if r.timeline
+                .iter()
+                .any(|&(t, h, _)| !(t.is_finite() && h.is_finite()))
+            {
+                return bad("timeline", &r.policy);
+            }
+        }
+        Ok(())
+    }
+
     /// The report as a text table.
     pub fn to_table(&self) -> String {
         let mut o = String::new();
@@ -1031,7 +1283,7 @@ pub fn run_scenario(
             },
         });
     }
-    Ok(ScenarioReport {
+    let report = ScenarioReport {
         workload: workload.description.clone(),
         gpu: cfg.gpu.name.clone(),
         model: cfg.model.name.clone(),
@@ -1039,5 +1291,7 @@ pub fn run_scenario(
         kv_capacity_tokens: cfg.capacity_tokens()?,
         paper_scenario,
         policies: out,
-    })
+    };
+    report.check_finite()?;
+    Ok(report)
 }

@@ -42,6 +42,18 @@ pub enum Backend {
     Cuda,
 }
 
+/// Longest sequence (prompt + output) of a run's model.
+pub const MAX_MODEL_LEN: u32 = 256;
+/// Prompts are drawn with 4 to `MAX_PROMPT_LEN` tokens.
+pub const MAX_PROMPT_LEN: u32 = 39;
+/// Most tokens a request may generate: every request fits the model with any prompt.
+pub const MAX_TOKENS: u32 = MAX_MODEL_LEN - MAX_PROMPT_LEN;
+/// Fewest tokens a request may generate: the first comes from the prefill, so only
+/// from the second on does a decode step run (and get verified).
+pub const MIN_TOKENS: u32 = 2;
+/// Most requests in one run.
+pub const MAX_REQUESTS: usize = 4096;
+
 /// The run's settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunConfig {
@@ -71,6 +83,54 @@ pub struct RunConfig {
     pub dtype: DType,
     /// Decoding sequences checked against dense attention per step.
     pub verify_per_step: usize,
+}
+
+impl RunConfig {
+    /// Checks every setting; an error names the `pagedkv run` flag or the field.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=MAX_REQUESTS).contains(&self.num_requests) {
+            return Err(format!(
+                "--requests: {} is outside 1 to {MAX_REQUESTS}",
+                self.num_requests
+            ));
+        }
+        if !(MIN_TOKENS..=MAX_TOKENS).contains(&self.max_tokens) {
+            return Err(format!(
+                "--max-tokens: {} is outside {MIN_TOKENS} to {MAX_TOKENS} (the first token comes from the prefill, and prompt + output must fit the model's {MAX_MODEL_LEN} tokens with prompts of up to {MAX_PROMPT_LEN})",
+                self.max_tokens
+            ));
+        }
+        for (field, v, max) in [
+            ("num_layers", self.num_layers, 64),
+            ("vocab", self.vocab, 1 << 16),
+            ("num_q_heads", self.num_q_heads as usize, 64),
+            ("verify_per_step", self.verify_per_step, 1 << 16),
+        ] {
+            if !(1..=max).contains(&v) {
+                return Err(format!("{field}: {v} is outside 1 to {max}"));
+            }
+        }
+        if self.num_kv_heads == 0 || !self.num_q_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(format!(
+                "num_kv_heads: {} does not divide num_q_heads {}",
+                self.num_kv_heads, self.num_q_heads
+            ));
+        }
+        if self.num_blocks > 1 << 16 {
+            return Err(format!(
+                "num_blocks: {} is more than {}",
+                self.num_blocks,
+                1 << 16
+            ));
+        }
+        pagedkv_host::ops::check_layout(&PagedLayout {
+            num_blocks: self.num_blocks,
+            num_kv_heads: self.num_kv_heads,
+            block_size: self.block_size,
+            head_dim: self.head_dim,
+        })
+        .map_err(|e| e.to_string())
+    }
 }
 
 impl Default for RunConfig {
@@ -195,13 +255,11 @@ pub fn run(
     cfg: &RunConfig,
     progress: &mut dyn FnMut(String),
 ) -> Result<RunReport, Box<dyn std::error::Error>> {
+    cfg.check()?;
     let gpu = match cfg.backend {
         Backend::Cpu => None,
         Backend::Cuda => Some(crate::cuda::backend(0)?),
     };
-    if cfg.num_requests == 0 || cfg.max_tokens == 0 {
-        return Err("--requests and --max-tokens must be at least 1".into());
-    }
     let (qh, kvh, d) = (
         cfg.num_q_heads as usize,
         cfg.num_kv_heads as usize,
@@ -238,7 +296,7 @@ pub fn run(
             ));
         }
     }
-    let max_model_len = 256;
+    let max_model_len = MAX_MODEL_LEN;
     let mut sched = Scheduler::new(SchedulerConfig {
         num_blocks: cfg.num_blocks,
         block_size: cfg.block_size,
@@ -248,7 +306,7 @@ pub fn run(
         ..SchedulerConfig::default()
     })?;
     for i in 0..cfg.num_requests {
-        let len = r.random_range(4..40usize);
+        let len = r.random_range(4..=MAX_PROMPT_LEN as usize);
         let prompt: Vec<u32> = (0..len)
             .map(|_| r.random_range(0..cfg.vocab as u32))
             .collect();

@@ -141,7 +141,7 @@ fn bad_flags_are_named() {
     );
     fails_with(
         &["simulate", "--workload", "alpaca", "--rate", "0"],
-        "--rate: 0 is not a positive number",
+        "--rate: 0 is outside the range",
     );
     fails_with(
         &["simulate", "--workload", "alpaca", "--num-requests", "0"],
@@ -157,7 +157,7 @@ fn bad_flags_are_named() {
     );
     fails_with(
         &["simulate", "--bandwidth-gbs=-3"],
-        "--bandwidth-gbs: -3 is not a positive number",
+        "--bandwidth-gbs: -3 is outside the range",
     );
     fails_with(
         &["simulate", "--trace", "/nonexistent/trace.jsonl"],

@@ -1,0 +1,361 @@
+//! Hostile input to the `pagedkv` command, as a new user (or an attacker planting files)
+//! would try it: each case once hung, panicked, printed NaN, or overwrote what it should
+//! not. Each is now an error naming the flag or line with exit status 1, and output
+//! files are written whole, through an unpredictable temporary, or not at all.
+
+use std::fs;
+use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _, symlink};
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pagedkv"))
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs `pagedkv ARGS`, killing it after `limit` (a hang is a failure, not a stuck CI).
+fn run_within(args: &[&str], limit: Duration) -> Output {
+    let mut child = bin()
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            child.kill().unwrap();
+            panic!("pagedkv {args:?} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Exit status 1 (an error, not a panic's 101 or an abort) and stderr naming `want`.
+fn fails_with(args: &[&str], want: &str) -> String {
+    let o = run_within(args, Duration::from_secs(60));
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {e}");
+    assert!(e.contains(want), "{args:?}: stderr lacks `{want}`:\n{e}");
+    assert!(!e.contains("panicked"), "{args:?}: {e}");
+    e
+}
+
+/// A small trace that simulates in a blink.
+fn small_trace(dir: &Path) -> String {
+    let p = dir.join("t.jsonl");
+    let lines: Vec<String> = (0..10)
+        .map(|i| format!("{{\"arrival_s\": {i}, \"prompt_len\": 20, \"output_len\": 5}}"))
+        .collect();
+    fs::write(&p, lines.join("\n")).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+fn simulate_json(trace: &str, json: &Path) -> Output {
+    bin()
+        .args(["simulate", "--trace", trace, "--json"])
+        .arg(json)
+        .output()
+        .unwrap()
+}
+
+fn leftovers(dir: &Path) -> Vec<String> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect()
+}
+
+#[test]
+fn a_symlink_planted_at_the_old_temporary_name_is_not_followed() {
+    let d = tempfile::tempdir().unwrap();
+    let trace = small_trace(d.path());
+    let victim = d.path().join("victim");
+    fs::write(&victim, "precious").unwrap();
+    symlink(&victim, d.path().join(".out.json.tmp")).unwrap();
+    let o = simulate_json(&trace, &d.path().join("out.json"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(fs::read_to_string(&victim).unwrap(), "precious");
+    assert!(
+        fs::read_to_string(d.path().join("out.json"))
+            .unwrap()
+            .contains("policies")
+    );
+}
+
+#[test]
+fn an_output_symlink_is_written_through_and_stays_a_symlink() {
+    let d = tempfile::tempdir().unwrap();
+    let trace = small_trace(d.path());
+    let real = d.path().join("real.json");
+    fs::write(&real, "old").unwrap();
+    let link = d.path().join("link.json");
+    symlink(&real, &link).unwrap();
+    let o = simulate_json(&trace, &link);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert!(fs::read_to_string(&real).unwrap().contains("policies"));
+}
+
+#[test]
+fn an_existing_files_mode_is_kept() {
+    let d = tempfile::tempdir().unwrap();
+    let trace = small_trace(d.path());
+    let out = d.path().join("private.json");
+    fs::write(&out, "old").unwrap();
+    fs::set_permissions(&out, fs::Permissions::from_mode(0o600)).unwrap();
+    let o = simulate_json(&trace, &out);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m = fs::metadata(&out).unwrap();
+    assert_eq!(m.permissions().mode() & 0o777, 0o600);
+    assert!(fs::read_to_string(&out).unwrap().contains("policies"));
+}
+
+#[test]
+fn device_nodes_and_fifos_are_written_through_never_replaced() {
+    let d = tempfile::tempdir().unwrap();
+    let trace = small_trace(d.path());
+    let o = simulate_json(&trace, Path::new("/dev/null"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        fs::metadata("/dev/null")
+            .unwrap()
+            .file_type()
+            .is_char_device()
+    );
+
+    let fifo = d.path().join("fifo");
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || fs::read_to_string(fifo).unwrap())
+    };
+    let o = simulate_json(&trace, &fifo);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(reader.join().unwrap().contains("policies"));
+    assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+    assert!(leftovers(d.path()).is_empty());
+}
+
+#[test]
+fn a_folder_as_output_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let trace = small_trace(d.path());
+    let e = fails_with(
+        &[
+            "simulate",
+            "--trace",
+            &trace,
+            "--json",
+            d.path().to_str().unwrap(),
+        ],
+        "is a folder",
+    );
+    assert!(e.contains(d.path().to_str().unwrap()), "{e}");
+}
+
+#[test]
+fn a_failing_plot_leaves_no_json_and_no_temporary() {
+    let d = tempfile::tempdir().unwrap();
+    let trace = small_trace(d.path());
+    let json = d.path().join("out.json");
+    let plot = d.path().join("missing-folder").join("out.svg");
+    fails_with(
+        &[
+            "simulate",
+            "--trace",
+            &trace,
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            plot.to_str().unwrap(),
+        ],
+        "missing-folder",
+    );
+    assert!(
+        !json.exists(),
+        "the JSON was committed before the plot failed"
+    );
+    assert!(leftovers(d.path()).is_empty(), "{:?}", leftovers(d.path()));
+}
+
+#[test]
+fn absurd_rates_and_bandwidths_are_errors_not_nan_or_a_hung_plot() {
+    let d = tempfile::tempdir().unwrap();
+    let svg = d.path().join("p.svg");
+    let svg = svg.to_str().unwrap();
+    fails_with(
+        &[
+            "simulate",
+            "--workload",
+            "alpaca",
+            "--rate",
+            "1e-306",
+            "--plot",
+            svg,
+        ],
+        "--rate: 1e-306 is outside the range",
+    );
+    fails_with(
+        &["simulate", "--bandwidth-gbs", "1e-320", "--plot", svg],
+        "--bandwidth-gbs",
+    );
+    fails_with(&["simulate", "--rate", "inf"], "--rate");
+    fails_with(&["simulate", "--memory-gib", "NaN"], "--memory-gib");
+    assert!(!Path::new(svg).exists());
+}
+
+#[test]
+fn pools_beyond_what_can_be_simulated_name_the_flag() {
+    fails_with(
+        &["simulate", "--kv-budget-gib", "104857624.4140625"],
+        "--kv-budget-gib",
+    );
+    fails_with(&["simulate", "--kv-budget-gib", "1e9"], "--kv-budget-gib");
+    fails_with(&["simulate", "--memory-gib", "1e100"], "--memory-gib");
+    // Large but in range: the pool is more than the simulator holds, said as such.
+    let e = fails_with(
+        &["simulate", "--kv-budget-gib", "100000"],
+        "--kv-budget-gib",
+    );
+    assert!(e.contains("limit"), "{e}");
+    assert!(!e.contains("inf"), "{e}");
+}
+
+#[test]
+fn a_tiny_model_that_makes_a_huge_pool_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("tiny.json");
+    fs::write(
+        &m,
+        r#"{"name":"tiny","num_layers":1,"num_kv_heads":1,"head_dim":1,"num_params":1000,"dtype_bytes":1,"max_model_len":64}"#,
+    )
+    .unwrap();
+    fails_with(&["simulate", "--model", m.to_str().unwrap()], "limit");
+}
+
+#[test]
+fn trace_lengths_that_overflow_name_the_line() {
+    let d = tempfile::tempdir().unwrap();
+    for (text, want) in [
+        (
+            "{\"arrival_s\": 0, \"prompt_len\": 5, \"output_len\": 5}\n{\"arrival_s\": 0, \"prompt_len\": 9223372036854775807, \"output_len\": 9223372036854775807}\n",
+            "trace line 2",
+        ),
+        (
+            "{\"arrival_s\": 0, \"prompt_len\": 4294967297, \"output_len\": 1}\n",
+            "trace line 1: prompt_len 4294967297 exceeds",
+        ),
+        (
+            "{\"arrival_s\": 1e300, \"prompt_len\": 5, \"output_len\": 5}\n",
+            "trace line 1: arrival_s",
+        ),
+        (
+            "{\"arrival_s\": 0, \"prompt_len\": 5, \"output_len\": 5, \"extra\": 1}\n",
+            "trace line 1: unknown field",
+        ),
+    ] {
+        let t = d.path().join("t.jsonl");
+        fs::write(&t, text).unwrap();
+        fails_with(&["simulate", "--trace", t.to_str().unwrap()], want);
+    }
+}
+
+#[test]
+fn an_endless_trace_is_refused_at_the_line_limit() {
+    let e = fails_with(
+        &["simulate", "--trace", "/dev/zero"],
+        "trace line 1: longer than",
+    );
+    assert!(e.contains("/dev/zero"), "{e}");
+}
+
+#[test]
+fn model_json_that_overflows_or_has_unknown_fields_names_the_field() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("m.json");
+    fs::write(
+        &m,
+        r#"{"name":"x","num_layers":2147483648,"num_kv_heads":2147483648,"head_dim":128,"num_params":1e9,"dtype_bytes":2,"max_model_len":2048}"#,
+    )
+    .unwrap();
+    fails_with(
+        &["simulate", "--model", m.to_str().unwrap()],
+        "overflows 64 bits",
+    );
+    fs::write(
+        &m,
+        r#"{"name":"x","num_layers":2,"num_kv_heads":2,"head_dim":128,"num_params":1e9,"dtype_bytes":2,"max_model_len":2048,"layers":3}"#,
+    )
+    .unwrap();
+    fails_with(
+        &["simulate", "--model", m.to_str().unwrap()],
+        "unknown field `layers`",
+    );
+}
+
+#[test]
+fn unbounded_counts_name_the_flag() {
+    fails_with(
+        &[
+            "simulate",
+            "--workload",
+            "alpaca",
+            "--num-requests",
+            "18446744073709551615",
+        ],
+        "--num-requests",
+    );
+    fails_with(
+        &[
+            "simulate",
+            "--workload",
+            "alpaca",
+            "--num-requests",
+            "1000000000000",
+        ],
+        "--num-requests",
+    );
+    fails_with(&["run", "--requests", "18446744073709551615"], "--requests");
+}
+
+#[test]
+fn run_max_tokens_outside_its_range_names_the_flag_and_help_gives_it() {
+    fails_with(
+        &["run", "--max-tokens", "1"],
+        "--max-tokens: 1 is outside 2 to 217",
+    );
+    fails_with(
+        &["run", "--max-tokens", "300"],
+        "--max-tokens: 300 is outside 2 to 217",
+    );
+    let help = bin().args(["run", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    let want = format!(
+        "{} to {}",
+        pagedkv::tiny::MIN_TOKENS,
+        pagedkv::tiny::MAX_TOKENS
+    );
+    assert!(help.contains(&want), "--help lacks `{want}`:\n{help}");
+    assert!(
+        help.contains(&pagedkv::tiny::MAX_REQUESTS.to_string()),
+        "{help}"
+    );
+}
