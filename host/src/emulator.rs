@@ -20,6 +20,14 @@
 //!   offset, and the launch returns [`EmuError::Panic`] naming block and thread.
 //! * **Global memory** goes through the kernel's [`GlobalSlice`] views: every access is
 //!   bounds-checked, and 16-byte accesses are checked for alignment.
+//! * **`cp.async`** is asynchronous here too: a copy fills its 16 destination bytes with
+//!   `0xFF` (NaN) when issued and lands only at the `cp_async_wait::<N>()` that retires
+//!   its commit group (per thread, in commit order). A missing or early wait, or a
+//!   missing barrier between one thread's wait and another's read, shows as NaN in the
+//!   result; a thread that exits with copies pending fails the launch.
+//! * **Fast math** is exact by default; [`MathMode::Approx`] perturbs every `exp2` and
+//!   `tanh` by up to the hardware instruction's documented error, so a test's tolerance
+//!   is a GPU tolerance.
 //!
 //! Blocks run on a pool of OS threads, in an order you choose ([`BlockOrder`]); a kernel
 //! whose result depends on block order is wrong, and tests can run the same launch in
@@ -52,7 +60,8 @@
 //! ```
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::rc::Rc;
 use std::sync::Mutex;
@@ -136,11 +145,35 @@ pub enum EmuError {
     Resources(String),
 }
 
-/// The SIMT emulator. Cheap to create; holds only its scheduling options.
+/// How the emulator computes the fast-math operations ([`Ctx::exp2`], [`Ctx::tanh`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MathMode {
+    /// Correctly rounded `f32` results (the Rust standard library's).
+    #[default]
+    Exact,
+    /// The GPU's error model: each result is perturbed by a relative error drawn
+    /// uniformly from the instruction's documented worst case ([`EX2_APPROX_REL_ERR`]
+    /// for `ex2.approx.ftz.f32`, which also flushes subnormal results to zero;
+    /// [`TANH_APPROX_REL_ERR`] for `tanh.approx.f32`), from this seed, per thread. A
+    /// tolerance that holds here holds for any result the hardware may return.
+    Approx {
+        /// Seed of the perturbations (mixed with block and thread indices).
+        seed: u64,
+    },
+}
+
+/// Worst-case relative error of `ex2.approx.ftz.f32` assumed by [`MathMode::Approx`]
+/// (2 ulp of `f32`: 2^-22).
+pub const EX2_APPROX_REL_ERR: f64 = 1.0 / (1u64 << 22) as f64;
+/// Worst-case relative error of `tanh.approx.f32` (2^-10.987, per the PTX ISA).
+pub const TANH_APPROX_REL_ERR: f64 = 4.9e-4;
+
+/// The SIMT emulator. Cheap to create; holds only its scheduling and math options.
 #[derive(Clone, Debug)]
 pub struct Emulator {
     workers: usize,
     order: BlockOrder,
+    math: MathMode,
 }
 
 impl Default for Emulator {
@@ -171,6 +204,15 @@ struct BlockShared {
     smem: RefCell<Vec<u8>>,
 }
 
+/// One thread's asynchronous copies: `(shared byte offset, the 16 bytes)`.
+#[derive(Default)]
+struct CpAsync {
+    /// Copies issued since the last commit.
+    open: Vec<(usize, [u8; 16])>,
+    /// Committed groups, oldest first.
+    committed: VecDeque<Vec<(usize, [u8; 16])>>,
+}
+
 /// The emulator's [`Ctx`]: one per emulated thread, living on that thread's stack.
 pub struct EmuCtx {
     yielder: *const Yielder<u32, Event>,
@@ -179,9 +221,38 @@ pub struct EmuCtx {
     block_idx: Dim3,
     block_dim: Dim3,
     grid_dim: Dim3,
+    cp_async: RefCell<CpAsync>,
+    /// `Some(state)` of the perturbation generator in [`MathMode::Approx`].
+    approx: Cell<Option<u64>>,
 }
 
 impl EmuCtx {
+    /// A relative perturbation uniform in `[-max, max]` (approximate math), else 0.
+    fn perturbation(&self, max: f64) -> f64 {
+        let Some(mut s) = self.approx.get() else {
+            return 0.0;
+        };
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.approx.set(Some(s));
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let u = (z >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
+        (2.0 * u - 1.0) * max
+    }
+
+    /// Panics (failing the launch) when copies are still in flight at thread exit.
+    fn check_no_pending_copies(&self) {
+        let cp = self.cp_async.borrow();
+        let pending: usize = cp.open.len() + cp.committed.iter().map(Vec::len).sum::<usize>();
+        if pending > 0 {
+            panic!(
+                "{pending} cp.async copies still pending at thread exit: a missing commit or cp.async.wait_group (their shared-memory bytes never landed)"
+            );
+        }
+    }
+
     fn suspend(&self, e: Event) -> u32 {
         // SAFETY: an `EmuCtx` is created inside its coroutine's body from the yielder
         // that body received, and never leaves that body, so the yielder outlives it.
@@ -239,10 +310,59 @@ impl Ctx for EmuCtx {
         })
     }
     fn exp2(&self, x: f32) -> f32 {
-        x.exp2()
+        let r = x.exp2();
+        if self.approx.get().is_none() {
+            return r;
+        }
+        let r = (r as f64 * (1.0 + self.perturbation(EX2_APPROX_REL_ERR))) as f32;
+        if r.is_subnormal() { 0.0 } else { r }
     }
     fn tanh(&self, x: f32) -> f32 {
-        x.tanh()
+        let r = x.tanh();
+        if self.approx.get().is_none() {
+            return r;
+        }
+        (r as f64 * (1.0 + self.perturbation(TANH_APPROX_REL_ERR))) as f32
+    }
+    fn fma(&self, a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    fn cp_async_16<T>(&self, word: u32, s: &GlobalSlice<T>, i: u64) {
+        let bytes = self.ld_nc_v4(s, i);
+        if !word.is_multiple_of(4) {
+            panic!("cp.async: shared word {word} is not 16-byte aligned");
+        }
+        let o = self.smem_check(4 * word as u64, 16);
+        // Undefined until the wait that covers it: NaN in every element type.
+        self.block.smem.borrow_mut()[o..o + 16].fill(0xFF);
+        let mut data = [0u8; 16];
+        for (d, w) in data.chunks_exact_mut(4).zip(bytes) {
+            d.copy_from_slice(&w.to_le_bytes());
+        }
+        self.cp_async.borrow_mut().open.push((o, data));
+    }
+    fn cp_async_commit(&self) {
+        let mut cp = self.cp_async.borrow_mut();
+        let group = std::mem::take(&mut cp.open);
+        cp.committed.push_back(group);
+    }
+    fn cp_async_wait<const N: u32>(&self) {
+        let mut cp = self.cp_async.borrow_mut();
+        let mut smem = self.block.smem.borrow_mut();
+        while cp.committed.len() > N as usize {
+            for (o, data) in cp.committed.pop_front().unwrap_or_default() {
+                smem[o..o + 16].copy_from_slice(&data);
+            }
+        }
+    }
+    fn smem_ld_v4(&self, word: u32) -> [u32; 4] {
+        if !word.is_multiple_of(4) {
+            panic!("ld.shared.v4: shared word {word} is not 16-byte aligned");
+        }
+        let o = self.smem_check(4 * word as u64, 16);
+        let s = self.block.smem.borrow();
+        let w = |k: usize| u32::from_le_bytes(s[o + 4 * k..o + 4 * k + 4].try_into().unwrap());
+        [w(0), w(1), w(2), w(3)]
     }
     fn ld<T: Copy>(&self, s: &GlobalSlice<T>, i: u64) -> T {
         let size = size_of::<T>() as u64;
@@ -343,7 +463,19 @@ impl Emulator {
         Self {
             workers,
             order: BlockOrder::Forward,
+            math: MathMode::Exact,
         }
+    }
+
+    /// Sets how `exp2` and `tanh` are computed (see [`MathMode`]).
+    pub fn with_math(mut self, math: MathMode) -> Self {
+        self.math = math;
+        self
+    }
+
+    /// The math mode.
+    pub fn math(&self) -> MathMode {
+        self.math
     }
 
     /// Sets the number of OS worker threads that run blocks (at least 1).
@@ -423,7 +555,7 @@ impl Emulator {
                     break;
                 }
                 let block_idx = dim_of(order[k], cfg.grid);
-                if let Err(e) = run_block::<K>(&cfg, block_idx, params.0, &mut stacks) {
+                if let Err(e) = run_block::<K>(&cfg, block_idx, self.math, params.0, &mut stacks) {
                     stop.store(true, Ordering::Relaxed);
                     let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
                     // Keep the error of the earliest block in launch order, so the
@@ -453,6 +585,7 @@ impl Emulator {
 fn run_block<K: Kernel>(
     cfg: &LaunchConfig,
     block_idx: Dim3,
+    math: MathMode,
     params: K::Params,
     stacks: &mut Vec<DefaultStack>,
 ) -> Result<(), EmuError> {
@@ -470,6 +603,15 @@ fn run_block<K: Kernel>(
         let block = Rc::clone(&shared);
         let thread_idx = dim_of(t as u64, cfg.block);
         let (block_dim, grid_dim) = (cfg.block, cfg.grid);
+        let approx = match math {
+            MathMode::Exact => None,
+            MathMode::Approx { seed } => Some(
+                seed ^ (block_idx.x as u64) << 40
+                    ^ (block_idx.y as u64) << 20
+                    ^ block_idx.z as u64
+                    ^ (t as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93),
+            ),
+        };
         threads.push(Coroutine::with_stack(
             stack,
             move |y: &Yielder<u32, Event>, _first: u32| {
@@ -480,8 +622,11 @@ fn run_block<K: Kernel>(
                     block_idx,
                     block_dim,
                     grid_dim,
+                    cp_async: RefCell::new(CpAsync::default()),
+                    approx: Cell::new(approx),
                 };
                 K::run(&ctx, &params);
+                ctx.check_no_pending_copies();
             },
         ));
     }

@@ -280,3 +280,187 @@ fn results_do_not_depend_on_block_order_or_workers() {
         assert_eq!(out, reference, "{workers} workers, {order:?}");
     }
 }
+
+/// `cp.async` pipeline test kernel: every thread copies the 16 bytes of its own
+/// `src[4t..4t+4]` into shared memory, waits (or not, per `Mode`), and after a barrier
+/// reads its *neighbour's* bytes back into `out`.
+#[derive(Clone, Copy)]
+struct CpAsyncParams {
+    src: pagedkv_kernels::GlobalSlice<f32>,
+    out: GlobalSliceMut<f32>,
+    mode: u32,
+}
+/// 0: commit + wait<0> (correct); 1: no wait (the copy never lands); 2: wait<1> with
+/// one group committed (too early: nothing is retired); 3: wait but no commit.
+struct CpAsyncRoundTrip;
+impl Kernel for CpAsyncRoundTrip {
+    type Params = CpAsyncParams;
+    const NAME: &'static str = "cp_async_round_trip";
+    fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
+        let t = ctx.linear_thread();
+        let n = ctx.block_dim().volume() as u32;
+        ctx.cp_async_16(4 * t, &p.src, 4 * t as u64);
+        match p.mode {
+            0 => {
+                ctx.cp_async_commit();
+                ctx.cp_async_wait::<0>();
+            }
+            1 => ctx.cp_async_commit(),
+            2 => {
+                ctx.cp_async_commit();
+                ctx.cp_async_wait::<1>();
+            }
+            _ => ctx.cp_async_wait::<0>(),
+        }
+        ctx.sync_threads();
+        let other = (t + 1) % n;
+        let v = ctx.smem_ld_v4(4 * other);
+        for (e, w) in v.iter().enumerate() {
+            ctx.st(&p.out, (4 * t + e as u32) as u64, f32::from_bits(*w));
+        }
+        if p.mode != 0 {
+            // Every thread has read; now land everything so the launch exits cleanly
+            // and the test sees the NaN the early reads got.
+            ctx.sync_threads();
+            ctx.cp_async_commit();
+            ctx.cp_async_wait::<0>();
+        }
+    }
+}
+
+fn cp_async_run(mode: u32) -> (Result<(), EmuError>, Vec<f32>) {
+    let n = 64usize;
+    let src: Vec<f32> = (0..4 * n).map(|i| i as f32).collect();
+    let mut out = vec![0.0f32; 4 * n];
+    let p = CpAsyncParams {
+        // SAFETY: `src` outlives the launch and nothing writes it.
+        src: unsafe {
+            pagedkv_kernels::GlobalSlice::from_raw_parts(src.as_ptr(), src.len() as u64)
+        },
+        out: out_view(&mut out),
+        mode,
+    };
+    let r = unsafe {
+        Emulator::new().launch::<CpAsyncRoundTrip>(
+            cfg(Dim3::new(1, 1, 1), Dim3::new(n as u32, 1, 1), 16 * n as u32),
+            p,
+        )
+    };
+    (r, out)
+}
+
+#[test]
+fn cp_async_lands_at_its_wait_and_a_missing_or_early_wait_reads_nan() {
+    let n = 64;
+    let (r, out) = cp_async_run(0);
+    r.unwrap();
+    for t in 0..n {
+        for e in 0..4 {
+            assert_eq!(out[4 * t + e], (4 * ((t + 1) % n) + e) as f32);
+        }
+    }
+    for mode in [1, 2, 3] {
+        let (r, out) = cp_async_run(mode);
+        r.unwrap();
+        assert!(
+            out.iter().all(|v| v.is_nan()),
+            "mode {mode}: a copy was visible before its wait"
+        );
+    }
+}
+
+/// Issues one copy and exits without waiting for it.
+struct ForgetsTheWait;
+impl Kernel for ForgetsTheWait {
+    type Params = CpAsyncParams;
+    const NAME: &'static str = "forgets_the_wait";
+    fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
+        let t = ctx.linear_thread();
+        ctx.cp_async_16(4 * t, &p.src, 4 * t as u64);
+        ctx.cp_async_commit();
+    }
+}
+
+#[test]
+fn a_thread_that_exits_with_copies_in_flight_fails_the_launch() {
+    let src = vec![1.0f32; 4 * 32];
+    let mut out = vec![0.0f32; 1];
+    let p = CpAsyncParams {
+        // SAFETY: `src` outlives the launch and nothing writes it.
+        src: unsafe {
+            pagedkv_kernels::GlobalSlice::from_raw_parts(src.as_ptr(), src.len() as u64)
+        },
+        out: out_view(&mut out),
+        mode: 0,
+    };
+    let e = unsafe {
+        Emulator::new()
+            .launch::<ForgetsTheWait>(cfg(Dim3::new(1, 1, 1), Dim3::new(32, 1, 1), 16 * 32), p)
+    }
+    .unwrap_err();
+    match e {
+        EmuError::Panic { message, .. } => {
+            assert!(
+                message.contains("cp.async copies still pending"),
+                "{message}"
+            )
+        }
+        other => panic!("expected a pending-copies report, got {other}"),
+    }
+}
+
+/// `out[t] = exp2(x_t)` and `out[n + t] = tanh(x_t)` for a spread of `x`.
+struct FastMath;
+impl Kernel for FastMath {
+    type Params = GlobalSliceMut<f32>;
+    const NAME: &'static str = "fast_math";
+    fn run<C: Ctx>(ctx: &C, out: &Self::Params) {
+        let t = ctx.linear_thread();
+        let n = ctx.block_dim().x;
+        let x = (t as f32 - n as f32 / 2.0) * 0.37;
+        ctx.st(out, t as u64, ctx.exp2(x));
+        ctx.st(out, (n + t) as u64, ctx.tanh(x));
+    }
+}
+
+#[test]
+fn approximate_math_stays_within_the_documented_error_and_is_seeded() {
+    use pagedkv_host::emulator::{EX2_APPROX_REL_ERR, MathMode, TANH_APPROX_REL_ERR};
+    let n = 256usize;
+    let run = |math| {
+        let mut out = vec![f32::NAN; 2 * n];
+        unsafe {
+            Emulator::new().with_math(math).launch::<FastMath>(
+                cfg(Dim3::new(1, 1, 1), Dim3::new(n as u32, 1, 1), 0),
+                out_view(&mut out),
+            )
+        }
+        .unwrap();
+        out
+    };
+    let exact = run(MathMode::Exact);
+    let a = run(MathMode::Approx { seed: 7 });
+    assert_eq!(
+        a,
+        run(MathMode::Approx { seed: 7 }),
+        "same seed, same result"
+    );
+    assert_ne!(a, run(MathMode::Approx { seed: 8 }), "the seed matters");
+    let (mut max_e, mut max_t) = (0.0f64, 0.0f64);
+    for t in 0..n {
+        let re = |got: f32, want: f32| ((got as f64 - want as f64) / want as f64).abs();
+        max_e = max_e.max(re(a[t], exact[t]));
+        if exact[n + t] != 0.0 {
+            max_t = max_t.max(re(a[n + t], exact[n + t]));
+        }
+    }
+    // Within the bound (plus the f32 rounding of the perturbed result), and not exact.
+    assert!(
+        max_e <= EX2_APPROX_REL_ERR + 1e-7 && max_e > 0.0,
+        "exp2: {max_e:e}"
+    );
+    assert!(
+        max_t <= TANH_APPROX_REL_ERR + 1e-7 && max_t > TANH_APPROX_REL_ERR / 10.0,
+        "tanh: {max_t:e}"
+    );
+}

@@ -216,6 +216,9 @@ pub trait Ctx {
     /// `tanh(x)`, fast (`tanh.approx.f32` on the GPU: about 2^-11 relative error).
     fn tanh(&self, x: f32) -> f32;
 
+    /// `a * b + c` with one rounding (`fma.rn.f32`; `mul_add` in the emulator).
+    fn fma(&self, a: f32, b: f32, c: f32) -> f32;
+
     /// Loads element `i` of `s` (a plain, coherent load).
     fn ld<T: Copy>(&self, s: &GlobalSlice<T>, i: u64) -> T;
 
@@ -233,6 +236,32 @@ pub trait Ctx {
 
     /// Stores 16 bytes at element `i` of `s` (`st.global.v4.u32`).
     fn st_v4<T>(&self, s: &GlobalSliceMut<T>, i: u64, v: [u32; 4]);
+
+    /// Starts an asynchronous copy of the 16 bytes at element `i` of `s` into the
+    /// block's dynamic shared memory at 32-bit word `word` (a multiple of 4:
+    /// `cp.async.cg.shared.global`, which bypasses L1). `s` is read-only memory of the
+    /// launch, as for [`Ctx::ld_nc_v4`].
+    ///
+    /// The copy joins this thread's open *commit group*. Its bytes are in shared memory
+    /// only once [`Ctx::cp_async_commit`] has closed the group and a
+    /// [`Ctx::cp_async_wait`] has waited for it, and other threads see them only after
+    /// a barrier that follows the wait. Until then the destination is undefined (the
+    /// emulator fills it with NaN bytes, and reports a thread that exits with copies
+    /// still pending).
+    fn cp_async_16<T>(&self, word: u32, s: &GlobalSlice<T>, i: u64);
+
+    /// Closes this thread's open commit group (`cp.async.commit_group`); an empty group
+    /// is allowed, so every thread can commit once per pipeline stage.
+    fn cp_async_commit(&self);
+
+    /// Waits until at most `N` of this thread's committed groups are still in flight
+    /// (`cp.async.wait_group N`): the groups are complete in commit order, so with `S`
+    /// stages in flight, `wait::<{S - 1}>` makes the oldest one land.
+    fn cp_async_wait<const N: u32>(&self);
+
+    /// Reads the 16 bytes at 32-bit word `word` (a multiple of 4) of the block's
+    /// dynamic shared memory (`ld.shared.v4.u32`).
+    fn smem_ld_v4(&self, word: u32) -> [u32; 4];
 
     /// Reads 32-bit word number `i` of the block's dynamic shared memory.
     fn smem_ld_u32(&self, i: u32) -> u32;

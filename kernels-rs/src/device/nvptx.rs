@@ -171,6 +171,56 @@ impl Ctx for Gpu {
     }
 
     #[inline(always)]
+    fn fma(&self, a: f32, b: f32, c: f32) -> f32 {
+        let r: f32;
+        // SAFETY: register-only arithmetic.
+        unsafe {
+            asm!("fma.rn.f32 {r}, {a}, {b}, {c};", r = out(reg32) r, a = in(reg32) a,
+                 b = in(reg32) b, c = in(reg32) c, options(pure, nomem, nostack));
+        }
+        r
+    }
+
+    #[inline(always)]
+    fn cp_async_16<T>(&self, word: u32, s: &GlobalSlice<T>, i: u64) {
+        let g = to_global(s.as_ptr().wrapping_add(i as usize) as *const u8);
+        let a = smem_base() + 4 * word as u64;
+        // SAFETY: 16 aligned, in-bounds, read-only global bytes (kernel contract) into
+        // 16 aligned bytes of the launch's shared memory. Not `nomem`: it writes shared
+        // memory, so the compiler keeps shared accesses in program order around it.
+        unsafe {
+            asm!("cp.async.cg.shared.global [{a}], [{g}], 16;",
+                 a = in(reg64) a, g = in(reg64) g, options(nostack));
+        }
+    }
+
+    #[inline(always)]
+    fn cp_async_commit(&self) {
+        // SAFETY: closes this thread's group of asynchronous copies; no operands.
+        unsafe { asm!("cp.async.commit_group;", options(nostack)) }
+    }
+
+    #[inline(always)]
+    fn cp_async_wait<const N: u32>(&self) {
+        // SAFETY: waits for this thread's copies. Not `nomem`: shared-memory reads after
+        // it must not be hoisted above it.
+        unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) }
+    }
+
+    #[inline(always)]
+    fn smem_ld_v4(&self, word: u32) -> [u32; 4] {
+        let a = smem_base() + 4 * word as u64;
+        let (x, y, z, w): (u32, u32, u32, u32);
+        // SAFETY: 16 aligned bytes inside the launch's shared memory (kernel contract).
+        unsafe {
+            asm!("ld.shared.v4.u32 {{{x}, {y}, {z}, {w}}}, [{a}];",
+                 x = out(reg32) x, y = out(reg32) y, z = out(reg32) z, w = out(reg32) w,
+                 a = in(reg64) a, options(readonly, nostack));
+        }
+        [x, y, z, w]
+    }
+
+    #[inline(always)]
     fn ld<T: Copy>(&self, s: &GlobalSlice<T>, i: u64) -> T {
         // SAFETY: the host validated `i < s.len()` (kernel contract).
         unsafe { core::ptr::read(s.as_ptr().add(i as usize)) }

@@ -1,0 +1,204 @@
+//! Paged decode attention: one query token per sequence, attending over every cached
+//! token of that sequence through its block table; and the split-K reduce.
+//!
+//! # Work decomposition
+//! Grid `(num_kv_heads * head_chunks, num_seqs, num_partitions)`, [`THREADS`] threads.
+//! Thread block `(x, seq, part)` serves KV head `x / head_chunks` and the query heads of
+//! its group in chunk `x % head_chunks` (`heads_per_block` heads; `head_chunks =
+//! ceil(group / heads_per_block)`, 1 unless the group has more heads than a block has
+//! thread slots, see [`DecodeGeometry::max_heads`]), over the tokens of partition
+//! `part` (`partition_tokens` each, a multiple of [`TILE_TOKENS`]).
+//!
+//! The block's threads form a `bdx x bdy x bdz` grid ([`DecodeGeometry`]): `bdx` lanes
+//! split a head vector into 16-byte chunks, `bdy` query heads of the group, `bdz` token
+//! groups. Thread `(tx, ty, tz)` keeps query head `ty`'s chunks `tx, tx + bdx` in
+//! registers and its own online-softmax state over the tokens of group `tz`.
+//!
+//! # The pipeline ([`decode`])
+//! K and V move from the paged cache into shared memory in *stages* of
+//! [`DecodeGeometry::stage_tokens`] tokens (at most [`STAGE_BYTES`] of K and V), through
+//! `cp.async` with [`STAGES`] stages in flight: every thread issues its
+//! [`PIECES_PER_THREAD`] 16-byte copies of the stage `STAGES - 1` ahead, commits, waits
+//! for the oldest stage, and after a barrier every query head of the group computes on
+//! it, so each K/V byte is read from DRAM once per group. The block-table entries a
+//! stage needs are loaded one stage before its copies are issued.
+//!
+//! Per token, the `bdx` lanes of a head dot their chunks of q and K (`fma`), reduce
+//! with xor-shuffles, and fold `exp2(s - m)` and the V row into their running state. At
+//! the end the `bdz` token groups merge through shared memory with
+//! [`SoftmaxState::merge`](crate::SoftmaxState::merge).
+//!
+//! Without split (`PagedDecode<T, false>`) the block normalises and writes `out`. With
+//! split (`PagedDecode<T, true>`) it writes its unnormalised accumulator and its
+//! `(m, l)` per query head, and [`DecodeReduce`] merges the partitions with the same
+//! merge.
+//!
+//! # Bytes moved (the benchmark's count)
+//! `num_seqs * num_kv_heads * ctx * head_dim * size_of::<T>() * 2` of K and V (once per
+//! group), plus `q` and `out` (`num_seqs * num_q_heads * head_dim * size_of::<T>()` each),
+//! plus the block tables actually read (`4 * ceil(ctx / block_size)` per sequence and
+//! KV head chunk). With split, the partials add `num_seqs * num_q_heads * parts *
+//! (head_dim + 2) * 4` bytes written and read once more.
+
+mod decode;
+mod reduce;
+
+use core::marker::PhantomData;
+
+use crate::device::{GlobalSlice, GlobalSliceMut, WARP_SIZE};
+use crate::layout::PagedLayout;
+
+pub use reduce::DecodeReduce;
+
+/// Threads per block of the decode kernel.
+pub const THREADS: u32 = 128;
+/// Tokens per partition unit: `partition_tokens` is a multiple of it (and of every
+/// stage size).
+pub const TILE_TOKENS: u32 = 64;
+/// Stages of the `cp.async` pipeline (a power of two): `STAGES - 1` are in flight
+/// while the block computes on one.
+pub const STAGES: u32 = 4;
+/// Most bytes of K and V in one stage.
+pub const STAGE_BYTES: u32 = 8192;
+/// 16-byte copies one thread issues per stage (`STAGE_BYTES / 16 / THREADS`).
+pub const PIECES_PER_THREAD: u32 = STAGE_BYTES / 16 / THREADS;
+/// Threads per block of the reduce kernel; each owns one `(query head, 16-byte chunk)`.
+pub const REDUCE_THREADS: u32 = 64;
+/// Most 16-byte chunks of one head vector a thread holds (`head_dim <= 256`).
+pub const fn max_vec(per_v4: u32) -> u32 {
+    256 / (per_v4 * WARP_SIZE)
+}
+
+/// How a decode block's threads and shared memory are laid out for one head_dim and
+/// element type. The kernel and the host compute it from the same function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeGeometry {
+    /// 16-byte chunks per head vector (`head_dim / per_v4`).
+    pub chunks: u32,
+    /// Lanes per head vector (`bdx`): `chunks` rounded up to a power of two, at most 32.
+    pub bdx: u32,
+    /// `(head, token group)` slots of the block: `THREADS / bdx`.
+    pub slots: u32,
+    /// Tokens per pipeline stage: the largest power of two whose K and V fit
+    /// [`STAGE_BYTES`].
+    pub stage_tokens: u32,
+}
+
+impl DecodeGeometry {
+    /// The geometry for `head_dim` elements of `per_v4` elements per 16 bytes
+    /// (`head_dim` a multiple of `per_v4`, at most 256).
+    #[inline(always)]
+    pub const fn new(head_dim: u32, per_v4: u32) -> Self {
+        let chunks = head_dim / per_v4;
+        let bdx = if chunks >= WARP_SIZE {
+            WARP_SIZE
+        } else {
+            chunks.next_power_of_two()
+        };
+        let mut stage_tokens = 32;
+        while stage_tokens > 1 && 2 * stage_tokens * chunks * 16 > STAGE_BYTES {
+            stage_tokens /= 2;
+        }
+        Self {
+            chunks,
+            bdx,
+            slots: THREADS / bdx,
+            stage_tokens,
+        }
+    }
+
+    /// The most query heads one block can serve (one per `(head, token group)` slot).
+    #[inline(always)]
+    pub const fn max_heads(&self) -> u32 {
+        self.slots
+    }
+
+    /// Token groups of a block serving `heads` query heads (`bdz`).
+    #[inline(always)]
+    pub const fn token_groups(&self, heads: u32) -> u32 {
+        self.slots / heads
+    }
+
+    /// 32-bit words of one stage: K then V, `[stage_tokens, chunks, 16 bytes]` each.
+    #[inline(always)]
+    pub const fn stage_words(&self) -> u32 {
+        2 * self.stage_tokens * self.chunks * 4
+    }
+
+    /// Dynamic shared memory of the decode kernel, in bytes: the stages, which the final
+    /// merge of the token groups reuses (`THREADS * 8` accumulator words and two words
+    /// per slot).
+    #[inline(always)]
+    pub const fn shared_bytes(&self) -> u32 {
+        let stages = STAGES * self.stage_words();
+        let merge = THREADS * 8 + 2 * self.slots;
+        4 * if stages > merge { stages } else { merge }
+    }
+}
+
+/// Parameters of [`PagedDecode`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeParams<T> {
+    /// `[num_seqs, num_q_heads, head_dim]`: one query token per sequence.
+    pub q: GlobalSlice<T>,
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's key cache.
+    pub key_cache: GlobalSlice<T>,
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's value cache.
+    pub value_cache: GlobalSlice<T>,
+    /// `[num_seqs, max_blocks_per_seq]`: physical block of each logical block.
+    pub block_tables: GlobalSlice<i32>,
+    /// `[num_seqs]`: tokens in each sequence's cache, the new one included (>= 1).
+    pub context_lens: GlobalSlice<i32>,
+    /// `[num_q_heads]`: ALiBi slope per query head, or empty for no ALiBi.
+    pub alibi_slopes: GlobalSlice<f32>,
+    /// `[num_seqs, num_q_heads, head_dim]`: the output (written without split).
+    pub out: GlobalSliceMut<T>,
+    /// `[num_seqs, num_q_heads, num_partitions, head_dim]`: unnormalised partial
+    /// outputs (written with split).
+    pub part_out: GlobalSliceMut<f32>,
+    /// `[num_seqs, num_q_heads, num_partitions, 2]`: `(m, l)` of each partial (split).
+    pub part_ml: GlobalSliceMut<f32>,
+    /// The cache's shape (`block_size` a power of two).
+    pub layout: PagedLayout,
+    /// Query heads (a multiple of `layout.num_kv_heads`).
+    pub num_q_heads: u32,
+    /// Row length of `block_tables`.
+    pub max_blocks_per_seq: u32,
+    /// Query heads one block serves (`1..=DecodeGeometry::max_heads`, `<= group`).
+    pub heads_per_block: u32,
+    /// Tokens per partition, a multiple of [`TILE_TOKENS`].
+    pub partition_tokens: u32,
+    /// Partitions per sequence (`grid.z`).
+    pub num_partitions: u32,
+    /// Score scale (usually `1 / sqrt(head_dim)`).
+    pub scale: f32,
+    /// Logit soft-cap: `s = cap * tanh(s * inv_softcap)`; 0 disables it.
+    pub softcap: f32,
+    /// `1 / softcap`, computed on the host (a multiply on the GPU, not a division).
+    pub inv_softcap: f32,
+    /// Sliding window: attend to the last `window` tokens only; 0 disables it.
+    pub window: u32,
+}
+
+/// The decode kernel; `SPLIT` selects partial outputs for [`DecodeReduce`].
+#[derive(Clone, Copy, Debug)]
+pub struct PagedDecode<T, const SPLIT: bool>(PhantomData<T>);
+
+/// Parameters of [`DecodeReduce`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ReduceParams<T> {
+    /// `[num_seqs, num_q_heads, num_partitions, head_dim]`: partial outputs.
+    pub part_out: GlobalSlice<f32>,
+    /// `[num_seqs, num_q_heads, num_partitions, 2]`: `(m, l)` of each partial.
+    pub part_ml: GlobalSlice<f32>,
+    /// `[num_seqs, num_q_heads, head_dim]`: the output.
+    pub out: GlobalSliceMut<T>,
+    /// Query heads.
+    pub num_q_heads: u32,
+    /// Elements per head vector.
+    pub head_dim: u32,
+    /// Partitions per sequence.
+    pub num_partitions: u32,
+}
