@@ -3,13 +3,15 @@
 //! block size; GQA groups 1..8 and MQA; batch 1, 3, 17; lengths that are not multiples
 //! of the block size; block tables from a shuffled pool with shared blocks; sliding
 //! window (with the blocks before it freed), soft-cap, ALiBi; several partition sizes.
-//! Outputs are poisoned with NaN before each run, unused cache slots hold NaN.
+//! Outputs are poisoned with NaN before each run, unused cache slots hold NaN. Each case
+//! runs with exact math and again with the GPU's approximate `exp2`/`tanh` error model,
+//! against a tolerance derived from that model.
 
 mod common;
 
 use common::case::{Case, Params, build};
-use common::{cases, rel_l2, split_tolerance, tolerance};
-use pagedkv::host::emulator::{BlockOrder, Emulator};
+use common::{approx_tolerance, cases, rel_l2, split_tolerance, tolerance};
+use pagedkv::host::emulator::{BlockOrder, Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{SplitPlan, decode_emulated, max_heads_per_block, plan};
 use pagedkv::host::reference::{dense_decode_attention, gather, paged_decode_attention};
@@ -64,10 +66,10 @@ fn params() -> impl Strategy<Value = Params> {
         )
 }
 
-fn run(c: &Case, p: &Params, plan: &SplitPlan, order: BlockOrder) -> Vec<f64> {
+fn run(c: &Case, p: &Params, plan: &SplitPlan, order: BlockOrder, math: MathMode) -> Vec<f64> {
     let mut out = HostTensor::full(p.dtype, c.q.shape(), f64::NAN);
     decode_emulated(
-        &Emulator::new().with_order(order),
+        &Emulator::new().with_order(order).with_math(math),
         &c.shape,
         &c.opts,
         plan,
@@ -109,9 +111,14 @@ proptest! {
         if p.narrow_heads {
             unsplit.heads_per_block = 1.max(max_heads_per_block(p.head_dim, p.dtype).min(c.shape.group()) / 2);
         }
-        let got = run(&c, &p, &unsplit, BlockOrder::Shuffled(p.seed));
+        let got = run(&c, &p, &unsplit, BlockOrder::Shuffled(p.seed), MathMode::Exact);
         let e = rel_l2(&got, &want);
         prop_assert!(e <= tolerance(p.dtype), "unsplit vs reference: {:e} ({:?})", e, unsplit);
+        let approx = MathMode::Approx { seed: p.seed };
+        let got_approx = run(&c, &p, &unsplit, BlockOrder::Forward, approx);
+        let e = rel_l2(&got_approx, &want);
+        let tol = approx_tolerance(p.dtype, p.softcap);
+        prop_assert!(e <= tol, "unsplit, approximate math, vs reference: {:e} > {:e} ({:?})", e, tol, unsplit);
 
         if let Some(part) = p.partition {
             let split = SplitPlan {
@@ -119,9 +126,11 @@ proptest! {
                 num_partitions: max_len.div_ceil(part),
                 ..unsplit
             };
-            let got_split = run(&c, &p, &split, BlockOrder::Reverse);
+            let got_split = run(&c, &p, &split, BlockOrder::Reverse, MathMode::Exact);
             let e = rel_l2(&got_split, &want);
             prop_assert!(e <= tolerance(p.dtype), "split vs reference: {:e} ({:?})", e, split);
+            let e = rel_l2(&run(&c, &p, &split, BlockOrder::Forward, approx), &want);
+            prop_assert!(e <= tol, "split, approximate math, vs reference: {:e} > {:e} ({:?})", e, tol, split);
             let e = rel_l2(&got_split, &got);
             prop_assert!(e <= split_tolerance(p.dtype), "split vs unsplit: {:e} ({:?})", e, split);
         }

@@ -197,7 +197,8 @@ fn the_planner_splits_only_when_the_grid_leaves_sms_idle() {
     // Short contexts are never cut below the minimum partition.
     let p = plan(&llama(1), DType::F16, 300, 132);
     assert!(p.num_partitions <= 2, "{p:?}");
-    // MQA with 64 query heads of 256 f32: 8 heads per block fit, 8 blocks per group.
+    // MQA with 64 query heads of 256 f32: a head takes a whole warp (64 chunks over 32
+    // lanes), so 4 heads per block, 16 blocks per group.
     let mqa = DecodeShape {
         num_q_heads: 64,
         num_kv_heads: 1,
@@ -205,5 +206,20 @@ fn the_planner_splits_only_when_the_grid_leaves_sms_idle() {
         ..llama(64)
     };
     let p = plan(&mqa, DType::F32, 1000, 132);
-    assert_eq!((p.heads_per_block, p.head_chunks(&mqa)), (8, 8));
+    assert_eq!((p.heads_per_block, p.head_chunks(&mqa)), (4, 16));
+}
+
+#[test]
+fn the_pipeline_model_keeps_32_kib_in_flight_per_sm_at_the_flagship_shape() {
+    use pagedkv::host::ops::attention::{
+        SmLimits, decode_blocks_per_sm, decode_bytes_in_flight_per_sm,
+    };
+    // Batch 64, context 4096, 32:8 heads, head_dim 128, f16, block 16: no split, so the
+    // pipeline alone must keep the SMs' loads in flight (a model, not a measurement).
+    for sm in [SmLimits::SM_80, SmLimits::SM_90] {
+        let blocks = decode_blocks_per_sm(128, DType::F16, &sm);
+        let bytes = decode_bytes_in_flight_per_sm(128, DType::F16, &sm);
+        assert!(blocks >= 2, "{sm:?}: {blocks} blocks per SM");
+        assert!(bytes >= 32 * 1024, "{sm:?}: {bytes} bytes in flight per SM");
+    }
 }

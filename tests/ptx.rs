@@ -60,3 +60,65 @@ fn hot_loads_are_global_and_sixteen_bytes_wide() {
         );
     }
 }
+
+/// The text of entry point `name` in `ptx` (up to the next entry).
+fn entry_body<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let start = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("no entry {name}"));
+    let rest = &ptx[start + 1..];
+    let end = rest.find(".entry ").map_or(rest.len(), |e| e);
+    &rest[..end]
+}
+
+#[test]
+fn decode_streams_k_and_v_through_the_cp_async_pipeline() {
+    for m in ptx::ALL {
+        for t in ["f16", "bf16", "f32"] {
+            for name in [
+                format!("paged_decode_attention_{t}"),
+                format!("paged_decode_attention_split_{t}"),
+            ] {
+                let body = entry_body(m.ptx, &name);
+                for want in [
+                    "cp.async.cg.shared.global",
+                    "cp.async.commit_group",
+                    "cp.async.wait_group 3",
+                    "ld.shared.v4.u32",
+                    "fma.rn.f32",
+                    "ex2.approx.ftz.f32",
+                ] {
+                    assert!(body.contains(want), "{} {name}: no `{want}`", m.arch);
+                }
+                // K and V come only through cp.async: no 16-byte global load is left.
+                assert!(
+                    !body.contains("ld.global.nc.v4"),
+                    "{} {name}: K/V read with a plain global load",
+                    m.arch
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_planners_register_count_bounds_every_decode_kernel() {
+    use pagedkv::host::ops::attention::DECODE_REGISTERS;
+    let report = include_str!("../ptx/resources.md");
+    let mut seen = 0;
+    for line in report
+        .lines()
+        .filter(|l| l.contains("paged_decode_attention"))
+    {
+        let cols: Vec<&str> = line.split('|').map(str::trim).collect();
+        let regs: u32 = cols[3].parse().unwrap();
+        assert!(
+            regs <= DECODE_REGISTERS,
+            "{} {}: {regs} registers > DECODE_REGISTERS {DECODE_REGISTERS}: occupancy would be overestimated",
+            cols[1],
+            cols[2]
+        );
+        seen += 1;
+    }
+    assert_eq!(seen, 12, "decode rows in ptx/resources.md");
+}

@@ -629,10 +629,11 @@ impl CudaBackend {
                     num_partitions: p.num_partitions,
                     scale: opts.scale,
                     softcap: opts.softcap.unwrap_or(0.0),
+                    inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
                     window: opts.window.unwrap_or(0),
                 }
             };
-            let cfg = attention::decode_launch_config(shape, &p);
+            let cfg = attention::decode_launch_config(shape, dtype, &p);
             if p.is_split() {
                 // SAFETY: (1) above; (2) validated shapes and plan; (3) inputs borrowed,
                 // `out` borrowed mutably, partials owned until return; (4) own config.
@@ -650,7 +651,7 @@ impl CudaBackend {
                     }
                 };
                 // SAFETY: as above.
-                unsafe { self.launch::<DecodeReduce<T>>(attention::reduce_launch_config(shape), rp)? };
+                unsafe { self.launch::<DecodeReduce<T>>(attention::reduce_launch_config(shape, dtype), rp)? };
             } else {
                 // SAFETY: as for the split launch.
                 unsafe { self.launch::<PagedDecode<T, false>>(cfg, params)? };

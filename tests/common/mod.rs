@@ -33,6 +33,20 @@ pub fn tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// Kernel vs f64 reference when the emulator runs the GPU's approximate math
+/// (`MathMode::Approx`): `ex2.approx` (2^-22 relative) stays far inside
+/// [`tolerance`], but `tanh.approx` perturbs each soft-capped score by up to
+/// `cap * TANH_APPROX_REL_ERR` (|cap * tanh(x)| <= cap); a score error of `e` moves a
+/// softmax weight by a factor up to `exp(e)`, and the output by at most about
+/// `e * max|v - out| / |out|`, which these cases (values in [-1, 1], outputs of the same
+/// order) keep under `2 e`.
+pub fn approx_tolerance(dtype: DType, softcap: Option<f32>) -> f64 {
+    let e = softcap.map_or(0.0, |cap| {
+        cap as f64 * pagedkv::host::emulator::TANH_APPROX_REL_ERR
+    });
+    tolerance(dtype) + 2.0 * e
+}
+
 /// Split-K vs unsplit: f32 rounding; for 16-bit outputs, up to one unit in the last
 /// place of the output type where the two f32 results round differently.
 pub fn split_tolerance(dtype: DType) -> f64 {

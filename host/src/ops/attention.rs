@@ -26,7 +26,7 @@
 //! ```
 
 use pagedkv_kernels::kernels::attention::{
-    MAX_PAIRS, REDUCE_THREADS, THREADS, TILE_TOKENS, decode_shared_bytes,
+    DecodeGeometry, REDUCE_THREADS, STAGE_BYTES, STAGES, THREADS, TILE_TOKENS,
 };
 use pagedkv_kernels::kernels::{DecodeParams, DecodeReduce, PagedDecode, ReduceParams};
 use pagedkv_kernels::{Dim3, GlobalSlice, GlobalSliceMut, PagedLayout};
@@ -127,15 +127,93 @@ impl SplitPlan {
 /// (queries into shared memory, partial writes) stay small against its KV reads.
 pub const MIN_PARTITION_TOKENS: u32 = 4 * TILE_TOKENS;
 
+/// The decode kernel's thread and shared-memory layout for this head_dim and dtype.
+pub fn geometry(head_dim: u32, dtype: DType) -> DecodeGeometry {
+    DecodeGeometry::new(head_dim, dtype.per_v4())
+}
+
 /// The most query heads one block can serve for this head_dim and dtype.
 pub fn max_heads_per_block(head_dim: u32, dtype: DType) -> u32 {
-    (MAX_PAIRS / (head_dim / dtype.per_v4()).max(1)).max(1)
+    geometry(head_dim, dtype).max_heads().max(1)
+}
+
+/// Registers per thread the decode kernels may use: at least what ptxas reports for
+/// every decode entry point on every architecture (`ptx/resources.md`; a test in
+/// `tests/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
+/// never optimistic.
+pub const DECODE_REGISTERS: u32 = 88;
+
+/// What bounds how many blocks an SM runs at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SmLimits {
+    /// 32-bit registers per SM.
+    pub registers: u32,
+    /// Resident threads per SM.
+    pub threads: u32,
+    /// Resident blocks per SM.
+    pub blocks: u32,
+    /// Shared memory per SM usable by blocks, bytes.
+    pub shared_bytes: u32,
+    /// Shared memory the driver reserves per block, bytes.
+    pub reserved_shared_per_block: u32,
+}
+
+impl SmLimits {
+    /// sm_80 (A100): 164 KiB of shared memory for blocks.
+    pub const SM_80: SmLimits = SmLimits {
+        registers: 65_536,
+        threads: 2048,
+        blocks: 32,
+        shared_bytes: 164 * 1024,
+        reserved_shared_per_block: 1024,
+    };
+    /// sm_90 (H100, H200): 228 KiB of shared memory for blocks.
+    pub const SM_90: SmLimits = SmLimits {
+        shared_bytes: 228 * 1024,
+        ..SmLimits::SM_80
+    };
+}
+
+/// Blocks of the decode kernel one SM runs at once (the least of what registers,
+/// threads, shared memory and the block limit allow), with [`DECODE_REGISTERS`].
+pub fn decode_blocks_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
+    // Registers are allocated per warp in units of 256.
+    let warp_regs = (DECODE_REGISTERS * 32).next_multiple_of(256);
+    let by_regs = sm.registers / warp_regs / (THREADS / 32);
+    let by_threads = sm.threads / THREADS;
+    let smem = geometry(head_dim, dtype).shared_bytes() + sm.reserved_shared_per_block;
+    let by_smem = sm.shared_bytes / smem;
+    by_regs.min(by_threads).min(by_smem).min(sm.blocks).max(1)
+}
+
+/// Bytes of K and V in flight per SM when every resident block has its `STAGES - 1`
+/// stages in flight: `blocks_per_sm * (STAGES - 1) * stage bytes`. A model of the
+/// pipeline's memory-level parallelism, not a measurement.
+pub fn decode_bytes_in_flight_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
+    let stage = 4 * geometry(head_dim, dtype).stage_words();
+    debug_assert!(stage <= STAGE_BYTES);
+    decode_blocks_per_sm(head_dim, dtype, sm) * (STAGES - 1) * stage
+}
+
+/// Bytes in flight per SM the planner aims for: by Little's law, bandwidth x latency /
+/// SMs is about 20-40 KiB on an A100 or H100 (a model, to be checked on a GPU).
+pub const TARGET_BYTES_IN_FLIGHT_PER_SM: u32 = 40 * 1024;
+
+/// Decode blocks each SM should run for the pipeline to keep
+/// [`TARGET_BYTES_IN_FLIGHT_PER_SM`] in flight (at most what fits, with sm_80's limits,
+/// the smallest of the supported architectures).
+pub fn decode_blocks_wanted_per_sm(head_dim: u32, dtype: DType) -> u32 {
+    let per_block = (STAGES - 1) * 4 * geometry(head_dim, dtype).stage_words();
+    TARGET_BYTES_IN_FLIGHT_PER_SM
+        .div_ceil(per_block)
+        .min(decode_blocks_per_sm(head_dim, dtype, &SmLimits::SM_80))
 }
 
 /// Plans a launch: as many query heads per block as fit (so K/V is read once per
-/// group), then split-K only when `num_seqs * num_kv_heads * head_chunks` blocks
-/// would leave SMs idle: partitions are sized so the grid has about two blocks per SM,
-/// and never shorter than [`MIN_PARTITION_TOKENS`].
+/// group), then split-K only when `num_seqs * num_kv_heads * head_chunks` blocks are
+/// fewer than `sm_count` SMs times [`decode_blocks_wanted_per_sm`]: partitions are then
+/// sized so the grid reaches that count, and never shorter than
+/// [`MIN_PARTITION_TOKENS`].
 pub fn plan(shape: &DecodeShape, dtype: DType, max_context_len: u32, sm_count: u32) -> SplitPlan {
     let hpb = shape
         .group()
@@ -146,7 +224,8 @@ pub fn plan(shape: &DecodeShape, dtype: DType, max_context_len: u32, sm_count: u
         num_partitions: 1,
     };
     let blocks = shape.num_seqs as u64 * shape.num_kv_heads as u64 * p.head_chunks(shape) as u64;
-    let target = 2 * sm_count.max(1) as u64;
+    let per_sm = decode_blocks_wanted_per_sm(shape.head_dim, dtype);
+    let target = per_sm as u64 * sm_count.max(1) as u64;
     if blocks >= target {
         return p;
     }
@@ -379,7 +458,7 @@ pub fn validate_launch(
 }
 
 /// Launch configuration of the decode kernel for a plan.
-pub fn decode_launch_config(shape: &DecodeShape, p: &SplitPlan) -> LaunchConfig {
+pub fn decode_launch_config(shape: &DecodeShape, dtype: DType, p: &SplitPlan) -> LaunchConfig {
     LaunchConfig {
         grid: Dim3::new(
             shape.num_kv_heads * p.head_chunks(shape),
@@ -387,14 +466,16 @@ pub fn decode_launch_config(shape: &DecodeShape, p: &SplitPlan) -> LaunchConfig 
             p.num_partitions,
         ),
         block: Dim3::new(THREADS, 1, 1),
-        shared_bytes: decode_shared_bytes(p.heads_per_block, shape.head_dim),
+        shared_bytes: geometry(shape.head_dim, dtype).shared_bytes(),
     }
 }
 
-/// Launch configuration of the split-K reduce.
-pub fn reduce_launch_config(shape: &DecodeShape) -> LaunchConfig {
+/// Launch configuration of the split-K reduce: one thread per `(query head, 16-byte
+/// chunk)` of a sequence.
+pub fn reduce_launch_config(shape: &DecodeShape, dtype: DType) -> LaunchConfig {
+    let pairs = shape.num_q_heads * (shape.head_dim / dtype.per_v4());
     LaunchConfig {
-        grid: Dim3::new(shape.num_q_heads, shape.num_seqs, 1),
+        grid: Dim3::new(pairs.div_ceil(REDUCE_THREADS), shape.num_seqs, 1),
         block: Dim3::new(REDUCE_THREADS, 1, 1),
         shared_bytes: 0,
     }
@@ -461,10 +542,11 @@ pub fn decode_emulated(
                 num_partitions: plan.num_partitions,
                 scale: opts.scale,
                 softcap: opts.softcap.unwrap_or(0.0),
+                inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
                 window: opts.window.unwrap_or(0),
             }
         };
-        let cfg = decode_launch_config(shape, plan);
+        let cfg = decode_launch_config(shape, dtype, plan);
         // SAFETY: (1) views valid for the launch (above); (2) `out` is borrowed mutably
         // and the partials are owned here; (3) each (sequence, query head, chunk) output
         // element and each partial is written by one thread (validated shapes and plan).
@@ -482,7 +564,7 @@ pub fn decode_emulated(
                 }
             };
             // SAFETY: as above: one thread per output chunk.
-            unsafe { emu.launch::<DecodeReduce<T>>(reduce_launch_config(shape), rp)? };
+            unsafe { emu.launch::<DecodeReduce<T>>(reduce_launch_config(shape, dtype), rp)? };
         } else {
             unsafe { emu.launch::<PagedDecode<T, false>>(cfg, params)? };
         }
