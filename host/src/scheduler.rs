@@ -258,7 +258,7 @@ enum Status {
     Swapped,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 struct Seq {
     id: SeqId,
     request: RequestId,
@@ -294,7 +294,7 @@ impl Group {
 /// Sequences by id, without hashing: a [`SeqId`] is a slot index (low 32 bits) and
 /// that slot's generation (high 32 bits), so a finished sequence's id never names the
 /// slot's next occupant.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 struct SeqSlab {
     slots: Vec<Option<Seq>>,
     generation: Vec<u32>,
@@ -603,7 +603,7 @@ impl Scheduler {
         })?;
         let seqs = g.seqs.clone();
         for s in seqs {
-            self.finish_seq(s, FinishReason::Aborted);
+            self.finish_seq(s, FinishReason::Aborted)?;
         }
         Ok(())
     }
@@ -707,14 +707,14 @@ impl Scheduler {
         self.seqs.get_mut(&seq).unwrap().row = usize::MAX;
     }
 
-    fn finish_seq(&mut self, seq: SeqId, why: FinishReason) {
+    fn finish_seq(&mut self, seq: SeqId, why: FinishReason) -> Result<()> {
         let request = self.seqs[&seq].request;
         let status = self.groups[&request].status;
         if status == Status::Running {
             self.remove_row(seq);
         }
         let mut s = self.seqs.remove(&seq).unwrap();
-        self.kv.free(&mut s.table);
+        self.kv.free(&mut s.table)?;
         self.finished.push((request, seq, why, s.tokens));
         let g = self.groups.get_mut(&request).unwrap();
         g.seqs.retain(|&x| x != seq);
@@ -732,11 +732,12 @@ impl Scheduler {
                 }
             }
         }
+        Ok(())
     }
 
     /// Preempts running group `id`: swap if asked and the host pool has room, else
     /// recompute.
-    fn preempt(&mut self, id: RequestId) {
+    fn preempt(&mut self, id: RequestId) -> Result<()> {
         let g = &self.groups[&id];
         let mode = g.req.preemption.unwrap_or(self.cfg.preemption);
         let seqs = g.seqs.clone();
@@ -772,7 +773,7 @@ impl Scheduler {
         if !done {
             for &s in &seqs {
                 let seq = self.seqs.get_mut(&s).unwrap();
-                self.kv.free(&mut seq.table);
+                self.kv.free(&mut seq.table)?;
                 seq.num_computed = 0;
             }
             self.metrics.preempted_recompute += 1;
@@ -782,11 +783,21 @@ impl Scheduler {
             self.waiting.insert(key, id);
             self.batch.preempted.push((id, PreemptionMode::Recompute));
         }
+        Ok(())
     }
 
-    fn group_append_cost(&self, id: RequestId) -> u32 {
+    fn group_append_cost(&self, id: RequestId) -> Result<u32> {
         self.groups[&id]
             .seqs
+            .iter()
+            .map(|s| self.kv.append_cost(&self.seqs[s].table))
+            .sum()
+    }
+
+    /// An upper bound of the free blocks the next decode of every running sequence
+    /// takes.
+    fn rows_append_cost(&self) -> Result<u32> {
+        self.rows
             .iter()
             .map(|s| self.kv.append_cost(&self.seqs[s].table))
             .sum()
@@ -813,11 +824,7 @@ impl Scheduler {
         // exact count (so the steady state skips this pass).
         let mut reserved = self.rows.len() as u32;
         if reserved > self.kv.device().num_free() {
-            reserved = self
-                .rows
-                .iter()
-                .map(|s| self.kv.append_cost(&self.seqs[s].table))
-                .sum();
+            reserved = self.rows_append_cost()?;
         }
         if reserved > self.kv.device().num_free() {
             let order: Vec<(u64, RequestId)> = self.running.iter().map(|(a, r)| (*a, *r)).collect();
@@ -826,10 +833,10 @@ impl Scheduler {
                 if !self.running.contains_key(&arrival) {
                     continue; // preempted already in this loop
                 }
-                let cost = self.group_append_cost(id);
+                let cost = self.group_append_cost(id)?;
                 while reserved + cost > self.kv.device().num_free() {
                     let (&newest, &victim) = self.running.last_key_value().unwrap();
-                    self.preempt(victim);
+                    self.preempt(victim)?;
                     if newest == arrival {
                         break;
                     }
@@ -843,11 +850,7 @@ impl Scheduler {
         // Blocks step 3 will take for the running sequences (swap-ins come after them):
         // the upper bound unless the swapped queue needs the exact count.
         if !self.swapped.is_empty() {
-            reserved = self
-                .rows
-                .iter()
-                .map(|s| self.kv.append_cost(&self.seqs[s].table))
-                .sum();
+            reserved = self.rows_append_cost()?;
         }
 
         // 2. Swap in, oldest first, above the watermark, when nobody was preempted.
@@ -863,7 +866,7 @@ impl Scheduler {
                     .collect();
                 let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
                 // Its blocks, plus one per sequence for this step's decode slot.
-                let cost = self.kv.swap_in_cost(&refs) + seqs.len() as u32;
+                let cost = self.kv.swap_in_cost(&refs)? + seqs.len() as u32;
                 let before = self.batch.swap_in.len();
                 let ok = cost + reserved + self.watermark_blocks <= self.kv.device().num_free()
                     && self.kv.swap_in(&mut refs, &mut self.batch.swap_in).is_ok();
@@ -955,7 +958,7 @@ impl Scheduler {
                 let n = seq.tokens.len() as u32;
                 let offset = self.batch.slot_mapping.len() as u32;
                 for pos in cached..n {
-                    self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos));
+                    self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
                 }
                 seq.scheduled = Some(true);
                 let request = seq.request;
@@ -1052,7 +1055,7 @@ impl Scheduler {
             seq.num_computed = seq.table.num_tokens();
             let g = &self.groups[&seq.request];
             let salt = g.req.cache_salt;
-            self.kv.commit(&mut seq.table, &seq.tokens, salt);
+            self.kv.commit(&mut seq.table, &seq.tokens, salt)?;
             seq.tokens.push(tok);
             let generated = seq.tokens.len() - g.req.prompt.len();
             let why = if g.req.stop_token == Some(tok) {
@@ -1063,7 +1066,7 @@ impl Scheduler {
                 None
             };
             if let Some(why) = why {
-                self.finish_seq(s, why);
+                self.finish_seq(s, why)?;
                 done.push((s, why));
             }
         }

@@ -171,7 +171,7 @@ impl Model {
                 let block = (slot as usize / bs) as u32;
                 prop_assert_eq!(table.blocks()[pos as usize / bs], block);
                 prop_assert_eq!(
-                    self.s.kv().device().ref_cnt(block),
+                    self.s.kv().device().ref_cnt(block).unwrap(),
                     1,
                     "write into a shared block"
                 );
@@ -258,7 +258,7 @@ impl Model {
         );
         for b in 1..dev.num_blocks() {
             prop_assert_eq!(
-                dev.ref_cnt(b),
+                dev.ref_cnt(b).unwrap(),
                 dref.get(&b).copied().unwrap_or(0),
                 "device block {} ref_cnt",
                 b
@@ -267,7 +267,7 @@ impl Model {
         if self.s.config().num_host_blocks > 0 {
             for b in 0..host.num_blocks() {
                 prop_assert_eq!(
-                    host.ref_cnt(b),
+                    host.ref_cnt(b).unwrap(),
                     href.get(&b).copied().unwrap_or(0),
                     "host block {} ref_cnt",
                     b
@@ -277,7 +277,7 @@ impl Model {
         let mut free: Vec<u32> = dev.free_queue();
         free.sort();
         let want: Vec<u32> = (1..dev.num_blocks())
-            .filter(|b| dev.ref_cnt(*b) == 0)
+            .filter(|b| dev.ref_cnt(*b).unwrap() == 0)
             .collect();
         prop_assert_eq!(free, want, "free queue != blocks with ref_cnt 0");
         prop_assert_eq!(dev.num_used() + dev.num_free(), dev.num_usable());
@@ -407,7 +407,7 @@ fn prefix_hits_reuse_blocks_and_leave_one_token_to_compute() {
     let c_blocks = s.block_table(c).unwrap().blocks().to_vec();
     assert_eq!(c_blocks[..2], a_blocks[..2]);
     assert_ne!(c_blocks[2], a_blocks[2]);
-    assert_eq!(s.kv().device().ref_cnt(a_blocks[0]), 2);
+    assert_eq!(s.kv().device().ref_cnt(a_blocks[0]).unwrap(), 2);
     assert!((s.metrics().prefix_hit_rate() - 16.0 / 48.0).abs() < 1e-12);
     // A different salt never hits.
     let mut r = Request::new(3, (0..24).collect(), 2);
@@ -435,7 +435,7 @@ fn fork_shares_blocks_and_copies_the_partial_block_on_write() {
     let child = s.fork(a).unwrap();
     let blocks = s.block_table(a).unwrap().blocks().to_vec();
     assert_eq!(s.block_table(child).unwrap().blocks(), blocks.as_slice());
-    assert_eq!(s.kv().device().ref_cnt(blocks[1]), 2);
+    assert_eq!(s.kv().device().ref_cnt(blocks[1]).unwrap(), 2);
     let b = s.step().unwrap();
     // The first writer into the shared partial block 1 copies it; the second then owns
     // the original alone.
