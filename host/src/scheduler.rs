@@ -26,12 +26,16 @@
 //!    in its original arrival place) or by swap (blocks copied to the host pool; falls
 //!    back to recompute when the host pool is full), per group or by default;
 //! 2. swaps groups back in, oldest first, when no preemption happened this step and
-//!    free blocks stay above the watermark;
+//!    the group's blocks plus its next decode slots fit, with free blocks left above
+//!    the watermark while other sequences run;
 //! 3. gives every running sequence its decode slot (allocating only when a block
 //!    fills, copying a shared partial block on write);
-//! 4. admits waiting groups while free blocks stay above the watermark, the running
-//!    sequences stay within `max_num_seqs`, and the step's tokens within
-//!    `max_tokens_per_step` (a prefill counts its uncached prompt tokens).
+//! 4. admits waiting groups while free blocks stay above the watermark (while other
+//!    sequences run), the running sequences stay within `max_num_seqs`, and the step's
+//!    tokens within `max_tokens_per_step` (a prefill counts its uncached prompt tokens).
+//!
+//! The watermark keeps headroom for running sequences to grow into; with nothing
+//! running there is nobody to keep it for, so a group alone may take the whole pool.
 //!
 //! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
 //! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites
@@ -40,6 +44,26 @@
 //!
 //! After sampling, [`Scheduler::on_step_done`] takes each scheduled sequence's new token;
 //! a stop token or `max_tokens` finishes it and frees its blocks at once.
+//!
+//! # Liveness
+//! Every request [`Scheduler::add_request`] accepts finishes if the caller keeps
+//! calling `step` and `on_step_done`: while any request is live, every step schedules
+//! at least one sequence, and every scheduled sequence keeps the token it gets (a
+//! recomputed sequence keeps its generated tokens), so the steps until idle are at most
+//! the tokens the live sequences may still generate. It holds by construction:
+//! * *A group fits the pool alone.* `add_request` refuses a request whose sequence
+//!   would outgrow the usable pool (`prompt + max_tokens` tokens, at most
+//!   `max_model_len`; with a sliding window, the window's blocks plus one), and
+//!   [`Scheduler::fork`] refuses a fork after which the group's sequences together
+//!   could outgrow it or a step's token budget, or exceed `max_num_seqs`.
+//! * *The oldest running group is never preempted*: step 1 counts each group's next
+//!   decode slots exactly (forks sharing a partial block copy it all but once) and
+//!   preempts newer groups first; alone, the group fits.
+//! * *With nothing running, something always starts*: the watermark does not apply, the
+//!   whole pool is free (waiting and swapped groups hold no device blocks), so the
+//!   oldest swapped group swaps in (it needs its blocks plus its exact next decode
+//!   slots, which fit the pool as they did before it was swapped out), or else the
+//!   first waiting group is admitted (its prefill fits the pool and a step's budget).
 
 use std::collections::BTreeMap;
 
@@ -517,8 +541,9 @@ impl Scheduler {
     }
 
     /// Queues a request. Rejects an empty prompt, zero `max_tokens`, a duplicate id,
-    /// and a request that could never fit: longer than `max_model_len`, or needing
-    /// more blocks than the whole pool.
+    /// and a request that could never run: longer than `max_model_len`, or growing to
+    /// more blocks than the whole usable pool. A request accepted here finishes if the
+    /// caller keeps stepping (see the module docs on liveness).
     pub fn add_request(&mut self, req: Request) -> Result<SeqId> {
         if req.prompt.is_empty() {
             return Err(Error::invalid("prompt", "must hold at least one token"));
@@ -786,12 +811,12 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Free blocks the next decode of every sequence of group `id` takes, exactly
+    /// (forks sharing a partial block copy it all but one).
     fn group_append_cost(&self, id: RequestId) -> Result<u32> {
-        self.groups[&id]
-            .seqs
-            .iter()
-            .map(|s| self.kv.append_cost(&self.seqs[s].table))
-            .sum()
+        let seqs = &self.seqs;
+        self.kv
+            .group_append_cost(self.groups[&id].seqs.iter().map(move |s| &seqs[s].table))
     }
 
     /// An upper bound of the free blocks the next decode of every running sequence
@@ -801,6 +826,17 @@ impl Scheduler {
             .iter()
             .map(|s| self.kv.append_cost(&self.seqs[s].table))
             .sum()
+    }
+
+    /// The watermark admission and swap-in keep free, which applies only while some
+    /// sequence runs: a group alone may use the whole pool (nothing else can need the
+    /// headroom), so every request `add_request` accepts can run.
+    fn watermark_now(&self) -> u32 {
+        if self.rows.is_empty() {
+            0
+        } else {
+            self.watermark_blocks
+        }
     }
 
     /// Plans and returns the next step's batch; see the module docs. Call
@@ -833,6 +869,8 @@ impl Scheduler {
                 if !self.running.contains_key(&arrival) {
                     continue; // preempted already in this loop
                 }
+                // Exact, so the oldest group (reserved = 0) never preempts itself: alone,
+                // its next tokens fit the pool (`add_request` and `fork` see to that).
                 let cost = self.group_append_cost(id)?;
                 while reserved + cost > self.kv.device().num_free() {
                     let (&newest, &victim) = self.running.last_key_value().unwrap();
@@ -853,7 +891,8 @@ impl Scheduler {
             reserved = self.rows_append_cost()?;
         }
 
-        // 2. Swap in, oldest first, above the watermark, when nobody was preempted.
+        // 2. Swap in, oldest first, above the watermark (when others run), when nobody
+        // was preempted.
         if !preempted_now {
             while let Some((&arrival, &id)) = self.swapped.first_key_value() {
                 let seqs = self.groups[&id].seqs.clone();
@@ -864,11 +903,13 @@ impl Scheduler {
                     .iter()
                     .map(|s| std::mem::take(&mut self.seqs.get_mut(s).unwrap().table))
                     .collect();
+                // Its blocks, plus what this step's decode slots take after the swap-in
+                // (exact: a group that fits the pool alone always comes back).
+                let append = self.kv.group_append_cost(tables.iter())?;
                 let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
-                // Its blocks, plus one per sequence for this step's decode slot.
-                let cost = self.kv.swap_in_cost(&refs)? + seqs.len() as u32;
+                let cost = self.kv.swap_in_cost(&refs)? + append;
                 let before = self.batch.swap_in.len();
-                let ok = cost + reserved + self.watermark_blocks <= self.kv.device().num_free()
+                let ok = cost + reserved + self.watermark_now() <= self.kv.device().num_free()
                     && self.kv.swap_in(&mut refs, &mut self.batch.swap_in).is_ok();
                 self.metrics.swapped_in_blocks += (self.batch.swap_in.len() - before) as u64;
                 for (s, t) in seqs.iter().zip(tables) {
@@ -877,7 +918,7 @@ impl Scheduler {
                 if !ok {
                     break;
                 }
-                reserved += seqs.len() as u32;
+                reserved += append;
                 self.swapped.remove(&arrival);
                 self.running.insert(arrival, id);
                 self.groups.get_mut(&id).unwrap().status = Status::Running;
@@ -934,12 +975,20 @@ impl Scheduler {
             let (mut tokens_needed, mut blocks_needed) = (0usize, 0u32);
             for s in &seqs {
                 let t = &self.seqs[s].tokens;
-                let (hits, _) = self.kv.count_prefix_hits(t, salt);
-                tokens_needed += t.len() - (hits * self.cfg.block_size) as usize;
-                blocks_needed += self.kv.prefill_cost(t, salt);
+                if seqs.len() == 1 {
+                    let (hits, _) = self.kv.count_prefix_hits(t, salt);
+                    tokens_needed += t.len() - (hits * self.cfg.block_size) as usize;
+                    blocks_needed += self.kv.prefill_cost(t, salt);
+                } else {
+                    // One fork's allocations may evict the cached blocks another
+                    // counted on: assume no hits (an upper bound).
+                    let n = t.len() as u32;
+                    tokens_needed += t.len();
+                    blocks_needed += self.kv.blocks_for(n) - self.kv.dead_blocks(n);
+                }
             }
             if tokens_needed > budget
-                || blocks_needed + self.watermark_blocks > self.kv.device().num_free()
+                || blocks_needed + self.watermark_now() > self.kv.device().num_free()
             {
                 break;
             }

@@ -148,6 +148,7 @@ fn a_table_of_another_manager_is_refused() {
     foreign(b.fork(&mut t).map(drop));
     foreign(b.commit(&mut t, &(0..10).collect::<Vec<_>>(), None));
     foreign(b.append_cost(&t).map(drop));
+    foreign(b.group_append_cost([&t]).map(drop));
     foreign(b.swap_out_cost(&[&mut t]).map(drop));
     foreign(b.swap_out(&mut [&mut t], &mut copies));
     assert!(copies.is_empty());

@@ -343,7 +343,10 @@ impl KvCacheManager {
 
     /// Free device blocks the next [`append_slot`](Self::append_slot) of `t` takes: 1
     /// when its last block is full (or it has none) or is shared (copy-on-write), else
-    /// 0. For a swapped-out table, what its first append after a swap-in takes.
+    /// 0. For a swapped-out table, what its first append after a swap-in takes. An
+    /// upper bound for the forks of one group: the last of the sharers of a partial
+    /// block to append writes in place ([`group_append_cost`](Self::group_append_cost)
+    /// is exact).
     pub fn append_cost(&self, t: &BlockTable) -> Result<u32> {
         self.check(t)?;
         Ok(self.append_cost_of(t))
@@ -369,6 +372,43 @@ impl KvCacheManager {
             Location::Host => self.host.rc(last),
         };
         (rc > 1).then_some((last, rc))
+    }
+
+    /// Free device blocks one append to each of `tables` (in any order) takes, exactly:
+    /// a fresh block for each full (or empty) last block, and a copy for each sharer of
+    /// a partial last block but the last one to append, which then holds it alone.
+    /// For swapped-out tables, what the appends right after their swap-in take. Pass
+    /// every running sequence of a group (forks share partial blocks only within their
+    /// group) for the exact count; a subset gets an upper bound.
+    pub fn group_append_cost<'a, I>(&self, tables: I) -> Result<u32>
+    where
+        I: IntoIterator<Item = &'a BlockTable>,
+        I::IntoIter: Clone,
+    {
+        let it = tables.into_iter();
+        let mut cost = 0;
+        for (i, t) in it.clone().enumerate() {
+            self.check(t)?;
+            if t.num_tokens.is_multiple_of(self.block_size) {
+                cost += 1;
+                continue;
+            }
+            let Some((last, rc)) = self.shared_partial_last(t) else {
+                continue;
+            };
+            let same = |o: &BlockTable| {
+                o.location == t.location
+                    && !o.num_tokens.is_multiple_of(self.block_size)
+                    && o.blocks.last() == Some(&last)
+            };
+            // Count each shared block once, at its first sharer in `tables`.
+            if it.clone().take(i).any(same) {
+                continue;
+            }
+            let sharers = it.clone().filter(|o| same(o)).count() as u32;
+            cost += sharers.min(rc - 1);
+        }
+        Ok(cost)
     }
 
     /// Gives position `num_tokens` of `t` a slot and returns it. Allocates only when
@@ -509,7 +549,8 @@ impl KvCacheManager {
         Ok(self.distinct(tables).len() as u32)
     }
 
-    /// Device blocks a swap-in of these tables takes.
+    /// Device blocks a swap-in of these tables takes (their blocks; the appends after
+    /// it take [`group_append_cost`](Self::group_append_cost) more).
     pub fn swap_in_cost(&mut self, tables: &[&mut BlockTable]) -> Result<u32> {
         self.check_all(tables)?;
         Ok(self.distinct(tables).len() as u32)
