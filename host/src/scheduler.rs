@@ -410,8 +410,25 @@ impl Scheduler {
         if cfg.max_num_seqs == 0 {
             return Err(Error::invalid("max_num_seqs", "must be at least 1"));
         }
-        if cfg.max_model_len == 0 {
-            return Err(Error::invalid("max_model_len", "must be at least 1"));
+        if cfg.max_model_len == 0 || cfg.max_model_len > i32::MAX as u32 {
+            return Err(Error::invalid(
+                "max_model_len",
+                format!(
+                    "{} (must be in 1..={}: context lengths are i32)",
+                    cfg.max_model_len,
+                    i32::MAX
+                ),
+            ));
+        }
+        if cfg.num_blocks > i32::MAX as u32 {
+            return Err(Error::invalid(
+                "num_blocks",
+                format!(
+                    "{} (at most {}: block tables are i32)",
+                    cfg.num_blocks,
+                    i32::MAX
+                ),
+            ));
         }
         if cfg.max_tokens_per_step < cfg.max_model_len as usize {
             return Err(Error::invalid(
@@ -437,6 +454,20 @@ impl Scheduler {
         )?;
         let watermark_blocks = (cfg.watermark * cfg.num_blocks as f64) as u32;
         let max_blocks = cfg.max_model_len.div_ceil(cfg.block_size);
+        // The batch's block tables hold up to `max_num_seqs` rows of `max_blocks` i32s.
+        cfg.max_num_seqs
+            .checked_mul(max_blocks as usize)
+            .and_then(|n| n.checked_mul(size_of::<i32>()))
+            .filter(|&bytes| bytes <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "max_num_seqs",
+                    format!(
+                        "{} rows of {max_blocks} blocks (max_model_len / block_size) overflow the block-table size",
+                        cfg.max_num_seqs
+                    ),
+                )
+            })?;
         Ok(Self {
             batch: Batch {
                 max_blocks_per_seq: max_blocks,
