@@ -936,16 +936,22 @@ impl Scheduler {
                     .collect();
                 // Its blocks, plus what this step's decode slots take after the swap-in
                 // (exact: a group that fits the pool alone always comes back).
-                let append = self.kv.group_append_cost(tables.iter())?;
+                let append = self.kv.group_append_cost(tables.iter());
                 let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
-                let cost = self.kv.swap_in_cost(&refs)? + append;
+                let cost = match (&append, self.kv.swap_in_cost(&refs)) {
+                    (Ok(a), Ok(c)) => Some(a + c),
+                    _ => None,
+                };
                 let before = self.batch.swap_in.len();
-                let ok = cost + reserved + self.watermark_now() <= self.kv.device().num_free()
-                    && self.kv.swap_in(&mut refs, &mut self.batch.swap_in).is_ok();
+                let ok = cost.is_some_and(|c| {
+                    c + reserved + self.watermark_now() <= self.kv.device().num_free()
+                }) && self.kv.swap_in(&mut refs, &mut self.batch.swap_in).is_ok();
                 self.metrics.swapped_in_blocks += (self.batch.swap_in.len() - before) as u64;
+                // The tables go back before any error returns.
                 for (s, t) in seqs.iter().zip(tables) {
                     self.seqs.get_mut(s).unwrap().table = t;
                 }
+                let append = append?;
                 if !ok {
                     break;
                 }
