@@ -26,12 +26,16 @@
 //!    in its original arrival place) or by swap (blocks copied to the host pool; falls
 //!    back to recompute when the host pool is full), per group or by default;
 //! 2. swaps groups back in, oldest first, when no preemption happened this step and
-//!    free blocks stay above the watermark;
+//!    the group's blocks plus its next decode slots fit, with free blocks left above
+//!    the watermark while other sequences run;
 //! 3. gives every running sequence its decode slot (allocating only when a block
 //!    fills, copying a shared partial block on write);
-//! 4. admits waiting groups while free blocks stay above the watermark, the running
-//!    sequences stay within `max_num_seqs`, and the step's tokens within
-//!    `max_tokens_per_step` (a prefill counts its uncached prompt tokens).
+//! 4. admits waiting groups while free blocks stay above the watermark (while other
+//!    sequences run), the running sequences stay within `max_num_seqs`, and the step's
+//!    tokens within `max_tokens_per_step` (a prefill counts its uncached prompt tokens).
+//!
+//! The watermark keeps headroom for running sequences to grow into; with nothing
+//! running there is nobody to keep it for, so a group alone may take the whole pool.
 //!
 //! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
 //! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites
@@ -40,6 +44,26 @@
 //!
 //! After sampling, [`Scheduler::on_step_done`] takes each scheduled sequence's new token;
 //! a stop token or `max_tokens` finishes it and frees its blocks at once.
+//!
+//! # Liveness
+//! Every request [`Scheduler::add_request`] accepts finishes if the caller keeps
+//! calling `step` and `on_step_done`: while any request is live, every step schedules
+//! at least one sequence, and every scheduled sequence keeps the token it gets (a
+//! recomputed sequence keeps its generated tokens), so the steps until idle are at most
+//! the tokens the live sequences may still generate. It holds by construction:
+//! * *A group fits the pool alone.* `add_request` refuses a request whose sequence
+//!   would outgrow the usable pool (`prompt + max_tokens` tokens, at most
+//!   `max_model_len`; with a sliding window, the window's blocks plus one), and
+//!   [`Scheduler::fork`] refuses a fork after which the group's sequences together
+//!   could outgrow it or a step's token budget, or exceed `max_num_seqs`.
+//! * *The oldest running group is never preempted*: step 1 counts each group's next
+//!   decode slots exactly (forks sharing a partial block copy it all but once) and
+//!   preempts newer groups first; alone, the group fits.
+//! * *With nothing running, something always starts*: the watermark does not apply, the
+//!   whole pool is free (waiting and swapped groups hold no device blocks), so the
+//!   oldest swapped group swaps in (it needs its blocks plus its exact next decode
+//!   slots, which fit the pool as they did before it was swapped out), or else the
+//!   first waiting group is admitted (its prefill fits the pool and a step's budget).
 
 use std::collections::BTreeMap;
 
@@ -258,7 +282,7 @@ enum Status {
     Swapped,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 struct Seq {
     id: SeqId,
     request: RequestId,
@@ -294,7 +318,7 @@ impl Group {
 /// Sequences by id, without hashing: a [`SeqId`] is a slot index (low 32 bits) and
 /// that slot's generation (high 32 bits), so a finished sequence's id never names the
 /// slot's next occupant.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 struct SeqSlab {
     slots: Vec<Option<Seq>>,
     generation: Vec<u32>,
@@ -386,8 +410,25 @@ impl Scheduler {
         if cfg.max_num_seqs == 0 {
             return Err(Error::invalid("max_num_seqs", "must be at least 1"));
         }
-        if cfg.max_model_len == 0 {
-            return Err(Error::invalid("max_model_len", "must be at least 1"));
+        if cfg.max_model_len == 0 || cfg.max_model_len > i32::MAX as u32 {
+            return Err(Error::invalid(
+                "max_model_len",
+                format!(
+                    "{} (must be in 1..={}: context lengths are i32)",
+                    cfg.max_model_len,
+                    i32::MAX
+                ),
+            ));
+        }
+        if cfg.num_blocks > i32::MAX as u32 {
+            return Err(Error::invalid(
+                "num_blocks",
+                format!(
+                    "{} (at most {}: block tables are i32)",
+                    cfg.num_blocks,
+                    i32::MAX
+                ),
+            ));
         }
         if cfg.max_tokens_per_step < cfg.max_model_len as usize {
             return Err(Error::invalid(
@@ -413,6 +454,20 @@ impl Scheduler {
         )?;
         let watermark_blocks = (cfg.watermark * cfg.num_blocks as f64) as u32;
         let max_blocks = cfg.max_model_len.div_ceil(cfg.block_size);
+        // The batch's block tables hold up to `max_num_seqs` rows of `max_blocks` i32s.
+        cfg.max_num_seqs
+            .checked_mul(max_blocks as usize)
+            .and_then(|n| n.checked_mul(size_of::<i32>()))
+            .filter(|&bytes| bytes <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "max_num_seqs",
+                    format!(
+                        "{} rows of {max_blocks} blocks (max_model_len / block_size) overflow the block-table size",
+                        cfg.max_num_seqs
+                    ),
+                )
+            })?;
         Ok(Self {
             batch: Batch {
                 max_blocks_per_seq: max_blocks,
@@ -517,8 +572,9 @@ impl Scheduler {
     }
 
     /// Queues a request. Rejects an empty prompt, zero `max_tokens`, a duplicate id,
-    /// and a request that could never fit: longer than `max_model_len`, or needing
-    /// more blocks than the whole pool.
+    /// and a request that could never run: longer than `max_model_len`, or growing to
+    /// more blocks than the whole usable pool. A request accepted here finishes if the
+    /// caller keeps stepping (see the module docs on liveness).
     pub fn add_request(&mut self, req: Request) -> Result<SeqId> {
         if req.prompt.is_empty() {
             return Err(Error::invalid("prompt", "must hold at least one token"));
@@ -603,7 +659,7 @@ impl Scheduler {
         })?;
         let seqs = g.seqs.clone();
         for s in seqs {
-            self.finish_seq(s, FinishReason::Aborted);
+            self.finish_seq(s, FinishReason::Aborted)?;
         }
         Ok(())
     }
@@ -707,14 +763,14 @@ impl Scheduler {
         self.seqs.get_mut(&seq).unwrap().row = usize::MAX;
     }
 
-    fn finish_seq(&mut self, seq: SeqId, why: FinishReason) {
+    fn finish_seq(&mut self, seq: SeqId, why: FinishReason) -> Result<()> {
         let request = self.seqs[&seq].request;
         let status = self.groups[&request].status;
         if status == Status::Running {
             self.remove_row(seq);
         }
         let mut s = self.seqs.remove(&seq).unwrap();
-        self.kv.free(&mut s.table);
+        self.kv.free(&mut s.table)?;
         self.finished.push((request, seq, why, s.tokens));
         let g = self.groups.get_mut(&request).unwrap();
         g.seqs.retain(|&x| x != seq);
@@ -732,11 +788,12 @@ impl Scheduler {
                 }
             }
         }
+        Ok(())
     }
 
     /// Preempts running group `id`: swap if asked and the host pool has room, else
     /// recompute.
-    fn preempt(&mut self, id: RequestId) {
+    fn preempt(&mut self, id: RequestId) -> Result<()> {
         let g = &self.groups[&id];
         let mode = g.req.preemption.unwrap_or(self.cfg.preemption);
         let seqs = g.seqs.clone();
@@ -772,7 +829,7 @@ impl Scheduler {
         if !done {
             for &s in &seqs {
                 let seq = self.seqs.get_mut(&s).unwrap();
-                self.kv.free(&mut seq.table);
+                self.kv.free(&mut seq.table)?;
                 seq.num_computed = 0;
             }
             self.metrics.preempted_recompute += 1;
@@ -782,14 +839,35 @@ impl Scheduler {
             self.waiting.insert(key, id);
             self.batch.preempted.push((id, PreemptionMode::Recompute));
         }
+        Ok(())
     }
 
-    fn group_append_cost(&self, id: RequestId) -> u32 {
-        self.groups[&id]
-            .seqs
+    /// Free blocks the next decode of every sequence of group `id` takes, exactly
+    /// (forks sharing a partial block copy it all but one).
+    fn group_append_cost(&self, id: RequestId) -> Result<u32> {
+        let seqs = &self.seqs;
+        self.kv
+            .group_append_cost(self.groups[&id].seqs.iter().map(move |s| &seqs[s].table))
+    }
+
+    /// An upper bound of the free blocks the next decode of every running sequence
+    /// takes.
+    fn rows_append_cost(&self) -> Result<u32> {
+        self.rows
             .iter()
             .map(|s| self.kv.append_cost(&self.seqs[s].table))
             .sum()
+    }
+
+    /// The watermark admission and swap-in keep free, which applies only while some
+    /// sequence runs: a group alone may use the whole pool (nothing else can need the
+    /// headroom), so every request `add_request` accepts can run.
+    fn watermark_now(&self) -> u32 {
+        if self.rows.is_empty() {
+            0
+        } else {
+            self.watermark_blocks
+        }
     }
 
     /// Plans and returns the next step's batch; see the module docs. Call
@@ -813,11 +891,7 @@ impl Scheduler {
         // exact count (so the steady state skips this pass).
         let mut reserved = self.rows.len() as u32;
         if reserved > self.kv.device().num_free() {
-            reserved = self
-                .rows
-                .iter()
-                .map(|s| self.kv.append_cost(&self.seqs[s].table))
-                .sum();
+            reserved = self.rows_append_cost()?;
         }
         if reserved > self.kv.device().num_free() {
             let order: Vec<(u64, RequestId)> = self.running.iter().map(|(a, r)| (*a, *r)).collect();
@@ -826,10 +900,12 @@ impl Scheduler {
                 if !self.running.contains_key(&arrival) {
                     continue; // preempted already in this loop
                 }
-                let cost = self.group_append_cost(id);
+                // Exact, so the oldest group (reserved = 0) never preempts itself: alone,
+                // its next tokens fit the pool (`add_request` and `fork` see to that).
+                let cost = self.group_append_cost(id)?;
                 while reserved + cost > self.kv.device().num_free() {
                     let (&newest, &victim) = self.running.last_key_value().unwrap();
-                    self.preempt(victim);
+                    self.preempt(victim)?;
                     if newest == arrival {
                         break;
                     }
@@ -843,14 +919,11 @@ impl Scheduler {
         // Blocks step 3 will take for the running sequences (swap-ins come after them):
         // the upper bound unless the swapped queue needs the exact count.
         if !self.swapped.is_empty() {
-            reserved = self
-                .rows
-                .iter()
-                .map(|s| self.kv.append_cost(&self.seqs[s].table))
-                .sum();
+            reserved = self.rows_append_cost()?;
         }
 
-        // 2. Swap in, oldest first, above the watermark, when nobody was preempted.
+        // 2. Swap in, oldest first, above the watermark (when others run), when nobody
+        // was preempted.
         if !preempted_now {
             while let Some((&arrival, &id)) = self.swapped.first_key_value() {
                 let seqs = self.groups[&id].seqs.clone();
@@ -861,20 +934,28 @@ impl Scheduler {
                     .iter()
                     .map(|s| std::mem::take(&mut self.seqs.get_mut(s).unwrap().table))
                     .collect();
+                // Its blocks, plus what this step's decode slots take after the swap-in
+                // (exact: a group that fits the pool alone always comes back).
+                let append = self.kv.group_append_cost(tables.iter());
                 let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
-                // Its blocks, plus one per sequence for this step's decode slot.
-                let cost = self.kv.swap_in_cost(&refs) + seqs.len() as u32;
+                let cost = match (&append, self.kv.swap_in_cost(&refs)) {
+                    (Ok(a), Ok(c)) => Some(a + c),
+                    _ => None,
+                };
                 let before = self.batch.swap_in.len();
-                let ok = cost + reserved + self.watermark_blocks <= self.kv.device().num_free()
-                    && self.kv.swap_in(&mut refs, &mut self.batch.swap_in).is_ok();
+                let ok = cost.is_some_and(|c| {
+                    c + reserved + self.watermark_now() <= self.kv.device().num_free()
+                }) && self.kv.swap_in(&mut refs, &mut self.batch.swap_in).is_ok();
                 self.metrics.swapped_in_blocks += (self.batch.swap_in.len() - before) as u64;
+                // The tables go back before any error returns.
                 for (s, t) in seqs.iter().zip(tables) {
                     self.seqs.get_mut(s).unwrap().table = t;
                 }
+                let append = append?;
                 if !ok {
                     break;
                 }
-                reserved += seqs.len() as u32;
+                reserved += append;
                 self.swapped.remove(&arrival);
                 self.running.insert(arrival, id);
                 self.groups.get_mut(&id).unwrap().status = Status::Running;
@@ -931,12 +1012,20 @@ impl Scheduler {
             let (mut tokens_needed, mut blocks_needed) = (0usize, 0u32);
             for s in &seqs {
                 let t = &self.seqs[s].tokens;
-                let (hits, _) = self.kv.count_prefix_hits(t, salt);
-                tokens_needed += t.len() - (hits * self.cfg.block_size) as usize;
-                blocks_needed += self.kv.prefill_cost(t, salt);
+                if seqs.len() == 1 {
+                    let (hits, _) = self.kv.count_prefix_hits(t, salt);
+                    tokens_needed += t.len() - (hits * self.cfg.block_size) as usize;
+                    blocks_needed += self.kv.prefill_cost(t, salt);
+                } else {
+                    // One fork's allocations may evict the cached blocks another
+                    // counted on: assume no hits (an upper bound).
+                    let n = t.len() as u32;
+                    tokens_needed += t.len();
+                    blocks_needed += self.kv.blocks_for(n) - self.kv.dead_blocks(n);
+                }
             }
             if tokens_needed > budget
-                || blocks_needed + self.watermark_blocks > self.kv.device().num_free()
+                || blocks_needed + self.watermark_now() > self.kv.device().num_free()
             {
                 break;
             }
@@ -955,7 +1044,7 @@ impl Scheduler {
                 let n = seq.tokens.len() as u32;
                 let offset = self.batch.slot_mapping.len() as u32;
                 for pos in cached..n {
-                    self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos));
+                    self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
                 }
                 seq.scheduled = Some(true);
                 let request = seq.request;
@@ -1052,7 +1141,7 @@ impl Scheduler {
             seq.num_computed = seq.table.num_tokens();
             let g = &self.groups[&seq.request];
             let salt = g.req.cache_salt;
-            self.kv.commit(&mut seq.table, &seq.tokens, salt);
+            self.kv.commit(&mut seq.table, &seq.tokens, salt)?;
             seq.tokens.push(tok);
             let generated = seq.tokens.len() - g.req.prompt.len();
             let why = if g.req.stop_token == Some(tok) {
@@ -1063,7 +1152,7 @@ impl Scheduler {
                 None
             };
             if let Some(why) = why {
-                self.finish_seq(s, why);
+                self.finish_seq(s, why)?;
                 done.push((s, why));
             }
         }

@@ -35,31 +35,44 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0usize..3, 1usize..50, 1u32..40, any::<bool>()).prop_map(|(prefix, len, max_tokens, swap)| Op::Add { prefix, len, max_tokens, swap }),
         8 => (0u32..12).prop_map(|stop_every| Op::Step { stop_every }),
-        1 => any::<usize>().prop_map(Op::Fork),
+        2 => any::<usize>().prop_map(Op::Fork),
         1 => any::<usize>().prop_map(Op::Abort),
     ]
 }
 
 fn config() -> impl Strategy<Value = SchedulerConfig> {
     (
-        prop::sample::select(vec![8u32, 16]),
-        12u32..48,
-        prop::sample::select(vec![0u32, 8, 40]),
+        prop::sample::select(vec![8u32, 16, 32]),
+        prop_oneof![2u32..8, 8u32..48],
+        prop::sample::select(vec![0u32, 3, 8, 40]),
         any::<bool>(),
         any::<bool>(),
         prop::option::weighted(0.25, 10u32..60),
         any::<bool>(),
         1usize..12,
+        prop_oneof![Just(0.0), Just(0.01), 0.0f64..0.5],
+        (16u32..=128, 0usize..200),
     )
         .prop_map(
-            |(block_size, num_blocks, host, swap, prefix, window, prio, max_seqs)| {
+            |(
+                block_size,
+                num_blocks,
+                host,
+                swap,
+                prefix,
+                window,
+                prio,
+                max_seqs,
+                watermark,
+                (max_model_len, extra_tokens),
+            )| {
                 SchedulerConfig {
                     num_blocks,
                     block_size,
                     num_host_blocks: host,
                     max_num_seqs: max_seqs,
-                    max_tokens_per_step: 256,
-                    watermark: 0.0,
+                    max_tokens_per_step: max_model_len as usize + extra_tokens,
+                    watermark,
                     preemption: if swap {
                         PreemptionMode::Swap
                     } else {
@@ -72,7 +85,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                     },
                     enable_prefix_caching: prefix,
                     sliding_window: window,
-                    max_model_len: 128,
+                    max_model_len,
                 }
             },
         )
@@ -84,6 +97,8 @@ struct Model {
     host: Vec<Option<u32>>,
     next_req: u64,
     next_token: u32,
+    /// Accepted requests: prompt length and `max_tokens`.
+    accepted: HashMap<u64, (usize, u32)>,
 }
 
 impl Model {
@@ -97,6 +112,7 @@ impl Model {
             host,
             next_req: 0,
             next_token: 1000,
+            accepted: HashMap::new(),
         }
     }
 
@@ -112,7 +128,15 @@ impl Model {
     /// One step: apply the batch to the fake cache like an engine would, sample.
     fn step(&mut self, stop_every: u32) -> Result<(), TestCaseError> {
         let bs = self.bs();
+        let idle = self.s.is_idle();
         let batch = self.s.step().unwrap().clone();
+        // Liveness: a scheduler with live requests always schedules something (every
+        // step then gives some sequence a token it keeps, so it finishes).
+        prop_assert!(
+            idle || !batch.seqs.is_empty(),
+            "stalled: live requests but an empty batch: {:?}",
+            self.s.metrics()
+        );
         // Swap-outs first, then swap-ins, then copy-on-write copies, then the writes.
         for &(d, h) in &batch.swap_out {
             Self::copy(&self.dev, &mut self.host, d, h, bs);
@@ -171,7 +195,7 @@ impl Model {
                 let block = (slot as usize / bs) as u32;
                 prop_assert_eq!(table.blocks()[pos as usize / bs], block);
                 prop_assert_eq!(
-                    self.s.kv().device().ref_cnt(block),
+                    self.s.kv().device().ref_cnt(block).unwrap(),
                     1,
                     "write into a shared block"
                 );
@@ -193,6 +217,51 @@ impl Model {
             self.s.on_step_done(&sampled).unwrap();
         }
         Ok(())
+    }
+
+    /// Submits a request; one that is refused must be one that could never run.
+    fn add(&mut self, r: Request) -> Result<(), TestCaseError> {
+        let (id, len, max_tokens) = (r.id, r.prompt.len(), r.max_tokens);
+        match self.s.add_request(r) {
+            Ok(_) => {
+                self.accepted.insert(id, (len, max_tokens));
+            }
+            Err(e) => {
+                let cfg = self.s.config();
+                let bs = cfg.block_size as usize;
+                let total = len + max_tokens as usize;
+                let mut blocks = total.div_ceil(bs);
+                if let Some(w) = cfg.sliding_window {
+                    blocks = blocks.min((w as usize).div_ceil(bs) + 1);
+                }
+                let usable = cfg.num_blocks as usize - 1;
+                prop_assert!(
+                    total > cfg.max_model_len as usize || blocks > usable,
+                    "refused a request that fits ({} + {} tokens, {} of {} blocks): {}",
+                    len,
+                    max_tokens,
+                    blocks,
+                    usable,
+                    e
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Tokens the live sequences may still generate: each non-empty step takes at
+    /// least one of them, so it bounds the steps until idle.
+    fn remaining_tokens(&self) -> usize {
+        let mut n = 0;
+        for (&id, &(len, max_tokens)) in &self.accepted {
+            if let Ok(seqs) = self.s.request_seqs(id) {
+                for &q in seqs {
+                    let generated = self.s.tokens(q).unwrap().len() - len;
+                    n += max_tokens as usize - generated;
+                }
+            }
+        }
+        n
     }
 
     /// Every invariant, and every sequence's tokens read back through its table.
@@ -258,7 +327,7 @@ impl Model {
         );
         for b in 1..dev.num_blocks() {
             prop_assert_eq!(
-                dev.ref_cnt(b),
+                dev.ref_cnt(b).unwrap(),
                 dref.get(&b).copied().unwrap_or(0),
                 "device block {} ref_cnt",
                 b
@@ -267,7 +336,7 @@ impl Model {
         if self.s.config().num_host_blocks > 0 {
             for b in 0..host.num_blocks() {
                 prop_assert_eq!(
-                    host.ref_cnt(b),
+                    host.ref_cnt(b).unwrap(),
                     href.get(&b).copied().unwrap_or(0),
                     "host block {} ref_cnt",
                     b
@@ -277,7 +346,7 @@ impl Model {
         let mut free: Vec<u32> = dev.free_queue();
         free.sort();
         let want: Vec<u32> = (1..dev.num_blocks())
-            .filter(|b| dev.ref_cnt(*b) == 0)
+            .filter(|b| dev.ref_cnt(*b).unwrap() == 0)
             .collect();
         prop_assert_eq!(free, want, "free queue != blocks with ref_cnt 0");
         prop_assert_eq!(dev.num_used() + dev.num_free(), dev.num_usable());
@@ -287,7 +356,7 @@ impl Model {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(96),
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(512),
         ..ProptestConfig::default()
     })]
 
@@ -308,7 +377,7 @@ proptest! {
                     r.preemption = swap.then_some(PreemptionMode::Swap);
                     m.next_req += 1;
                     // Too long for this pool: an error, never a panic.
-                    let _ = m.s.add_request(r);
+                    m.add(r)?;
                 }
                 Op::Step { stop_every } => m.step(stop_every)?,
                 Op::Fork(i) => {
@@ -321,8 +390,6 @@ proptest! {
                     let live = m.s.live_seqs();
                     if !live.is_empty() {
                         let seq = live[i % live.len()];
-                        let req = m.s.finished().len(); // any value; look the request up:
-                        let _ = req;
                         let id = (0..m.next_req).find(|r| m.s.request_seqs(*r).is_ok_and(|s| s.contains(&seq)));
                         m.s.abort(id.unwrap()).unwrap();
                     }
@@ -330,15 +397,21 @@ proptest! {
             }
             m.check()?;
         }
-        // Drain: everything finishes (or is aborted), then nothing is leaked.
-        for _ in 0..2000 {
+        // Liveness: with no new arrivals, every accepted request finishes within as
+        // many steps as its sequences have tokens left to generate.
+        let bound = m.remaining_tokens() + 1;
+        for _ in 0..bound {
             if m.s.is_idle() {
                 break;
             }
             m.step(0)?;
             m.check()?;
         }
-        prop_assert!(m.s.is_idle(), "requests never finished: {:?}", m.s.metrics());
+        prop_assert!(m.s.is_idle(), "requests never finished within {} steps: {:?}", bound, m.s.metrics());
+        let finished: HashSet<u64> = m.s.finished().iter().map(|f| f.0).collect();
+        for id in m.accepted.keys() {
+            prop_assert!(finished.contains(id), "accepted request {} never finished", id);
+        }
         let dev = m.s.kv().device();
         prop_assert_eq!(dev.num_free(), dev.num_usable(), "blocks leaked");
         if m.s.config().num_host_blocks > 0 {
@@ -407,7 +480,7 @@ fn prefix_hits_reuse_blocks_and_leave_one_token_to_compute() {
     let c_blocks = s.block_table(c).unwrap().blocks().to_vec();
     assert_eq!(c_blocks[..2], a_blocks[..2]);
     assert_ne!(c_blocks[2], a_blocks[2]);
-    assert_eq!(s.kv().device().ref_cnt(a_blocks[0]), 2);
+    assert_eq!(s.kv().device().ref_cnt(a_blocks[0]).unwrap(), 2);
     assert!((s.metrics().prefix_hit_rate() - 16.0 / 48.0).abs() < 1e-12);
     // A different salt never hits.
     let mut r = Request::new(3, (0..24).collect(), 2);
@@ -435,7 +508,7 @@ fn fork_shares_blocks_and_copies_the_partial_block_on_write() {
     let child = s.fork(a).unwrap();
     let blocks = s.block_table(a).unwrap().blocks().to_vec();
     assert_eq!(s.block_table(child).unwrap().blocks(), blocks.as_slice());
-    assert_eq!(s.kv().device().ref_cnt(blocks[1]), 2);
+    assert_eq!(s.kv().device().ref_cnt(blocks[1]).unwrap(), 2);
     let b = s.step().unwrap();
     // The first writer into the shared partial block 1 copies it; the second then owns
     // the original alone.

@@ -8,6 +8,10 @@
 //!
 //! A block id names `block_size` token slots in every layer's K and V pool: the
 //! kernels' `slot = block_id * block_size + offset_in_block`.
+//!
+//! Misuse is an error, never a panic or a corrupted count: the pool checks every block
+//! id and reference it is given, and a [`BlockTable`] is an owning handle (not `Clone`,
+//! bound to the [`KvCacheManager`] that filled it; see [`table`]).
 
 pub mod pool;
 pub mod table;

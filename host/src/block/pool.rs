@@ -15,6 +15,13 @@
 //!   Freed cached blocks stay in the map, reusable by a prefix hit ([`BlockPool::touch`]
 //!   takes them out of the free queue), until `allocate` evicts them: eviction drops the
 //!   map entry, so a hit never returns a block whose contents were overwritten.
+//! * The public operations that take a block id ([`BlockPool::ref_cnt`],
+//!   [`BlockPool::incref`], [`BlockPool::free`], [`BlockPool::touch`],
+//!   [`BlockPool::cache`], [`BlockPool::block_hash`]) check it and return an error,
+//!   changing nothing, for an id outside the pool, a double free, or a reference to a
+//!   free block: the counts above hold in release builds too, whatever the caller
+//!   passes. (The [`KvCacheManager`](super::KvCacheManager) validates its tables once
+//!   and then uses unchecked internal versions.)
 //! * `held_fill` is the number of token slots holding data, summed over held blocks
 //!   (the KV-utilisation metric). Callers report fills as they change
 //!   ([`BlockPool::add_fill`]) and when they drop a reference ([`BlockPool::free`]
@@ -145,9 +152,36 @@ impl BlockPool {
         self.cached.len()
     }
 
-    /// The reference count of `b`.
-    pub fn ref_cnt(&self, b: BlockId) -> u32 {
+    /// The reference count of `b`; [`Error::Unknown`] for an id outside the pool.
+    pub fn ref_cnt(&self, b: BlockId) -> Result<u32> {
+        self.check_id(b)?;
+        Ok(self.ref_cnt[b as usize])
+    }
+
+    /// The reference count of a block id the caller knows is in the pool.
+    pub(super) fn rc(&self, b: BlockId) -> u32 {
         self.ref_cnt[b as usize]
+    }
+
+    /// [`Error::Unknown`] unless `b` names a block of this pool.
+    fn check_id(&self, b: BlockId) -> Result<()> {
+        if (b as usize) < self.ref_cnt.len() {
+            Ok(())
+        } else {
+            Err(Error::Unknown {
+                what: "block",
+                id: b as u64,
+            })
+        }
+    }
+
+    /// [`Error::InvalidState`] unless `b` is held (`ref_cnt > 0`) and not the null block.
+    fn check_held(&self, b: BlockId, what: &str) -> Result<()> {
+        self.check_id(b)?;
+        if self.ref_cnt[b as usize] == 0 {
+            return Err(Error::InvalidState(format!("{what} of free block {b}")));
+        }
+        Ok(())
     }
 
     /// Token slots holding data, summed over held blocks.
@@ -155,9 +189,11 @@ impl BlockPool {
         self.held_fill
     }
 
-    /// The prefix-cache hash of `b`, if it is cached.
-    pub fn block_hash(&self, b: BlockId) -> Option<BlockHash> {
-        self.hash[b as usize]
+    /// The prefix-cache hash of `b`, if it is cached; [`Error::Unknown`] for an id
+    /// outside the pool.
+    pub fn block_hash(&self, b: BlockId) -> Result<Option<BlockHash>> {
+        self.check_id(b)?;
+        Ok(self.hash[b as usize])
     }
 
     fn is_null(&self, b: BlockId) -> bool {
@@ -218,8 +254,25 @@ impl BlockPool {
         Ok(b)
     }
 
-    /// Adds a reference to a held block (a fork sharing it).
-    pub fn incref(&mut self, b: BlockId) {
+    /// Adds a reference to a held block (a fork sharing it). The null block is a
+    /// no-op. Errors, changing nothing: an id outside the pool ([`Error::Unknown`]), a
+    /// free block or a count at `u32::MAX` ([`Error::InvalidState`]).
+    pub fn incref(&mut self, b: BlockId) -> Result<()> {
+        if self.is_null(b) {
+            return Ok(());
+        }
+        self.check_held(b, "incref")?;
+        if self.ref_cnt[b as usize] == u32::MAX {
+            return Err(Error::InvalidState(format!(
+                "reference count of block {b} would overflow"
+            )));
+        }
+        self.share(b);
+        Ok(())
+    }
+
+    /// [`incref`](Self::incref) of a block the caller knows is held.
+    pub(super) fn share(&mut self, b: BlockId) {
         if self.is_null(b) {
             return;
         }
@@ -229,8 +282,29 @@ impl BlockPool {
 
     /// Drops a reference to `b`, which holds `fill` tokens; at zero the block joins
     /// the free queue's tail (keeping its cache entry, so it stays reusable until
-    /// evicted).
-    pub fn free(&mut self, b: BlockId, fill: u32) {
+    /// evicted). The null block is a no-op. Errors, changing nothing: an id outside the
+    /// pool ([`Error::Unknown`]), a free block (a double free, [`Error::InvalidState`]),
+    /// a last reference whose `fill` exceeds the held fill ([`Error::InvalidArgument`]).
+    pub fn free(&mut self, b: BlockId, fill: u32) -> Result<()> {
+        if self.is_null(b) {
+            return Ok(());
+        }
+        self.check_held(b, "free")?;
+        if self.ref_cnt[b as usize] == 1 && fill as u64 > self.held_fill {
+            return Err(Error::invalid(
+                "fill",
+                format!(
+                    "{fill} tokens, but held blocks hold {} in all",
+                    self.held_fill
+                ),
+            ));
+        }
+        self.release(b, fill);
+        Ok(())
+    }
+
+    /// [`free`](Self::free) of a block the caller knows is held.
+    pub(super) fn release(&mut self, b: BlockId, fill: u32) {
         if self.is_null(b) {
             return;
         }
@@ -249,8 +323,20 @@ impl BlockPool {
     }
 
     /// Takes a reference to cached block `b` (a prefix hit), which holds `fill`
-    /// tokens: out of the free queue if it was free.
-    pub fn touch(&mut self, b: BlockId, fill: u32) {
+    /// tokens: out of the free queue if it was free. Errors, changing nothing: an id
+    /// outside the pool ([`Error::Unknown`]), the null block or a count at `u32::MAX`
+    /// ([`Error::InvalidState`]).
+    pub fn touch(&mut self, b: BlockId, fill: u32) -> Result<()> {
+        self.check_id(b)?;
+        if self.is_null(b) || self.ref_cnt[b as usize] == u32::MAX {
+            return Err(Error::InvalidState(format!("touch of block {b}")));
+        }
+        self.take(b, fill);
+        Ok(())
+    }
+
+    /// [`touch`](Self::touch) of a block the caller knows is a valid, non-null id.
+    pub(super) fn take(&mut self, b: BlockId, fill: u32) {
         let i = b as usize;
         if self.ref_cnt[i] == 0 {
             self.unlink(b);
@@ -260,8 +346,20 @@ impl BlockPool {
     }
 
     /// Registers held block `b` as holding the full block named `h`. A hash already
-    /// cached under another block keeps that block (the first copy wins).
-    pub fn cache(&mut self, b: BlockId, h: BlockHash) {
+    /// cached under another block keeps that block (the first copy wins), and a block
+    /// already cached keeps its hash. Errors, changing nothing: an id outside the pool
+    /// ([`Error::Unknown`]), a free block or the null block ([`Error::InvalidState`]).
+    pub fn cache(&mut self, b: BlockId, h: BlockHash) -> Result<()> {
+        self.check_held(b, "cache")?;
+        if self.is_null(b) {
+            return Err(Error::InvalidState("cache of the null block".into()));
+        }
+        self.register(b, h);
+        Ok(())
+    }
+
+    /// [`cache`](Self::cache) of a block the caller knows is held and not null.
+    pub(super) fn register(&mut self, b: BlockId, h: BlockHash) {
         let i = b as usize;
         if self.hash[i].is_some() || self.cached.contains_key(&h) {
             return;
@@ -272,7 +370,7 @@ impl BlockPool {
 
     /// Records `n` more token slots holding data in held blocks.
     pub fn add_fill(&mut self, n: u32) {
-        self.held_fill += n as u64;
+        self.held_fill = self.held_fill.saturating_add(n as u64);
     }
 
     /// Blocks in free-queue order (LRU first). O(n); for tests and debugging.

@@ -13,6 +13,22 @@
 //!   again, so sharing them (fork, prefix hits) is free.
 //! * `hashes[i]` is the prefix-cache hash chain of full block `i`, recorded once its
 //!   contents are computed ([`KvCacheManager::commit`]).
+//! * Only a full block is ever shared between sequence groups (prefix hits never
+//!   include a prompt's last block); a partial last block is shared only among the
+//!   forks of one group, and all its sharers have it as their last block.
+//!
+//! # Ownership of tables
+//! A [`BlockTable`] holds one reference per entry, so it is an *owning* handle:
+//! * It is not `Clone`. The only copy is [`KvCacheManager::fork`], which takes the
+//!   extra references; [`KvCacheManager::free`] drops them and leaves the table empty,
+//!   so a second `free` of the same table frees nothing.
+//! * It is bound to the manager that gave it its first block (each manager has a
+//!   process-unique [`KvCacheManager::id`]); every other manager refuses it with
+//!   [`Error::InvalidArgument`] (`table`). An empty table is bound to nobody.
+//! * Dropping a table that still holds blocks leaks them (they stay counted as held);
+//!   free it through its manager.
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -29,9 +45,17 @@ pub enum Location {
     Host,
 }
 
-/// One sequence's logical → physical block map.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// One sequence's logical → physical block map: an owning handle on its blocks'
+/// references (not `Clone`; see the module docs on ownership).
+///
+/// ```compile_fail
+/// let t = pagedkv_host::block::BlockTable::new();
+/// let copy = t.clone(); // a copy would free the same references twice
+/// ```
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct BlockTable {
+    /// The [`KvCacheManager::id`] of the manager whose blocks these are; 0 while empty.
+    owner: u64,
     blocks: Vec<BlockId>,
     num_tokens: u32,
     hashes: Vec<BlockHash>,
@@ -43,9 +67,28 @@ pub struct BlockTable {
 }
 
 impl BlockTable {
-    /// An empty table on the device.
+    /// An empty table on the device, bound to no manager yet.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The [`KvCacheManager::id`] of the manager this table's blocks belong to; `None`
+    /// for an empty table.
+    pub fn owner(&self) -> Option<u64> {
+        (self.owner != 0).then_some(self.owner)
+    }
+
+    /// A second handle on the same blocks; the caller takes the extra references.
+    fn duplicate(&self) -> Self {
+        Self {
+            owner: self.owner,
+            blocks: self.blocks.clone(),
+            num_tokens: self.num_tokens,
+            hashes: self.hashes.clone(),
+            location: self.location,
+            first_live: self.first_live,
+            last_maybe_shared: self.last_maybe_shared,
+        }
     }
 
     /// Physical block of each logical block.
@@ -69,9 +112,15 @@ impl BlockTable {
     }
 }
 
+/// The source of [`KvCacheManager::id`]s (0 means "no manager").
+static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
+
 /// The KV-cache manager: a device pool, a host pool for swapping, and the rules.
-#[derive(Clone, Debug)]
+///
+/// Not `Clone`: a copy would share its tables' identity while its counts diverge.
+#[derive(Debug)]
 pub struct KvCacheManager {
+    id: u64,
     device: BlockPool,
     host: BlockPool,
     block_size: u32,
@@ -106,6 +155,7 @@ impl KvCacheManager {
             BlockPool::new(num_host_blocks, false)?
         };
         Ok(Self {
+            id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             device: BlockPool::new(num_blocks, true)?,
             host,
             block_size,
@@ -113,6 +163,30 @@ impl KvCacheManager {
             window,
             scratch: HashMap::default(),
         })
+    }
+
+    /// This manager's process-unique id; the tables it fills carry it.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// [`Error::InvalidArgument`] (`table`) unless `t` is empty or this manager's.
+    fn check(&self, t: &BlockTable) -> Result<()> {
+        if t.owner == self.id || (t.owner == 0 && t.blocks.is_empty()) {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                "table",
+                format!(
+                    "belongs to KV-cache manager {}, not to manager {}",
+                    t.owner, self.id
+                ),
+            ))
+        }
+    }
+
+    fn check_all(&self, tables: &[&mut BlockTable]) -> Result<()> {
+        tables.iter().try_for_each(|t| self.check(t))
     }
 
     /// The device pool.
@@ -137,14 +211,25 @@ impl KvCacheManager {
 
     /// Slot of token position `pos` of a device table; [`PAD_SLOT`] for a position a
     /// sliding window has already released (a prefill longer than the window computes
-    /// those tokens, but their K/V is never stored).
-    pub fn slot(&self, t: &BlockTable, pos: u32) -> i64 {
+    /// those tokens, but their K/V is never stored). Errors: a table of another manager
+    /// or swapped out, a position without a slot (`pos >= num_tokens`).
+    pub fn slot(&self, t: &BlockTable, pos: u32) -> Result<i64> {
+        self.check(t)?;
+        if t.location != Location::Device {
+            return Err(Error::InvalidState("slot of a swapped-out table".into()));
+        }
+        if pos >= t.num_tokens {
+            return Err(Error::invalid(
+                "pos",
+                format!("{pos}: the table has {} token slots", t.num_tokens),
+            ));
+        }
         let bs = self.block_size;
         let i = (pos / bs) as usize;
         if (i as u32) < t.first_live {
-            return PAD_SLOT;
+            return Ok(PAD_SLOT);
         }
-        t.blocks[i] as i64 * bs as i64 + (pos % bs) as i64
+        Ok(t.blocks[i] as i64 * bs as i64 + (pos % bs) as i64)
     }
 
     /// Blocks a table of `num_tokens` tokens spans.
@@ -178,7 +263,7 @@ impl KvCacheManager {
             match self.device.lookup(h) {
                 Some(b) => {
                     hits += 1;
-                    free += (self.device.ref_cnt(b) == 0) as u32;
+                    free += (self.device.rc(b) == 0) as u32;
                     parent = Some(h);
                 }
                 None => break,
@@ -206,6 +291,7 @@ impl KvCacheManager {
         tokens: &[u32],
         salt: Option<u64>,
     ) -> Result<u32> {
+        self.check(t)?;
         if !t.blocks.is_empty() || t.location != Location::Device {
             return Err(Error::InvalidState(
                 "allocate_prefill needs an empty device table".into(),
@@ -230,7 +316,7 @@ impl KvCacheManager {
         for chunk in tokens.chunks_exact(bs).take(hits as usize) {
             let h = hash_block(parent, chunk, salt);
             let b = self.device.lookup(h).expect("counted hit");
-            self.device.touch(b, self.block_size);
+            self.device.take(b, self.block_size);
             t.blocks.push(b);
             t.hashes.push(h);
             parent = Some(h);
@@ -247,6 +333,7 @@ impl KvCacheManager {
         }
         t.first_live = dead;
         t.num_tokens = n;
+        t.owner = self.id;
         // The new blocks' tokens (the hits were counted by `touch`).
         let new_from = hits.max(dead);
         self.device
@@ -254,23 +341,81 @@ impl KvCacheManager {
         Ok(hits * self.block_size)
     }
 
-    /// Free blocks the next [`append_slot`](Self::append_slot) of `t` takes: 1 when its
-    /// last block is full (or it has none) or is shared (copy-on-write), else 0.
-    pub fn append_cost(&self, t: &BlockTable) -> u32 {
+    /// Free device blocks the next [`append_slot`](Self::append_slot) of `t` takes: 1
+    /// when its last block is full (or it has none) or is shared (copy-on-write), else
+    /// 0. For a swapped-out table, what its first append after a swap-in takes. An
+    /// upper bound for the forks of one group: the last of the sharers of a partial
+    /// block to append writes in place ([`group_append_cost`](Self::group_append_cost)
+    /// is exact).
+    pub fn append_cost(&self, t: &BlockTable) -> Result<u32> {
+        self.check(t)?;
+        Ok(self.append_cost_of(t))
+    }
+
+    /// [`append_cost`](Self::append_cost) of a table known to be this manager's.
+    fn append_cost_of(&self, t: &BlockTable) -> u32 {
         if t.num_tokens.is_multiple_of(self.block_size) {
             return 1;
         }
-        if !t.last_maybe_shared {
-            return 0;
+        (self.shared_partial_last(t).is_some()) as u32
+    }
+
+    /// The partial last block of `t` and its reference count, when it is shared.
+    fn shared_partial_last(&self, t: &BlockTable) -> Option<(BlockId, u32)> {
+        if t.num_tokens.is_multiple_of(self.block_size) {
+            return None;
         }
-        let last = *t.blocks.last().expect("a partial block exists");
-        (self.device.ref_cnt(last) > 1) as u32
+        let last = *t.blocks.last()?;
+        let rc = match t.location {
+            Location::Device if !t.last_maybe_shared => return None,
+            Location::Device => self.device.rc(last),
+            Location::Host => self.host.rc(last),
+        };
+        (rc > 1).then_some((last, rc))
+    }
+
+    /// Free device blocks one append to each of `tables` (in any order) takes, exactly:
+    /// a fresh block for each full (or empty) last block, and a copy for each sharer of
+    /// a partial last block but the last one to append, which then holds it alone.
+    /// For swapped-out tables, what the appends right after their swap-in take. Pass
+    /// every running sequence of a group (forks share partial blocks only within their
+    /// group) for the exact count; a subset gets an upper bound.
+    pub fn group_append_cost<'a, I>(&self, tables: I) -> Result<u32>
+    where
+        I: IntoIterator<Item = &'a BlockTable>,
+        I::IntoIter: Clone,
+    {
+        let it = tables.into_iter();
+        let mut cost = 0;
+        for (i, t) in it.clone().enumerate() {
+            self.check(t)?;
+            if t.num_tokens.is_multiple_of(self.block_size) {
+                cost += 1;
+                continue;
+            }
+            let Some((last, rc)) = self.shared_partial_last(t) else {
+                continue;
+            };
+            let same = |o: &BlockTable| {
+                o.location == t.location
+                    && !o.num_tokens.is_multiple_of(self.block_size)
+                    && o.blocks.last() == Some(&last)
+            };
+            // Count each shared block once, at its first sharer in `tables`.
+            if it.clone().take(i).any(same) {
+                continue;
+            }
+            let sharers = it.clone().filter(|o| same(o)).count() as u32;
+            cost += sharers.min(rc - 1);
+        }
+        Ok(cost)
     }
 
     /// Gives position `num_tokens` of `t` a slot and returns it. Allocates only when
     /// the last block is full; copies a shared partial last block first and pushes the
     /// `(src, dst)` pair onto `copies`. Nothing changes on error.
     pub fn append_slot(&mut self, t: &mut BlockTable, copies: &mut Vec<(u32, u32)>) -> Result<i64> {
+        self.check(t)?;
         if t.location != Location::Device {
             return Err(Error::InvalidState("append to a swapped-out table".into()));
         }
@@ -282,14 +427,15 @@ impl KvCacheManager {
         } else if t.last_maybe_shared {
             let i = t.blocks.len() - 1;
             let last = t.blocks[i];
-            if self.device.ref_cnt(last) > 1 {
+            if self.device.rc(last) > 1 {
                 let dst = self.device.allocate()?;
                 self.device.add_fill(pos % bs);
                 copies.push((last, dst));
-                self.device.free(last, pos % bs);
+                self.device.release(last, pos % bs);
                 t.blocks[i] = dst;
             }
         }
+        t.owner = self.id;
         t.last_maybe_shared = false;
         t.num_tokens = pos + 1;
         self.device.add_fill(1);
@@ -300,9 +446,11 @@ impl KvCacheManager {
 
     /// Records the hashes of `t`'s full blocks whose contents are now computed (the
     /// first `t.num_tokens()` tokens of `tokens`), and registers them in the prefix cache.
-    pub fn commit(&mut self, t: &mut BlockTable, tokens: &[u32], salt: Option<u64>) {
+    /// Errors on a table of another manager.
+    pub fn commit(&mut self, t: &mut BlockTable, tokens: &[u32], salt: Option<u64>) -> Result<()> {
+        self.check(t)?;
         if !self.prefix_caching || self.window.is_some() || t.location != Location::Device {
-            return;
+            return Ok(());
         }
         let bs = self.block_size as usize;
         let full = (t.num_tokens as usize).min(tokens.len()) / bs;
@@ -314,27 +462,32 @@ impl KvCacheManager {
                 salt,
             );
             if t.blocks[i] != NULL_BLOCK {
-                self.device.cache(t.blocks[i], h);
+                self.device.register(t.blocks[i], h);
             }
             t.hashes.push(h);
         }
+        Ok(())
     }
 
-    /// A new table sharing every block of `t` (each `ref_cnt` + 1).
+    /// A new table sharing every block of `t` (each `ref_cnt` + 1): the only way to
+    /// copy a table. Errors on a table of another manager or swapped out.
     pub fn fork(&mut self, t: &mut BlockTable) -> Result<BlockTable> {
+        self.check(t)?;
         if t.location != Location::Device {
             return Err(Error::InvalidState("fork of a swapped-out table".into()));
         }
         for &b in &t.blocks {
-            self.device.incref(b);
+            self.device.share(b);
         }
         t.last_maybe_shared = true;
-        Ok(t.clone())
+        Ok(t.duplicate())
     }
 
     /// Releases every block of `t` (last block first, so a freed sequence's prefix
-    /// stays cached longest) and empties it.
-    pub fn free(&mut self, t: &mut BlockTable) {
+    /// stays cached longest) and empties it, so freeing it again does nothing. Errors,
+    /// changing nothing, on a table of another manager.
+    pub fn free(&mut self, t: &mut BlockTable) -> Result<()> {
+        self.check(t)?;
         let pool = match t.location {
             Location::Device => &mut self.device,
             Location::Host => &mut self.host,
@@ -348,9 +501,10 @@ impl KvCacheManager {
             } else {
                 0
             };
-            pool.free(b, fill);
+            pool.release(b, fill);
         }
         *t = BlockTable::new();
+        Ok(())
     }
 
     /// Tokens in block `i` of a table of `num_tokens` tokens.
@@ -367,7 +521,7 @@ impl KvCacheManager {
         while t.first_live < dead {
             let i = t.first_live as usize;
             if t.blocks[i] != NULL_BLOCK {
-                self.device.free(t.blocks[i], self.block_size);
+                self.device.release(t.blocks[i], self.block_size);
                 t.blocks[i] = NULL_BLOCK;
             }
             t.first_live += 1;
@@ -390,13 +544,16 @@ impl KvCacheManager {
     }
 
     /// Host blocks a swap-out of these tables takes.
-    pub fn swap_out_cost(&mut self, tables: &[&mut BlockTable]) -> u32 {
-        self.distinct(tables).len() as u32
+    pub fn swap_out_cost(&mut self, tables: &[&mut BlockTable]) -> Result<u32> {
+        self.check_all(tables)?;
+        Ok(self.distinct(tables).len() as u32)
     }
 
-    /// Device blocks a swap-in of these tables takes.
-    pub fn swap_in_cost(&mut self, tables: &[&mut BlockTable]) -> u32 {
-        self.distinct(tables).len() as u32
+    /// Device blocks a swap-in of these tables takes (their blocks; the appends after
+    /// it take [`group_append_cost`](Self::group_append_cost) more).
+    pub fn swap_in_cost(&mut self, tables: &[&mut BlockTable]) -> Result<u32> {
+        self.check_all(tables)?;
+        Ok(self.distinct(tables).len() as u32)
     }
 
     /// Moves a sequence group's tables to the host pool (blocks shared within the group
@@ -407,6 +564,7 @@ impl KvCacheManager {
         tables: &mut [&mut BlockTable],
         pairs: &mut Vec<(u32, u32)>,
     ) -> Result<()> {
+        self.check_all(tables)?;
         if tables.iter().any(|t| t.location != Location::Device) {
             return Err(Error::InvalidState(
                 "swap_out of a swapped-out table".into(),
@@ -431,14 +589,15 @@ impl KvCacheManager {
             let (live, n) = (t.first_live as usize, t.num_tokens);
             for (i, e) in t.blocks.iter_mut().enumerate().skip(live) {
                 let h = self.scratch[e];
-                self.host.incref(h);
-                self.device.free(*e, Self::fill_of(self.block_size, n, i));
+                self.host.share(h);
+                self.device
+                    .release(*e, Self::fill_of(self.block_size, n, i));
                 *e = h;
             }
             t.location = Location::Host;
         }
         for &d in &distinct {
-            self.host.free(self.scratch[&d], 0);
+            self.host.release(self.scratch[&d], 0);
         }
         Ok(())
     }
@@ -451,6 +610,7 @@ impl KvCacheManager {
         tables: &mut [&mut BlockTable],
         pairs: &mut Vec<(u32, u32)>,
     ) -> Result<()> {
+        self.check_all(tables)?;
         if tables.iter().any(|t| t.location != Location::Host) {
             return Err(Error::InvalidState(
                 "swap_in of a table on the device".into(),
@@ -474,12 +634,12 @@ impl KvCacheManager {
             let live = t.first_live as usize;
             for (i, e) in t.blocks.iter_mut().enumerate().skip(live) {
                 let d = self.scratch[e];
-                self.device.incref(d);
+                self.device.share(d);
                 // The allocation's reference plus the first entry's: count its tokens once.
-                if self.device.ref_cnt(d) == 2 {
+                if self.device.rc(d) == 2 {
                     self.device.add_fill(Self::fill_of(bs, t.num_tokens, i));
                 }
-                self.host.free(*e, 0);
+                self.host.release(*e, 0);
                 *e = d;
             }
             t.location = Location::Device;
@@ -487,7 +647,7 @@ impl KvCacheManager {
         }
         for &h in &distinct {
             // Drops the allocation's reference; the entries keep theirs (never zero).
-            self.device.free(self.scratch[&h], 0);
+            self.device.release(self.scratch[&h], 0);
         }
         Ok(())
     }
