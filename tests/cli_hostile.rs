@@ -365,3 +365,29 @@ fn run_max_tokens_outside_its_range_names_the_flag_and_help_gives_it() {
         "{help}"
     );
 }
+
+#[test]
+fn a_budget_that_fits_exactly_one_maximal_request_runs_every_request() {
+    // OPT-13B: 800 KiB per token x 2048 tokens = 1.5625 GiB, one maximal request. The
+    // paged scheduler's watermark once kept that request out forever ("stalled").
+    let d = tempfile::tempdir().unwrap();
+    let t = d.path().join("t.jsonl");
+    fs::write(
+        &t,
+        "{\"arrival_s\": 0, \"prompt_len\": 2047, \"output_len\": 1}\n{\"arrival_s\": 0.5, \"prompt_len\": 1000, \"output_len\": 1048}\n",
+    )
+    .unwrap();
+    let json = d.path().join("r.json");
+    let o = bin()
+        .args(["simulate", "--kv-budget-gib", "1.5625", "--trace"])
+        .arg(&t)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&fs::read_to_string(&json).unwrap()).unwrap();
+    for p in v[0]["policies"].as_array().unwrap() {
+        assert_eq!(p["completed"], 2, "{p}");
+    }
+}
