@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Assemble every committed PTX file with ptxas for its architecture, write the resource
-# report ptx/resources.md, and fail if any kernel has a stack frame or spills.
+# Assemble every committed PTX file with ptxas for its architecture, disassemble the
+# cubin with nvdisasm, write the resource report ptx/resources.md, and fail if any kernel
+# has a stack frame or spills, if the decode kernels' SASS does not stage K/V through
+# cp.async (LDGSTS) with fused multiply-adds (scripts/sass-check.py), or if the
+# occupancy model keeps fewer than 32 KiB in flight per SM at the flagship shape on an
+# H100 (examples/decode_occupancy.rs).
 #
 #   scripts/validate-ptx.sh           validate and rewrite ptx/resources.md
 #   scripts/validate-ptx.sh --check   validate and fail if ptx/resources.md is stale
 #
-# ptxas comes from PyPI (nvidia-cuda-nvcc-cu12, pinned below), unpacked into the
-# ignored folder .tools/: no CUDA toolkit is needed.
+# ptxas and nvdisasm come from PyPI (nvidia-cuda-nvcc-cu12 and nvidia-cuda-nvdisasm,
+# pinned below), unpacked into the ignored folder .tools/: no CUDA toolkit is needed.
 set -euo pipefail
 
 NVCC_WHEEL_VERSION=12.9.86
+NVDISASM_WHEEL_VERSION=13.5.37
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
@@ -33,9 +38,25 @@ if [ ! -x "$PTXAS" ]; then
   chmod +x "$PTXAS"
 fi
 
+DTOOLS=.tools/cuda-nvdisasm-$NVDISASM_WHEEL_VERSION
+NVDISASM=$DTOOLS/nvidia/cu13/bin/nvdisasm
+if [ ! -x "$NVDISASM" ]; then
+  echo "validate-ptx: installing nvdisasm from nvidia-cuda-nvdisasm==$NVDISASM_WHEEL_VERSION" >&2
+  mkdir -p .tools/dl "$DTOOLS"
+  python3 -m pip download --quiet --no-deps --only-binary=:all: \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    -d .tools/dl "nvidia-cuda-nvdisasm==$NVDISASM_WHEEL_VERSION"
+  unzip -q -o .tools/dl/nvidia_cuda_nvdisasm-"$NVDISASM_WHEEL_VERSION"-*.whl \
+    'nvidia/cu13/bin/nvdisasm' -d "$DTOOLS"
+  chmod +x "$NVDISASM"
+fi
+
 report=$(mktemp)
 log=$(mktemp)
-trap 'rm -f "$report" "$log"' EXIT
+work=$(mktemp -d)
+trap 'rm -rf "$report" "$log" "$work"' EXIT
+sass_rows=""
+occupancy_args=()
 
 {
   echo "# PTX resource report"
@@ -56,7 +77,7 @@ if [ ${#files[@]} -eq 0 ]; then
 fi
 for f in "${files[@]}"; do
   arch=${f##*.sm_}; arch=sm_${arch%.ptx}
-  if ! "$PTXAS" -arch="$arch" -v -o /dev/null "$f" 2> "$log"; then
+  if ! "$PTXAS" -arch="$arch" -v -o "$work/$arch.cubin" "$f" 2> "$log"; then
     cat "$log" >&2
     echo "validate-ptx: ptxas rejected $f" >&2
     exit 1
@@ -84,7 +105,36 @@ for f in "${files[@]}"; do
     fi
   done <<< "$rows"
   echo "validate-ptx: $f assembles for $arch ($(echo "$rows" | wc -l) kernels)"
+
+  # The decode kernels' SASS: K/V through LDGSTS, FFMA, a cp.async wait.
+  "$NVDISASM" -c "$work/$arch.cubin" > "$work/$arch.sass" 2> "$log" || {
+    cat "$log" >&2; echo "validate-ptx: nvdisasm failed on $arch" >&2; exit 1; }
+  if ! rows=$(python3 scripts/sass-check.py "$arch" "$work/$arch.sass"); then
+    echo "$rows" >&2
+    echo "validate-ptx: the decode kernels' SASS for $arch fails its checks" >&2
+    bad=1
+  fi
+  sass_rows+="$rows"$'\n'
+  # The most registers of the f16 decode kernels (the flagship dtype) on this arch.
+  regs=$(awk -F'|' -v a="$arch" '$2 ~ a && $3 ~ /paged_decode_attention(_split)?_f16 / { gsub(/ /, "", $4); if ($4 > m) m = $4 } END { print m }' "$report")
+  occupancy_args+=("$arch=$regs")
 done
+
+{
+  echo
+  echo "## Decode kernels' SASS (nvdisasm -c, $("$NVDISASM" --version | tail -1))"
+  echo
+  echo "K and V are staged with cp.async (LDGSTS, 16 bytes, bypassing L1); the only 16-byte plain global loads (LDG.128) are the query's (at most 2 per thread); DEPBAR is the cp.async wait."
+  echo
+  echo "| arch | kernel | LDGSTS.128 | LDG.128 | DEPBAR | FFMA | MUFU.EX2 | check |"
+  echo "|---|---|---|---|---|---|---|---|"
+  printf '%s' "$sass_rows"
+} >> "$report"
+
+if ! cargo run -q --release --example decode_occupancy -- "${occupancy_args[@]}" >> "$report"; then
+  echo "validate-ptx: the occupancy model fails its bar (see above)" >&2
+  bad=1
+fi
 
 if [ $bad -ne 0 ]; then
   cat "$report"

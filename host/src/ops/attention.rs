@@ -177,8 +177,14 @@ impl SmLimits {
 /// Blocks of the decode kernel one SM runs at once (the least of what registers,
 /// threads, shared memory and the block limit allow), with [`DECODE_REGISTERS`].
 pub fn decode_blocks_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
+    decode_blocks_per_sm_at(DECODE_REGISTERS, head_dim, dtype, sm)
+}
+
+/// [`decode_blocks_per_sm`] for a kernel of `registers` registers per thread (what
+/// ptxas reports for one entry point).
+pub fn decode_blocks_per_sm_at(registers: u32, head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
     // Registers are allocated per warp in units of 256.
-    let warp_regs = (DECODE_REGISTERS * 32).next_multiple_of(256);
+    let warp_regs = (registers.max(1) * 32).next_multiple_of(256);
     let by_regs = sm.registers / warp_regs / (THREADS / 32);
     let by_threads = sm.threads / THREADS;
     let smem = geometry(head_dim, dtype).shared_bytes() + sm.reserved_shared_per_block;
@@ -190,9 +196,14 @@ pub fn decode_blocks_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
 /// stages in flight: `blocks_per_sm * (STAGES - 1) * stage bytes`. A model of the
 /// pipeline's memory-level parallelism, not a measurement.
 pub fn decode_bytes_in_flight_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
+    decode_bytes_in_flight(decode_blocks_per_sm(head_dim, dtype, sm), head_dim, dtype)
+}
+
+/// Bytes of K and V in flight on an SM running `blocks` decode blocks (a model).
+pub fn decode_bytes_in_flight(blocks: u32, head_dim: u32, dtype: DType) -> u32 {
     let stage = 4 * geometry(head_dim, dtype).stage_words();
     debug_assert!(stage <= STAGE_BYTES);
-    decode_blocks_per_sm(head_dim, dtype, sm) * (STAGES - 1) * stage
+    blocks * (STAGES - 1) * stage
 }
 
 /// Bytes in flight per SM the planner aims for: by Little's law, bandwidth x latency /

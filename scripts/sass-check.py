@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Checks the SASS of the decode kernels (nvdisasm -c output) and prints a Markdown table.
+
+    sass-check.py ARCH FILE.sass      prints table rows; exit 1 if a check fails
+
+For every `paged_decode_attention*` entry point:
+  * K and V are staged with cp.async: LDGSTS (16-byte, L1-bypassing) instructions exist;
+  * the only 16-byte global loads (LDG.*.128) are the query's, at most two per thread
+    (one per 16-byte chunk of q it holds), so no K/V byte is read with a plain load;
+  * the pipeline waits (DEPBAR) and the dot products and accumulators fuse (FFMA).
+"""
+import re
+import sys
+
+HEADER = re.compile(r"^//-+ \.text\.(\S+)\s+-+$", re.M)
+OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+MAX_Q_LOADS = 2
+
+
+def sections(text):
+    heads = list(HEADER.finditer(text))
+    for i, h in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+        body = text[h.end():end]
+        # The last kernel's section ends where the symbol table begins.
+        body = body.split("//--------------------- SYMBOLS", 1)[0]
+        yield h.group(1), body
+
+
+def main():
+    arch, path = sys.argv[1], sys.argv[2]
+    text = open(path, encoding="utf-8", errors="replace").read()
+    ok, seen = True, 0
+    for name, body in sections(text):
+        if not name.startswith("paged_decode_attention"):
+            continue
+        seen += 1
+        ops = [m.group(1) + m.group(2) for m in OP.finditer(body)]
+        ldgsts = sum(1 for o in ops if o.startswith("LDGSTS") and ".128" in o)
+        ldg128 = sum(1 for o in ops if o.startswith("LDG.") and ".128" in o)
+        ffma = sum(1 for o in ops if o.startswith("FFMA"))
+        depbar = sum(1 for o in ops if o.startswith("DEPBAR"))
+        ex2 = sum(1 for o in ops if o == "MUFU.EX2")
+        verdict = []
+        if ldgsts == 0:
+            verdict.append("no LDGSTS")
+        if ldg128 > MAX_Q_LOADS:
+            verdict.append(f"{ldg128} LDG.128 (K/V through plain loads?)")
+        if ffma == 0:
+            verdict.append("no FFMA")
+        if depbar == 0:
+            verdict.append("no DEPBAR (cp.async wait)")
+        status = "ok" if not verdict else "FAIL: " + ", ".join(verdict)
+        ok = ok and not verdict
+        print(f"| {arch} | {name} | {ldgsts} | {ldg128} | {depbar} | {ffma} | {ex2} | {status} |")
+    if seen != 6:
+        print(f"sass-check: {seen} decode kernels in {path}, expected 6", file=sys.stderr)
+        ok = False
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
