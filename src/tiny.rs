@@ -275,7 +275,8 @@ pub fn run(
     let mut r = SmallRng::seed_from_u64(cfg.seed);
     let embed = random(&mut r, cfg.vocab * hidden, 1.0);
     let scale = 1.0 / (hidden as f32).sqrt();
-    let pool = [layout.pool_elems() as usize];
+    // `check` bounded the layout, so the pool's size fits.
+    let pool = [pagedkv_host::ops::checked_pool_elems(&layout)? as usize];
     let mut layers: Vec<Layer> = (0..cfg.num_layers)
         .map(|_| Layer {
             wq: random(&mut r, hidden * hidden, scale),

@@ -115,7 +115,7 @@ impl TensorDesc for DeviceTensor {
 impl DeviceTensor {
     /// A zero-filled tensor.
     pub fn zeros(gpu: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Self> {
-        let n: usize = shape.iter().product();
+        let n = HostTensor::checked_elems(dtype, shape)?;
         let buf = gpu
             .stream
             .alloc_zeros::<u8>(n * dtype.size())
@@ -191,7 +191,7 @@ impl DeviceTensor {
     /// Wraps an engine's own allocation, without a copy. Errors when its length is not
     /// the shape's element count times the element size.
     pub fn from_cuda_slice(buf: CudaSlice<u8>, dtype: DType, shape: &[usize]) -> Result<Self> {
-        let n: usize = shape.iter().product();
+        let n = HostTensor::checked_elems(dtype, shape)?;
         if buf.len() != n * dtype.size() {
             return Err(Error::invalid(
                 "buf",
@@ -242,10 +242,7 @@ impl BorrowedDeviceTensor {
         if ptr == 0 {
             return Err(Error::invalid("ptr", "device pointer is null"));
         }
-        let n: usize = shape.iter().product();
-        let bytes = n
-            .checked_mul(dtype.size())
-            .ok_or_else(|| Error::invalid("shape", "size overflows"))?;
+        let bytes = HostTensor::checked_elems(dtype, shape)? * dtype.size();
         // SAFETY: the caller's conditions 1 and 2; `Drop` leaks the slice, so cudarc never
         // frees the caller's memory.
         let buf = unsafe { gpu.stream.upgrade_device_ptr::<u8>(ptr, bytes) };
@@ -305,7 +302,10 @@ impl PagedCache {
         num_layers: usize,
         budget_bytes: u64,
     ) -> u32 {
-        let per_block = layout.block_stride() * dtype.size() as u64 * 2 * num_layers as u64;
+        let per_block = layout
+            .block_stride()
+            .saturating_mul(dtype.size() as u64 * 2)
+            .saturating_mul(num_layers as u64);
         (budget_bytes / per_block.max(1)).min(u32::MAX as u64) as u32
     }
 }
