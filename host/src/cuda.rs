@@ -631,6 +631,8 @@ impl CudaBackend {
                     softcap: opts.softcap.unwrap_or(0.0),
                     inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
                     window: opts.window.unwrap_or(0),
+                    q_row_stride: shape.row_elems(),
+                    out_row_stride: shape.row_elems(),
                 }
             };
             let cfg = attention::decode_launch_config(shape, dtype, &p);
@@ -648,6 +650,7 @@ impl CudaBackend {
                         num_q_heads: shape.num_q_heads,
                         head_dim: shape.head_dim,
                         num_partitions: p.num_partitions,
+                        out_row_stride: shape.row_elems(),
                     }
                 };
                 // SAFETY: as above.

@@ -66,6 +66,11 @@ impl DecodeShape {
         }
     }
 
+    /// Elements of one sequence's dense q (or out) row: `num_q_heads * head_dim`.
+    pub fn row_elems(&self) -> u64 {
+        self.num_q_heads as u64 * self.head_dim as u64
+    }
+
     /// Query heads per KV head.
     pub fn group(&self) -> u32 {
         self.num_q_heads / self.num_kv_heads.max(1)
@@ -141,7 +146,7 @@ pub fn max_heads_per_block(head_dim: u32, dtype: DType) -> u32 {
 /// every decode entry point on every architecture (`ptx/resources.md`; a test in
 /// `tests/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
 /// never optimistic.
-pub const DECODE_REGISTERS: u32 = 88;
+pub const DECODE_REGISTERS: u32 = 80;
 
 /// What bounds how many blocks an SM runs at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -335,6 +340,13 @@ pub fn validate(
     check_tensor("value_cache", value_cache, dtype, l.pool_elems())?;
     check_tensor("q", q, dtype, qn)?;
     check_tensor("out", out, dtype, qn)?;
+    validate_options(opts, shape.num_q_heads)?;
+    validate_metadata(shape, opts.window, block_tables, context_lens)
+}
+
+/// Checks decode options: a finite non-zero scale, a finite positive soft-cap, a window
+/// of at least one token, one finite ALiBi slope per query head.
+pub fn validate_options(opts: &DecodeOptions, num_q_heads: u32) -> Result<()> {
     if !(opts.scale.is_finite() && opts.scale != 0.0) {
         return Err(Error::invalid(
             "scale",
@@ -353,10 +365,10 @@ pub fn validate(
         return Err(Error::invalid("window", "must be at least 1 token"));
     }
     if let Some(s) = &opts.alibi_slopes {
-        if s.len() != shape.num_q_heads as usize {
+        if s.len() != num_q_heads as usize {
             return Err(Error::invalid(
                 "alibi_slopes",
-                format!("{} slopes for {} query heads", s.len(), shape.num_q_heads),
+                format!("{} slopes for {} query heads", s.len(), num_q_heads),
             ));
         }
         if let Some(x) = s.iter().find(|x| !x.is_finite()) {
@@ -366,6 +378,19 @@ pub fn validate(
             ));
         }
     }
+    Ok(())
+}
+
+/// Checks a step's decode metadata against the shapes and returns the longest context:
+/// `block_tables` is `[num_seqs, max_blocks_per_seq]`, `context_lens` `[num_seqs]` with
+/// each length in `1..=max_blocks_per_seq * block_size`, and every block id a sequence
+/// reads (those covering its `window`, or all of its blocks without one) inside the pool.
+pub fn validate_metadata(
+    shape: &DecodeShape,
+    window: Option<u32>,
+    block_tables: &[i32],
+    context_lens: &[i32],
+) -> Result<u32> {
     let rows = shape.num_seqs as usize;
     let width = shape.max_blocks_per_seq as usize;
     if block_tables.len() != rows * width {
@@ -391,7 +416,7 @@ pub fn validate(
         }
         let len = len as u32;
         max_len = max_len.max(len);
-        let first = match opts.window {
+        let first = match window {
             Some(w) if w < len => len - w,
             _ => 0,
         };
@@ -555,6 +580,8 @@ pub fn decode_emulated(
                 softcap: opts.softcap.unwrap_or(0.0),
                 inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
                 window: opts.window.unwrap_or(0),
+                q_row_stride: shape.row_elems(),
+                out_row_stride: shape.row_elems(),
             }
         };
         let cfg = decode_launch_config(shape, dtype, plan);
@@ -572,6 +599,7 @@ pub fn decode_emulated(
                     num_q_heads: shape.num_q_heads,
                     head_dim: shape.head_dim,
                     num_partitions: plan.num_partitions,
+                    out_row_stride: shape.row_elems(),
                 }
             };
             // SAFETY: as above: one thread per output chunk.

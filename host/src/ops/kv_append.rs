@@ -58,7 +58,12 @@ pub fn validate(
     let row = layout.num_kv_heads as u64 * layout.head_dim as u64;
     check_tensor("key", key, dtype, n as u64 * row)?;
     check_tensor("value", value, dtype, n as u64 * row)?;
-    let mut seen = HashSet::with_capacity(n);
+    validate_slots(layout, slot_mapping)
+}
+
+/// Checks a slot mapping against a pool: every non-negative slot inside it, none twice.
+pub fn validate_slots(layout: &PagedLayout, slot_mapping: &[i64]) -> Result<()> {
+    let mut seen = HashSet::with_capacity(slot_mapping.len());
     for (i, &slot) in slot_mapping.iter().enumerate() {
         if slot < 0 {
             continue;

@@ -74,7 +74,12 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
     };
     let (seq, part) = (b.y, b.z);
     let active = ty < nh && tz < bdz;
-    let head = seq as u64 * p.num_q_heads as u64 + (kv_head * group + first + ty) as u64;
+    // This thread's query head: its index in the batch (for the partials), and its
+    // element offsets in the (strided) q and out rows.
+    let qh = (kv_head * group + first + ty) as u64;
+    let head = seq as u64 * p.num_q_heads as u64 + qh;
+    let q_at = seq as u64 * p.q_row_stride + qh * l.head_dim as u64;
+    let out_at = seq as u64 * p.out_row_stride + qh * l.head_dim as u64;
 
     // The token range of this partition, clipped to the window.
     let ctx_len = ctx.ld(&p.context_lens, seq as u64) as u32;
@@ -155,14 +160,14 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
     each_vec::<T>(&mut q, |v, qv| {
         let c = tx + v * bdx;
         if active && c < chunks {
-            let raw = ctx.ld_v4(&p.q, head * l.head_dim as u64 + (c * T::PER_V4) as u64);
+            let raw = ctx.ld_v4(&p.q, q_at + (c * T::PER_V4) as u64);
             for e in 0..T::PER_V4 {
                 qv[e as usize] = T::unpack(&raw, e) * p.scale;
             }
         }
     });
     let slope = if active && !p.alibi_slopes.is_empty() {
-        ctx.ld(&p.alibi_slopes, head % p.num_q_heads as u64)
+        ctx.ld(&p.alibi_slopes, qh)
     } else {
         0.0
     };
@@ -308,7 +313,7 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
             for (o, x) in vals.iter_mut().zip(av.iter()) {
                 *o = *x * inv;
             }
-            ctx.st_v4(&p.out, head * d + (c * T::PER_V4) as u64, T::pack(&vals));
+            ctx.st_v4(&p.out, out_at + (c * T::PER_V4) as u64, T::pack(&vals));
         }
     });
     if SPLIT && tx == 0 {

@@ -140,7 +140,9 @@ impl DecodeGeometry {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeParams<T> {
-    /// `[num_seqs, num_q_heads, head_dim]`: one query token per sequence.
+    /// `[num_seqs, q_row_stride]`: one query token per sequence, its `num_q_heads *
+    /// head_dim` elements at the start of each row (an engine's q is often a view into
+    /// a fused QKV projection).
     pub q: GlobalSlice<T>,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's key cache.
     pub key_cache: GlobalSlice<T>,
@@ -152,7 +154,8 @@ pub struct DecodeParams<T> {
     pub context_lens: GlobalSlice<i32>,
     /// `[num_q_heads]`: ALiBi slope per query head, or empty for no ALiBi.
     pub alibi_slopes: GlobalSlice<f32>,
-    /// `[num_seqs, num_q_heads, head_dim]`: the output (written without split).
+    /// `[num_seqs, out_row_stride]`: the output, `num_q_heads * head_dim` elements at
+    /// the start of each row (written without split).
     pub out: GlobalSliceMut<T>,
     /// `[num_seqs, num_q_heads, num_partitions, head_dim]`: unnormalised partial
     /// outputs (written with split).
@@ -179,6 +182,11 @@ pub struct DecodeParams<T> {
     pub inv_softcap: f32,
     /// Sliding window: attend to the last `window` tokens only; 0 disables it.
     pub window: u32,
+    /// Elements from one sequence's q row to the next (`>= num_q_heads * head_dim`, a
+    /// multiple of 16 bytes).
+    pub q_row_stride: u64,
+    /// Elements from one sequence's out row to the next (as `q_row_stride`).
+    pub out_row_stride: u64,
 }
 
 /// The decode kernel; `SPLIT` selects partial outputs for [`DecodeReduce`].
@@ -193,7 +201,7 @@ pub struct ReduceParams<T> {
     pub part_out: GlobalSlice<f32>,
     /// `[num_seqs, num_q_heads, num_partitions, 2]`: `(m, l)` of each partial.
     pub part_ml: GlobalSlice<f32>,
-    /// `[num_seqs, num_q_heads, head_dim]`: the output.
+    /// `[num_seqs, out_row_stride]`: the output (`num_q_heads * head_dim` per row).
     pub out: GlobalSliceMut<T>,
     /// Query heads.
     pub num_q_heads: u32,
@@ -201,4 +209,6 @@ pub struct ReduceParams<T> {
     pub head_dim: u32,
     /// Partitions per sequence.
     pub num_partitions: u32,
+    /// Elements from one sequence's out row to the next.
+    pub out_row_stride: u64,
 }

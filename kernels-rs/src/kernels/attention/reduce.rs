@@ -51,11 +51,8 @@ fn reduce<T: Elem, C: Ctx>(ctx: &C, p: &ReduceParams<T>) {
     for x in acc.iter_mut() {
         *x *= inv;
     }
-    ctx.st_v4(
-        &p.out,
-        head * p.head_dim as u64 + (c * T::PER_V4) as u64,
-        T::pack(&acc),
-    );
+    let at = ctx.block_idx().y as u64 * p.out_row_stride + qh as u64 * p.head_dim as u64;
+    ctx.st_v4(&p.out, at + (c * T::PER_V4) as u64, T::pack(&acc));
 }
 
 macro_rules! reduce_kernel {
