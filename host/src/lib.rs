@@ -23,6 +23,7 @@ pub mod error;
 pub mod ops;
 pub mod reference;
 pub mod scheduler;
+pub mod step;
 pub mod tensor;
 
 pub use buffer::AlignedBuf;

@@ -1,0 +1,72 @@
+//! [`EmuDevice`]: the step path on the CPU, kernels in the SIMT emulator.
+
+use pagedkv_kernels::Kernel;
+
+use super::device::{Space, StepDevice};
+use crate::buffer::AlignedBuf;
+use crate::emulator::{Emulator, LaunchConfig};
+use crate::error::{Error, Result};
+
+/// A [`StepDevice`] whose memory is host memory and whose launches run the real kernel
+/// bodies in the [`Emulator`]: the same runner code as on a GPU, proven on the CPU.
+#[derive(Debug)]
+pub struct EmuDevice {
+    emu: Emulator,
+    /// Every allocation, kept until the device is dropped (addresses stay valid: an
+    /// `AlignedBuf`'s storage does not move when the list grows).
+    bufs: Vec<AlignedBuf>,
+}
+
+impl EmuDevice {
+    /// A device that launches through `emu`.
+    pub fn new(emu: Emulator) -> Self {
+        Self {
+            emu,
+            bufs: Vec::new(),
+        }
+    }
+
+    /// The emulator it launches through.
+    pub fn emulator(&self) -> &Emulator {
+        &self.emu
+    }
+}
+
+impl StepDevice for EmuDevice {
+    fn space(&self) -> Space {
+        Space::Host
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<u64> {
+        // 256-byte alignment, as a GPU allocation: over-allocate and round up.
+        let mut b = AlignedBuf::zeroed(bytes + 256);
+        let base = b.as_bytes_mut().as_mut_ptr() as u64;
+        let addr = base.next_multiple_of(256);
+        self.bufs.push(b);
+        Ok(addr)
+    }
+
+    fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()> {
+        let inside = self.bufs.iter().any(|b| {
+            let base = b.as_bytes().as_ptr() as u64;
+            dst >= base && dst + src.len() as u64 <= base + b.len() as u64
+        });
+        if !inside {
+            return Err(Error::InvalidState(format!(
+                "upload of {} bytes to {dst:#x}: not inside an allocation of this device",
+                src.len()
+            )));
+        }
+        // SAFETY: `dst..dst + len` lies inside one of this device's live buffers
+        // (checked above), which `src` (a caller's borrow) cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, params: K::Params) -> Result<()> {
+        // SAFETY: the caller's conditions 1-3 are the emulator's (host addresses valid
+        // for the launch, no other user, one writer per element).
+        unsafe { self.emu.launch::<K>(cfg, params) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,606 @@
+//! [`StepRunner`]: plan once per step, run per layer with nothing but launches.
+
+use pagedkv_kernels::kernels::{
+    DecodeParams, DecodeReduce, KvAppend, KvAppendParams, PagedDecode, ReduceParams,
+};
+use pagedkv_kernels::{GlobalSlice, GlobalSliceMut, PagedLayout};
+
+use super::device::{Space, StepDevice, TensorView, TensorViewMut};
+use crate::error::{Error, Result};
+use crate::ops::attention::{
+    self, DecodeOptions, DecodeShape, SplitPlan, decode_launch_config, reduce_launch_config,
+};
+use crate::ops::{MAX_GRID_YZ, check_layout, checked_pool_elems, kv_append, with_elem};
+use crate::tensor::DType;
+
+/// The attention shape of a model's layers: the same for every layer a runner serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    /// Query heads (a multiple of `num_kv_heads`).
+    pub num_q_heads: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Elements per head vector.
+    pub head_dim: u32,
+    /// Tokens per cache block.
+    pub block_size: u32,
+    /// Blocks in each layer's K (and V) pool.
+    pub num_blocks: u32,
+    /// Element type of the caches, q, k, v and out.
+    pub dtype: DType,
+}
+
+impl StepShape {
+    /// One layer's cache layout.
+    pub fn layout(&self) -> PagedLayout {
+        PagedLayout {
+            num_blocks: self.num_blocks,
+            num_kv_heads: self.num_kv_heads,
+            block_size: self.block_size,
+            head_dim: self.head_dim,
+        }
+    }
+}
+
+/// The most a step may hold: the runner allocates its device buffers for these once,
+/// so [`StepRunner::plan`] never allocates and a captured graph's addresses stay valid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepCapacity {
+    /// Decoding sequences per step.
+    pub max_seqs: u32,
+    /// Block-table row length.
+    pub max_blocks_per_seq: u32,
+    /// New tokens per step (`slot_mapping` entries).
+    pub max_tokens: u32,
+    /// Split-K partitions per sequence (the planner makes partitions longer to stay
+    /// within it).
+    pub max_partitions: u32,
+}
+
+/// One step's metadata, as the scheduler's `Batch` has it (named fields: two `&[i32]`
+/// cannot be swapped by accident).
+#[derive(Clone, Copy, Debug)]
+pub struct StepMeta<'a> {
+    /// `[num_seqs, max_blocks_per_seq]`: physical block of each logical block; every
+    /// entry below `ceil(context_len / block_size)` is a block of the pool.
+    pub block_tables: &'a [i32],
+    /// Row length of `block_tables`.
+    pub max_blocks_per_seq: u32,
+    /// `[num_seqs]`: tokens in each decoding sequence's cache, the new one included.
+    pub context_lens: &'a [i32],
+    /// `[num_tokens]`: slot of each new token (negative: skip).
+    pub slot_mapping: &'a [i64],
+}
+
+/// The tensors of one layer's `kv_append`.
+#[derive(Debug)]
+pub struct AppendIo<'a> {
+    /// `[num_tokens, num_kv_heads, head_dim]`, dense.
+    pub key: TensorView<'a>,
+    /// `[num_tokens, num_kv_heads, head_dim]`, dense.
+    pub value: TensorView<'a>,
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`: the layer's key cache.
+    pub key_cache: TensorViewMut<'a>,
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`: the layer's value cache.
+    pub value_cache: TensorViewMut<'a>,
+}
+
+/// The tensors of one layer's decode attention.
+#[derive(Debug)]
+pub struct DecodeIo<'a> {
+    /// `[num_seqs, row_stride]`: each row starts with `num_q_heads * head_dim` q values
+    /// (row stride: the view's, else dense).
+    pub q: TensorView<'a>,
+    /// The layer's key cache.
+    pub key_cache: TensorView<'a>,
+    /// The layer's value cache.
+    pub value_cache: TensorView<'a>,
+    /// `[num_seqs, row_stride]`: the output rows (row stride as for `q`).
+    pub out: TensorViewMut<'a>,
+}
+
+/// What [`StepRunner::plan`] decided for the current step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Planned {
+    /// The decode launch's shapes (`None` when the step decodes no sequence).
+    pub decode: Option<(DecodeShape, SplitPlan)>,
+    /// New tokens `kv_append` writes.
+    pub num_tokens: u32,
+    /// Byte offsets of the block tables, context lengths and slot mapping in the
+    /// metadata buffer.
+    offsets: [u64; 3],
+}
+
+/// Plans a step once on the host and runs every layer's kernels with nothing but
+/// launches (see the module docs of [`super`]).
+pub struct StepRunner<D: StepDevice> {
+    dev: D,
+    shape: StepShape,
+    cap: StepCapacity,
+    sm_count: u32,
+    /// `[tables | lens | slots]`, 16-byte aligned sections.
+    meta: u64,
+    meta_bytes: usize,
+    /// Split-K partials: `[rows, head_dim]` and `[rows, 2]` f32.
+    part_out: (u64, u64),
+    part_ml: (u64, u64),
+    /// `[num_q_heads]` f32 ALiBi slopes on the device, and the host copy they came from.
+    slopes: u64,
+    slopes_host: Option<Vec<f32>>,
+    staging: Vec<u8>,
+    planned: Option<Planned>,
+}
+
+impl<D: StepDevice> std::fmt::Debug for StepRunner<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepRunner")
+            .field("shape", &self.shape)
+            .field("capacity", &self.cap)
+            .field("planned", &self.planned)
+            .finish_non_exhaustive()
+    }
+}
+
+fn align16(x: u64) -> u64 {
+    x.next_multiple_of(16)
+}
+
+fn too_large(what: &'static str) -> Error {
+    Error::invalid(what, "sizes overflow")
+}
+
+impl<D: StepDevice> StepRunner<D> {
+    /// A runner for `shape` on `dev` (whose GPU has `sm_count` SMs, the split planner's
+    /// input), with device buffers allocated for `cap`: metadata, split-K workspace and
+    /// ALiBi slopes. The only allocations the runner ever makes.
+    pub fn new(mut dev: D, shape: StepShape, cap: StepCapacity, sm_count: u32) -> Result<Self> {
+        check_layout(&shape.layout())?;
+        if shape.num_q_heads == 0 || !shape.num_q_heads.is_multiple_of(shape.num_kv_heads) {
+            return Err(Error::invalid(
+                "num_q_heads",
+                format!(
+                    "{} is not a positive multiple of num_kv_heads {}",
+                    shape.num_q_heads, shape.num_kv_heads
+                ),
+            ));
+        }
+        for (what, v, max) in [
+            ("max_seqs", cap.max_seqs, MAX_GRID_YZ),
+            ("max_partitions", cap.max_partitions, MAX_GRID_YZ),
+            (
+                "max_blocks_per_seq",
+                cap.max_blocks_per_seq,
+                i32::MAX as u32,
+            ),
+            ("max_tokens", cap.max_tokens, i32::MAX as u32),
+        ] {
+            if v == 0 || v > max {
+                return Err(Error::invalid(what, format!("{v} (must be 1..={max})")));
+            }
+        }
+        let tables = 4 * cap.max_seqs as u64 * cap.max_blocks_per_seq as u64;
+        let meta_bytes =
+            align16(tables) + align16(4 * cap.max_seqs as u64) + 8 * cap.max_tokens as u64;
+        let meta_bytes = usize::try_from(meta_bytes).map_err(|_| too_large("capacity"))?;
+        // Partials for the most (sequence, head, partition) rows any plan within `cap`
+        // makes: the planner splits only small batches, so this is far below
+        // max_seqs * num_q_heads * max_partitions.
+        let mut rows = 0u64;
+        let decode_shape = |n| DecodeShape {
+            num_seqs: n,
+            num_q_heads: shape.num_q_heads,
+            num_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
+            block_size: shape.block_size,
+            num_blocks: shape.num_blocks,
+            max_blocks_per_seq: cap.max_blocks_per_seq,
+        };
+        let longest = cap.max_blocks_per_seq.saturating_mul(shape.block_size);
+        for n in 1..=cap.max_seqs {
+            let p = clamp_partitions(
+                attention::plan(&decode_shape(n), shape.dtype, longest, sm_count),
+                longest,
+                cap.max_partitions,
+            );
+            if p.is_split() {
+                rows = rows.max(n as u64 * shape.num_q_heads as u64 * p.num_partitions as u64);
+            } else {
+                break; // larger batches split even less
+            }
+        }
+        let out_bytes = rows
+            .checked_mul(shape.head_dim as u64 * 4)
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or_else(|| too_large("capacity"))?;
+        let meta = dev.alloc(meta_bytes)?;
+        let part_out = (dev.alloc(out_bytes.max(16))?, rows * shape.head_dim as u64);
+        let part_ml = (dev.alloc((rows as usize * 8).max(16))?, rows * 2);
+        let slopes = dev.alloc(4 * shape.num_q_heads as usize)?;
+        Ok(Self {
+            dev,
+            shape,
+            cap,
+            sm_count,
+            meta,
+            meta_bytes,
+            part_out,
+            part_ml,
+            slopes,
+            slopes_host: None,
+            staging: Vec::with_capacity(meta_bytes),
+            planned: None,
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    /// The device, mutably (for its own allocations, outside a step).
+    pub fn device_mut(&mut self) -> &mut D {
+        &mut self.dev
+    }
+
+    /// What the last [`plan`](StepRunner::plan) decided.
+    pub fn planned(&self) -> Option<&Planned> {
+        self.planned.as_ref()
+    }
+
+    /// Uploads ALiBi slopes (one per query head) for the decode runs that ask for ALiBi,
+    /// or clears them. Not a run: call it once, outside the layer loop.
+    pub fn set_alibi_slopes(&mut self, slopes: Option<&[f32]>) -> Result<()> {
+        if let Some(s) = slopes {
+            if s.len() != self.shape.num_q_heads as usize {
+                return Err(Error::invalid(
+                    "alibi_slopes",
+                    format!(
+                        "{} slopes for {} query heads",
+                        s.len(),
+                        self.shape.num_q_heads
+                    ),
+                ));
+            }
+            if let Some(x) = s.iter().find(|x| !x.is_finite()) {
+                return Err(Error::invalid(
+                    "alibi_slopes",
+                    format!("slope {x} is not finite"),
+                ));
+            }
+            let bytes: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
+            self.dev.upload(self.slopes, &bytes)?;
+        }
+        self.slopes_host = slopes.map(<[f32]>::to_vec);
+        Ok(())
+    }
+
+    /// Plans the step: validates `meta` once (block ids inside the pool, lengths, slots
+    /// inside the pool and distinct), decides the split, and uploads the metadata with
+    /// one asynchronous copy into the runner's persistent buffer. No allocation.
+    pub fn plan(&mut self, meta: &StepMeta<'_>) -> Result<&Planned> {
+        self.planned = None;
+        let n = meta.context_lens.len();
+        let width = meta.max_blocks_per_seq;
+        let tokens = meta.slot_mapping.len();
+        if n > self.cap.max_seqs as usize || width > self.cap.max_blocks_per_seq {
+            return Err(Error::invalid(
+                "meta",
+                format!(
+                    "{n} sequences of {width} blocks exceed the runner's capacity ({} of {})",
+                    self.cap.max_seqs, self.cap.max_blocks_per_seq
+                ),
+            ));
+        }
+        if tokens > self.cap.max_tokens as usize {
+            return Err(Error::invalid(
+                "slot_mapping",
+                format!(
+                    "{tokens} tokens exceed the runner's capacity of {}",
+                    self.cap.max_tokens
+                ),
+            ));
+        }
+        let layout = self.shape.layout();
+        kv_append::validate_slots(&layout, meta.slot_mapping)?;
+        let decode = if n == 0 {
+            if !meta.block_tables.is_empty() {
+                return Err(Error::invalid("block_tables", "rows for no sequence"));
+            }
+            None
+        } else {
+            let ds = DecodeShape {
+                num_seqs: n as u32,
+                num_q_heads: self.shape.num_q_heads,
+                num_kv_heads: self.shape.num_kv_heads,
+                head_dim: self.shape.head_dim,
+                block_size: self.shape.block_size,
+                num_blocks: self.shape.num_blocks,
+                max_blocks_per_seq: width,
+            };
+            if width == 0 {
+                return Err(Error::invalid("max_blocks_per_seq", "must be at least 1"));
+            }
+            let max_len =
+                attention::validate_metadata(&ds, None, meta.block_tables, meta.context_lens)?;
+            let p = clamp_partitions(
+                attention::plan(&ds, self.shape.dtype, max_len, self.sm_count),
+                max_len,
+                self.cap.max_partitions,
+            );
+            attention::validate_plan(&ds, self.shape.dtype, &p, max_len)?;
+            Some((ds, p))
+        };
+        // Pack [tables | lens | slots] and upload it in one copy.
+        let t_bytes = 4 * meta.block_tables.len() as u64;
+        let offsets = [
+            0,
+            align16(t_bytes),
+            align16(t_bytes) + align16(4 * n as u64),
+        ];
+        let used = offsets[2] as usize + 8 * tokens;
+        debug_assert!(used <= self.meta_bytes);
+        self.staging.clear();
+        self.staging.resize(used, 0);
+        let mut put = |at: u64, bytes: &mut dyn Iterator<Item = u8>| {
+            for (d, b) in self.staging[at as usize..].iter_mut().zip(bytes) {
+                *d = b;
+            }
+        };
+        put(
+            offsets[0],
+            &mut meta.block_tables.iter().flat_map(|x| x.to_le_bytes()),
+        );
+        put(
+            offsets[1],
+            &mut meta.context_lens.iter().flat_map(|x| x.to_le_bytes()),
+        );
+        put(
+            offsets[2],
+            &mut meta.slot_mapping.iter().flat_map(|x| x.to_le_bytes()),
+        );
+        if used > 0 {
+            self.dev.upload(self.meta, &self.staging)?;
+        }
+        if let Some((_, p)) = &decode {
+            let rows = n as u64 * self.shape.num_q_heads as u64 * p.num_partitions as u64;
+            if p.is_split() && rows * self.shape.head_dim as u64 > self.part_out.1 {
+                return Err(Error::InvalidState(format!(
+                    "split-K plan needs {rows} partial rows, the workspace holds {}",
+                    self.part_out.1 / self.shape.head_dim as u64
+                )));
+            }
+        }
+        Ok(self.planned.insert(Planned {
+            decode,
+            num_tokens: tokens as u32,
+            offsets,
+        }))
+    }
+
+    fn current(&self) -> Result<&Planned> {
+        self.planned
+            .as_ref()
+            .ok_or_else(|| Error::InvalidState("no step planned: call plan() first".into()))
+    }
+
+    /// Checks a view: its memory space, dtype, 16-byte alignment, and element count
+    /// (`rows` rows of `row` elements, `stride` apart, for row-strided views; exactly
+    /// `elems` for dense ones). Returns the row stride (dense: `row`).
+    fn check_view(
+        &self,
+        arg: &'static str,
+        v: (u64, u64, DType, Space, Option<u64>),
+        rows: u64,
+        row: u64,
+        strided: bool,
+    ) -> Result<u64> {
+        let (addr, elems, dtype, space, stride) = v;
+        if space != self.dev.space() {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "memory of {space:?}, but the runner's device is {:?}",
+                    self.dev.space()
+                ),
+            ));
+        }
+        if dtype != self.shape.dtype {
+            return Err(Error::invalid(
+                arg,
+                format!("dtype {dtype} but the runner's is {}", self.shape.dtype),
+            ));
+        }
+        if addr == 0 || !addr.is_multiple_of(16) {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "address {addr:#x} is not 16-byte aligned (the kernels read 16-byte vectors)"
+                ),
+            ));
+        }
+        let size = dtype.size() as u64;
+        let stride = match stride {
+            Some(s) if !strided => {
+                return Err(Error::invalid(
+                    arg,
+                    format!("row stride {s}: this input is dense only"),
+                ));
+            }
+            Some(s) => s,
+            None => row,
+        };
+        if stride < row || !(stride * size).is_multiple_of(16) {
+            return Err(Error::invalid(
+                arg,
+                format!("row stride {stride} must be >= {row} elements and a multiple of 16 bytes"),
+            ));
+        }
+        let need = if rows == 0 {
+            0
+        } else {
+            (rows - 1) * stride + row
+        };
+        let ok = if strided && stride != row {
+            elems >= need
+        } else {
+            elems == need
+        };
+        if !ok {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "{elems} elements, expected {need} ({rows} rows of {row}, stride {stride})"
+                ),
+            ));
+        }
+        Ok(stride)
+    }
+
+    /// Appends this step's new tokens' K and V to one layer's cache: one launch.
+    pub fn kv_append(&self, io: AppendIo<'_>) -> Result<()> {
+        let planned = self.current()?;
+        let n = planned.num_tokens as u64;
+        let l = self.shape.layout();
+        let row = l.num_kv_heads as u64 * l.head_dim as u64;
+        let pool = checked_pool_elems(&l)?;
+        let parts = |v: &TensorView<'_>| (v.addr, v.elems, v.dtype, v.space, v.row_stride);
+        self.check_view("key", parts(&io.key), n, row, false)?;
+        self.check_view("value", parts(&io.value), n, row, false)?;
+        self.check_view("key_cache", parts(&io.key_cache.as_view()), 1, pool, false)?;
+        self.check_view(
+            "value_cache",
+            parts(&io.value_cache.as_view()),
+            1,
+            pool,
+            false,
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        let slots = self.meta + planned.offsets[2];
+        let cfg = kv_append::launch_config(n as usize);
+        with_elem!(self.shape.dtype, T => {
+            // SAFETY: every address was checked to be of this device's space, aligned
+            // and as long as its length here; the slot mapping lives in the runner's
+            // metadata buffer, uploaded by `plan` (ordered before this launch).
+            let params = unsafe {
+                KvAppendParams::<T> {
+                    key: GlobalSlice::from_raw_parts(io.key.addr as *const T, n * row),
+                    value: GlobalSlice::from_raw_parts(io.value.addr as *const T, n * row),
+                    slot_mapping: GlobalSlice::from_raw_parts(slots as *const i64, n),
+                    key_cache: GlobalSliceMut::from_raw_parts(io.key_cache.addr as *mut T, pool),
+                    value_cache: GlobalSliceMut::from_raw_parts(io.value_cache.addr as *mut T, pool),
+                    layout: l,
+                }
+            };
+            // SAFETY: (1) above; (2) `plan` validated the slots against this layout and
+            // the views' lengths were checked; (3) the caches are borrowed mutably and
+            // the inputs shared for the call, all work on the device's one queue;
+            // (4) kv_append's own configuration.
+            unsafe { self.dev.launch::<KvAppend<T>>(cfg, params)? };
+        });
+        Ok(())
+    }
+
+    /// Decode attention for one layer: one launch (two with split-K), with the options
+    /// `opts` (`opts.alibi_slopes` must equal what [`set_alibi_slopes`](Self::set_alibi_slopes)
+    /// uploaded). Returns the split plan used.
+    pub fn decode(&self, opts: &DecodeOptions, io: DecodeIo<'_>) -> Result<Option<SplitPlan>> {
+        let planned = self.current()?;
+        let Some((ds, p)) = planned.decode else {
+            return Ok(None);
+        };
+        attention::validate_options(opts, ds.num_q_heads)?;
+        if opts.alibi_slopes != self.slopes_host {
+            return Err(Error::invalid(
+                "alibi_slopes",
+                "differ from the slopes uploaded with set_alibi_slopes",
+            ));
+        }
+        let l = self.shape.layout();
+        let pool = checked_pool_elems(&l)?;
+        let row = ds.row_elems();
+        let rows = ds.num_seqs as u64;
+        let parts = |v: &TensorView<'_>| (v.addr, v.elems, v.dtype, v.space, v.row_stride);
+        let q_stride = self.check_view("q", parts(&io.q), rows, row, true)?;
+        let out_stride = self.check_view("out", parts(&io.out.as_view()), rows, row, true)?;
+        self.check_view("key_cache", parts(&io.key_cache), 1, pool, false)?;
+        self.check_view("value_cache", parts(&io.value_cache), 1, pool, false)?;
+        let dtype = self.shape.dtype;
+        let tables = self.meta + planned.offsets[0];
+        let lens = self.meta + planned.offsets[1];
+        with_elem!(dtype, T => {
+            // SAFETY: checked views of this device's space; the tables and lengths in the
+            // metadata buffer `plan` uploaded and validated; the workspace and slopes
+            // buffers the runner owns, sized for every plan within its capacity.
+            let params = unsafe {
+                DecodeParams::<T> {
+                    q: GlobalSlice::from_raw_parts(io.q.addr as *const T, io.q.elems),
+                    key_cache: GlobalSlice::from_raw_parts(io.key_cache.addr as *const T, pool),
+                    value_cache: GlobalSlice::from_raw_parts(io.value_cache.addr as *const T, pool),
+                    block_tables: GlobalSlice::from_raw_parts(tables as *const i32, rows * ds.max_blocks_per_seq as u64),
+                    context_lens: GlobalSlice::from_raw_parts(lens as *const i32, rows),
+                    alibi_slopes: if opts.alibi_slopes.is_some() {
+                        GlobalSlice::from_raw_parts(self.slopes as *const f32, ds.num_q_heads as u64)
+                    } else {
+                        GlobalSlice::empty()
+                    },
+                    out: if p.is_split() {
+                        GlobalSliceMut::empty()
+                    } else {
+                        GlobalSliceMut::from_raw_parts(io.out.addr as *mut T, io.out.elems)
+                    },
+                    part_out: GlobalSliceMut::from_raw_parts(self.part_out.0 as *mut f32, self.part_out.1),
+                    part_ml: GlobalSliceMut::from_raw_parts(self.part_ml.0 as *mut f32, self.part_ml.1),
+                    layout: l,
+                    num_q_heads: ds.num_q_heads,
+                    max_blocks_per_seq: ds.max_blocks_per_seq,
+                    heads_per_block: p.heads_per_block,
+                    partition_tokens: p.partition_tokens,
+                    num_partitions: p.num_partitions,
+                    scale: opts.scale,
+                    softcap: opts.softcap.unwrap_or(0.0),
+                    inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
+                    window: opts.window.unwrap_or(0),
+                    q_row_stride: q_stride,
+                    out_row_stride: out_stride,
+                }
+            };
+            let cfg = decode_launch_config(&ds, dtype, &p);
+            if p.is_split() {
+                // SAFETY: (1)-(2) above and `plan`'s validation; (3) `out` borrowed
+                // mutably, the workspace used by one launch at a time on the device's
+                // one queue; (4) the decode kernel's own configuration.
+                unsafe { self.dev.launch::<PagedDecode<T, true>>(cfg, params)? };
+                // SAFETY: as above; the reduce reads the partials the decode wrote.
+                let rp = unsafe {
+                    ReduceParams::<T> {
+                        part_out: params.part_out.as_const(),
+                        part_ml: params.part_ml.as_const(),
+                        out: GlobalSliceMut::from_raw_parts(io.out.addr as *mut T, io.out.elems),
+                        num_q_heads: ds.num_q_heads,
+                        head_dim: ds.head_dim,
+                        num_partitions: p.num_partitions,
+                        out_row_stride: out_stride,
+                    }
+                };
+                // SAFETY: as above.
+                unsafe { self.dev.launch::<DecodeReduce<T>>(reduce_launch_config(&ds, dtype), rp)? };
+            } else {
+                // SAFETY: as for the split launch.
+                unsafe { self.dev.launch::<PagedDecode<T, false>>(cfg, params)? };
+            }
+        });
+        Ok(Some(p))
+    }
+}
+
+/// `p` with at most `max` partitions (longer ones), covering `max_len` tokens.
+fn clamp_partitions(mut p: SplitPlan, max_len: u32, max: u32) -> SplitPlan {
+    if p.num_partitions > max {
+        let tile = pagedkv_kernels::kernels::attention::TILE_TOKENS;
+        p.partition_tokens = max_len.div_ceil(max).next_multiple_of(tile);
+        p.num_partitions = max_len.div_ceil(p.partition_tokens);
+    }
+    p
+}
