@@ -9,11 +9,30 @@
  *   pagedkv_last_error_message() describes it (per thread).
  * - Pointers the caller passes are borrowed for the call only; the library keeps none.
  *   Null where a pointer is required is PAGEDKV_ERR_NULL.
- * - Handles (pagedkv_scheduler*) are owned by the library: create, use, destroy once.
- *   A destroyed handle, or a call on a scheduler already inside a call (re-entrance,
- *   or two threads at once), is PAGEDKV_ERR_INVALID_STATE, never undefined behaviour
- *   as far as the library can detect it.
- * - No panic crosses the boundary: an internal bug is PAGEDKV_ERR_PANIC.
+ * - Handles (pagedkv_scheduler*, pagedkv_cuda_backend*) are owned by the library:
+ *   create, use, destroy once. A destroyed handle, or a call on a handle already inside
+ *   a call (re-entrance, or two threads at once), is PAGEDKV_ERR_INVALID_STATE, never
+ *   undefined behaviour as far as the library can detect it. (It cannot tell a
+ *   destroyed handle from a newer one the allocator placed at the same address: do not
+ *   use a handle after destroying it.)
+ * - Destroy racing another call on the same handle (from another thread) is safe:
+ *   whichever takes the library's handle lock first wins. If the call got in first,
+ *   destroy returns PAGEDKV_ERR_INVALID_STATE ("... is inside a call ...: it was not
+ *   destroyed"), the handle stays alive, and the caller must destroy it again once the
+ *   call has returned. If destroy got in first, the call returns
+ *   PAGEDKV_ERR_INVALID_STATE ("... handle was destroyed or never created") without
+ *   touching the handle. Destroy never waits and never frees a handle in use. Memory the
+ *   library owns (a pagedkv_batch's arrays) dies with the handle: reading it after, or
+ *   while, another thread destroys the scheduler is the caller's bug.
+ * - Sizes computed from arguments (a layout's or a shape's element counts) use checked
+ *   arithmetic: one that overflows is PAGEDKV_ERR_INVALID_ARGUMENT naming the argument.
+ *   Counts the library can check against its own state (shapes, the last step's
+ *   sequences) are checked before any caller buffer is read.
+ * - No panic crosses the boundary: an internal bug is PAGEDKV_ERR_PANIC, with the panic
+ *   message (and where it happened) in pagedkv_last_error_message(). The library never
+ *   prints to stdout or stderr, not even then. A handle whose call panicked refuses all
+ *   further calls (PAGEDKV_ERR_INVALID_STATE, "an earlier call on it panicked") except
+ *   destroy.
  * - Fixed-width types only; every struct is laid out as declared (a test checks the
  *   Rust side matches this header field by field).
  */
@@ -145,7 +164,9 @@ pagedkv_status pagedkv_scheduler_create(const pagedkv_scheduler_config *config,
                                         pagedkv_scheduler **out);
 
 /* Destroys the scheduler and everything it owns, batch arrays included. Destroying
- * the same handle twice is PAGEDKV_ERR_INVALID_STATE. */
+ * the same handle twice is PAGEDKV_ERR_INVALID_STATE. While another call on s runs (on
+ * another thread, or re-entrantly) this is PAGEDKV_ERR_INVALID_STATE and s stays alive:
+ * see "Destroy racing another call" above. */
 pagedkv_status pagedkv_scheduler_destroy(pagedkv_scheduler *s);
 
 /* Queues a request (the prompt is copied). *out_seq receives its sequence id. An empty
@@ -165,8 +186,11 @@ pagedkv_status pagedkv_step(pagedkv_scheduler *s, pagedkv_batch *out);
 
 /* Takes one sampled token per scheduled sequence of the last step (n entries, each
  * scheduled sequence exactly once; otherwise nothing changes and an error says why).
- * *out_finished (may be null) receives how many sequences finished (stop token or
- * max_tokens); their blocks are already free. */
+ * n is compared with the last step's num_seqs before sampled is read: a different n is
+ * PAGEDKV_ERR_INVALID_ARGUMENT, and a call with no step waiting for its tokens (none
+ * yet, an empty batch, or already done) is PAGEDKV_ERR_INVALID_STATE. sampled may be
+ * null only when n is 0. *out_finished (may be null) receives how many sequences
+ * finished (stop token or max_tokens); their blocks are already free. */
 pagedkv_status pagedkv_on_step_done(pagedkv_scheduler *s, const pagedkv_sampled *sampled,
                                     uint64_t n, uint64_t *out_finished);
 
@@ -203,7 +227,8 @@ typedef struct pagedkv_decode_shape {
  * elements each); block_tables: [num_seqs, max_blocks_per_seq]; context_lens:
  * [num_seqs], each 1..max_blocks_per_seq*block_size. Each *_len is the buffer's element
  * count and must match the shapes; every block id a sequence reads must be in the
- * cache. Any mismatch is PAGEDKV_ERR_INVALID_ARGUMENT and out is left untouched. */
+ * cache. Any mismatch is PAGEDKV_ERR_INVALID_ARGUMENT and out is left untouched; the
+ * lengths are checked against the shape before any buffer is read. */
 pagedkv_status pagedkv_reference_decode_attention(
     const pagedkv_decode_shape *shape, float scale, const float *q, uint64_t q_len,
     const float *key_cache, const float *value_cache, uint64_t cache_len,
@@ -244,7 +269,8 @@ typedef struct pagedkv_cuda_backend pagedkv_cuda_backend;
 pagedkv_status pagedkv_cuda_backend_create(int32_t ordinal, pagedkv_cuda_backend **out);
 
 /* Waits for the backend's stream, then destroys it. Twice is
- * PAGEDKV_ERR_INVALID_STATE. */
+ * PAGEDKV_ERR_INVALID_STATE; so is a destroy while another call on b runs (b stays
+ * alive), as for pagedkv_scheduler_destroy(). */
 pagedkv_status pagedkv_cuda_backend_destroy(pagedkv_cuda_backend *b);
 
 /* Waits for all work the backend has queued. */

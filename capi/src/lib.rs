@@ -3,11 +3,18 @@
 //! Built as `libpagedkv_c.a` and `libpagedkv_c.so`. Every function:
 //! * returns a [`pagedkv_status`] (`PAGEDKV_OK` = 0), and on failure leaves a message
 //!   for [`pagedkv_last_error_message`] (per thread);
-//! * checks its pointers (null is `PAGEDKV_ERR_NULL`) and lengths before use;
-//! * catches panics: none crosses the boundary (`PAGEDKV_ERR_PANIC`);
+//! * checks its pointers (null is `PAGEDKV_ERR_NULL`) and lengths before use: every
+//!   count the library can check against its own state (the shapes, the last step's
+//!   sequences) is checked before anything is read, and every size computed from the
+//!   caller's numbers uses checked arithmetic;
+//! * catches panics: none crosses the boundary (`PAGEDKV_ERR_PANIC`), and none prints:
+//!   the panic message goes to the last-error message, not to the host's stderr;
 //! * refuses a handle that was destroyed or never created (a registry of live handles)
-//!   and a call on a scheduler that is already inside a call (re-entrance, or two
-//!   threads at once): `PAGEDKV_ERR_INVALID_STATE`.
+//!   and a call on a handle that is already inside a call (re-entrance, or two threads
+//!   at once): `PAGEDKV_ERR_INVALID_STATE`. The registry's lock covers both the "is it
+//!   live" check and the "mark it busy" step, and destroy checks and unregisters under
+//!   the same lock, so destroy racing another call is an error for one of them, never a
+//!   use after free.
 //!
 //! Ownership: the library owns every handle (create/destroy) and the arrays a
 //! [`pagedkv_batch`] points to, which stay valid until the next `pagedkv_step` or
@@ -17,12 +24,13 @@
 #[cfg(feature = "header-check")]
 mod header_check;
 
-use std::cell::RefCell;
-use std::collections::HashSet;
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::ffi::{CString, c_char};
+use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, Once};
 
 use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
 use pagedkv::host::ops::kv_append::kv_append_reference;
@@ -63,7 +71,7 @@ thread_local! {
 
 fn set_error(msg: &str) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
 fn fail(status: pagedkv_status, msg: impl AsRef<str>) -> pagedkv_status {
@@ -86,8 +94,71 @@ fn from_error(e: &Error) -> pagedkv_status {
     fail(s, e.to_string())
 }
 
-/// Runs `f`, turning a panic into `PAGEDKV_ERR_PANIC` with its message.
+thread_local! {
+    /// How many guarded C ABI calls this thread is inside (the quiet panic hook's test).
+    static IN_CALL: Cell<u32> = const { Cell::new(0) };
+    /// The message of a panic inside a guarded call, recorded by the hook.
+    static PANIC_MESSAGE: Cell<Option<String>> = const { Cell::new(None) };
+}
+
+static QUIET_HOOK: Once = Once::new();
+
+/// The text of a panic payload (`panic!` with a literal or with a format).
+fn payload_text(p: &(dyn Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Installs, once per process, a panic hook that keeps panics inside guarded calls
+/// quiet: it records the message (with its location) for [`guard`] instead of printing
+/// to the host program's stderr. Any other panic goes to the hook that was installed
+/// before (the host's own, or the default one).
+fn install_quiet_panic_hook() {
+    // `take_hook`/`set_hook` panic on a panicking thread (a call from a destructor
+    // during unwinding in a Rust host): leave the hook alone there.
+    if std::thread::panicking() {
+        return;
+    }
+    QUIET_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let inside = IN_CALL.try_with(|c| c.get() > 0).unwrap_or(false);
+            if !inside {
+                return previous(info);
+            }
+            let at = info
+                .location()
+                .map(|l| format!(" at {}:{}", l.file(), l.line()))
+                .unwrap_or_default();
+            let msg = format!("{}{at}", payload_text(info.payload()));
+            let _ = PANIC_MESSAGE.try_with(|m| m.set(Some(msg)));
+        }));
+    });
+}
+
+/// Marks this thread as inside a guarded call while it lives.
+struct InCall;
+
+impl InCall {
+    fn enter() -> Self {
+        let _ = IN_CALL.try_with(|c| c.set(c.get() + 1));
+        InCall
+    }
+}
+
+impl Drop for InCall {
+    fn drop(&mut self) {
+        let _ = IN_CALL.try_with(|c| c.set(c.get().saturating_sub(1)));
+    }
+}
+
+/// Runs `f`, turning a panic into `PAGEDKV_ERR_PANIC` with its message (nothing is
+/// printed: see [`install_quiet_panic_hook`]).
 fn guard(f: impl FnOnce() -> pagedkv_status) -> pagedkv_status {
+    install_quiet_panic_hook();
+    let _inside = InCall::enter();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(s) => {
             if s == PAGEDKV_OK {
@@ -96,11 +167,14 @@ fn guard(f: impl FnOnce() -> pagedkv_status) -> pagedkv_status {
             s
         }
         Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = PANIC_MESSAGE
+                .try_with(|m| m.take())
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| payload_text(&*p));
+            // A payload whose destructor panics must not unwind out of here either.
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(p)));
+            let _ = PANIC_MESSAGE.try_with(|m| m.take());
             fail(PAGEDKV_ERR_PANIC, format!("internal panic: {msg}"))
         }
     }
@@ -277,20 +351,35 @@ pub struct pagedkv_metrics {
 /// An opaque scheduler handle.
 pub struct pagedkv_scheduler {
     inner: Scheduler,
-    busy: AtomicBool,
     lists: StepLists,
+    /// Sequences the last step scheduled that still wait for their sampled tokens (0:
+    /// no step is waiting for `pagedkv_on_step_done`).
+    awaiting: u64,
 }
 
-/// The live handles of one type: a pointer is used only while registered, so a
-/// destroyed or foreign handle is refused instead of dereferenced.
-struct Registry(Mutex<Option<HashSet<usize>>>);
+/// What a live handle is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    /// No call runs on it.
+    Idle,
+    /// A call runs on it: other calls and destroy are refused.
+    Busy,
+    /// A call on it panicked: its state may be inconsistent, so only destroy is allowed.
+    Poisoned,
+}
+
+/// The live handles of one type and what each is doing: a pointer is dereferenced only
+/// while registered and marked busy by the caller, both under this lock, so a
+/// destroyed or foreign handle is refused instead of dereferenced, and destroy (which
+/// checks and unregisters under the same lock) never frees a handle a call is using.
+struct Registry(Mutex<Option<HashMap<usize, Use>>>);
 
 impl Registry {
     const fn new() -> Self {
         Self(Mutex::new(None))
     }
 
-    fn set(&self) -> std::sync::MutexGuard<'_, Option<HashSet<usize>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<HashMap<usize, Use>>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -301,8 +390,6 @@ trait Handle: Sized {
     const WHAT: &'static str;
     /// Its registry.
     fn registry() -> &'static Registry;
-    /// Set while a call runs on it.
-    fn busy(&self) -> &AtomicBool;
 }
 
 static SCHEDULERS: Registry = Registry::new();
@@ -312,79 +399,124 @@ impl Handle for pagedkv_scheduler {
     fn registry() -> &'static Registry {
         &SCHEDULERS
     }
-    fn busy(&self) -> &AtomicBool {
-        &self.busy
-    }
 }
 
-/// Moves a new handle to the heap and registers it.
+/// Moves a new handle to the heap and registers it, idle.
 fn register<H: Handle>(h: H) -> *mut H {
     let p = Box::into_raw(Box::new(h));
     H::registry()
-        .set()
-        .get_or_insert_with(HashSet::new)
-        .insert(p as usize);
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(p as usize, Use::Idle);
     p
 }
 
-/// Runs `f` on a live, idle handle; refuses null, destroyed and busy handles.
+fn destroyed<H: Handle>() -> pagedkv_status {
+    fail(
+        PAGEDKV_ERR_INVALID_STATE,
+        format!("{} handle was destroyed or never created", H::WHAT),
+    )
+}
+
+/// Marks a handle idle again when a call on it returns, or poisoned when the call
+/// unwinds instead (a panic).
+struct Leave<H: Handle> {
+    handle: usize,
+    returned: bool,
+    what: PhantomData<H>,
+}
+
+impl<H: Handle> Drop for Leave<H> {
+    fn drop(&mut self) {
+        let next = if self.returned {
+            Use::Idle
+        } else {
+            Use::Poisoned
+        };
+        if let Some(u) = H::registry()
+            .lock()
+            .as_mut()
+            .and_then(|m| m.get_mut(&self.handle))
+        {
+            *u = next;
+        }
+    }
+}
+
+/// Runs `f` on a live, idle handle; refuses null, destroyed, busy and poisoned handles.
 fn enter<H: Handle>(p: *mut H, f: impl FnOnce(&mut H) -> pagedkv_status) -> pagedkv_status {
     guard(|| {
         if p.is_null() {
             return fail(PAGEDKV_ERR_NULL, format!("{} is null", H::WHAT));
         }
-        let registered = H::registry()
-            .set()
-            .as_ref()
-            .is_some_and(|s| s.contains(&(p as usize)));
-        if !registered {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                format!("{} handle was destroyed or never created", H::WHAT),
-            );
+        {
+            // The live check and the busy mark happen under one lock: `destroy` takes
+            // the same lock, so it either unregisters first (and this call is refused)
+            // or sees the handle busy (and refuses itself).
+            let mut reg = H::registry().lock();
+            match reg.as_mut().and_then(|m| m.get_mut(&(p as usize))) {
+                None => return destroyed::<H>(),
+                Some(Use::Busy) => {
+                    return fail(
+                        PAGEDKV_ERR_INVALID_STATE,
+                        format!(
+                            "{} is already inside a call (re-entrant or concurrent use)",
+                            H::WHAT
+                        ),
+                    );
+                }
+                Some(Use::Poisoned) => {
+                    return fail(
+                        PAGEDKV_ERR_INVALID_STATE,
+                        format!(
+                            "{} is unusable: an earlier call on it panicked (destroy it)",
+                            H::WHAT
+                        ),
+                    );
+                }
+                Some(u @ Use::Idle) => *u = Use::Busy,
+            }
         }
-        // SAFETY: registered, so created by `register` and not destroyed; `busy` below
-        // makes this the only active reference.
-        let h = unsafe { &*p };
-        if h.busy().swap(true, Ordering::Acquire) {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                format!(
-                    "{} is already inside a call (re-entrant or concurrent use)",
-                    H::WHAT
-                ),
-            );
-        }
-        // SAFETY: as above; exclusive while `busy` is set.
+        let mut leave = Leave::<H> {
+            handle: p as usize,
+            returned: false,
+            what: PhantomData,
+        };
+        // SAFETY: registered, so created by `register` and not destroyed, and marked
+        // busy by this call under the registry lock: `destroy` and every other call
+        // refuse it until `leave` marks it idle again, so this is the only reference.
         let r = f(unsafe { &mut *p });
-        // SAFETY: still live: `destroy` refuses a busy handle.
-        unsafe { &*p }.busy().store(false, Ordering::Release);
+        leave.returned = true;
         r
     })
 }
 
-/// Unregisters a live, idle handle and gives it back for dropping.
+/// Unregisters a live handle that no call is using and gives it back for dropping.
 fn destroy<H: Handle>(p: *mut H) -> Result<Box<H>, pagedkv_status> {
     if p.is_null() {
         return Err(fail(PAGEDKV_ERR_NULL, format!("{} is null", H::WHAT)));
     }
-    let mut reg = H::registry().set();
-    let Some(set) = reg.as_mut().filter(|set| set.contains(&(p as usize))) else {
-        return Err(fail(
-            PAGEDKV_ERR_INVALID_STATE,
-            format!("{} handle was destroyed or never created", H::WHAT),
-        ));
+    let mut reg = H::registry().lock();
+    let Some(map) = reg.as_mut() else {
+        return Err(destroyed::<H>());
     };
-    // SAFETY: registered, so created by `register` and not yet freed.
-    if unsafe { &*p }.busy().load(Ordering::Acquire) {
-        return Err(fail(
+    match map.get(&(p as usize)) {
+        None => Err(destroyed::<H>()),
+        Some(Use::Busy) => Err(fail(
             PAGEDKV_ERR_INVALID_STATE,
-            format!("{} is inside a call", H::WHAT),
-        ));
+            format!(
+                "{} is inside a call (on another thread, or re-entrant): it was not destroyed",
+                H::WHAT
+            ),
+        )),
+        Some(Use::Idle | Use::Poisoned) => {
+            map.remove(&(p as usize));
+            drop(reg);
+            // SAFETY: registered and idle until just now, under the lock: no call uses
+            // it and none can start (it is unregistered); this is the only release.
+            Ok(unsafe { Box::from_raw(p) })
+        }
     }
-    set.remove(&(p as usize));
-    // SAFETY: registered until just now: this is the only release.
-    Ok(unsafe { Box::from_raw(p) })
 }
 
 /// Runs `f` on a live, idle scheduler.
@@ -471,8 +603,8 @@ pub unsafe extern "C" fn pagedkv_scheduler_create(
         };
         let h = register(pagedkv_scheduler {
             inner,
-            busy: AtomicBool::new(false),
             lists: StepLists::default(),
+            awaiting: 0,
         });
         // SAFETY: non-null, valid for a write.
         unsafe { out.write(h) };
@@ -481,7 +613,9 @@ pub unsafe extern "C" fn pagedkv_scheduler_create(
 }
 
 /// Destroys a scheduler and everything it owns (batch arrays included). A second
-/// destroy of the same handle is `PAGEDKV_ERR_INVALID_STATE`.
+/// destroy of the same handle is `PAGEDKV_ERR_INVALID_STATE`, and so is a destroy while
+/// another call on it runs (another thread, or re-entrance): then the scheduler stays
+/// alive, and the caller destroys it after that call returns. Never waits.
 ///
 /// # Safety
 /// `s` is null or a pointer this library returned (a destroyed one is detected).
@@ -529,7 +663,10 @@ pub unsafe extern "C" fn pagedkv_add_request(
             );
         }
         // SAFETY: non-null, valid for `prompt_len` reads (the caller's contract).
-        let prompt = unsafe { std::slice::from_raw_parts(r.prompt, r.prompt_len as usize) };
+        let prompt = match unsafe { slice(r.prompt, r.prompt_len, "req->prompt") } {
+            Ok(p) => p,
+            Err(st) => return st,
+        };
         let request = Request {
             id: r.id,
             prompt: prompt.to_vec(),
@@ -633,6 +770,9 @@ pub unsafe extern "C" fn pagedkv_step(
             Ok(b) => fill_batch(&mut h.lists, b),
             Err(e) => return from_error(&e),
         };
+        // What `pagedkv_on_step_done` checks its `n` against (0: an empty batch waits
+        // for nothing).
+        h.awaiting = c.num_seqs;
         // SAFETY: non-null, valid for a write.
         unsafe { out.write(c) };
         PAGEDKV_OK
@@ -642,6 +782,10 @@ pub unsafe extern "C" fn pagedkv_step(
 /// Takes the token sampled for every sequence of the last step (`n` entries, each
 /// scheduled sequence exactly once). `*out_finished` (if not null) receives how many
 /// sequences finished (stop token or max_tokens); their blocks are already free.
+///
+/// `n` is checked against the number of sequences the last step scheduled before
+/// `sampled` is read: another `n` is `PAGEDKV_ERR_INVALID_ARGUMENT`, and a call with no
+/// step waiting for its tokens is `PAGEDKV_ERR_INVALID_STATE`.
 ///
 /// # Safety
 /// `sampled` is null only when `n` is 0, else valid for `n` reads; `out_finished` is
@@ -654,20 +798,35 @@ pub unsafe extern "C" fn pagedkv_on_step_done(
     out_finished: *mut u64,
 ) -> pagedkv_status {
     with_scheduler(s, |h| {
-        if sampled.is_null() && n > 0 {
-            return fail(PAGEDKV_ERR_NULL, "sampled is null");
+        if h.awaiting == 0 {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                format!(
+                    "on_step_done() without a step: no scheduled sequence waits for a token (n is {n})"
+                ),
+            );
         }
-        let list: Vec<(u64, u32)> = if n == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: non-null, valid for `n` reads.
-            unsafe { std::slice::from_raw_parts(sampled, n as usize) }
-                .iter()
-                .map(|x| (x.seq, x.token))
-                .collect()
+        // Checked before anything is read: `sampled` holds `n` entries by the caller's
+        // contract, and the library reads exactly as many as the step scheduled.
+        if n != h.awaiting {
+            return fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!(
+                    "invalid argument `n`: {n} sampled tokens, but the last step scheduled {} sequences",
+                    h.awaiting
+                ),
+            );
+        }
+        // SAFETY: `sampled` is non-null (checked in `slice`) and valid for `n` reads
+        // (the caller's contract); `n` is the batch's length, so it fits in memory.
+        let sampled = match unsafe { slice(sampled, n, "sampled") } {
+            Ok(v) => v,
+            Err(st) => return st,
         };
+        let list: Vec<(u64, u32)> = sampled.iter().map(|x| (x.seq, x.token)).collect();
         match h.inner.on_step_done(&list) {
             Ok(done) => {
+                h.awaiting = 0;
                 if !out_finished.is_null() {
                     // SAFETY: non-null, valid for a write.
                     unsafe { out_finished.write(done.len() as u64) };
@@ -753,7 +912,8 @@ pub unsafe extern "C" fn pagedkv_seq_tokens(
         }
         match h.inner.tokens(seq) {
             Ok(t) => {
-                let n = t.len().min(cap as usize);
+                // A `cap` beyond the address space is as good as unlimited.
+                let n = t.len().min(usize::try_from(cap).unwrap_or(usize::MAX));
                 if n > 0 {
                     // SAFETY: non-null, valid for `cap >= n` writes.
                     unsafe { std::ptr::copy_nonoverlapping(t.as_ptr(), out, n) };
@@ -807,20 +967,88 @@ impl From<pagedkv_decode_shape> for DecodeShape {
     }
 }
 
+/// `n` elements of `T` as a slice length: it must fit in `usize` and the bytes in
+/// `isize` (what `from_raw_parts` requires), else an error naming `what`.
+fn slice_len<T>(n: u64, what: &str) -> Result<usize, pagedkv_status> {
+    usize::try_from(n)
+        .ok()
+        .filter(|&n| {
+            n.checked_mul(size_of::<T>())
+                .is_some_and(|b| b <= isize::MAX as usize)
+        })
+        .ok_or_else(|| {
+            fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!("invalid argument `{what}`: {n} elements do not fit in memory"),
+            )
+        })
+}
+
+/// # Safety
+/// `p` is null or valid for `n` reads.
 unsafe fn slice<'a, T>(p: *const T, n: u64, what: &str) -> Result<&'a [T], pagedkv_status> {
     if p.is_null() {
         return Err(fail(PAGEDKV_ERR_NULL, format!("{what} is null")));
     }
-    // SAFETY: non-null; the caller's contract makes it valid for `n` reads.
-    Ok(unsafe { std::slice::from_raw_parts(p, n as usize) })
+    let n = slice_len::<T>(n, what)?;
+    // SAFETY: non-null, a length `from_raw_parts` accepts; the caller's contract makes
+    // it valid for `n` reads.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
 }
 
+/// # Safety
+/// `p` is null or valid for `n` writes, and not aliased while the slice lives.
 unsafe fn slice_mut<'a, T>(p: *mut T, n: u64, what: &str) -> Result<&'a mut [T], pagedkv_status> {
     if p.is_null() {
         return Err(fail(PAGEDKV_ERR_NULL, format!("{what} is null")));
     }
-    // SAFETY: non-null; the caller's contract makes it valid for `n` writes.
-    Ok(unsafe { std::slice::from_raw_parts_mut(p, n as usize) })
+    let n = slice_len::<T>(n, what)?;
+    // SAFETY: as in `slice`, for writes.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, n) })
+}
+
+/// The product of `factors`, or an error naming `what` (with the expression `expr`)
+/// when it overflows `u64` or does not fit in `usize`.
+fn checked_elems(factors: &[u32], what: &str, expr: &str) -> Result<u64, pagedkv_status> {
+    factors
+        .iter()
+        .try_fold(1u64, |acc, &f| acc.checked_mul(f as u64))
+        .filter(|&n| usize::try_from(n).is_ok())
+        .ok_or_else(|| {
+            fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!(
+                    "invalid argument `{what}`: {expr} = {} overflows",
+                    factors
+                        .iter()
+                        .map(|f| f.to_string())
+                        .collect::<Vec<_>>()
+                        .join(" * ")
+                ),
+            )
+        })
+}
+
+/// Elements of one pool of `l` (`num_blocks * num_kv_heads * block_size * head_dim`),
+/// with checked arithmetic: a layout whose pool does not fit is an error naming
+/// `num_blocks`.
+fn pool_elems(l: &PagedLayout) -> Result<u64, pagedkv_status> {
+    checked_elems(
+        &[l.num_blocks, l.num_kv_heads, l.block_size, l.head_dim],
+        "num_blocks",
+        "num_blocks * num_kv_heads * block_size * head_dim",
+    )
+}
+
+/// Checks a caller's element count against the one the shapes imply, before any read.
+fn check_len(what: &str, got: u64, want: u64) -> Result<(), pagedkv_status> {
+    if got != want {
+        return Err(fail(
+            PAGEDKV_ERR_INVALID_ARGUMENT,
+            format!("invalid argument `{what}`: {got} elements, expected {want}"),
+        ));
+    }
+    Ok(())
 }
 
 fn tensor(v: &[f32], shape: &[usize]) -> HostTensor {
@@ -861,6 +1089,26 @@ pub unsafe extern "C" fn pagedkv_reference_decode_attention(
         let c = unsafe { shape.read() };
         let sh = DecodeShape::from(c);
         let run = || -> Result<pagedkv_status, pagedkv_status> {
+            // Every length is checked against the shapes (sizes in checked arithmetic)
+            // before any buffer is read.
+            let l = sh.layout();
+            pagedkv::host::ops::check_layout(&l).map_err(|e| from_error(&e))?;
+            let pool = pool_elems(&l)?;
+            let qn = checked_elems(
+                &[c.num_seqs, c.num_q_heads, c.head_dim],
+                "num_seqs",
+                "num_seqs * num_q_heads * head_dim",
+            )?;
+            let btn = checked_elems(
+                &[c.num_seqs, c.max_blocks_per_seq],
+                "max_blocks_per_seq",
+                "num_seqs * max_blocks_per_seq",
+            )?;
+            check_len("q", q_len, qn)?;
+            check_len("cache_len", cache_len, pool)?;
+            check_len("block_tables", block_tables_len, btn)?;
+            check_len("context_lens", context_lens_len, c.num_seqs as u64)?;
+            check_len("out", out_len, qn)?;
             // SAFETY: the caller's contract for each pointer and length.
             let (q, kc, vc, bt, cl, o) = unsafe {
                 (
@@ -921,11 +1169,23 @@ pub unsafe extern "C" fn pagedkv_reference_kv_append(
             block_size,
             head_dim,
         };
-        let row = num_kv_heads as u64 * head_dim as u64;
-        let Some(n) = num_tokens.checked_mul(row) else {
-            return fail(PAGEDKV_ERR_INVALID_ARGUMENT, "num_tokens * row overflows");
-        };
         let run = || -> Result<pagedkv_status, pagedkv_status> {
+            // The sizes in checked arithmetic, and the caches' length checked against
+            // the layout, before any buffer is read.
+            pagedkv::host::ops::check_layout(&layout).map_err(|e| from_error(&e))?;
+            check_len("cache_len", cache_len, pool_elems(&layout)?)?;
+            let row = num_kv_heads as u64 * head_dim as u64;
+            let n = num_tokens
+                .checked_mul(row)
+                .filter(|&n| usize::try_from(n).is_ok())
+                .ok_or_else(|| {
+                    fail(
+                        PAGEDKV_ERR_INVALID_ARGUMENT,
+                        format!(
+                            "invalid argument `num_tokens`: num_tokens * num_kv_heads * head_dim = {num_tokens} * {num_kv_heads} * {head_dim} overflows"
+                        ),
+                    )
+                })?;
             // SAFETY: the caller's contract for each pointer and length.
             let (k, v, sm, kc, vc) = unsafe {
                 (
@@ -979,7 +1239,6 @@ fn dtype_of(d: i32) -> Result<DType, pagedkv_status> {
 /// An opaque CUDA backend handle (a context, a stream, the loaded kernels).
 pub struct pagedkv_cuda_backend {
     inner: pagedkv::cuda::CudaBackend,
-    busy: AtomicBool,
 }
 
 static CUDA_BACKENDS: Registry = Registry::new();
@@ -988,9 +1247,6 @@ impl Handle for pagedkv_cuda_backend {
     const WHAT: &'static str = "backend";
     fn registry() -> &'static Registry {
         &CUDA_BACKENDS
-    }
-    fn busy(&self) -> &AtomicBool {
-        &self.busy
     }
 }
 
@@ -1023,10 +1279,7 @@ pub unsafe extern "C" fn pagedkv_cuda_backend_create(
             Ok(b) => b,
             Err(e) => return from_error(&e),
         };
-        let h = register(pagedkv_cuda_backend {
-            inner,
-            busy: AtomicBool::new(false),
-        });
+        let h = register(pagedkv_cuda_backend { inner });
         // SAFETY: non-null, valid for a write.
         unsafe { out.write(h) };
         PAGEDKV_OK
@@ -1094,17 +1347,30 @@ pub unsafe extern "C" fn pagedkv_cuda_kv_append(
             head_dim,
         };
         pagedkv::host::ops::check_layout(&layout).map_err(|e| from_error(&e))?;
+        // Sizes in checked arithmetic: both fit in `usize` (so do the shapes' products,
+        // every factor being at least 1 past `check_layout` and the early return).
+        let pool = [pool_elems(&layout)? as usize];
         if num_tokens == 0 {
             return Ok(());
         }
+        let rows = usize::try_from(num_tokens)
+            .ok()
+            .filter(|_| {
+                num_tokens
+                    .checked_mul(num_kv_heads as u64 * head_dim as u64)
+                    .is_some_and(|n| usize::try_from(n).is_ok())
+            })
+            .ok_or_else(|| {
+                fail(
+                    PAGEDKV_ERR_INVALID_ARGUMENT,
+                    format!(
+                        "invalid argument `num_tokens`: {num_tokens} * num_kv_heads * head_dim overflows"
+                    ),
+                )
+            })?;
         // SAFETY: the caller's contract.
         let sm = unsafe { slice(slot_mapping, num_tokens, "slot_mapping")? };
-        let tok = [
-            num_tokens as usize,
-            num_kv_heads as usize,
-            head_dim as usize,
-        ];
-        let pool = [layout.pool_elems() as usize];
+        let tok = [rows, num_kv_heads as usize, head_dim as usize];
         // SAFETY: the caller's contract (device allocations of these sizes, unused by
         // other work until the launch completes).
         let (k, v, mut kc, mut vc) = unsafe {
@@ -1156,6 +1422,22 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
         let c = unsafe { shape.read() };
         let sh = DecodeShape::from(c);
         pagedkv::host::ops::check_layout(&sh.layout()).map_err(|e| from_error(&e))?;
+        // Sizes in checked arithmetic (each fits in `usize`, so do the shapes' partial
+        // products: head_dim >= 1 past `check_layout`), and the host arrays' lengths
+        // checked against the shape before they are read.
+        let pool = [pool_elems(&sh.layout())? as usize];
+        checked_elems(
+            &[c.num_seqs, c.num_q_heads, c.head_dim],
+            "num_seqs",
+            "num_seqs * num_q_heads * head_dim",
+        )?;
+        let btn = checked_elems(
+            &[c.num_seqs, c.max_blocks_per_seq],
+            "max_blocks_per_seq",
+            "num_seqs * max_blocks_per_seq",
+        )?;
+        check_len("block_tables", block_tables_len, btn)?;
+        check_len("context_lens", context_lens_len, c.num_seqs as u64)?;
         // SAFETY: the caller's contract.
         let (bt, cl) = unsafe {
             (
@@ -1168,7 +1450,6 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
             c.num_q_heads as usize,
             c.head_dim as usize,
         ];
-        let pool = [sh.layout().pool_elems() as usize];
         // SAFETY: the caller's contract (device allocations of these sizes).
         let (qt, kc, vc, mut ot) = unsafe {
             use pagedkv::cuda::BorrowedDeviceTensor as B;
@@ -1186,6 +1467,18 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
             .map(|_| ())
             .map_err(|e| from_error(&e))
     })
+}
+
+/// Test-only (feature `testing`; not in `include/pagedkv.h`): a call on `s` that
+/// panics inside, so that C tests can check the panic becomes `PAGEDKV_ERR_PANIC` with
+/// its message, prints nothing, and leaves `s` refusing calls but destroyable.
+///
+/// # Safety
+/// `s` is null or a pointer this library returned.
+#[cfg(feature = "testing")]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_testing_panic(s: *mut pagedkv_scheduler) -> pagedkv_status {
+    with_scheduler(s, |_| panic!("pagedkv_testing_panic: a deliberate panic"))
 }
 
 #[cfg(test)]
@@ -1213,12 +1506,18 @@ mod tests {
             .into_owned()
     }
 
+    /// Sets what the registry says `s` is doing, as a call in progress would.
+    fn set_use(s: *mut pagedkv_scheduler, u: Use) {
+        let mut reg = SCHEDULERS.lock();
+        let slot = reg.as_mut().unwrap().get_mut(&(s as usize)).unwrap();
+        *slot = u;
+    }
+
     #[test]
     fn a_scheduler_inside_a_call_refuses_another_and_cannot_be_destroyed() {
         let s = create();
         // Simulate a call in progress (re-entrance from a callback, or another thread).
-        // SAFETY: `s` is live.
-        unsafe { &*s }.busy.store(true, Ordering::SeqCst);
+        set_use(s, Use::Busy);
         let mut idle = 0;
         // SAFETY: valid pointers.
         assert_eq!(
@@ -1235,8 +1534,8 @@ mod tests {
             unsafe { pagedkv_scheduler_destroy(s) },
             PAGEDKV_ERR_INVALID_STATE
         );
-        // SAFETY: `s` is live.
-        unsafe { &*s }.busy.store(false, Ordering::SeqCst);
+        assert!(last_error().contains("inside a call"), "{}", last_error());
+        set_use(s, Use::Idle);
         // SAFETY: valid pointers.
         assert_eq!(unsafe { pagedkv_is_idle(s, &mut idle) }, PAGEDKV_OK);
         assert_eq!(idle, 1);
@@ -1249,6 +1548,89 @@ mod tests {
     fn a_panic_inside_is_an_error_code_not_an_unwind() {
         let s = guard(|| panic!("boom"));
         assert_eq!(s, PAGEDKV_ERR_PANIC);
-        assert!(last_error().contains("boom"));
+        // The message, with where it happened (recorded by the quiet hook).
+        assert!(
+            last_error().contains("internal panic: boom at "),
+            "{}",
+            last_error()
+        );
+        assert!(last_error().contains("lib.rs"), "{}", last_error());
+        // Formatted payloads too.
+        let n = 3;
+        assert_eq!(guard(|| panic!("boom {n}")), PAGEDKV_ERR_PANIC);
+        assert!(last_error().contains("boom 3"), "{}", last_error());
+        // The next call starts clean.
+        assert_eq!(guard(|| PAGEDKV_OK), PAGEDKV_OK);
+        assert_eq!(last_error(), "");
+    }
+
+    #[test]
+    fn a_call_that_panics_leaves_its_handle_poisoned_but_destroyable() {
+        let s = create();
+        assert_eq!(
+            with_scheduler(s, |_| panic!("inside a call")),
+            PAGEDKV_ERR_PANIC
+        );
+        assert!(last_error().contains("inside a call"), "{}", last_error());
+        let mut idle = 0;
+        // SAFETY: valid pointers.
+        assert_eq!(
+            unsafe { pagedkv_is_idle(s, &mut idle) },
+            PAGEDKV_ERR_INVALID_STATE
+        );
+        assert!(last_error().contains("panicked"), "{}", last_error());
+        // SAFETY: live handle, destroyed once.
+        assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
+        // SAFETY: as above; a destroyed handle is detected.
+        assert_eq!(
+            unsafe { pagedkv_scheduler_destroy(s) },
+            PAGEDKV_ERR_INVALID_STATE
+        );
+    }
+
+    /// The child half of the next test: panics inside guarded calls, with output
+    /// capture off. Does nothing unless the parent runs it.
+    #[test]
+    fn quiet_panic_child() {
+        if std::env::var_os("PAGEDKV_QUIET_PANIC_CHILD").is_none() {
+            return;
+        }
+        assert_eq!(guard(|| panic!("quiet boom")), PAGEDKV_ERR_PANIC);
+        let s = create();
+        assert_eq!(
+            with_scheduler(s, |_| panic!("quiet boom")),
+            PAGEDKV_ERR_PANIC
+        );
+        // SAFETY: live handle, destroyed once.
+        assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
+        // A panic outside any C ABI call still goes to the previous (default) hook.
+        assert!(
+            std::thread::spawn(|| panic!("loud outside"))
+                .join()
+                .is_err()
+        );
+        println!("child done");
+    }
+
+    #[test]
+    fn a_panic_inside_a_call_prints_nothing_to_stderr() {
+        let o = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tests::quiet_panic_child", "--nocapture"])
+            .args(["--test-threads", "1"])
+            .env("PAGEDKV_QUIET_PANIC_CHILD", "1")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .unwrap();
+        let (out, err) = (
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+        );
+        assert!(o.status.success(), "{out}\n{err}");
+        assert!(out.contains("child done"), "{out}");
+        assert!(!err.contains("quiet boom"), "{err}");
+        assert!(!out.contains("quiet boom"), "{out}");
+        // Only the panic outside a call printed (through the default hook).
+        assert_eq!(err.matches("panicked").count(), 1, "{err}");
+        assert!(err.contains("loud outside"), "{err}");
     }
 }

@@ -1,7 +1,10 @@
 //! C programs linked against `libpagedkv_c.a`, compiled with the `cc` crate's compiler
-//! discovery: the README's minimal example, and a driver that exercises the scheduler,
+//! discovery: the README's minimal example, a driver that exercises the scheduler,
 //! the prefix cache, the CPU reference attention (compared here with values computed in
-//! Rust) and the error paths with their messages.
+//! Rust) and the error paths with their messages, and a hostile program (threads that
+//! destroy a scheduler while others call it, wrong counts, a panic inside a call, a
+//! layout whose size overflows). `scripts/sanitize-c.sh` runs the same programs under
+//! AddressSanitizer and UndefinedBehaviorSanitizer.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,9 +18,10 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
 }
 
-/// A fresh `libpagedkv_c.a`. `cargo test` builds only the rlib of this crate, so the
-/// static library is built here with a nested `cargo build`, into its own target folder
-/// (the outer cargo holds the lock on the usual one); incremental after the first time.
+/// A fresh `libpagedkv_c.a`, with the test-only entry points (feature `testing`).
+/// `cargo test` builds only the rlib of this crate, so the static library is built here
+/// with a nested `cargo build`, into its own target folder (the outer cargo holds the
+/// lock on the usual one); incremental after the first time.
 fn static_lib() -> PathBuf {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
@@ -26,7 +30,15 @@ fn static_lib() -> PathBuf {
         let target = exe.parent().unwrap().parent().unwrap().parent().unwrap();
         let dir = target.join("capi-staticlib");
         let o = Command::new(env!("CARGO"))
-            .args(["build", "-p", "pagedkv-capi", "--lib", "--target-dir"])
+            .args([
+                "build",
+                "-p",
+                "pagedkv-capi",
+                "--lib",
+                "--features",
+                "testing",
+            ])
+            .arg("--target-dir")
             .arg(&dir)
             .current_dir(root())
             .output()
@@ -61,7 +73,7 @@ fn build(src: &Path, name: &str) -> PathBuf {
         .arg(root().join("../include"))
         .arg(src)
         .arg(static_lib())
-        .args(["-lpthread", "-ldl", "-lm", "-o"])
+        .args(["-pthread", "-lpthread", "-ldl", "-lm", "-o"])
         .arg(&out);
     let o = cmd.output().expect("run the C compiler");
     assert!(
@@ -73,16 +85,21 @@ fn build(src: &Path, name: &str) -> PathBuf {
     out
 }
 
-fn run(exe: &Path) -> String {
+/// Runs `exe`; returns its stdout and stderr, after checking it succeeded.
+fn run_both(exe: &Path) -> (String, String) {
     let o = Command::new(exe).output().unwrap();
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(
         o.status.success(),
-        "{} failed:\n{out}\n{}",
-        exe.display(),
-        String::from_utf8_lossy(&o.stderr)
+        "{} failed:\n{out}\n{err}",
+        exe.display()
     );
-    out
+    (out, err)
+}
+
+fn run(exe: &Path) -> String {
+    run_both(exe).0
 }
 
 #[test]
@@ -192,4 +209,52 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f64::max);
     assert!(err < 1e-6, "max abs error {err}");
+}
+
+#[test]
+fn the_hostile_program_gets_errors_never_crashes_and_prints_nothing_to_stderr() {
+    let (out, err) = run_both(&build(&root().join("tests/c/hostile.c"), "hostile"));
+    // The library never writes to the host's stderr, not even for a panic inside.
+    assert_eq!(err, "", "stderr:\n{err}\nstdout:\n{out}");
+    assert!(out.ends_with("ok\n"), "{out}");
+    // Destroy raced calls from three threads 400 times: every call either ran or was
+    // refused (destroyed, or inside a call), and both happened.
+    assert_eq!(
+        line(&out, "race destroys"),
+        "race destroys=400 ok=yes refused=yes unexpected=0",
+        "{out}"
+    );
+    for (what, status, msg) in [
+        // n is checked against the last step's 2 sequences before `sampled` is read.
+        (
+            "n_one_more",
+            2,
+            "invalid argument `n`: 3 sampled tokens, but the last step scheduled 2",
+        ),
+        (
+            "n_huge",
+            2,
+            "invalid argument `n`: 18446744073709551615 sampled tokens",
+        ),
+        ("n_fewer", 2, "invalid argument `n`: 1 sampled tokens"),
+        ("n_right", 0, ""),
+        ("n_again", 5, "on_step_done() without a step"),
+        (
+            "panic",
+            7,
+            "internal panic: pagedkv_testing_panic: a deliberate panic at ",
+        ),
+        ("after_panic", 5, "an earlier call on it panicked"),
+        ("destroy_after_panic", 0, ""),
+        (
+            "huge_layout",
+            2,
+            "invalid argument `num_blocks`: num_blocks * num_kv_heads * block_size * head_dim = 2147483648 * 1048576 * 32 * 256 overflows",
+        ),
+        ("huge_shape", 2, "invalid argument `num_blocks`"),
+    ] {
+        let l = line(&out, &format!("check {what} "));
+        assert!(l.contains(&format!("status={status} ")), "{l}");
+        assert!(l.contains(msg), "{what}: `{msg}` not in `{l}`");
+    }
 }
