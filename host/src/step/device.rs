@@ -40,6 +40,13 @@ pub trait StepDevice {
     /// later launch.
     fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()>;
 
+    /// Makes room for uploads of up to `bytes` (pinned staging memory on a GPU), so
+    /// [`upload`](StepDevice::upload) never allocates. Called once by the runner.
+    fn reserve_upload(&mut self, bytes: usize) -> Result<()> {
+        let _ = bytes;
+        Ok(())
+    }
+
     /// Launches kernel `K` (ordered after every earlier upload and launch).
     ///
     /// # Safety
@@ -78,6 +85,19 @@ pub struct TensorViewMut<'a> {
 }
 
 impl<'a> TensorView<'a> {
+    /// A view of `elems` elements at `addr` in `space`, for a backend that knows the
+    /// memory is valid for `'a` (the caller holds the borrow).
+    pub(crate) fn borrowed(addr: u64, elems: u64, dtype: DType, space: Space) -> Self {
+        Self {
+            addr,
+            elems,
+            dtype,
+            space,
+            row_stride: None,
+            _borrow: PhantomData,
+        }
+    }
+
     /// A view of a host tensor (for the emulator device).
     pub fn of_host(t: &'a HostTensor) -> Self {
         Self {
@@ -115,6 +135,18 @@ impl<'a> TensorView<'a> {
 }
 
 impl<'a> TensorViewMut<'a> {
+    /// A writable view for a backend that holds the exclusive borrow for `'a`.
+    pub(crate) fn borrowed(addr: u64, elems: u64, dtype: DType, space: Space) -> Self {
+        Self {
+            addr,
+            elems,
+            dtype,
+            space,
+            row_stride: None,
+            _borrow: PhantomData,
+        }
+    }
+
     /// A view of a host tensor (for the emulator device).
     pub fn of_host(t: &'a mut HostTensor) -> Self {
         let (dtype, elems) = (t.dtype(), t.len() as u64);

@@ -212,6 +212,7 @@ impl<D: StepDevice> StepRunner<D> {
             .checked_mul(shape.head_dim as u64 * 4)
             .and_then(|b| usize::try_from(b).ok())
             .ok_or_else(|| too_large("capacity"))?;
+        dev.reserve_upload(meta_bytes.max(4 * shape.num_q_heads as usize))?;
         let meta = dev.alloc(meta_bytes)?;
         let part_out = (dev.alloc(out_bytes.max(16))?, rows * shape.head_dim as u64);
         let part_ml = (dev.alloc((rows as usize * 8).max(16))?, rows * 2);

@@ -30,8 +30,13 @@
 //! scheduler's [`Batch`](crate::scheduler::Batch) on the host: it is validated there and
 //! uploaded on the backend's stream.
 
+mod step;
+
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
+
+pub use step::{CudaStepDevice, StepGraph};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
@@ -311,11 +316,26 @@ impl PagedCache {
 }
 
 /// Host memory for swapped-out blocks: pinned, `[num_host_blocks, num_pools, block_bytes]`.
+///
+/// Swap copies are asynchronous: each records an event after its copies, and dropping
+/// the pool waits for the last one, so pinned memory is never freed under a DMA.
 pub struct HostSwapPool {
     buf: PinnedHostSlice<u8>,
     num_pools: usize,
     block_bytes: usize,
     num_blocks: usize,
+    /// Recorded after the last swap's copies.
+    last_copy: RefCell<Option<cudarc::driver::CudaEvent>>,
+}
+
+impl Drop for HostSwapPool {
+    fn drop(&mut self) {
+        if let Some(e) = self.last_copy.get_mut().take() {
+            // An error here means the context is already broken; the memory is freed
+            // either way, so there is nothing better to do than wait as well as we can.
+            let _ = e.synchronize();
+        }
+    }
 }
 
 impl std::fmt::Debug for HostSwapPool {
@@ -358,6 +378,10 @@ impl CudaBackend {
             )));
         }
         let ctx = CudaContext::new(ordinal).map_err(cuda("cuCtxCreate"))?;
+        // SAFETY: this backend made the context and does all of its work on the one
+        // default stream, in order, so no buffer needs cross-stream event tracking; with
+        // it off, taking a buffer's address makes no driver call (a run only launches).
+        unsafe { ctx.disable_event_tracking() };
         Self::with_stream(ctx.default_stream(), modules)
     }
 
@@ -731,7 +755,19 @@ impl CudaBackend {
             num_pools,
             block_bytes,
             num_blocks: num_host_blocks,
+            last_copy: RefCell::new(None),
         })
+    }
+
+    /// Records an event after the swap copies just issued on the stream, for the host
+    /// pool's `Drop` to wait on.
+    fn record_swap(&self, host: &HostSwapPool) -> Result<()> {
+        let e = self
+            .stream
+            .record_event(None)
+            .map_err(cuda("cuEventRecord"))?;
+        *host.last_copy.borrow_mut() = Some(e);
+        Ok(())
     }
 
     fn check_swap(
@@ -802,7 +838,7 @@ impl CudaBackend {
                 .map_err(cuda("cuMemcpyDtoHAsync"))?;
             }
         }
-        Ok(())
+        self.record_swap(host)
     }
 
     /// Copies host blocks back to device blocks (`(host, device)` pairs from the
@@ -838,7 +874,7 @@ impl CudaBackend {
                 .map_err(cuda("cuMemcpyHtoDAsync"))?;
             }
         }
-        Ok(())
+        self.record_swap(host)
     }
 
     /// Times `f` on the stream with CUDA events, in milliseconds (for benchmarks).

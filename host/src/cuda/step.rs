@@ -1,0 +1,193 @@
+//! [`CudaStepDevice`]: the step path's seam on a real GPU, and CUDA-graph capture of a
+//! whole step ([`StepGraph`]).
+
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DevicePtr, PinnedHostSlice, sys};
+use pagedkv_kernels::Kernel;
+
+use super::{CudaBackend, DeviceTensor, cuda};
+use crate::emulator::LaunchConfig;
+use crate::error::{Error, Result};
+use crate::step::{Space, StepDevice, TensorView, TensorViewMut};
+use crate::tensor::TensorDesc;
+
+/// A [`StepDevice`] on a [`CudaBackend`]'s stream: allocations are stream-ordered
+/// device buffers kept for the device's life, uploads go through one pinned staging
+/// buffer with an asynchronous copy, launches are the backend's.
+///
+/// Everything runs on the backend's stream (an engine's own, with
+/// [`CudaBackend::with_stream`]), so a step orders with the engine's work.
+pub struct CudaStepDevice<'a> {
+    gpu: &'a CudaBackend,
+    bufs: Vec<CudaSlice<u8>>,
+    staging: Option<PinnedHostSlice<u8>>,
+    staging_len: usize,
+    /// Recorded after the last upload: the staging buffer is reused only after it.
+    uploaded: Option<CudaEvent>,
+}
+
+impl std::fmt::Debug for CudaStepDevice<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaStepDevice({}, {} buffers, {} staging bytes)",
+            self.gpu.device_name(),
+            self.bufs.len(),
+            self.staging_len
+        )
+    }
+}
+
+/// The memory space of a backend's context.
+fn space_of(gpu: &CudaBackend) -> Space {
+    Space::Cuda(gpu.stream.context().cu_ctx() as u64)
+}
+
+impl<'a> CudaStepDevice<'a> {
+    /// A step device on `gpu`'s stream.
+    pub fn new(gpu: &'a CudaBackend) -> Self {
+        Self {
+            gpu,
+            bufs: Vec::new(),
+            staging: None,
+            staging_len: 0,
+            uploaded: None,
+        }
+    }
+
+    /// Captures the work `f` issues on the stream (launches only: a run of the step
+    /// path) into a CUDA graph instead of running it. Replay it with
+    /// [`StepGraph::replay`] after each [`plan`](crate::step::StepRunner::plan) that
+    /// keeps the same shapes (number of sequences, block-table width, tokens, split),
+    /// since the graph holds the launches' parameters and the plan updates the
+    /// metadata buffers they point to in place.
+    pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<StepGraph> {
+        let s = &self.gpu.stream;
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda("cuStreamBeginCapture"))?;
+        let issued = f();
+        let graph = s
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(cuda("cuStreamEndCapture"));
+        issued?;
+        let graph =
+            graph?.ok_or_else(|| Error::InvalidState("the capture recorded no work".into()))?;
+        Ok(StepGraph { graph })
+    }
+}
+
+/// A captured step (see [`CudaStepDevice::capture`]).
+pub struct StepGraph {
+    graph: CudaGraph,
+}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepGraph")
+    }
+}
+
+impl StepGraph {
+    /// Launches the whole captured step on the stream it was captured on.
+    pub fn replay(&self) -> Result<()> {
+        self.graph.launch().map_err(cuda("cuGraphLaunch"))
+    }
+}
+
+impl StepDevice for CudaStepDevice<'_> {
+    fn space(&self) -> Space {
+        space_of(self.gpu)
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<u64> {
+        let s = &self.gpu.stream;
+        let buf = s
+            .alloc_zeros::<u8>(bytes.max(1))
+            .map_err(cuda("cuMemAlloc"))?;
+        let (addr, _) = buf.device_ptr(s);
+        self.bufs.push(buf);
+        Ok(addr)
+    }
+
+    fn reserve_upload(&mut self, bytes: usize) -> Result<()> {
+        if bytes > self.staging_len {
+            // SAFETY: the memory is written before any copy reads it (`upload`).
+            let p = unsafe { self.gpu.stream.context().alloc_pinned::<u8>(bytes) }
+                .map_err(cuda("cuMemHostAlloc"))?;
+            self.staging = Some(p);
+            self.staging_len = bytes;
+        }
+        Ok(())
+    }
+
+    fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()> {
+        if src.len() > self.staging_len {
+            return Err(Error::InvalidState(format!(
+                "upload of {} bytes, {} reserved",
+                src.len(),
+                self.staging_len
+            )));
+        }
+        // The previous upload read the staging buffer asynchronously: wait for it (it
+        // was issued a step ago, so this rarely waits at all).
+        if let Some(e) = self.uploaded.take() {
+            e.synchronize().map_err(cuda("cuEventSynchronize"))?;
+        }
+        let staging = self
+            .staging
+            .as_mut()
+            .ok_or_else(|| Error::InvalidState("no staging buffer reserved".into()))?;
+        let base = staging.as_mut_ptr().map_err(cuda("pinned memory"))?;
+        // SAFETY: `src.len() <= staging_len` bytes of pinned memory this device owns;
+        // no copy reads it (waited above).
+        let host = unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), base, src.len());
+            std::slice::from_raw_parts(base, src.len())
+        };
+        // SAFETY: `dst` is an address this device allocated with room for `src` (the
+        // runner's contract); the pinned source stays untouched until the event below.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst, host, self.gpu.stream.cu_stream())
+        }
+        .map_err(cuda("cuMemcpyHtoDAsync"))?;
+        self.uploaded = Some(
+            self.gpu
+                .stream
+                .record_event(None)
+                .map_err(cuda("cuEventRecord"))?,
+        );
+        Ok(())
+    }
+
+    unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, params: K::Params) -> Result<()> {
+        // SAFETY: the caller's conditions 1-4 are `CudaBackend::launch`'s.
+        unsafe { self.gpu.launch::<K>(cfg, params) }
+    }
+}
+
+impl DeviceTensor {
+    /// A read-only view for the step path. With the backend's own context (event
+    /// tracking off) this makes no driver call; on an engine's context with tracking on,
+    /// make views outside the layer loop.
+    pub fn view(&self) -> TensorView<'_> {
+        let s = self.buf.stream();
+        let (addr, _) = self.buf.device_ptr(s);
+        TensorView::borrowed(
+            addr,
+            TensorDesc::len(self) as u64,
+            self.dtype,
+            Space::Cuda(s.context().cu_ctx() as u64),
+        )
+    }
+
+    /// A writable view for the step path (see [`DeviceTensor::view`]).
+    pub fn view_mut(&mut self) -> TensorViewMut<'_> {
+        let s = self.buf.stream();
+        let (addr, _) = self.buf.device_ptr(s);
+        TensorViewMut::borrowed(
+            addr,
+            TensorDesc::len(self) as u64,
+            self.dtype,
+            Space::Cuda(s.context().cu_ctx() as u64),
+        )
+    }
+}
