@@ -12,15 +12,22 @@
 //! `target/pagedkv-bench.md`). Shapes whose K+V would exceed `PAGEDKV_BENCH_MAX_GIB`
 //! (default 48 GiB) are skipped and listed as such.
 //!
+//! Decode runs through the step path (`pagedkv_host::step`): each region's metadata is
+//! planned (uploaded) once before timing, so CUDA events around back-to-back runs time
+//! the kernels alone; the host's cost of one run (checks and launch, the CPU side of a
+//! layer) is timed separately with a wall clock and reported in its own column, with
+//! the ratio to the GPU's datasheet bandwidth next to the same-run copy ratio.
+//!
 //! Without a GPU the GPU benchmarks print one line saying they were skipped, and the CPU
 //! benchmark (the f64 reference attention) still runs.
 
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use pagedkv::cuda::{CudaBackend, DeviceTensor, backend};
-use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape, decode_bytes, plan};
+use pagedkv::cuda::{CudaBackend, CudaStepDevice, DeviceTensor, backend};
+use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape, decode_bytes};
 use pagedkv::host::reference::paged_decode_attention;
+use pagedkv::host::step::{DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use pagedkv::host::{DType, HostTensor};
 use pagedkv::kernels::PagedLayout;
 use rand::rngs::SmallRng;
@@ -72,6 +79,25 @@ struct Row {
     name: String,
     bytes: u64,
     median_ms: f64,
+    /// Host time of one call (checks + launch), microseconds, where measured.
+    host_us: Option<f64>,
+}
+
+/// The datasheet memory bandwidth of known GPUs, GB/s, by device name.
+fn spec_gbs(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    [
+        ("H200", 4800.0),
+        ("H100 PCIE", 2000.0),
+        ("H100", 3350.0),
+        ("A100-SXM4-80GB", 2039.0),
+        ("A100 80GB PCIE", 1935.0),
+        ("A100", 1555.0),
+        ("L40S", 864.0),
+    ]
+    .iter()
+    .find(|(k, _)| n.contains(k))
+    .map(|&(_, v)| v)
 }
 
 fn median_ms(gpu: &CudaBackend, reps: usize, mut f: impl FnMut(usize)) -> f64 {
@@ -178,28 +204,70 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                     .unwrap();
                     let mut out = DeviceTensor::zeros(gpu, dtype, &[qn]).unwrap();
                     let opts = DecodeOptions::new(128);
-                    let p = plan(&shape, dtype, ctx, gpu.sm_count());
+                    let step_shape = StepShape {
+                        num_q_heads: qh,
+                        num_kv_heads: kvh,
+                        head_dim: 128,
+                        block_size: 16,
+                        num_blocks,
+                        dtype,
+                    };
+                    let cap = StepCapacity {
+                        max_seqs: batch,
+                        max_blocks_per_seq: blocks_per_seq,
+                        max_tokens: 1,
+                        max_partitions: 256,
+                    };
+                    // One runner per region, each planned (metadata uploaded) once.
+                    let runners: Vec<StepRunner<CudaStepDevice<'_>>> = tables
+                        .iter()
+                        .map(|t| {
+                            let mut run = StepRunner::new(
+                                CudaStepDevice::new(gpu),
+                                step_shape,
+                                cap,
+                                gpu.sm_count(),
+                            )
+                            .unwrap();
+                            run.plan(&StepMeta {
+                                block_tables: t,
+                                max_blocks_per_seq: blocks_per_seq,
+                                context_lens: &lens,
+                                slot_mapping: &[],
+                            })
+                            .unwrap();
+                            run
+                        })
+                        .collect();
+                    let p = runners[0].planned().unwrap().decode.unwrap().1;
                     let bytes = decode_bytes(&shape, dtype, &lens, &p);
                     let mut launch = |i: usize| {
-                        let t = &tables[i % tables.len()];
-                        gpu.paged_decode_attention(
-                            &shape,
-                            &opts,
-                            &q,
-                            &kc,
-                            &vc,
-                            t,
-                            &lens,
-                            &mut out,
-                            Some(p),
-                        )
-                        .unwrap();
+                        runners[i % runners.len()]
+                            .decode(
+                                &opts,
+                                DecodeIo {
+                                    q: q.view(),
+                                    key_cache: kc.view(),
+                                    value_cache: vc.view(),
+                                    out: out.view_mut(),
+                                },
+                            )
+                            .unwrap();
                     };
                     let ms = median_ms(gpu, 30, &mut launch);
+                    // The host side of one run, by wall clock over many calls.
+                    let calls = 200;
+                    let t0 = std::time::Instant::now();
+                    for i in 0..calls {
+                        launch(i);
+                    }
+                    let host_us = t0.elapsed().as_secs_f64() * 1e6 / calls as f64;
+                    gpu.synchronize().unwrap();
                     rows.push(Row {
                         name: format!("decode {name} (parts {})", p.num_partitions),
                         bytes,
                         median_ms: ms,
+                        host_us: Some(host_us),
                     });
                     g.throughput(Throughput::Bytes(bytes));
                     g.bench_function(BenchmarkId::from_parameter(&name), |b| {
@@ -263,6 +331,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                     name: format!("kv_append {name}"),
                     bytes,
                     median_ms: ms,
+                    host_us: None,
                 });
                 g.throughput(Throughput::Bytes(bytes));
                 g.bench_function(BenchmarkId::from_parameter(&name), |b| {
@@ -273,22 +342,26 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
     }
     g.finish();
 
+    let spec = spec_gbs(gpu.device_name());
     let mut md = format!(
-        "| kernel / shape | bytes | median time (ms) | GB/s | % of copy ({copy_gbs:.0} GB/s) |\n|---|---|---|---|---|\n"
+        "| kernel / shape | bytes | median GPU time (ms) | GB/s | % of copy ({copy_gbs:.0} GB/s) | % of spec ({}) | host µs per call |\n|---|---|---|---|---|---|---|\n",
+        spec.map_or("unknown GPU".to_string(), |v| format!("{v:.0} GB/s"))
     );
     for row in &rows {
         let gbs = row.bytes as f64 / (row.median_ms * 1e-3) / 1e9;
         md.push_str(&format!(
-            "| {} | {} | {:.4} | {:.0} | {:.1}% |\n",
+            "| {} | {} | {:.4} | {:.0} | {:.1}% | {} | {} |\n",
             row.name,
             row.bytes,
             row.median_ms,
             gbs,
-            100.0 * gbs / copy_gbs
+            100.0 * gbs / copy_gbs,
+            spec.map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * gbs / v)),
+            row.host_us.map_or("-".to_string(), |u| format!("{u:.1}"))
         ));
     }
     for s in &skipped {
-        md.push_str(&format!("| {s}: skipped | | | | |\n"));
+        md.push_str(&format!("| {s}: skipped | | | | | | |\n"));
     }
     println!("\n{md}");
     let path =

@@ -268,6 +268,13 @@ typedef struct pagedkv_cuda_backend pagedkv_cuda_backend;
  * pagedkv_cuda_backend_destroy(). */
 pagedkv_status pagedkv_cuda_backend_create(int32_t ordinal, pagedkv_cuda_backend **out);
 
+/* As pagedkv_cuda_backend_create(), but every copy and launch of the backend goes to
+ * `stream` (a CUstream / cudaStream_t of device `ordinal`'s primary context, owned by
+ * the caller and kept alive until the backend is destroyed), so pagedkv's work orders
+ * with the caller's. NULL: the context's default stream. */
+pagedkv_status pagedkv_cuda_backend_create_on_stream(int32_t ordinal, void *stream,
+                                                     pagedkv_cuda_backend **out);
+
 /* Waits for the backend's stream, then destroys it. Twice is
  * PAGEDKV_ERR_INVALID_STATE; so is a destroy while another call on b runs (b stays
  * alive), as for pagedkv_scheduler_destroy(). */

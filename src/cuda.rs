@@ -26,3 +26,17 @@ pub fn ptx_sources() -> Vec<PtxSource> {
 pub fn backend(ordinal: usize) -> Result<CudaBackend> {
     CudaBackend::new(ordinal, &ptx_sources())
 }
+
+/// A backend on device `ordinal` with the embedded PTX, on a raw `CUstream` the caller
+/// owns (null: the context's default stream).
+///
+/// # Safety
+/// As [`CudaBackend::on_raw_stream`]: a non-null `stream` is a live stream of device
+/// `ordinal`'s primary context, kept alive as long as the backend.
+pub unsafe fn backend_on_stream(
+    ordinal: usize,
+    stream: *mut std::ffi::c_void,
+) -> Result<CudaBackend> {
+    // SAFETY: the caller's conditions.
+    unsafe { CudaBackend::on_raw_stream(ordinal, stream, &ptx_sources()) }
+}

@@ -1286,6 +1286,39 @@ pub unsafe extern "C" fn pagedkv_cuda_backend_create(
     })
 }
 
+/// Creates a CUDA backend like `pagedkv_cuda_backend_create`, whose every copy and
+/// launch goes to `stream` (a `CUstream` / `cudaStream_t` of device `ordinal`'s primary
+/// context that the caller owns), or to the context's default stream when `stream` is
+/// null.
+///
+/// # Safety
+/// `out` is null or valid for a write; a non-null `stream` is a live stream of that
+/// context, kept alive until the backend is destroyed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_cuda_backend_create_on_stream(
+    ordinal: i32,
+    stream: *mut std::ffi::c_void,
+    out: *mut *mut pagedkv_cuda_backend,
+) -> pagedkv_status {
+    guard(|| {
+        if out.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "out is null");
+        }
+        if ordinal < 0 {
+            return fail(PAGEDKV_ERR_INVALID_ARGUMENT, format!("ordinal {ordinal}"));
+        }
+        // SAFETY: the caller's contract on `stream`.
+        let inner = match unsafe { pagedkv::cuda::backend_on_stream(ordinal as usize, stream) } {
+            Ok(b) => b,
+            Err(e) => return from_error(&e),
+        };
+        let h = register(pagedkv_cuda_backend { inner });
+        // SAFETY: non-null, valid for a write.
+        unsafe { out.write(h) };
+        PAGEDKV_OK
+    })
+}
+
 /// Destroys a CUDA backend (after waiting for its stream).
 ///
 /// # Safety

@@ -160,6 +160,14 @@ int main(void) {
         CHECK(pagedkv_cuda_synchronize(gpu));
         CHECK(pagedkv_cuda_backend_destroy(gpu));
     }
+    /* On a caller's stream (NULL: the default stream): the same answer. */
+    gpu = NULL;
+    cst = pagedkv_cuda_backend_create_on_stream(0, NULL, &gpu);
+    report("cuda_create_on_stream", cst);
+    if (cst == PAGEDKV_OK) {
+        CHECK(pagedkv_cuda_synchronize(gpu));
+        CHECK(pagedkv_cuda_backend_destroy(gpu));
+    }
     report("cuda_null_backend", pagedkv_cuda_synchronize(NULL));
     printf("ok\n");
     return 0;

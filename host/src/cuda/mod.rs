@@ -385,6 +385,28 @@ impl CudaBackend {
         Self::with_stream(ctx.default_stream(), modules)
     }
 
+    /// A backend on device `ordinal`'s primary context and a raw `CUstream` an engine
+    /// owns (from CUDA C++, PyTorch, ...), or its default stream when `stream` is null:
+    /// every copy and launch of the backend goes to that stream.
+    ///
+    /// # Safety
+    /// 1. A non-null `stream` is a live stream of device `ordinal`'s primary context.
+    /// 2. Its owner keeps it alive as long as the backend (and anything it made) lives.
+    pub unsafe fn on_raw_stream(
+        ordinal: usize,
+        stream: *mut std::ffi::c_void,
+        modules: &[PtxSource],
+    ) -> Result<Self> {
+        let probe = Self::new(ordinal, modules)?;
+        if stream.is_null() {
+            return Ok(probe);
+        }
+        let ctx = probe.stream.context().clone();
+        // SAFETY: the caller's conditions 1 and 2.
+        let s = unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) };
+        Self::with_stream(s, modules)
+    }
+
     /// A backend on an existing stream (and its context): engines that already use
     /// cudarc share theirs, so pagedkv's launches order with their own work.
     pub fn with_stream(stream: Arc<CudaStream>, modules: &[PtxSource]) -> Result<Self> {
