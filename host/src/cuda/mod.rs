@@ -247,6 +247,14 @@ impl BorrowedDeviceTensor {
         if ptr == 0 {
             return Err(Error::invalid("ptr", "device pointer is null"));
         }
+        if !ptr.is_multiple_of(16) {
+            // The kernels read and write 16-byte vectors: a misaligned address would be a
+            // fault that kills the process's CUDA context, not an error.
+            return Err(Error::invalid(
+                "ptr",
+                format!("device pointer {ptr:#x} is not 16-byte aligned"),
+            ));
+        }
         let bytes = HostTensor::checked_elems(dtype, shape)? * dtype.size();
         // SAFETY: the caller's conditions 1 and 2; `Drop` leaks the slice, so cudarc never
         // frees the caller's memory.
