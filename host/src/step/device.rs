@@ -60,27 +60,42 @@ pub trait StepDevice {
     unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, params: K::Params) -> Result<()>;
 }
 
-/// A read-only view of a tensor a run reads: an address in some [`Space`], its dtype
-/// and element count, and for q-like inputs a row stride. The lifetime ties it to the
-/// borrow it was made from.
-#[derive(Clone, Copy, Debug)]
-pub struct TensorView<'a> {
+/// Where a view's elements are: the part shared by [`TensorView`] and
+/// [`TensorViewMut`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RawView {
     pub(crate) addr: u64,
     pub(crate) elems: u64,
     pub(crate) dtype: DType,
     pub(crate) space: Space,
     pub(crate) row_stride: Option<u64>,
+}
+
+impl RawView {
+    fn new(addr: u64, elems: u64, dtype: DType, space: Space) -> Self {
+        Self {
+            addr,
+            elems,
+            dtype,
+            space,
+            row_stride: None,
+        }
+    }
+}
+
+/// A read-only view of a tensor a run reads: an address in some [`Space`], its dtype
+/// and element count, and for q-like inputs a row stride. The lifetime ties it to the
+/// borrow it was made from.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView<'a> {
+    pub(crate) raw: RawView,
     _borrow: PhantomData<&'a ()>,
 }
 
 /// A writable view of a tensor a run writes (see [`TensorView`]).
 #[derive(Debug)]
 pub struct TensorViewMut<'a> {
-    pub(crate) addr: u64,
-    pub(crate) elems: u64,
-    pub(crate) dtype: DType,
-    pub(crate) space: Space,
-    pub(crate) row_stride: Option<u64>,
+    pub(crate) raw: RawView,
     _borrow: PhantomData<&'a mut ()>,
 }
 
@@ -89,25 +104,15 @@ impl<'a> TensorView<'a> {
     /// memory is valid for `'a` (the caller holds the borrow).
     pub(crate) fn borrowed(addr: u64, elems: u64, dtype: DType, space: Space) -> Self {
         Self {
-            addr,
-            elems,
-            dtype,
-            space,
-            row_stride: None,
+            raw: RawView::new(addr, elems, dtype, space),
             _borrow: PhantomData,
         }
     }
 
     /// A view of a host tensor (for the emulator device).
     pub fn of_host(t: &'a HostTensor) -> Self {
-        Self {
-            addr: t.buf().as_bytes().as_ptr() as u64,
-            elems: t.len() as u64,
-            dtype: t.dtype(),
-            space: Space::Host,
-            row_stride: None,
-            _borrow: PhantomData,
-        }
+        let addr = t.buf().as_bytes().as_ptr() as u64;
+        Self::borrowed(addr, t.len() as u64, t.dtype(), Space::Host)
     }
 
     /// A view of `elems` elements of `dtype` at `addr` in `space`.
@@ -116,20 +121,13 @@ impl<'a> TensorView<'a> {
     /// `addr` is valid for reads of `elems` elements in `space` for `'a`, and nothing
     /// writes that memory while a run that reads through the view executes.
     pub unsafe fn from_raw(addr: u64, elems: u64, dtype: DType, space: Space) -> Self {
-        Self {
-            addr,
-            elems,
-            dtype,
-            space,
-            row_stride: None,
-            _borrow: PhantomData,
-        }
+        Self::borrowed(addr, elems, dtype, space)
     }
 
     /// The same memory read as rows `stride` elements apart (q inside a fused QKV
     /// projection): row `i` starts at element `i * stride`.
     pub fn with_row_stride(mut self, stride: u64) -> Self {
-        self.row_stride = Some(stride);
+        self.raw.row_stride = Some(stride);
         self
     }
 }
@@ -138,11 +136,7 @@ impl<'a> TensorViewMut<'a> {
     /// A writable view for a backend that holds the exclusive borrow for `'a`.
     pub(crate) fn borrowed(addr: u64, elems: u64, dtype: DType, space: Space) -> Self {
         Self {
-            addr,
-            elems,
-            dtype,
-            space,
-            row_stride: None,
+            raw: RawView::new(addr, elems, dtype, space),
             _borrow: PhantomData,
         }
     }
@@ -150,14 +144,8 @@ impl<'a> TensorViewMut<'a> {
     /// A view of a host tensor (for the emulator device).
     pub fn of_host(t: &'a mut HostTensor) -> Self {
         let (dtype, elems) = (t.dtype(), t.len() as u64);
-        Self {
-            addr: t.buf_mut().as_bytes_mut().as_mut_ptr() as u64,
-            elems,
-            dtype,
-            space: Space::Host,
-            row_stride: None,
-            _borrow: PhantomData,
-        }
+        let addr = t.buf_mut().as_bytes_mut().as_mut_ptr() as u64;
+        Self::borrowed(addr, elems, dtype, Space::Host)
     }
 
     /// A writable view of `elems` elements of `dtype` at `addr` in `space`.
@@ -166,19 +154,12 @@ impl<'a> TensorViewMut<'a> {
     /// `addr` is valid for reads and writes of `elems` elements in `space` for `'a`,
     /// and nothing else uses that memory while a run that writes through it executes.
     pub unsafe fn from_raw(addr: u64, elems: u64, dtype: DType, space: Space) -> Self {
-        Self {
-            addr,
-            elems,
-            dtype,
-            space,
-            row_stride: None,
-            _borrow: PhantomData,
-        }
+        Self::borrowed(addr, elems, dtype, space)
     }
 
     /// Rows `stride` elements apart (see [`TensorView::with_row_stride`]).
     pub fn with_row_stride(mut self, stride: u64) -> Self {
-        self.row_stride = Some(stride);
+        self.raw.row_stride = Some(stride);
         self
     }
 
@@ -186,11 +167,7 @@ impl<'a> TensorViewMut<'a> {
     /// `cache.reborrow()` to a run and keep `cache` for the next layer.
     pub fn reborrow(&mut self) -> TensorViewMut<'_> {
         TensorViewMut {
-            addr: self.addr,
-            elems: self.elems,
-            dtype: self.dtype,
-            space: self.space,
-            row_stride: self.row_stride,
+            raw: self.raw,
             _borrow: PhantomData,
         }
     }
@@ -198,11 +175,7 @@ impl<'a> TensorViewMut<'a> {
     /// The same memory, read-only, for as long as this view is borrowed.
     pub fn as_view(&self) -> TensorView<'_> {
         TensorView {
-            addr: self.addr,
-            elems: self.elems,
-            dtype: self.dtype,
-            space: self.space,
-            row_stride: self.row_stride,
+            raw: self.raw,
             _borrow: PhantomData,
         }
     }

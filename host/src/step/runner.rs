@@ -5,7 +5,7 @@ use pagedkv_kernels::kernels::{
 };
 use pagedkv_kernels::{GlobalSlice, GlobalSliceMut, PagedLayout};
 
-use super::device::{Space, StepDevice, TensorView, TensorViewMut};
+use super::device::{RawView, StepDevice, TensorView, TensorViewMut};
 use crate::error::{Error, Result};
 use crate::ops::attention::{
     self, DecodeOptions, DecodeShape, SplitPlan, decode_launch_config, reduce_launch_config,
@@ -390,12 +390,18 @@ impl<D: StepDevice> StepRunner<D> {
     fn check_view(
         &self,
         arg: &'static str,
-        v: (u64, u64, DType, Space, Option<u64>),
+        v: &RawView,
         rows: u64,
         row: u64,
         strided: bool,
     ) -> Result<u64> {
-        let (addr, elems, dtype, space, stride) = v;
+        let &RawView {
+            addr,
+            elems,
+            dtype,
+            space,
+            row_stride: stride,
+        } = v;
         if space != self.dev.space() {
             return Err(Error::invalid(
                 arg,
@@ -464,17 +470,10 @@ impl<D: StepDevice> StepRunner<D> {
         let l = self.shape.layout();
         let row = l.num_kv_heads as u64 * l.head_dim as u64;
         let pool = checked_pool_elems(&l)?;
-        let parts = |v: &TensorView<'_>| (v.addr, v.elems, v.dtype, v.space, v.row_stride);
-        self.check_view("key", parts(&io.key), n, row, false)?;
-        self.check_view("value", parts(&io.value), n, row, false)?;
-        self.check_view("key_cache", parts(&io.key_cache.as_view()), 1, pool, false)?;
-        self.check_view(
-            "value_cache",
-            parts(&io.value_cache.as_view()),
-            1,
-            pool,
-            false,
-        )?;
+        self.check_view("key", &io.key.raw, n, row, false)?;
+        self.check_view("value", &io.value.raw, n, row, false)?;
+        self.check_view("key_cache", &io.key_cache.raw, 1, pool, false)?;
+        self.check_view("value_cache", &io.value_cache.raw, 1, pool, false)?;
         if n == 0 {
             return Ok(());
         }
@@ -486,11 +485,11 @@ impl<D: StepDevice> StepRunner<D> {
             // metadata buffer, uploaded by `plan` (ordered before this launch).
             let params = unsafe {
                 KvAppendParams::<T> {
-                    key: GlobalSlice::from_raw_parts(io.key.addr as *const T, n * row),
-                    value: GlobalSlice::from_raw_parts(io.value.addr as *const T, n * row),
+                    key: GlobalSlice::from_raw_parts(io.key.raw.addr as *const T, n * row),
+                    value: GlobalSlice::from_raw_parts(io.value.raw.addr as *const T, n * row),
                     slot_mapping: GlobalSlice::from_raw_parts(slots as *const i64, n),
-                    key_cache: GlobalSliceMut::from_raw_parts(io.key_cache.addr as *mut T, pool),
-                    value_cache: GlobalSliceMut::from_raw_parts(io.value_cache.addr as *mut T, pool),
+                    key_cache: GlobalSliceMut::from_raw_parts(io.key_cache.raw.addr as *mut T, pool),
+                    value_cache: GlobalSliceMut::from_raw_parts(io.value_cache.raw.addr as *mut T, pool),
                     layout: l,
                 }
             };
@@ -522,11 +521,10 @@ impl<D: StepDevice> StepRunner<D> {
         let pool = checked_pool_elems(&l)?;
         let row = ds.row_elems();
         let rows = ds.num_seqs as u64;
-        let parts = |v: &TensorView<'_>| (v.addr, v.elems, v.dtype, v.space, v.row_stride);
-        let q_stride = self.check_view("q", parts(&io.q), rows, row, true)?;
-        let out_stride = self.check_view("out", parts(&io.out.as_view()), rows, row, true)?;
-        self.check_view("key_cache", parts(&io.key_cache), 1, pool, false)?;
-        self.check_view("value_cache", parts(&io.value_cache), 1, pool, false)?;
+        let q_stride = self.check_view("q", &io.q.raw, rows, row, true)?;
+        let out_stride = self.check_view("out", &io.out.raw, rows, row, true)?;
+        self.check_view("key_cache", &io.key_cache.raw, 1, pool, false)?;
+        self.check_view("value_cache", &io.value_cache.raw, 1, pool, false)?;
         let dtype = self.shape.dtype;
         let tables = self.meta + planned.offsets[0];
         let lens = self.meta + planned.offsets[1];
@@ -536,9 +534,9 @@ impl<D: StepDevice> StepRunner<D> {
             // buffers the runner owns, sized for every plan within its capacity.
             let params = unsafe {
                 DecodeParams::<T> {
-                    q: GlobalSlice::from_raw_parts(io.q.addr as *const T, io.q.elems),
-                    key_cache: GlobalSlice::from_raw_parts(io.key_cache.addr as *const T, pool),
-                    value_cache: GlobalSlice::from_raw_parts(io.value_cache.addr as *const T, pool),
+                    q: GlobalSlice::from_raw_parts(io.q.raw.addr as *const T, io.q.raw.elems),
+                    key_cache: GlobalSlice::from_raw_parts(io.key_cache.raw.addr as *const T, pool),
+                    value_cache: GlobalSlice::from_raw_parts(io.value_cache.raw.addr as *const T, pool),
                     block_tables: GlobalSlice::from_raw_parts(tables as *const i32, rows * ds.max_blocks_per_seq as u64),
                     context_lens: GlobalSlice::from_raw_parts(lens as *const i32, rows),
                     alibi_slopes: if opts.alibi_slopes.is_some() {
@@ -549,7 +547,7 @@ impl<D: StepDevice> StepRunner<D> {
                     out: if p.is_split() {
                         GlobalSliceMut::empty()
                     } else {
-                        GlobalSliceMut::from_raw_parts(io.out.addr as *mut T, io.out.elems)
+                        GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems)
                     },
                     part_out: GlobalSliceMut::from_raw_parts(self.part_out.0 as *mut f32, self.part_out.1),
                     part_ml: GlobalSliceMut::from_raw_parts(self.part_ml.0 as *mut f32, self.part_ml.1),
@@ -578,7 +576,7 @@ impl<D: StepDevice> StepRunner<D> {
                     ReduceParams::<T> {
                         part_out: params.part_out.as_const(),
                         part_ml: params.part_ml.as_const(),
-                        out: GlobalSliceMut::from_raw_parts(io.out.addr as *mut T, io.out.elems),
+                        out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems),
                         num_q_heads: ds.num_q_heads,
                         head_dim: ds.head_dim,
                         num_partitions: p.num_partitions,
