@@ -422,8 +422,10 @@ bench() {
     return
   fi
   echo '```' >> "$REPORT"
+  # --discard-baseline: compare with nothing a previous run left in target/criterion.
   PAGEDKV_BENCH_REPORT=$table timeout -k 10 "$limit" "$BENCH" --bench \
-    --warm-up-time 0.2 --measurement-time 0.5 --noplot 2>&1 | tee -a "$LOG" >> "$REPORT"
+    --warm-up-time 0.2 --measurement-time 0.5 --noplot --discard-baseline 2>&1 \
+    | tee -a "$LOG" >> "$REPORT"
   rc=${PIPESTATUS[0]}
   echo '```' >> "$REPORT"
   row ""
