@@ -6,7 +6,7 @@
 mod common;
 
 use common::case::{Params, build};
-use common::{rel_l2, rng, tolerance, uniform};
+use common::{approx_tolerance, rel_l2, rng, tolerance, uniform};
 use pagedkv::cuda::{CudaBackend, DeviceTensor, backend};
 use pagedkv::host::ops::kv_append::kv_append_reference;
 use pagedkv::host::reference::paged_decode_attention;
@@ -256,5 +256,162 @@ fn copy_blocks_and_swap_round_trip() {
     }
     for (b, p) in before.iter().zip(&pools) {
         assert_eq!(p.to_host(&gpu).unwrap().buf().as_bytes(), b.as_slice());
+    }
+}
+
+// Small cases for compute-sanitizer (memcheck, racecheck, synccheck), one per kernel
+// family: scripts/gpu-check.sh runs each by `--exact` name under each tool, where a
+// kernel runs 10-100x slower, so they stay a few thousand threads and a few blocks deep.
+
+/// A small ragged decode case (f16, head_dim 128, 2 KV heads, group 4, 3 sequences of
+/// up to 200 tokens, window, soft-cap and ALiBi) run with `plan`, against the reference.
+fn sanitizer_decode(parts: u32, heads_per_block: u32) {
+    let gpu = gpu();
+    let dtype = DType::F16;
+    let p = Params {
+        dtype,
+        head_dim: 128,
+        block_size: 16,
+        num_kv_heads: 2,
+        group: 4,
+        batch: 3,
+        max_len: 200,
+        window: Some(150),
+        softcap: Some(30.0),
+        alibi: true,
+        partition: None,
+        narrow_heads: false,
+        seed: 11,
+        full_length: false,
+    };
+    let c = build(&p);
+    let want = paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+    let q = DeviceTensor::from_host(&gpu, &c.q).unwrap();
+    let kc = DeviceTensor::from_host(&gpu, &c.kc).unwrap();
+    let vc = DeviceTensor::from_host(&gpu, &c.vc).unwrap();
+    let mut out =
+        DeviceTensor::from_host(&gpu, &HostTensor::full(dtype, c.q.shape(), f64::NAN)).unwrap();
+    let plan = pagedkv::host::ops::attention::SplitPlan {
+        heads_per_block,
+        partition_tokens: 200u32.div_ceil(parts).next_multiple_of(64),
+        num_partitions: parts,
+    };
+    gpu.paged_decode_attention(
+        &c.shape,
+        &c.opts,
+        &q,
+        &kc,
+        &vc,
+        &c.tables,
+        &c.lens,
+        &mut out,
+        Some(plan),
+    )
+    .unwrap();
+    let e = rel_l2(&out.to_host(&gpu).unwrap().to_f64(), &want);
+    assert!(
+        e <= approx_tolerance(dtype, p.softcap),
+        "{plan:?}: rel L2 {e:e}"
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sanitizer_small_decode() {
+    // One partition: the unsplit decode kernel, all 4 heads of a group per block.
+    sanitizer_decode(1, 4);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sanitizer_small_decode_split() {
+    // Four partitions of 64 tokens and two head chunks: the split decode and the reduce.
+    sanitizer_decode(4, 2);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sanitizer_small_append() {
+    let gpu = gpu();
+    let dtype = DType::F16;
+    let l = PagedLayout {
+        num_blocks: 8,
+        num_kv_heads: 2,
+        block_size: 16,
+        head_dim: 128,
+    };
+    let mut r = rng(13);
+    let mut slots: Vec<i64> = (0..l.num_slots() as i64).collect();
+    slots.shuffle(&mut r);
+    let n = 37;
+    // Some tokens are padding (-1) and write nothing.
+    let mapping: Vec<i64> = (0..n)
+        .map(|i| if i % 9 == 4 { -1 } else { slots[i] })
+        .collect();
+    let shape = [n, 2, 128];
+    let k = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * 2 * 128)).unwrap();
+    let v = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * 2 * 128)).unwrap();
+    let pool = [l.pool_elems() as usize];
+    let mut kr = HostTensor::full(dtype, &pool, f64::NAN);
+    let mut vr = kr.clone();
+    let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
+    let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
+    kv_append_reference(&l, &k, &v, &mapping, &mut kr, &mut vr).unwrap();
+    let (kd, vd) = (
+        DeviceTensor::from_host(&gpu, &k).unwrap(),
+        DeviceTensor::from_host(&gpu, &v).unwrap(),
+    );
+    gpu.kv_append(&l, &kd, &vd, &mapping, &mut kc, &mut vc)
+        .unwrap();
+    assert_eq!(
+        kc.to_host(&gpu).unwrap().buf().as_bytes(),
+        kr.buf().as_bytes()
+    );
+    assert_eq!(
+        vc.to_host(&gpu).unwrap().buf().as_bytes(),
+        vr.buf().as_bytes()
+    );
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sanitizer_small_copy_blocks() {
+    let gpu = gpu();
+    // Two pools of 8 blocks of 257 vectors of 16 bytes: the unrolled main loop, then a
+    // tail that only some threads of the block take.
+    let (num_blocks, block_bytes) = (8usize, 257 * 16usize);
+    let mut r = rng(17);
+    let hosts: Vec<HostTensor> = (0..2)
+        .map(|_| {
+            let bytes: Vec<u8> = (0..num_blocks * block_bytes)
+                .map(|_| rand::Rng::random(&mut r))
+                .collect();
+            HostTensor::from_bytes(DType::F16, &[num_blocks * block_bytes / 2], &bytes).unwrap()
+        })
+        .collect();
+    let mut pools: Vec<DeviceTensor> = hosts
+        .iter()
+        .map(|h| DeviceTensor::from_host(&gpu, h).unwrap())
+        .collect();
+    let pairs = [(0u32, 5u32), (1, 6), (0, 7)];
+    {
+        let mut refs: Vec<&mut DeviceTensor> = pools.iter_mut().collect();
+        gpu.copy_blocks(&mut refs, block_bytes as u64, &pairs)
+            .unwrap();
+    }
+    for (h, d) in hosts.iter().zip(&pools) {
+        let got = d.to_host(&gpu).unwrap();
+        let (g, o) = (got.buf().as_bytes(), h.buf().as_bytes());
+        for b in 0..num_blocks {
+            let src = pairs
+                .iter()
+                .find(|p| p.1 as usize == b)
+                .map_or(b, |p| p.0 as usize);
+            assert_eq!(
+                &g[b * block_bytes..(b + 1) * block_bytes],
+                &o[src * block_bytes..(src + 1) * block_bytes],
+                "block {b}"
+            );
+        }
     }
 }
