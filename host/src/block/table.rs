@@ -110,6 +110,11 @@ impl BlockTable {
     pub fn hashes(&self) -> &[BlockHash] {
         &self.hashes
     }
+
+    /// Leading entries a sliding window has released (all [`NULL_BLOCK`]).
+    pub(crate) fn first_live(&self) -> u32 {
+        self.first_live
+    }
 }
 
 /// The source of [`KvCacheManager::id`]s (0 means "no manager").
@@ -127,6 +132,9 @@ pub struct KvCacheManager {
     prefix_caching: bool,
     window: Option<u32>,
     scratch: HashMap<BlockId, BlockId>,
+    /// Registrations [`commit_deferred`](Self::commit_deferred) left for
+    /// [`flush_commits`](Self::flush_commits).
+    pending: Vec<(BlockId, BlockHash)>,
 }
 
 impl KvCacheManager {
@@ -162,6 +170,7 @@ impl KvCacheManager {
             prefix_caching,
             window,
             scratch: HashMap::default(),
+            pending: Vec::new(),
         })
     }
 
@@ -448,6 +457,20 @@ impl KvCacheManager {
     /// first `t.num_tokens()` tokens of `tokens`), and registers them in the prefix cache.
     /// Errors on a table of another manager.
     pub fn commit(&mut self, t: &mut BlockTable, tokens: &[u32], salt: Option<u64>) -> Result<()> {
+        self.commit_deferred(t, tokens, salt)?;
+        self.flush_commits();
+        Ok(())
+    }
+
+    /// [`commit`](Self::commit), except that the prefix-cache registrations wait for
+    /// [`flush_commits`](Self::flush_commits), which must run before any block is
+    /// freed or allocated (a registration is of a held block).
+    pub(crate) fn commit_deferred(
+        &mut self,
+        t: &mut BlockTable,
+        tokens: &[u32],
+        salt: Option<u64>,
+    ) -> Result<()> {
         self.check(t)?;
         if !self.prefix_caching || self.window.is_some() || t.location != Location::Device {
             return Ok(());
@@ -462,11 +485,23 @@ impl KvCacheManager {
                 salt,
             );
             if t.blocks[i] != NULL_BLOCK {
-                self.device.register(t.blocks[i], h);
+                self.pending.push((t.blocks[i], h));
             }
             t.hashes.push(h);
         }
         Ok(())
+    }
+
+    /// Registers the pending commits in order: first prefetching every map slot they
+    /// probe, so their cache misses overlap.
+    pub(crate) fn flush_commits(&mut self) {
+        for &(b, h) in &self.pending {
+            self.device.prefetch_register(b, h);
+        }
+        for &(b, h) in &self.pending {
+            self.device.register(b, h);
+        }
+        self.pending.clear();
     }
 
     /// A new table sharing every block of `t` (each `ref_cnt` + 1): the only way to
