@@ -412,6 +412,7 @@ impl SeqSlab {
     fn remove(&mut self, id: &SeqId) -> Option<Seq> {
         let slot = self.slot(*id)?;
         let s = self.slots[slot].take()?;
+        self.scheduled_in[slot] = 0;
         self.free.push(slot as u32);
         Some(s)
     }
@@ -1190,13 +1191,15 @@ impl Scheduler {
                 what: "sequence",
                 id: s,
             })?;
-            if self.seqs.slots[slot].is_none() {
-                return Err(Error::Unknown {
-                    what: "sequence",
-                    id: s,
-                });
-            }
+            // A removed sequence's slot is never `scheduled_in` this step, so the
+            // sequence itself is read only on the error path.
             if self.seqs.scheduled_in[slot] != self.step_gen {
+                if self.seqs.slots[slot].is_none() {
+                    return Err(Error::Unknown {
+                        what: "sequence",
+                        id: s,
+                    });
+                }
                 return Err(Error::invalid(
                     "sampled",
                     format!("sequence {s} was not scheduled"),

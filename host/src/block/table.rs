@@ -485,6 +485,8 @@ impl KvCacheManager {
                 salt,
             );
             if t.blocks[i] != NULL_BLOCK {
+                // Start the map's cache miss now; the flush finds the line in cache.
+                self.device.prefetch_register(t.blocks[i], h);
                 self.pending.push((t.blocks[i], h));
             }
             t.hashes.push(h);
@@ -492,12 +494,9 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Registers the pending commits in order: first prefetching every map slot they
-    /// probe, so their cache misses overlap.
+    /// Registers the pending commits in order (their map slots were prefetched when
+    /// they were hashed, so their cache misses overlap with the caller's other work).
     pub(crate) fn flush_commits(&mut self) {
-        for &(b, h) in &self.pending {
-            self.device.prefetch_register(b, h);
-        }
         for &(b, h) in &self.pending {
             self.device.register(b, h);
         }
