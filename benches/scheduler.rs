@@ -19,8 +19,9 @@
 //! After 32 warm-up steps it times `STEPS` steps and reports the median and the worst
 //! step, and the median per running sequence. It checks the work is real: over every 16
 //! steps each sequence gained exactly one block, and with prefix caching on the prefix
-//! cache grew by N blocks (by none when off). `SCHED_BENCH_N=256,1024` picks the sizes;
-//! `SCHED_BENCH_STEPS` the measured steps (a multiple of 16, default 512).
+//! cache grew by N blocks (by none when off). `SCHED_BENCH_N=256,1024` picks the sizes,
+//! `SCHED_BENCH_STEPS` the measured steps (a multiple of 16, default 512), and
+//! `SCHED_BENCH_ONLY=on-staggered` (or `off-lock-step`, ...) one configuration.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -104,10 +105,19 @@ fn measure(n: u32, caching: bool, staggered: bool, steps: u32) -> Row {
         assert_eq!(s.running_seqs().len(), n as usize, "a sequence finished");
         for (&q, &before) in seqs.iter().zip(&blocks) {
             let now = s.block_table(q).expect("live").blocks().len();
-            assert_eq!(now, before + 1, "sequence {q} gained {} blocks", now - before);
+            assert_eq!(
+                now,
+                before + 1,
+                "sequence {q} gained {} blocks",
+                now - before
+            );
         }
         let grown = s.kv().device().num_cached() - cached;
-        assert_eq!(grown, if caching { n as usize } else { 0 }, "prefix cache growth");
+        assert_eq!(
+            grown,
+            if caching { n as usize } else { 0 },
+            "prefix cache growth"
+        );
     }
     times.sort();
     Row {
@@ -127,15 +137,29 @@ fn decode_cycle() {
     let steps: u32 = std::env::var("SCHED_BENCH_STEPS")
         .map(|v| v.parse().expect("steps"))
         .unwrap_or(512);
-    assert!(steps >= BLOCK && steps % BLOCK == 0, "steps: a multiple of 16");
-    println!("scheduler decode cycle: step() + on_step_done(), {steps} steps, prompts {PROMPT}, block {BLOCK}");
+    assert!(
+        steps >= BLOCK && steps % BLOCK == 0,
+        "steps: a multiple of 16"
+    );
+    println!(
+        "scheduler decode cycle: step() + on_step_done(), {steps} steps, prompts {PROMPT}, block {BLOCK}"
+    );
     println!(
         "{:>6} {:>7} {:>10} | {:>11} {:>11} {:>10}",
         "N", "caching", "boundaries", "median µs", "worst µs", "ns/seq"
     );
+    let only = std::env::var("SCHED_BENCH_ONLY").ok();
     for &n in &sizes {
         for caching in [false, true] {
             for staggered in [true, false] {
+                let name = format!(
+                    "{}-{}",
+                    if caching { "on" } else { "off" },
+                    if staggered { "staggered" } else { "lock-step" }
+                );
+                if only.as_ref().is_some_and(|o| *o != name) {
+                    continue;
+                }
                 let r = measure(n, caching, staggered, steps);
                 println!(
                     "{:>6} {:>7} {:>10} | {:>11.1} {:>11.1} {:>10.1}",
@@ -195,7 +219,11 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    if filter.is_empty() || filter.iter().any(|f| "scheduler_decode_cycle".contains(f.as_str())) {
+    if filter.is_empty()
+        || filter
+            .iter()
+            .any(|f| "scheduler_decode_cycle".contains(f.as_str()))
+    {
         decode_cycle();
     }
     let mut c = Criterion::default().configure_from_args();
