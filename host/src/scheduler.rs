@@ -1045,28 +1045,34 @@ impl Scheduler {
             }
             self.seqs.scheduled_in[(id & 0xffff_ffff) as usize] = self.step_gen;
             let seq = self.seqs.get_mut(&id).unwrap();
-            let before = seq.table.blocks().len();
-            let live_before = seq.table.first_live() as usize;
-            let copies_before = self.batch.copies.len();
             let start = seq.table.num_tokens();
-            let slot = self
-                .kv
-                .append_slot(&mut seq.table, &mut self.batch.copies)?;
             let offset = self.batch.slot_mapping.len() as u32;
-            self.batch.slot_mapping.push(slot);
-            // Only entries that changed: a new (or copied-on-write) last block, and
-            // the entries a sliding window released.
-            let blocks = seq.table.blocks();
-            let last = blocks.len() - 1;
-            if (blocks.len() != before || self.batch.copies.len() != copies_before) && last < w {
-                self.batch.block_tables[row * w + last] = blocks[last] as i32;
-                self.batch.mark_dirty(row, last, last + 1);
-            }
-            let live = (seq.table.first_live() as usize).min(w);
-            if live > live_before {
-                self.batch.block_tables[row * w + live_before..row * w + live]
-                    .fill(NULL_BLOCK as i32);
-                self.batch.mark_dirty(row, live_before, live);
+            if let Some(slot) = self.kv.append_in_place(&mut seq.table) {
+                // The common case: a slot in the partial last block; the row is as is.
+                self.batch.slot_mapping.push(slot);
+            } else {
+                let before = seq.table.blocks().len();
+                let live_before = seq.table.first_live() as usize;
+                let copies_before = self.batch.copies.len();
+                let slot = self
+                    .kv
+                    .append_slot(&mut seq.table, &mut self.batch.copies)?;
+                self.batch.slot_mapping.push(slot);
+                // Only entries that changed: a new (or copied-on-write) last block,
+                // and the entries a sliding window released.
+                let blocks = seq.table.blocks();
+                let last = blocks.len() - 1;
+                if (blocks.len() != before || self.batch.copies.len() != copies_before) && last < w
+                {
+                    self.batch.block_tables[row * w + last] = blocks[last] as i32;
+                    self.batch.mark_dirty(row, last, last + 1);
+                }
+                let live = (seq.table.first_live() as usize).min(w);
+                if live > live_before {
+                    self.batch.block_tables[row * w + live_before..row * w + live]
+                        .fill(NULL_BLOCK as i32);
+                    self.batch.mark_dirty(row, live_before, live);
+                }
             }
             self.batch.context_lens[row] = (start + 1) as i32;
             self.batch.seqs.push(ScheduledSeq {
@@ -1238,9 +1244,11 @@ impl Scheduler {
             }
             let seq = self.seqs.get_mut(&s).unwrap();
             seq.num_computed = seq.table.num_tokens();
-            if let Err(e) = self
-                .kv
-                .commit_deferred(&mut seq.table, &seq.tokens, seq.salt)
+            // Only a sequence that filled a block has anything to commit (1 in 16).
+            if self.kv.has_uncommitted(&seq.table)
+                && let Err(e) = self
+                    .kv
+                    .commit_deferred(&mut seq.table, &seq.tokens, seq.salt)
             {
                 result = Err(e);
                 break;

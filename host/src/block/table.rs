@@ -129,6 +129,8 @@ pub struct KvCacheManager {
     device: BlockPool,
     host: BlockPool,
     block_size: u32,
+    /// `block_size - 1` when it is a power of two (offsets by mask), else 0.
+    block_mask: u32,
     prefix_caching: bool,
     window: Option<u32>,
     scratch: HashMap<BlockId, BlockId>,
@@ -167,6 +169,11 @@ impl KvCacheManager {
             device: BlockPool::new(num_blocks, true)?,
             host,
             block_size,
+            block_mask: if block_size.is_power_of_two() {
+                block_size - 1
+            } else {
+                0
+            },
             prefix_caching,
             window,
             scratch: HashMap::default(),
@@ -453,6 +460,28 @@ impl KvCacheManager {
         Ok(b as i64 * bs as i64 + (pos % bs) as i64)
     }
 
+    /// [`append_slot`](Self::append_slot) in its common case, inline: a device table
+    /// of this manager whose partial last block it holds alone (no allocation, no
+    /// copy, no window). `None`, changing nothing, for every other case.
+    #[inline]
+    pub(crate) fn append_in_place(&mut self, t: &mut BlockTable) -> Option<i64> {
+        let pos = t.num_tokens;
+        let off = pos & self.block_mask;
+        if off == 0
+            || self.block_mask == 0
+            || t.last_maybe_shared
+            || self.window.is_some()
+            || t.owner != self.id
+            || t.location != Location::Device
+        {
+            return None;
+        }
+        let b = *t.blocks.last()?;
+        t.num_tokens = pos + 1;
+        self.device.add_fill(1);
+        Some(b as i64 * self.block_size as i64 + off as i64)
+    }
+
     /// Records the hashes of `t`'s full blocks whose contents are now computed (the
     /// first `t.num_tokens()` tokens of `tokens`), and registers them in the prefix cache.
     /// Errors on a table of another manager.
@@ -492,6 +521,14 @@ impl KvCacheManager {
             t.hashes.push(h);
         }
         Ok(())
+    }
+
+    /// Whether [`commit`](Self::commit) of `t` would record anything: prefix caching
+    /// is on (without a window) and a full block of `t` has no hash yet.
+    pub(crate) fn has_uncommitted(&self, t: &BlockTable) -> bool {
+        self.prefix_caching
+            && self.window.is_none()
+            && (t.num_tokens as usize) >= (t.hashes.len() + 1) * self.block_size as usize
     }
 
     /// Registers the pending commits in order (their map slots were prefetched when
