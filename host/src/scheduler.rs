@@ -76,6 +76,18 @@ use crate::ops::SUPPORTED_BLOCK_SIZES;
 
 /// How many sequences ahead the per-sequence loops prefetch.
 const PREFETCH_AHEAD: usize = 16;
+/// Batches from this size prefetch: below it a step's per-sequence data stays in the
+/// core's caches from one step to the next, and the look-ahead only costs instructions.
+const PREFETCH_MIN_BATCH: usize = 2048;
+
+/// The look-ahead distance for a batch of `n` sequences (`usize::MAX`: none).
+fn prefetch_distance(n: usize) -> usize {
+    if n >= PREFETCH_MIN_BATCH {
+        PREFETCH_AHEAD
+    } else {
+        usize::MAX
+    }
+}
 
 /// A request's id, chosen by the caller.
 pub type RequestId = u64;
@@ -1033,11 +1045,12 @@ impl Scheduler {
 
         // 3. Decode slots for every running sequence, in row order.
         let w = self.batch.max_blocks_per_seq as usize;
+        let ahead = prefetch_distance(self.rows.len());
         for row in 0..self.rows.len() {
             let id = self.rows[row];
             // The last block entry of a sequence a few rows ahead (a cache miss
             // otherwise, at large batches).
-            if let Some(ahead) = self.rows.get(row + PREFETCH_AHEAD)
+            if let Some(ahead) = self.rows.get(row.saturating_add(ahead))
                 && let Some(q) = self.seqs.get(ahead)
             {
                 let b = q.table.blocks();
@@ -1234,10 +1247,11 @@ impl Scheduler {
         // blocks' prefix-cache registrations, deferred and batched, come first).
         let mut done = Vec::new();
         let mut result = Ok(());
+        let ahead = prefetch_distance(sampled.len());
         for (k, &(s, tok)) in sampled.iter().enumerate() {
             // The tail of a sequence a few ahead, whose token append would otherwise
             // wait for a cache miss.
-            if let Some(ahead) = sampled.get(k + PREFETCH_AHEAD)
+            if let Some(ahead) = sampled.get(k.saturating_add(ahead))
                 && let Some(q) = self.seqs.get(&ahead.0)
             {
                 prefetch(q.tokens.as_ptr_range().end);
