@@ -39,8 +39,13 @@
 //!
 //! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
 //! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites
-//! only the entries that changed, so a steady decode step costs O(running sequences)
-//! with no heap allocation beyond growing buffers.
+//! only the entries that changed (a new block's, a copied-on-write block's, those a
+//! window released; a new or moved row whole) and lists them in [`Batch::dirty`] for
+//! an incremental upload, so a steady decode step costs O(running sequences) with no
+//! heap allocation beyond growing buffers. The common decode (a slot in the partial
+//! last block) is an inline mask and multiply; the prefix-cache registrations of a
+//! step's newly full blocks are hashed as the tokens come in and registered in one
+//! batch at the end of `on_step_done`, their cache misses overlapped.
 //!
 //! After sampling, [`Scheduler::on_step_done`] takes each scheduled sequence's new token;
 //! a stop token or `max_tokens` finishes it and frees its blocks at once.
@@ -69,7 +74,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap as HashMap;
 
-use crate::block::pool::prefetch;
+use crate::block::pool::{prefetch, prefetch_write};
 use crate::block::{BlockTable, KvCacheManager, NULL_BLOCK};
 use crate::error::{Error, Result};
 use crate::ops::SUPPORTED_BLOCK_SIZES;
@@ -1254,7 +1259,7 @@ impl Scheduler {
             if let Some(ahead) = sampled.get(k.saturating_add(ahead))
                 && let Some(q) = self.seqs.get(&ahead.0)
             {
-                prefetch(q.tokens.as_ptr_range().end);
+                prefetch_write(q.tokens.as_ptr_range().end);
             }
             let seq = self.seqs.get_mut(&s).unwrap();
             seq.num_computed = seq.table.num_tokens();

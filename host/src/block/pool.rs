@@ -107,6 +107,20 @@ pub(crate) fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// [`prefetch`] with intent to write: the line comes in owned, so a store to it does
+/// not wait for ownership.
+#[inline(always)]
+pub(crate) fn prefetch_write<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_ET0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_ET0>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// The prefix-cache map, hash → block: a flat open-addressing table (linear probing,
 /// backward-shift deletion) preallocated for every block of the pool at load ≤ 1/2, so
 /// an insert or a lookup is one or two cache lines whatever the map holds, and it never

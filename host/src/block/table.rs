@@ -64,6 +64,11 @@ pub struct BlockTable {
     /// The last block may be shared (set by fork and swap-in): only then does an
     /// append look at its reference count for copy-on-write.
     last_maybe_shared: bool,
+    /// `blocks.last()`, kept beside the counts so the common append reads no heap
+    /// memory. Exact whenever `append_in_place` may use it: after `allocate_prefill`
+    /// or `append_slot` (which set it), until a fork or swap sets `last_maybe_shared`
+    /// or moves the table to the host.
+    last: BlockId,
 }
 
 impl BlockTable {
@@ -88,6 +93,7 @@ impl BlockTable {
             location: self.location,
             first_live: self.first_live,
             last_maybe_shared: self.last_maybe_shared,
+            last: self.last,
         }
     }
 
@@ -350,6 +356,7 @@ impl KvCacheManager {
         t.first_live = dead;
         t.num_tokens = n;
         t.owner = self.id;
+        t.last = *t.blocks.last().expect("a prompt has a block");
         // The new blocks' tokens (the hits were counted by `touch`).
         let new_from = hits.max(dead);
         self.device
@@ -456,6 +463,7 @@ impl KvCacheManager {
         t.num_tokens = pos + 1;
         self.device.add_fill(1);
         let b = *t.blocks.last().unwrap();
+        t.last = b;
         self.slide_window(t);
         Ok(b as i64 * bs as i64 + (pos % bs) as i64)
     }
@@ -476,7 +484,8 @@ impl KvCacheManager {
         {
             return None;
         }
-        let b = *t.blocks.last()?;
+        let b = t.last;
+        debug_assert_eq!(t.blocks.last(), Some(&b), "stale last block");
         t.num_tokens = pos + 1;
         self.device.add_fill(1);
         Some(b as i64 * self.block_size as i64 + off as i64)
