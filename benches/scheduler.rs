@@ -138,7 +138,7 @@ fn decode_cycle() {
         .map(|v| v.parse().expect("steps"))
         .unwrap_or(512);
     assert!(
-        steps >= BLOCK && steps % BLOCK == 0,
+        steps >= BLOCK && steps.is_multiple_of(BLOCK),
         "steps: a multiple of 16"
     );
     println!(

@@ -570,7 +570,7 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             let key = x % 97; // a small key space: repeats, hits and misses
-            if x % 3 == 0 || model.len() >= 64 {
+            if x.is_multiple_of(3) || model.len() >= 64 {
                 let b = model.get(&key).copied().unwrap_or(step % 5);
                 m.remove_if(key, b);
                 model.remove(&key);
