@@ -39,8 +39,13 @@
 //!
 //! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
 //! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites
-//! only the entries that changed, so a steady decode step costs O(running sequences)
-//! with no heap allocation beyond growing buffers.
+//! only the entries that changed (a new block's, a copied-on-write block's, those a
+//! window released; a new or moved row whole) and lists them in [`Batch::dirty`] for
+//! an incremental upload, so a steady decode step costs O(running sequences) with no
+//! heap allocation beyond growing buffers. The common decode (a slot in the partial
+//! last block) is an inline mask and multiply; the prefix-cache registrations of a
+//! step's newly full blocks are hashed as the tokens come in and registered in one
+//! batch at the end of `on_step_done`, their cache misses overlapped.
 //!
 //! After sampling, [`Scheduler::on_step_done`] takes each scheduled sequence's new token;
 //! a stop token or `max_tokens` finishes it and frees its blocks at once.
@@ -69,9 +74,25 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap as HashMap;
 
+use crate::block::pool::{prefetch, prefetch_write};
 use crate::block::{BlockTable, KvCacheManager, NULL_BLOCK};
 use crate::error::{Error, Result};
 use crate::ops::SUPPORTED_BLOCK_SIZES;
+
+/// How many sequences ahead the per-sequence loops prefetch.
+const PREFETCH_AHEAD: usize = 16;
+/// Batches from this size prefetch: below it a step's per-sequence data stays in the
+/// core's caches from one step to the next, and the look-ahead only costs instructions.
+const PREFETCH_MIN_BATCH: usize = 2048;
+
+/// The look-ahead distance for a batch of `n` sequences (`usize::MAX`: none).
+fn prefetch_distance(n: usize) -> usize {
+    if n >= PREFETCH_MIN_BATCH {
+        PREFETCH_AHEAD
+    } else {
+        usize::MAX
+    }
+}
 
 /// A request's id, chosen by the caller.
 pub type RequestId = u64;
@@ -229,6 +250,43 @@ pub struct Batch {
     pub swap_in: Vec<(u32, u32)>,
     /// Requests preempted this step, and how.
     pub preempted: Vec<(RequestId, PreemptionMode)>,
+    /// The entries of `block_tables` that changed since the previous batch: uploading
+    /// `block_tables[r.row * max_blocks_per_seq ..][r.start..r.end]` for each range
+    /// brings a device copy of the previous batch's tables up to date (ranges may
+    /// overlap; rows past `seqs.len()` are gone). A new or moved row is dirty whole; a
+    /// decode step dirties only the entry of a new block (or a copied-on-write one) and
+    /// the entries a sliding window released.
+    pub dirty: Vec<RowRange>,
+    /// `dirty` was handed out by the last `step()`: the next change starts a new list.
+    dirty_sent: bool,
+}
+
+/// A run of changed entries in one block-table row of a [`Batch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowRange {
+    /// The row (the sequence's index in `Batch::seqs`).
+    pub row: u32,
+    /// First changed entry.
+    pub start: u32,
+    /// One past the last changed entry.
+    pub end: u32,
+}
+
+impl Batch {
+    /// Records entries `start..end` of row `row` as changed.
+    fn mark_dirty(&mut self, row: usize, start: usize, end: usize) {
+        if self.dirty_sent {
+            self.dirty.clear();
+            self.dirty_sent = false;
+        }
+        if start < end {
+            self.dirty.push(RowRange {
+                row: row as u32,
+                start: start as u32,
+                end: end as u32,
+            });
+        }
+    }
 }
 
 /// Counters and gauges after a step.
@@ -292,10 +350,11 @@ struct Seq {
     num_computed: u32,
     /// Row in the batch while running.
     row: usize,
-    /// Scheduled in the current step, and whether as a prefill.
-    scheduled: Option<bool>,
-    /// The last `on_step_done` generation that named this sequence.
-    stamp: u64,
+    /// Its request's stop token, token cap (prompt + `max_tokens`) and cache salt,
+    /// copied here so `on_step_done` needs no group lookup.
+    stop_token: Option<u32>,
+    max_len: usize,
+    salt: Option<u64>,
 }
 
 #[derive(Clone, Debug)]
@@ -323,6 +382,11 @@ struct SeqSlab {
     slots: Vec<Option<Seq>>,
     generation: Vec<u32>,
     free: Vec<u32>,
+    /// Per slot, beside the (larger, colder) sequences so that `on_step_done`'s
+    /// validation pass reads 16 contiguous bytes per sequence: the step that last
+    /// scheduled it, and the last `on_step_done` generation that named it.
+    scheduled_in: Vec<u64>,
+    stamp: Vec<u64>,
 }
 
 impl SeqSlab {
@@ -332,6 +396,8 @@ impl SeqSlab {
             None => {
                 self.slots.push(None);
                 self.generation.push(0);
+                self.scheduled_in.push(0);
+                self.stamp.push(0);
                 (self.slots.len() - 1) as u32
             }
         };
@@ -347,6 +413,8 @@ impl SeqSlab {
     fn insert(&mut self, id: SeqId, seq: Seq) {
         let slot = self.slot(id).expect("id from alloc_id");
         self.slots[slot] = Some(seq);
+        self.scheduled_in[slot] = 0;
+        self.stamp[slot] = 0;
     }
 
     fn get(&self, id: &SeqId) -> Option<&Seq> {
@@ -361,6 +429,7 @@ impl SeqSlab {
     fn remove(&mut self, id: &SeqId) -> Option<Seq> {
         let slot = self.slot(*id)?;
         let s = self.slots[slot].take()?;
+        self.scheduled_in[slot] = 0;
         self.free.push(slot as u32);
         Some(s)
     }
@@ -393,6 +462,8 @@ pub struct Scheduler {
     next_arrival: u64,
     in_step: bool,
     generation: u64,
+    /// Steps planned so far (`step()` numbers the sequences it schedules with it).
+    step_gen: u64,
     finished: Vec<(RequestId, SeqId, FinishReason, Vec<u32>)>,
     metrics: Metrics,
     watermark_blocks: u32,
@@ -483,6 +554,7 @@ impl Scheduler {
             next_arrival: 0,
             in_step: false,
             generation: 0,
+            step_gen: 0,
             finished: Vec::new(),
             metrics: Metrics::default(),
             watermark_blocks,
@@ -616,12 +688,18 @@ impl Scheduler {
             Seq {
                 id: seq,
                 request: req.id,
-                tokens: req.prompt.clone(),
+                tokens: {
+                    // Room for every token it may generate: appends never reallocate.
+                    let mut t = Vec::with_capacity(total as usize);
+                    t.extend_from_slice(&req.prompt);
+                    t
+                },
                 table: BlockTable::new(),
                 num_computed: 0,
                 row: usize::MAX,
-                scheduled: None,
-                stamp: 0,
+                stop_token: req.stop_token,
+                max_len: req.prompt.len() + req.max_tokens as usize,
+                salt: req.cache_salt,
             },
         );
         let g = Group {
@@ -707,8 +785,9 @@ impl Scheduler {
             table,
             num_computed: parent.num_computed,
             row: usize::MAX,
-            scheduled: None,
-            stamp: 0,
+            stop_token: parent.stop_token,
+            max_len: parent.max_len,
+            salt: parent.salt,
         };
         let id = child.id;
         let request = child.request;
@@ -730,6 +809,7 @@ impl Scheduler {
             *dst = NULL_BLOCK as i32;
         }
         self.batch.context_lens[row] = s.table.num_tokens() as i32;
+        self.batch.mark_dirty(row, 0, w);
     }
 
     fn push_row(&mut self, seq: SeqId) {
@@ -756,6 +836,7 @@ impl Scheduler {
                 .copy_within(last * w..(last + 1) * w, row * w);
             self.batch.context_lens[row] = self.batch.context_lens[last];
             self.seqs.get_mut(&moved).unwrap().row = row;
+            self.batch.mark_dirty(row, 0, w);
         }
         self.rows.pop();
         self.batch.block_tables.truncate(last * w);
@@ -878,7 +959,9 @@ impl Scheduler {
                 "step() called again before on_step_done()".into(),
             ));
         }
+        self.step_gen += 1;
         let b = &mut self.batch;
+        b.mark_dirty(0, 0, 0); // starts a new list if the last one was handed out
         b.seqs.clear();
         b.slot_mapping.clear();
         b.copies.clear();
@@ -967,29 +1050,49 @@ impl Scheduler {
 
         // 3. Decode slots for every running sequence, in row order.
         let w = self.batch.max_blocks_per_seq as usize;
+        let ahead = prefetch_distance(self.rows.len());
         for row in 0..self.rows.len() {
             let id = self.rows[row];
-            let seq = self.seqs.get_mut(&id).unwrap();
-            let before = seq.table.blocks().len();
-            let copies_before = self.batch.copies.len();
-            let start = seq.table.num_tokens();
-            let slot = self
-                .kv
-                .append_slot(&mut seq.table, &mut self.batch.copies)?;
-            let offset = self.batch.slot_mapping.len() as u32;
-            self.batch.slot_mapping.push(slot);
-            let blocks = seq.table.blocks();
-            let r = &mut self.batch.block_tables[row * w..(row + 1) * w];
-            if blocks.len() != before
-                || self.batch.copies.len() != copies_before
-                || self.kv.window().is_some()
+            // The last block entry of a sequence a few rows ahead (a cache miss
+            // otherwise, at large batches).
+            if let Some(ahead) = self.rows.get(row.saturating_add(ahead))
+                && let Some(q) = self.seqs.get(ahead)
             {
-                for (dst, b) in r.iter_mut().zip(blocks) {
-                    *dst = *b as i32;
+                let b = q.table.blocks();
+                prefetch(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
+            }
+            self.seqs.scheduled_in[(id & 0xffff_ffff) as usize] = self.step_gen;
+            let seq = self.seqs.get_mut(&id).unwrap();
+            let start = seq.table.num_tokens();
+            let offset = self.batch.slot_mapping.len() as u32;
+            if let Some(slot) = self.kv.append_in_place(&mut seq.table) {
+                // The common case: a slot in the partial last block; the row is as is.
+                self.batch.slot_mapping.push(slot);
+            } else {
+                let before = seq.table.blocks().len();
+                let live_before = seq.table.first_live() as usize;
+                let copies_before = self.batch.copies.len();
+                let slot = self
+                    .kv
+                    .append_slot(&mut seq.table, &mut self.batch.copies)?;
+                self.batch.slot_mapping.push(slot);
+                // Only entries that changed: a new (or copied-on-write) last block,
+                // and the entries a sliding window released.
+                let blocks = seq.table.blocks();
+                let last = blocks.len() - 1;
+                if (blocks.len() != before || self.batch.copies.len() != copies_before) && last < w
+                {
+                    self.batch.block_tables[row * w + last] = blocks[last] as i32;
+                    self.batch.mark_dirty(row, last, last + 1);
+                }
+                let live = (seq.table.first_live() as usize).min(w);
+                if live > live_before {
+                    self.batch.block_tables[row * w + live_before..row * w + live]
+                        .fill(NULL_BLOCK as i32);
+                    self.batch.mark_dirty(row, live_before, live);
                 }
             }
             self.batch.context_lens[row] = (start + 1) as i32;
-            seq.scheduled = Some(false);
             self.batch.seqs.push(ScheduledSeq {
                 seq: id,
                 request: seq.request,
@@ -1035,6 +1138,7 @@ impl Scheduler {
             self.running.insert(arrival, id);
             self.groups.get_mut(&id).unwrap().status = Status::Running;
             for s in seqs {
+                self.seqs.scheduled_in[(s & 0xffff_ffff) as usize] = self.step_gen;
                 let seq = self.seqs.get_mut(&s).unwrap();
                 let cached = self
                     .kv
@@ -1046,7 +1150,6 @@ impl Scheduler {
                 for pos in cached..n {
                     self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
                 }
-                seq.scheduled = Some(true);
                 let request = seq.request;
                 self.push_row(s);
                 self.batch.seqs.push(ScheduledSeq {
@@ -1071,6 +1174,9 @@ impl Scheduler {
                 .all(|(q, r)| q.seq == *r)
         );
 
+        let rows = self.rows.len() as u32;
+        self.batch.dirty.retain(|r| r.row < rows);
+        self.batch.dirty_sent = true;
         self.in_step = !self.batch.seqs.is_empty();
         self.update_metrics();
         Ok(&self.batch)
@@ -1105,23 +1211,31 @@ impl Scheduler {
         self.generation += 1;
         let generation = self.generation;
         for &(s, _) in sampled {
-            let seq = self.seqs.get_mut(&s).ok_or(Error::Unknown {
+            let slot = self.seqs.slot(s).ok_or(Error::Unknown {
                 what: "sequence",
                 id: s,
             })?;
-            if seq.scheduled.is_none() {
+            // A removed sequence's slot is never `scheduled_in` this step, so the
+            // sequence itself is read only on the error path.
+            if self.seqs.scheduled_in[slot] != self.step_gen {
+                if self.seqs.slots[slot].is_none() {
+                    return Err(Error::Unknown {
+                        what: "sequence",
+                        id: s,
+                    });
+                }
                 return Err(Error::invalid(
                     "sampled",
                     format!("sequence {s} was not scheduled"),
                 ));
             }
-            if seq.stamp == generation {
+            if self.seqs.stamp[slot] == generation {
                 return Err(Error::invalid(
                     "sampled",
                     format!("sequence {s} appears twice"),
                 ));
             }
-            seq.stamp = generation;
+            self.seqs.stamp[slot] = generation;
         }
         if sampled.len() != self.batch.seqs.len() {
             return Err(Error::invalid(
@@ -1134,27 +1248,46 @@ impl Scheduler {
             ));
         }
         self.in_step = false;
+        // Apply in order; the sequences that finish are freed after the loop (their
+        // blocks' prefix-cache registrations, deferred and batched, come first).
         let mut done = Vec::new();
-        for &(s, tok) in sampled {
+        let mut result = Ok(());
+        let ahead = prefetch_distance(sampled.len());
+        for (k, &(s, tok)) in sampled.iter().enumerate() {
+            // The tail of a sequence a few ahead, whose token append would otherwise
+            // wait for a cache miss.
+            if let Some(ahead) = sampled.get(k.saturating_add(ahead))
+                && let Some(q) = self.seqs.get(&ahead.0)
+            {
+                prefetch_write(q.tokens.as_ptr_range().end);
+            }
             let seq = self.seqs.get_mut(&s).unwrap();
-            seq.scheduled = None;
             seq.num_computed = seq.table.num_tokens();
-            let g = &self.groups[&seq.request];
-            let salt = g.req.cache_salt;
-            self.kv.commit(&mut seq.table, &seq.tokens, salt)?;
+            // Only a sequence that filled a block has anything to commit (1 in 16).
+            if self.kv.has_uncommitted(&seq.table)
+                && let Err(e) = self
+                    .kv
+                    .commit_deferred(&mut seq.table, &seq.tokens, seq.salt)
+            {
+                result = Err(e);
+                break;
+            }
             seq.tokens.push(tok);
-            let generated = seq.tokens.len() - g.req.prompt.len();
-            let why = if g.req.stop_token == Some(tok) {
+            let why = if seq.stop_token == Some(tok) {
                 Some(FinishReason::Stop)
-            } else if generated >= g.req.max_tokens as usize {
+            } else if seq.tokens.len() >= seq.max_len {
                 Some(FinishReason::MaxTokens)
             } else {
                 None
             };
             if let Some(why) = why {
-                self.finish_seq(s, why)?;
                 done.push((s, why));
             }
+        }
+        self.kv.flush_commits();
+        result?;
+        for &(s, why) in &done {
+            self.finish_seq(s, why)?;
         }
         Ok(done)
     }

@@ -28,9 +28,7 @@
 //!   takes the block's fill as the caller sees it: a block shared by several tables
 //!   has the same fill in each, since only a block held alone is ever written).
 
-use rustc_hash::FxHashMap as HashMap;
-
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::error::{Error, Result};
 
@@ -46,27 +44,178 @@ pub const PAD_SLOT: i64 = -1;
 const NIL: u32 = u32::MAX;
 
 /// The hash of a full block: a chain over the parent block's hash, the block's token
-/// ids, and an optional salt (so tenants can keep their caches apart). XXH3-64.
+/// ids, and an optional salt (so tenants can keep their caches apart). XXH3-64 of the
+/// bytes `[parent tag, parent hash?, salt tag, salt?, tokens (little-endian)]`.
 pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<u64>) -> BlockHash {
-    let mut h = Xxh3::new();
-    match parent {
-        Some(p) => {
-            h.update(&[1]);
-            h.update(&p.to_le_bytes());
-        }
-        None => h.update(&[0]),
+    // One-shot XXH3 of the same bytes the streaming hasher would see (same digest):
+    // a block of up to 32 tokens hashes from a stack buffer with no streaming state.
+    const MAX: usize = 18 + 4 * 32;
+    let header = 2 + 8 * (parent.is_some() as usize + salt.is_some() as usize);
+    let len = header + 4 * tokens.len();
+    if len > MAX {
+        return hash_block_streaming(parent, tokens, salt);
     }
-    match salt {
-        Some(s) => {
-            h.update(&[1]);
-            h.update(&s.to_le_bytes());
+    let mut buf = [0u8; MAX];
+    let mut at = 0;
+    for v in [parent, salt] {
+        match v {
+            Some(v) => {
+                buf[at] = 1;
+                buf[at + 1..at + 9].copy_from_slice(&v.to_le_bytes());
+                at += 9;
+            }
+            None => {
+                buf[at] = 0;
+                at += 1;
+            }
         }
-        None => h.update(&[0]),
+    }
+    for (dst, t) in buf[at..len].chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64(&buf[..len])
+}
+
+/// [`hash_block`] through the streaming hasher, for blocks too large for its buffer.
+fn hash_block_streaming(parent: Option<BlockHash>, tokens: &[u32], salt: Option<u64>) -> BlockHash {
+    let mut h = Xxh3::new();
+    for v in [parent, salt] {
+        match v {
+            Some(v) => {
+                h.update(&[1]);
+                h.update(&v.to_le_bytes());
+            }
+            None => h.update(&[0]),
+        }
     }
     for t in tokens {
         h.update(&t.to_le_bytes());
     }
     h.digest()
+}
+
+/// Asks the CPU to bring the cache line at `p` in (a hint: no effect on results).
+#[inline(always)]
+pub(crate) fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// [`prefetch`] with intent to write: the line comes in owned, so a store to it does
+/// not wait for ownership.
+#[inline(always)]
+pub(crate) fn prefetch_write<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_ET0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_ET0>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// The prefix-cache map, hash → block: a flat open-addressing table (linear probing,
+/// backward-shift deletion) preallocated for every block of the pool at load ≤ 1/2, so
+/// an insert or a lookup is one or two cache lines whatever the map holds, and it never
+/// grows or rehashes. A slot is `[hash, block + 1]`; `block + 1 == 0` marks it empty
+/// (an all-zero table is empty, so its pages are only touched as they fill).
+#[derive(Clone, Debug)]
+struct PrefixMap {
+    slots: Vec<[u64; 2]>,
+    shift: u32,
+    len: usize,
+}
+
+impl PrefixMap {
+    /// A map for at most `max_entries` entries.
+    fn new(max_entries: usize) -> Self {
+        let cap = (2 * max_entries).next_power_of_two().max(16);
+        Self {
+            slots: vec![[0; 2]; cap],
+            shift: 64 - cap.trailing_zeros(),
+            len: 0,
+        }
+    }
+
+    fn home(&self, h: BlockHash) -> usize {
+        // Fibonacci hashing of the (already uniform) key: the top bits pick the slot.
+        (h.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
+    }
+
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// Prefetches the slot where a probe for `h` starts.
+    fn prefetch(&self, h: BlockHash) {
+        prefetch(&self.slots[self.home(h)]);
+    }
+
+    /// The slot holding `h`, or the empty slot where it would go.
+    fn find(&self, h: BlockHash) -> (usize, bool) {
+        let mut i = self.home(h);
+        loop {
+            let [k, v] = self.slots[i];
+            if v == 0 {
+                return (i, false);
+            }
+            if k == h {
+                return (i, true);
+            }
+            i = (i + 1) & self.mask();
+        }
+    }
+
+    fn get(&self, h: BlockHash) -> Option<BlockId> {
+        match self.find(h) {
+            (i, true) => Some((self.slots[i][1] - 1) as BlockId),
+            _ => None,
+        }
+    }
+
+    /// Inserts `h → b` unless `h` is present; whether it did.
+    fn insert(&mut self, h: BlockHash, b: BlockId) -> bool {
+        let (i, found) = self.find(h);
+        if !found {
+            debug_assert!(self.len < self.slots.len() / 2, "prefix map over capacity");
+            self.slots[i] = [h, b as u64 + 1];
+            self.len += 1;
+        }
+        !found
+    }
+
+    /// Removes `h` if it maps to `b`.
+    fn remove_if(&mut self, h: BlockHash, b: BlockId) {
+        let (mut hole, found) = self.find(h);
+        if !found || self.slots[hole][1] != b as u64 + 1 {
+            return;
+        }
+        self.len -= 1;
+        // Backward shift: move later entries of the run into the hole when their home
+        // is not between the hole and them (cyclically), so no tombstones are needed.
+        let mask = self.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let [k, v] = self.slots[j];
+            if v == 0 {
+                break;
+            }
+            let home = self.home(k);
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = [k, v];
+                hole = j;
+            }
+        }
+        self.slots[hole] = [0, 0];
+    }
 }
 
 /// A pool of blocks; see the module docs for its invariants.
@@ -80,7 +229,7 @@ pub struct BlockPool {
     num_free: u32,
     reserve_null: bool,
     hash: Vec<Option<BlockHash>>,
-    cached: HashMap<BlockHash, BlockId>,
+    cached: PrefixMap,
     num_cached_free: u32,
     held_fill: u64,
 }
@@ -106,7 +255,7 @@ impl BlockPool {
             num_free: 0,
             reserve_null,
             hash: vec![None; n],
-            cached: HashMap::default(),
+            cached: PrefixMap::new(n),
             num_cached_free: 0,
             held_fill: 0,
         };
@@ -149,7 +298,7 @@ impl BlockPool {
 
     /// Entries in the prefix-cache map (held or free).
     pub fn num_cached(&self) -> usize {
-        self.cached.len()
+        self.cached.len
     }
 
     /// The reference count of `b`; [`Error::Unknown`] for an id outside the pool.
@@ -245,10 +394,8 @@ impl BlockPool {
             return Err(Error::OutOfBlocks { needed: 1, free: 0 });
         }
         self.unlink(b);
-        if let Some(h) = self.hash[b as usize].take()
-            && self.cached.get(&h) == Some(&b)
-        {
-            self.cached.remove(&h);
+        if let Some(h) = self.hash[b as usize].take() {
+            self.cached.remove_if(h, b);
         }
         self.ref_cnt[b as usize] = 1;
         Ok(b)
@@ -319,7 +466,7 @@ impl BlockPool {
 
     /// The block cached under `h`, if any, without taking a reference.
     pub fn lookup(&self, h: BlockHash) -> Option<BlockId> {
-        self.cached.get(&h).copied()
+        self.cached.get(h)
     }
 
     /// Takes a reference to cached block `b` (a prefix hit), which holds `fill`
@@ -358,14 +505,19 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Prefetches what [`register`](Self::register) of `(b, h)` reads, so a batch of
+    /// registrations waits for its cache misses together rather than one by one.
+    pub(super) fn prefetch_register(&self, b: BlockId, h: BlockHash) {
+        prefetch(&self.hash[b as usize]);
+        self.cached.prefetch(h);
+    }
+
     /// [`cache`](Self::cache) of a block the caller knows is held and not null.
     pub(super) fn register(&mut self, b: BlockId, h: BlockHash) {
         let i = b as usize;
-        if self.hash[i].is_some() || self.cached.contains_key(&h) {
-            return;
+        if self.hash[i].is_none() && self.cached.insert(h, b) {
+            self.hash[i] = Some(h);
         }
-        self.hash[i] = Some(h);
-        self.cached.insert(h, b);
     }
 
     /// Records `n` more token slots holding data in held blocks.
@@ -382,5 +534,55 @@ impl BlockPool {
             b = self.next[b as usize];
         }
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn one_shot_hash_is_the_streaming_hash() {
+        let tokens: Vec<u32> = (0..40u32).map(|t| t.wrapping_mul(2_654_435_761)).collect();
+        for n in [0, 1, 8, 16, 31, 32, 33, 40] {
+            for parent in [None, Some(0xdead_beef_u64)] {
+                for salt in [None, Some(7u64)] {
+                    let t = &tokens[..n];
+                    assert_eq!(
+                        hash_block(parent, t, salt),
+                        hash_block_streaming(parent, t, salt)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prefix_map_matches_a_hash_map() {
+        // Few home slots (many collisions, wrapped runs): keys differ in low bits only
+        // after the multiply, and removals shift runs back.
+        let mut m = PrefixMap::new(64);
+        let mut model: HashMap<u64, u32> = HashMap::new();
+        let mut x = 12345u64;
+        for step in 0..20_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = x % 97; // a small key space: repeats, hits and misses
+            if x.is_multiple_of(3) || model.len() >= 64 {
+                let b = model.get(&key).copied().unwrap_or(step % 5);
+                m.remove_if(key, b);
+                model.remove(&key);
+            } else {
+                let inserted = m.insert(key, step);
+                assert_eq!(inserted, !model.contains_key(&key));
+                model.entry(key).or_insert(step);
+            }
+            assert_eq!(m.len, model.len());
+            for k in 0..97 {
+                assert_eq!(m.get(k), model.get(&k).copied(), "key {k} at step {step}");
+            }
+        }
     }
 }

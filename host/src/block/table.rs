@@ -64,6 +64,11 @@ pub struct BlockTable {
     /// The last block may be shared (set by fork and swap-in): only then does an
     /// append look at its reference count for copy-on-write.
     last_maybe_shared: bool,
+    /// `blocks.last()`, kept beside the counts so the common append reads no heap
+    /// memory. Exact whenever `append_in_place` may use it: after `allocate_prefill`
+    /// or `append_slot` (which set it), until a fork or swap sets `last_maybe_shared`
+    /// or moves the table to the host.
+    last: BlockId,
 }
 
 impl BlockTable {
@@ -88,6 +93,7 @@ impl BlockTable {
             location: self.location,
             first_live: self.first_live,
             last_maybe_shared: self.last_maybe_shared,
+            last: self.last,
         }
     }
 
@@ -110,6 +116,11 @@ impl BlockTable {
     pub fn hashes(&self) -> &[BlockHash] {
         &self.hashes
     }
+
+    /// Leading entries a sliding window has released (all [`NULL_BLOCK`]).
+    pub(crate) fn first_live(&self) -> u32 {
+        self.first_live
+    }
 }
 
 /// The source of [`KvCacheManager::id`]s (0 means "no manager").
@@ -124,9 +135,14 @@ pub struct KvCacheManager {
     device: BlockPool,
     host: BlockPool,
     block_size: u32,
+    /// `block_size - 1` when it is a power of two (offsets by mask), else 0.
+    block_mask: u32,
     prefix_caching: bool,
     window: Option<u32>,
     scratch: HashMap<BlockId, BlockId>,
+    /// Registrations [`commit_deferred`](Self::commit_deferred) left for
+    /// [`flush_commits`](Self::flush_commits).
+    pending: Vec<(BlockId, BlockHash)>,
 }
 
 impl KvCacheManager {
@@ -159,9 +175,15 @@ impl KvCacheManager {
             device: BlockPool::new(num_blocks, true)?,
             host,
             block_size,
+            block_mask: if block_size.is_power_of_two() {
+                block_size - 1
+            } else {
+                0
+            },
             prefix_caching,
             window,
             scratch: HashMap::default(),
+            pending: Vec::new(),
         })
     }
 
@@ -334,6 +356,7 @@ impl KvCacheManager {
         t.first_live = dead;
         t.num_tokens = n;
         t.owner = self.id;
+        t.last = *t.blocks.last().expect("a prompt has a block");
         // The new blocks' tokens (the hits were counted by `touch`).
         let new_from = hits.max(dead);
         self.device
@@ -440,14 +463,52 @@ impl KvCacheManager {
         t.num_tokens = pos + 1;
         self.device.add_fill(1);
         let b = *t.blocks.last().unwrap();
+        t.last = b;
         self.slide_window(t);
         Ok(b as i64 * bs as i64 + (pos % bs) as i64)
+    }
+
+    /// [`append_slot`](Self::append_slot) in its common case, inline: a device table
+    /// of this manager whose partial last block it holds alone (no allocation, no
+    /// copy, no window). `None`, changing nothing, for every other case.
+    #[inline]
+    pub(crate) fn append_in_place(&mut self, t: &mut BlockTable) -> Option<i64> {
+        let pos = t.num_tokens;
+        let off = pos & self.block_mask;
+        if off == 0
+            || self.block_mask == 0
+            || t.last_maybe_shared
+            || self.window.is_some()
+            || t.owner != self.id
+            || t.location != Location::Device
+        {
+            return None;
+        }
+        let b = t.last;
+        debug_assert_eq!(t.blocks.last(), Some(&b), "stale last block");
+        t.num_tokens = pos + 1;
+        self.device.add_fill(1);
+        Some(b as i64 * self.block_size as i64 + off as i64)
     }
 
     /// Records the hashes of `t`'s full blocks whose contents are now computed (the
     /// first `t.num_tokens()` tokens of `tokens`), and registers them in the prefix cache.
     /// Errors on a table of another manager.
     pub fn commit(&mut self, t: &mut BlockTable, tokens: &[u32], salt: Option<u64>) -> Result<()> {
+        self.commit_deferred(t, tokens, salt)?;
+        self.flush_commits();
+        Ok(())
+    }
+
+    /// [`commit`](Self::commit), except that the prefix-cache registrations wait for
+    /// [`flush_commits`](Self::flush_commits), which must run before any block is
+    /// freed or allocated (a registration is of a held block).
+    pub(crate) fn commit_deferred(
+        &mut self,
+        t: &mut BlockTable,
+        tokens: &[u32],
+        salt: Option<u64>,
+    ) -> Result<()> {
         self.check(t)?;
         if !self.prefix_caching || self.window.is_some() || t.location != Location::Device {
             return Ok(());
@@ -462,11 +523,30 @@ impl KvCacheManager {
                 salt,
             );
             if t.blocks[i] != NULL_BLOCK {
-                self.device.register(t.blocks[i], h);
+                // Start the map's cache miss now; the flush finds the line in cache.
+                self.device.prefetch_register(t.blocks[i], h);
+                self.pending.push((t.blocks[i], h));
             }
             t.hashes.push(h);
         }
         Ok(())
+    }
+
+    /// Whether [`commit`](Self::commit) of `t` would record anything: prefix caching
+    /// is on (without a window) and a full block of `t` has no hash yet.
+    pub(crate) fn has_uncommitted(&self, t: &BlockTable) -> bool {
+        self.prefix_caching
+            && self.window.is_none()
+            && (t.num_tokens as usize) >= (t.hashes.len() + 1) * self.block_size as usize
+    }
+
+    /// Registers the pending commits in order (their map slots were prefetched when
+    /// they were hashed, so their cache misses overlap with the caller's other work).
+    pub(crate) fn flush_commits(&mut self) {
+        for &(b, h) in &self.pending {
+            self.device.register(b, h);
+        }
+        self.pending.clear();
     }
 
     /// A new table sharing every block of `t` (each `ref_cnt` + 1): the only way to
