@@ -146,6 +146,25 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
         .and_then(|s| s.parse().ok())
         .unwrap_or(48.0);
     let copy_gbs = copy_bandwidth(gpu);
+    let clocks = gpu.clocks_mhz().map_or("unknown".to_string(), |(sm, mem)| {
+        format!("SM {sm} MHz, memory {mem} MHz")
+    });
+    // What the driver says of each decode entry point at head_dim 128 (f16/bf16).
+    let mut kernels_md = String::from(
+        "| kernel | registers (driver) | blocks/SM (driver occupancy, head_dim 128) |\n|---|---|---|\n",
+    );
+    for dtype in [DType::F16, DType::Bf16] {
+        let smem = pagedkv::host::ops::attention::geometry(128, dtype).shared_bytes();
+        for split in ["", "split_"] {
+            let name = format!("paged_decode_attention_{split}{dtype}");
+            let row = match gpu.kernel_info(&name, 128, smem) {
+                Ok(k) => format!("| {name} | {} | {} |\n", k.registers, k.blocks_per_sm),
+                Err(e) => format!("| {name} | {e} | |\n"),
+            };
+            kernels_md.push_str(&row);
+        }
+    }
+    println!("clocks: {clocks}\n{kernels_md}");
     println!(
         "device-to-device copy: {copy_gbs:.0} GB/s (read + write) on {}",
         gpu.device_name()
@@ -367,7 +386,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
     let path =
         std::env::var("PAGEDKV_BENCH_REPORT").unwrap_or_else(|_| "target/pagedkv-bench.md".into());
     let header = format!(
-        "GPU: {} ({}, {} SMs); device-to-device copy {copy_gbs:.0} GB/s (bytes read + written / time)\n\n",
+        "GPU: {} ({}, {} SMs, {clocks}); device-to-device copy {copy_gbs:.0} GB/s (bytes read + written / time)\n\n{kernels_md}\n",
         gpu.device_name(),
         gpu.arch(),
         gpu.sm_count()

@@ -356,6 +356,15 @@ impl std::fmt::Debug for HostSwapPool {
     }
 }
 
+/// A loaded kernel as the driver sees it (see [`CudaBackend::kernel_info`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelInfo {
+    /// Registers per thread.
+    pub registers: u32,
+    /// Blocks one SM runs at once at the asked block size and shared memory.
+    pub blocks_per_sm: u32,
+}
+
 /// The CUDA backend: a context, a stream, and the loaded kernels.
 #[derive(Debug)]
 pub struct CudaBackend {
@@ -453,6 +462,48 @@ impl CudaBackend {
             sm_count,
             device_name,
         })
+    }
+
+    /// What the driver says of a loaded kernel: its registers per thread
+    /// (`cuFuncGetAttribute`) and how many blocks of `block_threads` threads with
+    /// `dynamic_smem` bytes of shared memory one SM runs at once
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`).
+    pub fn kernel_info(
+        &self,
+        name: &str,
+        block_threads: u32,
+        dynamic_smem: u32,
+    ) -> Result<KernelInfo> {
+        let f = self
+            .funcs
+            .get(name)
+            .ok_or_else(|| Error::invalid("name", format!("no kernel `{name}` is loaded")))?;
+        let registers = f.num_regs().map_err(cuda("cuFuncGetAttribute"))? as u32;
+        let blocks_per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(
+                block_threads,
+                dynamic_smem as usize,
+                None,
+            )
+            .map_err(cuda("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+        Ok(KernelInfo {
+            registers,
+            blocks_per_sm,
+        })
+    }
+
+    /// The SM and memory clocks, MHz (`cuDeviceGetAttribute`).
+    pub fn clocks_mhz(&self) -> Result<(u32, u32)> {
+        let ctx = self.stream.context();
+        let a = |at| {
+            ctx.attribute(at)
+                .map_err(cuda("cuDeviceGetAttribute"))
+                .map(|khz| khz as u32 / 1000)
+        };
+        Ok((
+            a(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?,
+            a(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?,
+        ))
     }
 
     /// The device's name.
