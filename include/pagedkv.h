@@ -311,6 +311,19 @@ pagedkv_status pagedkv_cuda_decode_attention(pagedkv_cuda_backend *b,
                                              const int32_t *context_lens,
                                              uint64_t context_lens_len, uint64_t out);
 
+/* Decode attention on the GPU like pagedkv_cuda_decode_attention(), with q and out as
+ * rows q_row_stride / out_row_stride elements apart (0: dense, num_q_heads * head_dim),
+ * so q can be a view into a fused QKV projection: q spans (num_seqs - 1) * q_row_stride
+ * + num_q_heads * head_dim elements, out likewise. A stride is at least num_q_heads *
+ * head_dim and a multiple of 16 bytes, and every device pointer is 16-byte aligned
+ * (the kernels move 16-byte vectors), or the call is PAGEDKV_ERR_INVALID_ARGUMENT
+ * naming it: never a misaligned-address fault. Asynchronous on the backend's stream. */
+pagedkv_status pagedkv_cuda_decode_attention_strided(
+    pagedkv_cuda_backend *b, const pagedkv_decode_shape *shape, int32_t dtype, float scale,
+    uint64_t q, uint64_t q_row_stride, uint64_t key_cache, uint64_t value_cache,
+    const int32_t *block_tables, uint64_t block_tables_len, const int32_t *context_lens,
+    uint64_t context_lens_len, uint64_t out, uint64_t out_row_stride);
+
 #ifdef __cplusplus
 }
 #endif

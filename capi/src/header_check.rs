@@ -201,6 +201,14 @@ pub fn signatures() {
         f::pagedkv_cuda_decode_attention,
         r::pagedkv_cuda_decode_attention,
     );
+    same::<unsafe extern "C" fn(_, _, _) -> _>(
+        f::pagedkv_cuda_backend_create_on_stream,
+        r::pagedkv_cuda_backend_create_on_stream,
+    );
+    same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _, _, _, _, _, _) -> _>(
+        f::pagedkv_cuda_decode_attention_strided,
+        r::pagedkv_cuda_decode_attention_strided,
+    );
 }
 
 #[test]

@@ -1502,6 +1502,135 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
     })
 }
 
+/// Decode attention on the GPU like `pagedkv_cuda_decode_attention`, with `q` and `out`
+/// as rows `q_row_stride` / `out_row_stride` elements apart (0: dense,
+/// `num_q_heads * head_dim`): q can be a view into a fused QKV projection. A stride is
+/// at least `num_q_heads * head_dim` and a multiple of 16 bytes, and every device
+/// pointer 16-byte aligned, or the call is `PAGEDKV_ERR_INVALID_ARGUMENT` naming it.
+/// Runs through the step path (one plan, one launch or two); asynchronous on the
+/// backend's stream.
+///
+/// # Safety
+/// As `pagedkv_cuda_decode_attention`, with `q` valid for `(num_seqs - 1) *
+/// q_row_stride + num_q_heads * head_dim` elements and `out` likewise.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
+    b: *mut pagedkv_cuda_backend,
+    shape: *const pagedkv_decode_shape,
+    dtype: i32,
+    scale: f32,
+    q: u64,
+    q_row_stride: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: *const i32,
+    block_tables_len: u64,
+    context_lens: *const i32,
+    context_lens_len: u64,
+    out: u64,
+    out_row_stride: u64,
+) -> pagedkv_status {
+    use pagedkv::cuda::CudaStepDevice;
+    use pagedkv::host::step::{
+        DecodeIo, StepCapacity, StepDevice, StepMeta, StepRunner, StepShape, TensorView,
+        TensorViewMut,
+    };
+    with_cuda(b, |g| {
+        let dt = dtype_of(dtype)?;
+        if shape.is_null() {
+            return Err(fail(PAGEDKV_ERR_NULL, "shape is null"));
+        }
+        // SAFETY: non-null, valid for a read.
+        let c = unsafe { shape.read() };
+        let sh = DecodeShape::from(c);
+        let m = |e: Error| from_error(&e);
+        pagedkv::host::ops::check_layout(&sh.layout()).map_err(m)?;
+        let pool = pool_elems(&sh.layout())?;
+        let row = checked_elems(
+            &[c.num_q_heads, c.head_dim],
+            "num_q_heads",
+            "num_q_heads * head_dim",
+        )?;
+        let btn = checked_elems(
+            &[c.num_seqs, c.max_blocks_per_seq],
+            "max_blocks_per_seq",
+            "num_seqs * max_blocks_per_seq",
+        )?;
+        check_len("block_tables", block_tables_len, btn)?;
+        check_len("context_lens", context_lens_len, c.num_seqs as u64)?;
+        // SAFETY: the caller's contract.
+        let (bt, cl) = unsafe {
+            (
+                slice(block_tables, block_tables_len, "block_tables")?,
+                slice(context_lens, context_lens_len, "context_lens")?,
+            )
+        };
+        // Elements a strided view spans: (num_seqs - 1) * stride + row, checked.
+        let span = |what: &str, stride: u64| -> Result<(u64, u64), pagedkv_status> {
+            let stride = if stride == 0 { row } else { stride };
+            (c.num_seqs.max(1) as u64 - 1)
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add(row))
+                .map(|n| (n, stride))
+                .ok_or_else(|| {
+                    fail(
+                        PAGEDKV_ERR_INVALID_ARGUMENT,
+                        format!("`{what}`: num_seqs * row stride overflows"),
+                    )
+                })
+        };
+        let (q_elems, q_stride) = span("q_row_stride", q_row_stride)?;
+        let (out_elems, out_stride) = span("out_row_stride", out_row_stride)?;
+        let step_shape = StepShape {
+            num_q_heads: c.num_q_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: c.block_size,
+            num_blocks: c.num_blocks,
+            dtype: dt,
+        };
+        let cap = StepCapacity {
+            max_seqs: c.num_seqs.max(1),
+            max_blocks_per_seq: c.max_blocks_per_seq.max(1),
+            max_tokens: 1,
+            max_partitions: 1024,
+        };
+        let mut r =
+            StepRunner::new(CudaStepDevice::new(g), step_shape, cap, g.sm_count()).map_err(m)?;
+        r.plan(&StepMeta {
+            block_tables: bt,
+            max_blocks_per_seq: c.max_blocks_per_seq,
+            context_lens: cl,
+            slot_mapping: &[],
+        })
+        .map_err(m)?;
+        let space = r.device().space();
+        // SAFETY: the caller's contract: device allocations in the backend's context of
+        // these sizes, unused by other work until the launch completes.
+        let (qv, kv, vv, ov) = unsafe {
+            (
+                TensorView::from_raw(q, q_elems, dt, space).with_row_stride(q_stride),
+                TensorView::from_raw(key_cache, pool, dt, space),
+                TensorView::from_raw(value_cache, pool, dt, space),
+                TensorViewMut::from_raw(out, out_elems, dt, space).with_row_stride(out_stride),
+            )
+        };
+        let mut opts = DecodeOptions::new(c.head_dim.max(1));
+        opts.scale = scale;
+        r.decode(
+            &opts,
+            DecodeIo {
+                q: qv,
+                key_cache: kv,
+                value_cache: vv,
+                out: ov,
+            },
+        )
+        .map(|_| ())
+        .map_err(m)
+    })
+}
+
 /// Test-only (feature `testing`; not in `include/pagedkv.h`): a call on `s` that
 /// panics inside, so that C tests can check the panic becomes `PAGEDKV_ERR_PANIC` with
 /// its message, prints nothing, and leaves `s` refusing calls but destroyable.

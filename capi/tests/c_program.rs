@@ -174,6 +174,9 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         );
     }
     assert!(line(&out, "error cuda_null_backend ").contains("status=1 message=backend is null"));
+    assert!(
+        line(&out, "error cuda_strided_null_backend ").contains("status=1 message=backend is null")
+    );
 
     // The attention values, recomputed in Rust from the same formulas.
     let shape = DecodeShape {

@@ -169,6 +169,9 @@ int main(void) {
         CHECK(pagedkv_cuda_backend_destroy(gpu));
     }
     report("cuda_null_backend", pagedkv_cuda_synchronize(NULL));
+    report("cuda_strided_null_backend",
+           pagedkv_cuda_decode_attention_strided(NULL, NULL, 0, 1.0f, 0, 0, 0, 0, NULL, 0, NULL,
+                                                 0, 0, 0));
     printf("ok\n");
     return 0;
 }

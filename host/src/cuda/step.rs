@@ -25,6 +25,17 @@ pub struct CudaStepDevice<'a> {
     uploaded: Option<CudaEvent>,
 }
 
+impl Drop for CudaStepDevice<'_> {
+    fn drop(&mut self) {
+        // The last upload may still read the pinned staging buffer: wait for it before
+        // the buffer is freed. (The device buffers are freed in stream order by cudarc,
+        // after the launches that use them.)
+        if let Some(e) = self.uploaded.take() {
+            let _ = e.synchronize();
+        }
+    }
+}
+
 impl std::fmt::Debug for CudaStepDevice<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
