@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use pagedkv::cuda::{CudaBackend, CudaStepDevice, DeviceTensor, backend};
-use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape, decode_bytes};
+use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape, decode_bytes};
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::step::{DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use pagedkv::host::{DType, HostTensor};
@@ -57,7 +57,17 @@ fn cpu_reference(c: &mut Criterion) {
     let lens = [512; 4];
     let opts = DecodeOptions::new(128);
     c.bench_function("cpu_reference_attention_b4_ctx512_gqa32_8_d128", |b| {
-        b.iter(|| paged_decode_attention(&shape, &opts, &q, &kc, &vc, &tables, &lens))
+        let inputs = DecodeInputs {
+            shape: &shape,
+            opts: &opts,
+            q: &q,
+            key_cache: &kc,
+            value_cache: &vc,
+            block_tables: &tables,
+            context_lens: &lens,
+            plan: None,
+        };
+        b.iter(|| paged_decode_attention(&inputs))
     });
 }
 

@@ -13,7 +13,9 @@ use common::case::{Case, Params, build};
 use common::{approx_tolerance, cases, rel_l2, split_tolerance, tolerance};
 use pagedkv::host::emulator::{BlockOrder, Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
-use pagedkv::host::ops::attention::{SplitPlan, decode_emulated, max_heads_per_block, plan};
+use pagedkv::host::ops::attention::{
+    DecodeInputs, SplitPlan, decode_emulated, max_heads_per_block, plan,
+};
 use pagedkv::host::reference::{dense_decode_attention, gather, paged_decode_attention};
 use pagedkv::host::{DType, HostTensor};
 use proptest::prelude::*;
@@ -68,16 +70,13 @@ fn params() -> impl Strategy<Value = Params> {
 
 fn run(c: &Case, p: &Params, plan: &SplitPlan, order: BlockOrder, math: MathMode) -> Vec<f64> {
     let mut out = HostTensor::full(p.dtype, c.q.shape(), f64::NAN);
+    let inputs = DecodeInputs {
+        plan: Some(*plan),
+        ..c.inputs()
+    };
     decode_emulated(
         &Emulator::new().with_order(order).with_math(math),
-        &c.shape,
-        &c.opts,
-        plan,
-        &c.q,
-        &c.kc,
-        &c.vc,
-        &c.tables,
-        &c.lens,
+        inputs,
         &mut out,
     )
     .unwrap();
@@ -90,7 +89,7 @@ proptest! {
     #[test]
     fn decode_matches_the_f64_reference(p in params()) {
         let c = build(&p);
-        let want = paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+        let want = paged_decode_attention(&c.inputs());
 
         // The paged reference agrees with dense attention over the gathered cache.
         if !c.windowed {

@@ -3,7 +3,7 @@
 
 use pagedkv::host::emulator::Emulator;
 use pagedkv::host::ops::attention::{
-    DecodeOptions, DecodeShape, SplitPlan, decode_emulated, plan, validate_plan,
+    DecodeInputs, DecodeOptions, DecodeShape, SplitPlan, decode_emulated, plan, validate_plan,
 };
 use pagedkv::host::{DType, Error, HostTensor};
 
@@ -51,18 +51,17 @@ fn run(i: &mut Inputs) -> Result<(), Error> {
     let p = i
         .plan
         .unwrap_or_else(|| plan(&i.shape, DType::F16, 60, 132));
-    decode_emulated(
-        &Emulator::new(),
-        &i.shape,
-        &i.opts,
-        &p,
-        &i.q,
-        &i.kc,
-        &i.vc,
-        &i.tables,
-        &i.lens,
-        &mut i.out,
-    )
+    let inputs = DecodeInputs {
+        shape: &i.shape,
+        opts: &i.opts,
+        q: &i.q,
+        key_cache: &i.kc,
+        value_cache: &i.vc,
+        block_tables: &i.tables,
+        context_lens: &i.lens,
+        plan: Some(p),
+    };
+    decode_emulated(&Emulator::new(), inputs, &mut i.out).map(|_| ())
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::{DType, HostTensor};
 
@@ -201,7 +201,16 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         .collect());
     let mut opts = DecodeOptions::new(64);
     opts.scale = 0.125;
-    let want = paged_decode_attention(&shape, &opts, &q, &kc, &vc, &[0, 4, 2, 5, 1, 3], &[37, 20]);
+    let want = paged_decode_attention(&DecodeInputs {
+        shape: &shape,
+        opts: &opts,
+        q: &q,
+        key_cache: &kc,
+        value_cache: &vc,
+        block_tables: &[0, 4, 2, 5, 1, 3],
+        context_lens: &[37, 20],
+        plan: None,
+    });
     let got: Vec<f64> = line(&out, "attention")
         .split_whitespace()
         .skip(1)

@@ -12,7 +12,7 @@
 //! kernels see; only the kernels' own arithmetic (f32, fast exp2) and output rounding
 //! separate their results from these.
 
-use crate::ops::attention::{DecodeOptions, DecodeShape};
+use crate::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
 use crate::tensor::HostTensor;
 use pagedkv_kernels::PagedLayout;
 
@@ -125,15 +125,17 @@ fn gather_from(
 /// Decode attention for a batch over the paged cache: for every sequence, walk its
 /// block table token by token (only the tokens its window attends to), then compute as
 /// [`dense_decode_attention`]. Returns `[num_seqs, num_q_heads, head_dim]`.
-pub fn paged_decode_attention(
-    shape: &DecodeShape,
-    opts: &DecodeOptions,
-    q: &HostTensor,
-    key_cache: &HostTensor,
-    value_cache: &HostTensor,
-    block_tables: &[i32],
-    context_lens: &[i32],
-) -> Vec<f64> {
+pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64> {
+    let &DecodeInputs {
+        shape,
+        opts,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        plan: _,
+    } = inputs;
     let (qh, kvh, d) = (
         shape.num_q_heads as usize,
         shape.num_kv_heads as usize,

@@ -3,7 +3,7 @@
 //! garbage in unused block-table entries, optional window (freeing the blocks before
 //! it), soft-cap and ALiBi.
 
-use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
 use pagedkv::host::{DType, HostTensor};
 use rand::Rng;
 use rand::seq::SliceRandom;
@@ -152,5 +152,21 @@ pub fn build(p: &Params) -> Case {
         tables,
         lens,
         windowed,
+    }
+}
+
+impl Case {
+    /// The case as named decode inputs (no plan: the backend decides).
+    pub fn inputs(&self) -> DecodeInputs<'_, HostTensor> {
+        DecodeInputs {
+            shape: &self.shape,
+            opts: &self.opts,
+            q: &self.q,
+            key_cache: &self.kc,
+            value_cache: &self.vc,
+            block_tables: &self.tables,
+            context_lens: &self.lens,
+            plan: None,
+        }
     }
 }

@@ -1,0 +1,238 @@
+//! The split-K plan and the launch geometry of the decode kernels: how many query heads
+//! a block serves, how a long context is cut into partitions, and the occupancy model
+//! the planner uses.
+
+use pagedkv_kernels::Dim3;
+use pagedkv_kernels::kernels::attention::{
+    DecodeGeometry, REDUCE_THREADS, STAGE_BYTES, STAGES, THREADS, TILE_TOKENS,
+};
+
+use super::DecodeShape;
+use crate::emulator::LaunchConfig;
+use crate::error::{Error, Result};
+use crate::ops::MAX_GRID_YZ;
+use crate::tensor::DType;
+
+/// How a launch is cut up: query heads per block and partitions per sequence.
+///
+/// Made by [`plan`] from the shapes and the device's SM count; a caller may build one
+/// (for tests, or to tune), and [`validate_plan`] checks it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitPlan {
+    /// Query heads one thread block serves (at most the group size).
+    pub heads_per_block: u32,
+    /// Tokens per partition, a multiple of [`TILE_TOKENS`].
+    pub partition_tokens: u32,
+    /// Partitions per sequence: 1 means no split-K (one kernel, no reduce).
+    pub num_partitions: u32,
+}
+
+impl SplitPlan {
+    /// Whether the plan uses split-K (partials and a reduce).
+    pub fn is_split(&self) -> bool {
+        self.num_partitions > 1
+    }
+
+    /// Thread blocks per KV head: `ceil(group / heads_per_block)`.
+    pub fn head_chunks(&self, shape: &DecodeShape) -> u32 {
+        shape.group().div_ceil(self.heads_per_block.max(1))
+    }
+}
+
+/// Shortest partition the planner makes: long enough that a block's fixed costs
+/// (queries into shared memory, partial writes) stay small against its KV reads.
+pub const MIN_PARTITION_TOKENS: u32 = 4 * TILE_TOKENS;
+
+/// The decode kernel's thread and shared-memory layout for this head_dim and dtype.
+pub fn geometry(head_dim: u32, dtype: DType) -> DecodeGeometry {
+    DecodeGeometry::new(head_dim, dtype.per_v4())
+}
+
+/// The most query heads one block can serve for this head_dim and dtype.
+pub fn max_heads_per_block(head_dim: u32, dtype: DType) -> u32 {
+    geometry(head_dim, dtype).max_heads().max(1)
+}
+
+/// Registers per thread the decode kernels may use: at least what ptxas reports for
+/// every decode entry point on every architecture (`ptx/resources.md`; a test in
+/// `tests/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
+/// never optimistic.
+pub const DECODE_REGISTERS: u32 = 80;
+
+/// What bounds how many blocks an SM runs at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SmLimits {
+    /// 32-bit registers per SM.
+    pub registers: u32,
+    /// Resident threads per SM.
+    pub threads: u32,
+    /// Resident blocks per SM.
+    pub blocks: u32,
+    /// Shared memory per SM usable by blocks, bytes.
+    pub shared_bytes: u32,
+    /// Shared memory the driver reserves per block, bytes.
+    pub reserved_shared_per_block: u32,
+}
+
+impl SmLimits {
+    /// sm_80 (A100): 164 KiB of shared memory for blocks.
+    pub const SM_80: SmLimits = SmLimits {
+        registers: 65_536,
+        threads: 2048,
+        blocks: 32,
+        shared_bytes: 164 * 1024,
+        reserved_shared_per_block: 1024,
+    };
+    /// sm_90 (H100, H200): 228 KiB of shared memory for blocks.
+    pub const SM_90: SmLimits = SmLimits {
+        shared_bytes: 228 * 1024,
+        ..SmLimits::SM_80
+    };
+}
+
+/// Blocks of the decode kernel one SM runs at once (the least of what registers,
+/// threads, shared memory and the block limit allow), with [`DECODE_REGISTERS`].
+pub fn decode_blocks_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
+    decode_blocks_per_sm_at(DECODE_REGISTERS, head_dim, dtype, sm)
+}
+
+/// [`decode_blocks_per_sm`] for a kernel of `registers` registers per thread (what
+/// ptxas reports for one entry point).
+pub fn decode_blocks_per_sm_at(registers: u32, head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
+    // Registers are allocated per warp in units of 256.
+    let warp_regs = (registers.max(1) * 32).next_multiple_of(256);
+    let by_regs = sm.registers / warp_regs / (THREADS / 32);
+    let by_threads = sm.threads / THREADS;
+    let smem = geometry(head_dim, dtype).shared_bytes() + sm.reserved_shared_per_block;
+    let by_smem = sm.shared_bytes / smem;
+    by_regs.min(by_threads).min(by_smem).min(sm.blocks).max(1)
+}
+
+/// Bytes of K and V in flight per SM when every resident block has its `STAGES - 1`
+/// stages in flight: `blocks_per_sm * (STAGES - 1) * stage bytes`. A model of the
+/// pipeline's memory-level parallelism, not a measurement.
+pub fn decode_bytes_in_flight_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
+    decode_bytes_in_flight(decode_blocks_per_sm(head_dim, dtype, sm), head_dim, dtype)
+}
+
+/// Bytes of K and V in flight on an SM running `blocks` decode blocks (a model).
+pub fn decode_bytes_in_flight(blocks: u32, head_dim: u32, dtype: DType) -> u32 {
+    let stage = 4 * geometry(head_dim, dtype).stage_words();
+    debug_assert!(stage <= STAGE_BYTES);
+    blocks * (STAGES - 1) * stage
+}
+
+/// Bytes in flight per SM the planner aims for: by Little's law, bandwidth x latency /
+/// SMs is about 20-40 KiB on an A100 or H100 (a model, to be checked on a GPU).
+pub const TARGET_BYTES_IN_FLIGHT_PER_SM: u32 = 40 * 1024;
+
+/// Decode blocks each SM should run for the pipeline to keep
+/// [`TARGET_BYTES_IN_FLIGHT_PER_SM`] in flight (at most what fits, with sm_80's limits,
+/// the smallest of the supported architectures).
+pub fn decode_blocks_wanted_per_sm(head_dim: u32, dtype: DType) -> u32 {
+    let per_block = (STAGES - 1) * 4 * geometry(head_dim, dtype).stage_words();
+    TARGET_BYTES_IN_FLIGHT_PER_SM
+        .div_ceil(per_block)
+        .min(decode_blocks_per_sm(head_dim, dtype, &SmLimits::SM_80))
+}
+
+/// Plans a launch: as many query heads per block as fit (so K/V is read once per
+/// group), then split-K only when `num_seqs * num_kv_heads * head_chunks` blocks are
+/// fewer than `sm_count` SMs times [`decode_blocks_wanted_per_sm`]: partitions are then
+/// sized so the grid reaches that count, and never shorter than
+/// [`MIN_PARTITION_TOKENS`].
+pub fn plan(shape: &DecodeShape, dtype: DType, max_context_len: u32, sm_count: u32) -> SplitPlan {
+    let mut p = plan_unsplit(shape, dtype, max_context_len);
+    let blocks = shape.num_seqs as u64 * shape.num_kv_heads as u64 * p.head_chunks(shape) as u64;
+    let per_sm = decode_blocks_wanted_per_sm(shape.head_dim, dtype);
+    let target = per_sm as u64 * sm_count.max(1) as u64;
+    if blocks >= target {
+        return p;
+    }
+    let want = target.div_ceil(blocks.max(1)) as u32;
+    let part = max_context_len
+        .div_ceil(want)
+        .next_multiple_of(TILE_TOKENS)
+        .max(MIN_PARTITION_TOKENS);
+    let n = max_context_len.div_ceil(part).min(MAX_GRID_YZ);
+    if n > 1 {
+        p.partition_tokens = part.max(max_context_len.div_ceil(n).next_multiple_of(TILE_TOKENS));
+        p.num_partitions = max_context_len.div_ceil(p.partition_tokens);
+    }
+    p
+}
+
+/// The plan without split-K: as many query heads per block as fit, one partition
+/// covering `max_context_len` tokens (what the CPU backends run unless asked).
+pub fn plan_unsplit(shape: &DecodeShape, dtype: DType, max_context_len: u32) -> SplitPlan {
+    SplitPlan {
+        heads_per_block: shape
+            .group()
+            .clamp(1, max_heads_per_block(shape.head_dim, dtype)),
+        partition_tokens: max_context_len.max(1).next_multiple_of(TILE_TOKENS),
+        num_partitions: 1,
+    }
+}
+
+/// Checks a plan against the shapes and the longest context.
+pub fn validate_plan(
+    shape: &DecodeShape,
+    dtype: DType,
+    p: &SplitPlan,
+    max_context_len: u32,
+) -> Result<()> {
+    let max_hpb = max_heads_per_block(shape.head_dim, dtype).min(shape.group());
+    if p.heads_per_block == 0 || p.heads_per_block > max_hpb {
+        return Err(Error::invalid(
+            "plan.heads_per_block",
+            format!("{} (must be 1..={max_hpb})", p.heads_per_block),
+        ));
+    }
+    if p.partition_tokens == 0 || !p.partition_tokens.is_multiple_of(TILE_TOKENS) {
+        return Err(Error::invalid(
+            "plan.partition_tokens",
+            format!(
+                "{} is not a positive multiple of {TILE_TOKENS}",
+                p.partition_tokens
+            ),
+        ));
+    }
+    if p.num_partitions == 0
+        || p.num_partitions > MAX_GRID_YZ
+        || (p.num_partitions as u64) * (p.partition_tokens as u64) < max_context_len as u64
+    {
+        return Err(Error::invalid(
+            "plan.num_partitions",
+            format!(
+                "{} partitions of {} tokens do not cover {max_context_len} tokens (or exceed {MAX_GRID_YZ})",
+                p.num_partitions, p.partition_tokens
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks every argument of a decode-attention launch and returns the longest context.
+/// Launch configuration of the decode kernel for a plan.
+pub fn decode_launch_config(shape: &DecodeShape, dtype: DType, p: &SplitPlan) -> LaunchConfig {
+    LaunchConfig {
+        grid: Dim3::new(
+            shape.num_kv_heads * p.head_chunks(shape),
+            shape.num_seqs,
+            p.num_partitions,
+        ),
+        block: Dim3::new(THREADS, 1, 1),
+        shared_bytes: geometry(shape.head_dim, dtype).shared_bytes(),
+    }
+}
+
+/// Launch configuration of the split-K reduce: one thread per `(query head, 16-byte
+/// chunk)` of a sequence.
+pub fn reduce_launch_config(shape: &DecodeShape, dtype: DType) -> LaunchConfig {
+    let pairs = shape.num_q_heads * (shape.head_dim / dtype.per_v4());
+    LaunchConfig {
+        grid: Dim3::new(pairs.div_ceil(REDUCE_THREADS), shape.num_seqs, 1),
+        block: Dim3::new(REDUCE_THREADS, 1, 1),
+        shared_bytes: 0,
+    }
+}
