@@ -8,6 +8,7 @@ mod common;
 use common::case::{Params, build};
 use common::{approx_tolerance, rel_l2, rng, tolerance, uniform};
 use pagedkv::cuda::{CudaBackend, CudaStepDevice, DeviceTensor, backend};
+use pagedkv::host::ops::attention::DecodeInputs;
 use pagedkv::host::ops::kv_append::kv_append_reference;
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::step::{DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
@@ -66,7 +67,7 @@ fn decode_case(
         full_length: true,
     };
     let c = build(&p);
-    let want = paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+    let want = paged_decode_attention(&c.inputs());
     let q = DeviceTensor::from_host(gpu, &c.q).unwrap();
     let kc = DeviceTensor::from_host(gpu, &c.kc).unwrap();
     let vc = DeviceTensor::from_host(gpu, &c.vc).unwrap();
@@ -74,7 +75,17 @@ fn decode_case(
         DeviceTensor::from_host(gpu, &HostTensor::full(dtype, c.q.shape(), f64::NAN)).unwrap();
     let plan = gpu
         .paged_decode_attention(
-            &c.shape, &c.opts, &q, &kc, &vc, &c.tables, &c.lens, &mut out, None,
+            DecodeInputs {
+                shape: &c.shape,
+                opts: &c.opts,
+                q: &q,
+                key_cache: &kc,
+                value_cache: &vc,
+                block_tables: &c.tables,
+                context_lens: &c.lens,
+                plan: None,
+            },
+            &mut out,
         )
         .unwrap();
     if let Some(split) = want_split {
@@ -128,8 +139,7 @@ fn decode_awkward_shapes_with_every_option() {
             full_length: false,
         };
         let c = build(&p);
-        let want =
-            paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+        let want = paged_decode_attention(&c.inputs());
         let q = DeviceTensor::from_host(&gpu, &c.q).unwrap();
         let kc = DeviceTensor::from_host(&gpu, &c.kc).unwrap();
         let vc = DeviceTensor::from_host(&gpu, &c.vc).unwrap();
@@ -143,7 +153,17 @@ fn decode_awkward_shapes_with_every_option() {
                 num_partitions: 700u32.div_ceil(t),
             });
             gpu.paged_decode_attention(
-                &c.shape, &c.opts, &q, &kc, &vc, &c.tables, &c.lens, &mut out, plan,
+                DecodeInputs {
+                    shape: &c.shape,
+                    opts: &c.opts,
+                    q: &q,
+                    key_cache: &kc,
+                    value_cache: &vc,
+                    block_tables: &c.tables,
+                    context_lens: &c.lens,
+                    plan,
+                },
+                &mut out,
             )
             .unwrap();
             let e = rel_l2(&out.to_host(&gpu).unwrap().to_f64(), &want);
@@ -286,7 +306,7 @@ fn sanitizer_decode(parts: u32, heads_per_block: u32) {
         full_length: false,
     };
     let c = build(&p);
-    let want = paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+    let want = paged_decode_attention(&c.inputs());
     let q = DeviceTensor::from_host(&gpu, &c.q).unwrap();
     let kc = DeviceTensor::from_host(&gpu, &c.kc).unwrap();
     let vc = DeviceTensor::from_host(&gpu, &c.vc).unwrap();
@@ -298,15 +318,17 @@ fn sanitizer_decode(parts: u32, heads_per_block: u32) {
         num_partitions: parts,
     };
     gpu.paged_decode_attention(
-        &c.shape,
-        &c.opts,
-        &q,
-        &kc,
-        &vc,
-        &c.tables,
-        &c.lens,
+        DecodeInputs {
+            shape: &c.shape,
+            opts: &c.opts,
+            q: &q,
+            key_cache: &kc,
+            value_cache: &vc,
+            block_tables: &c.tables,
+            context_lens: &c.lens,
+            plan: Some(plan),
+        },
         &mut out,
-        Some(plan),
     )
     .unwrap();
     let e = rel_l2(&out.to_host(&gpu).unwrap().to_f64(), &want);
@@ -458,8 +480,7 @@ fn the_runner_on_the_gpu_matches_the_reference_split_and_unsplit() {
     for (batch, len) in [(64, 1000), (1, 8192)] {
         let dtype = DType::F16;
         let c = step_case(dtype, batch, len, 11);
-        let want =
-            paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+        let want = paged_decode_attention(&c.inputs());
         let cap = StepCapacity {
             max_seqs: 64,
             max_blocks_per_seq: c.shape.max_blocks_per_seq,

@@ -169,7 +169,7 @@ proptest! {
         (p, q_pad, out_pad) in params()
     ) {
         let c = build(&p);
-        let want = paged_decode_attention(&c.shape, &c.opts, &c.q, &c.kc, &c.vc, &c.tables, &c.lens);
+        let want = paged_decode_attention(&c.inputs());
         let shape = StepShape {
             num_q_heads: c.shape.num_q_heads,
             num_kv_heads: c.shape.num_kv_heads,

@@ -32,7 +32,7 @@ use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, Once};
 
-use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
 use pagedkv::host::ops::kv_append::kv_append_reference;
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::scheduler::{
@@ -1126,9 +1126,18 @@ pub unsafe extern "C" fn pagedkv_reference_decode_attention(
             let mut ot = HostTensor::full(DType::F32, &[o.len()], 0.0);
             let mut opts = DecodeOptions::new(sh.head_dim.max(1));
             opts.scale = scale;
-            pagedkv::host::ops::attention::validate(&sh, &opts, &qt, &kt, &vt, bt, cl, &ot)
-                .map_err(|e| from_error(&e))?;
-            let r = paged_decode_attention(&sh, &opts, &qt, &kt, &vt, bt, cl);
+            let inputs = DecodeInputs {
+                shape: &sh,
+                opts: &opts,
+                q: &qt,
+                key_cache: &kt,
+                value_cache: &vt,
+                block_tables: bt,
+                context_lens: cl,
+                plan: None,
+            };
+            pagedkv::host::ops::attention::validate(&inputs, &ot).map_err(|e| from_error(&e))?;
+            let r = paged_decode_attention(&inputs);
             for (i, v) in r.iter().enumerate() {
                 ot.set(i, *v);
             }
@@ -1496,7 +1505,17 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
         };
         let mut opts = DecodeOptions::new(c.head_dim.max(1));
         opts.scale = scale;
-        g.paged_decode_attention(&sh, &opts, &qt, &kc, &vc, bt, cl, &mut ot, None)
+        let inputs = DecodeInputs {
+            shape: &sh,
+            opts: &opts,
+            q: &*qt,
+            key_cache: &*kc,
+            value_cache: &*vc,
+            block_tables: bt,
+            context_lens: cl,
+            plan: None,
+        };
+        g.paged_decode_attention(inputs, &mut ot)
             .map(|_| ())
             .map_err(|e| from_error(&e))
     })

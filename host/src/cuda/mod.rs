@@ -30,30 +30,34 @@
 //! scheduler's [`Batch`](crate::scheduler::Batch) on the host: it is validated there and
 //! uploaded on the backend's stream.
 
+mod backend;
+mod blocks;
 mod step;
+mod tensor;
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+pub use backend::CudaAttention;
+pub use blocks::HostSwapPool;
 pub use step::{CudaStepDevice, StepGraph};
+pub use tensor::{BorrowedDeviceTensor, DeviceTensor};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    DriverError, LaunchConfig as CuConfig, PinnedHostSlice, PushKernelArg, sys,
+    DriverError, LaunchConfig as CuConfig, PushKernelArg, sys,
 };
 use cudarc::nvrtc::Ptx;
 use pagedkv_kernels::kernels::{
-    CopyBlocks, CopyBlocksParams, DecodeParams, DecodeReduce, KvAppend, KvAppendParams,
-    PagedDecode, ReduceParams,
+    CopyBlocks, DecodeParams, DecodeReduce, KvAppend, KvAppendParams, PagedDecode, ReduceParams,
 };
 use pagedkv_kernels::{Bf16, F16, GlobalSlice, GlobalSliceMut, Kernel, PagedLayout};
 
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
-use crate::ops::attention::{self, DecodeOptions, DecodeShape, SplitPlan};
-use crate::ops::{copy_blocks, kv_append, with_elem};
-use crate::tensor::{DType, HostTensor, TensorDesc};
+use crate::ops::attention::{self, DecodeInputs, SplitPlan};
+use crate::ops::{kv_append, with_elem};
+use crate::tensor::{DType, TensorDesc};
 
 /// One PTX module the backend may load: the `pagedkv` crate embeds one per architecture.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,261 +104,11 @@ struct KernelParams<P>(P);
 // `.param` of the same size and layout.
 unsafe impl<P: Copy> DeviceRepr for KernelParams<P> {}
 
-/// A tensor in device memory: bytes, an element type and a shape.
-#[derive(Debug)]
-pub struct DeviceTensor {
-    buf: CudaSlice<u8>,
-    dtype: DType,
-    shape: Vec<usize>,
-}
+/// One layer's K and V pools on the GPU.
+pub type LayerCache = crate::backend::LayerCache<DeviceTensor>;
 
-impl TensorDesc for DeviceTensor {
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-    fn len(&self) -> usize {
-        self.buf.len() / self.dtype.size()
-    }
-}
-
-impl DeviceTensor {
-    /// A zero-filled tensor.
-    pub fn zeros(gpu: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Self> {
-        let n = HostTensor::checked_elems(dtype, shape)?;
-        let buf = gpu
-            .stream
-            .alloc_zeros::<u8>(n * dtype.size())
-            .map_err(cuda("cuMemAlloc"))?;
-        Ok(Self {
-            buf,
-            dtype,
-            shape: shape.to_vec(),
-        })
-    }
-
-    /// A copy of a host tensor.
-    pub fn from_host(gpu: &CudaBackend, t: &HostTensor) -> Result<Self> {
-        let buf = gpu
-            .stream
-            .clone_htod(t.buf().as_bytes())
-            .map_err(cuda("cuMemcpyHtoD"))?;
-        Ok(Self {
-            buf,
-            dtype: t.dtype(),
-            shape: t.shape().to_vec(),
-        })
-    }
-
-    /// Copies the tensor back to the host (waits for the stream).
-    pub fn to_host(&self, gpu: &CudaBackend) -> Result<HostTensor> {
-        let bytes = gpu
-            .stream
-            .clone_dtoh(&self.buf)
-            .map_err(cuda("cuMemcpyDtoH"))?;
-        HostTensor::from_bytes(self.dtype, &self.shape, &bytes)
-    }
-
-    /// Overwrites the tensor with a host tensor of the same dtype and length.
-    pub fn copy_from_host(&mut self, gpu: &CudaBackend, t: &HostTensor) -> Result<()> {
-        if t.dtype() != self.dtype || t.len() != TensorDesc::len(self) {
-            return Err(Error::invalid(
-                "t",
-                format!(
-                    "{} x {} into {} x {}",
-                    t.len(),
-                    t.dtype(),
-                    TensorDesc::len(self),
-                    self.dtype
-                ),
-            ));
-        }
-        gpu.stream
-            .memcpy_htod(t.buf().as_bytes(), &mut self.buf)
-            .map_err(cuda("cuMemcpyHtoD"))
-    }
-
-    /// Fills the tensor with `pattern` repeated (uploaded once, then copied on the
-    /// device), e.g. random data for benchmarks without a host copy of the whole tensor.
-    pub fn fill_repeat(&mut self, gpu: &CudaBackend, pattern: &[u8]) -> Result<()> {
-        if pattern.is_empty() {
-            return Err(Error::invalid("pattern", "must not be empty"));
-        }
-        let src = gpu.upload("upload pattern", pattern)?;
-        let total = self.buf.len();
-        let mut at = 0;
-        while at < total {
-            let n = pattern.len().min(total - at);
-            let mut dst = self.buf.slice_mut(at..at + n);
-            gpu.stream
-                .memcpy_dtod(&src.slice(0..n), &mut dst)
-                .map_err(cuda("cuMemcpyDtoD"))?;
-            at += n;
-        }
-        Ok(())
-    }
-
-    /// Wraps an engine's own allocation, without a copy. Errors when its length is not
-    /// the shape's element count times the element size.
-    pub fn from_cuda_slice(buf: CudaSlice<u8>, dtype: DType, shape: &[usize]) -> Result<Self> {
-        let n = HostTensor::checked_elems(dtype, shape)?;
-        if buf.len() != n * dtype.size() {
-            return Err(Error::invalid(
-                "buf",
-                format!("{} bytes for shape {shape:?} of {dtype}", buf.len()),
-            ));
-        }
-        Ok(Self {
-            buf,
-            dtype,
-            shape: shape.to_vec(),
-        })
-    }
-
-    /// Gives the allocation back.
-    pub fn into_cuda_slice(self) -> CudaSlice<u8> {
-        self.buf
-    }
-
-    /// The shape.
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// Bytes.
-    pub fn num_bytes(&self) -> usize {
-        self.buf.len()
-    }
-}
-
-/// A caller's device allocation seen as a [`DeviceTensor`] for the length of a call:
-/// dropping it gives the memory back untouched (never frees it).
-#[derive(Debug)]
-pub struct BorrowedDeviceTensor(Option<DeviceTensor>);
-
-impl BorrowedDeviceTensor {
-    /// Wraps `ptr` (`shape` elements of `dtype`) without taking ownership.
-    ///
-    /// # Safety
-    /// 1. `ptr` is a device allocation in `gpu`'s context, valid for reads and writes of
-    ///    the shape's bytes for as long as the wrapper lives.
-    /// 2. Nothing else uses that memory while a launch that uses the wrapper runs.
-    pub unsafe fn new(gpu: &CudaBackend, ptr: u64, dtype: DType, shape: &[usize]) -> Result<Self> {
-        if ptr == 0 {
-            return Err(Error::invalid("ptr", "device pointer is null"));
-        }
-        if !ptr.is_multiple_of(16) {
-            // The kernels read and write 16-byte vectors: a misaligned address would be a
-            // fault that kills the process's CUDA context, not an error.
-            return Err(Error::invalid(
-                "ptr",
-                format!("device pointer {ptr:#x} is not 16-byte aligned"),
-            ));
-        }
-        let bytes = HostTensor::checked_elems(dtype, shape)? * dtype.size();
-        // SAFETY: the caller's conditions 1 and 2; `Drop` leaks the slice, so cudarc never
-        // frees the caller's memory.
-        let buf = unsafe { gpu.stream.upgrade_device_ptr::<u8>(ptr, bytes) };
-        Ok(Self(Some(DeviceTensor {
-            buf,
-            dtype,
-            shape: shape.to_vec(),
-        })))
-    }
-}
-
-impl std::ops::Deref for BorrowedDeviceTensor {
-    type Target = DeviceTensor;
-    fn deref(&self) -> &DeviceTensor {
-        self.0.as_ref().expect("present until drop")
-    }
-}
-
-impl std::ops::DerefMut for BorrowedDeviceTensor {
-    fn deref_mut(&mut self) -> &mut DeviceTensor {
-        self.0.as_mut().expect("present until drop")
-    }
-}
-
-impl Drop for BorrowedDeviceTensor {
-    fn drop(&mut self) {
-        if let Some(t) = self.0.take() {
-            let _ = t.buf.leak();
-        }
-    }
-}
-
-/// One layer's K and V pools.
-#[derive(Debug)]
-pub struct LayerCache {
-    /// `[num_blocks, num_kv_heads, block_size, head_dim]`.
-    pub key: DeviceTensor,
-    /// `[num_blocks, num_kv_heads, block_size, head_dim]`.
-    pub value: DeviceTensor,
-}
-
-/// The paged cache of a model: every layer's K and V pools, one layout.
-#[derive(Debug)]
-pub struct PagedCache {
-    /// The layout shared by every pool.
-    pub layout: PagedLayout,
-    /// One entry per layer.
-    pub layers: Vec<LayerCache>,
-}
-
-impl PagedCache {
-    /// Blocks of `layout` (its `num_blocks` ignored) that fit in `budget_bytes` for
-    /// `num_layers` layers of K and V in `dtype`.
-    pub fn blocks_for_budget(
-        layout: &PagedLayout,
-        dtype: DType,
-        num_layers: usize,
-        budget_bytes: u64,
-    ) -> u32 {
-        let per_block = layout
-            .block_stride()
-            .saturating_mul(dtype.size() as u64 * 2)
-            .saturating_mul(num_layers as u64);
-        (budget_bytes / per_block.max(1)).min(u32::MAX as u64) as u32
-    }
-}
-
-/// Host memory for swapped-out blocks: pinned, `[num_host_blocks, num_pools, block_bytes]`.
-///
-/// Swap copies are asynchronous: each records an event after its copies, and dropping
-/// the pool waits for the last one, so pinned memory is never freed under a DMA.
-pub struct HostSwapPool {
-    buf: PinnedHostSlice<u8>,
-    num_pools: usize,
-    block_bytes: usize,
-    num_blocks: usize,
-    /// Recorded after the last swap's copies.
-    last_copy: RefCell<Option<cudarc::driver::CudaEvent>>,
-}
-
-impl Drop for HostSwapPool {
-    fn drop(&mut self) {
-        if let Some(e) = self.last_copy.get_mut().take() {
-            // An error here means the context is already broken; the memory is freed
-            // either way, so there is nothing better to do than wait as well as we can.
-            let _ = e.synchronize();
-        }
-    }
-}
-
-impl std::fmt::Debug for HostSwapPool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "HostSwapPool({} blocks x {} pools x {} bytes)",
-            self.num_blocks, self.num_pools, self.block_bytes
-        )
-    }
-}
+/// The paged cache of a model on the GPU: every layer's K and V pools, one layout.
+pub type PagedCache = crate::backend::PagedCache<DeviceTensor>;
 
 /// A loaded kernel as the driver sees it (see [`CudaBackend::kernel_info`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -639,22 +393,19 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Paged decode attention over one layer's cache (see `ops::attention`). With no
-    /// `plan`, plans split-K from this device's SM count. Returns the plan used.
-    #[allow(clippy::too_many_arguments)]
+    /// Paged decode attention over one layer's cache (see `ops::attention`). Without
+    /// `inputs.plan`, plans split-K from this device's SM count. Returns the plan used.
+    ///
+    /// A per-call convenience: it uploads the metadata and allocates the split-K
+    /// workspace each call. An engine's layer loop uses the step path
+    /// ([`crate::backend::CudaAttention`]), which does that once per step.
     pub fn paged_decode_attention(
         &self,
-        shape: &DecodeShape,
-        opts: &DecodeOptions,
-        q: &DeviceTensor,
-        key_cache: &DeviceTensor,
-        value_cache: &DeviceTensor,
-        block_tables: &[i32],
-        context_lens: &[i32],
+        inputs: DecodeInputs<'_, DeviceTensor>,
         out: &mut DeviceTensor,
-        plan: Option<SplitPlan>,
     ) -> Result<SplitPlan> {
-        let p = attention::validate_launch(
+        let p = attention::validate_launch(&inputs, out, Some(self.sm_count))?;
+        let DecodeInputs {
             shape,
             opts,
             q,
@@ -662,10 +413,8 @@ impl CudaBackend {
             value_cache,
             block_tables,
             context_lens,
-            out,
-            plan,
-            self.sm_count,
-        )?;
+            plan: _,
+        } = inputs;
         let dtype = key_cache.dtype;
         let tables = self.upload("upload block_tables", block_tables)?;
         let lens = self.upload("upload context_lens", context_lens)?;
@@ -766,196 +515,6 @@ impl CudaBackend {
             }
         });
         Ok(p)
-    }
-
-    /// Copies whole blocks for `(src, dst)` pairs in every pool (copy-on-write).
-    pub fn copy_blocks(
-        &self,
-        pools: &mut [&mut DeviceTensor],
-        block_bytes: u64,
-        pairs: &[(u32, u32)],
-    ) -> Result<()> {
-        let lens: Vec<u64> = pools.iter().map(|p| p.num_bytes() as u64).collect();
-        let num_blocks = copy_blocks::pool_blocks(&lens, block_bytes)?;
-        copy_blocks::validate(num_blocks, block_bytes, pairs)?;
-        if pairs.is_empty() || pools.is_empty() {
-            return Ok(());
-        }
-        let flat: Vec<i64> = pairs
-            .iter()
-            .flat_map(|&(s, d)| [s as i64, d as i64])
-            .collect();
-        let num_pools = pools.len();
-        let s = &self.stream;
-        let mut guards = Vec::with_capacity(pools.len());
-        // Each PoolView is `#[repr(C)] { ptr, len }`: two u64 words on the device.
-        let mut views: Vec<u64> = Vec::with_capacity(2 * pools.len());
-        for p in pools.iter_mut() {
-            let len = p.buf.len() as u64;
-            let (ptr, g) = p.buf.device_ptr_mut(s);
-            views.extend([ptr, len]);
-            guards.push(g);
-        }
-        let dev_views = self.upload("upload pools", &views)?;
-        let dev_pairs = self.upload("upload pairs", &flat)?;
-        let (vp, _gv) = dev_views.device_ptr(s);
-        let (pp, _gp) = dev_pairs.device_ptr(s);
-        // SAFETY: `dev_views` holds `pools.len()` PoolViews (16 bytes each, the layout
-        // of GlobalSliceMut<u8>) and `dev_pairs` the flattened pairs, both owned here.
-        let params = unsafe {
-            CopyBlocksParams {
-                pools: GlobalSlice::from_raw_parts(vp as *const _, num_pools as u64),
-                pairs: GlobalSlice::from_raw_parts(pp as *const i64, flat.len() as u64),
-                block_bytes,
-            }
-        };
-        // SAFETY: (1) pools borrowed mutably, tables owned, for the call; (2) validated
-        // (ids in range, destinations distinct and never sources); (3) as (1); (4) own config.
-        unsafe {
-            self.launch::<CopyBlocks>(copy_blocks::launch_config(pairs.len(), num_pools), params)
-        }
-    }
-
-    /// Allocates pinned host memory for `num_host_blocks` swapped blocks of `num_pools`
-    /// pools of `block_bytes` each.
-    pub fn alloc_swap_pool(
-        &self,
-        num_host_blocks: usize,
-        num_pools: usize,
-        block_bytes: usize,
-    ) -> Result<HostSwapPool> {
-        let n = num_host_blocks
-            .checked_mul(num_pools)
-            .and_then(|x| x.checked_mul(block_bytes))
-            .ok_or_else(|| Error::invalid("num_host_blocks", "size overflows"))?;
-        // SAFETY: the memory is only ever read after a copy into it completes.
-        let buf = unsafe { self.stream.context().alloc_pinned::<u8>(n) }
-            .map_err(cuda("cuMemHostAlloc"))?;
-        Ok(HostSwapPool {
-            buf,
-            num_pools,
-            block_bytes,
-            num_blocks: num_host_blocks,
-            last_copy: RefCell::new(None),
-        })
-    }
-
-    /// Records an event after the swap copies just issued on the stream, for the host
-    /// pool's `Drop` to wait on.
-    fn record_swap(&self, host: &HostSwapPool) -> Result<()> {
-        let e = self
-            .stream
-            .record_event(None)
-            .map_err(cuda("cuEventRecord"))?;
-        *host.last_copy.borrow_mut() = Some(e);
-        Ok(())
-    }
-
-    fn check_swap(
-        pools: &[&DeviceTensor],
-        block_bytes: u64,
-        host: &HostSwapPool,
-        pairs: &[(u32, u32)],
-        dev_first: bool,
-    ) -> Result<u64> {
-        let lens: Vec<u64> = pools.iter().map(|p| p.num_bytes() as u64).collect();
-        let num_blocks = copy_blocks::pool_blocks(&lens, block_bytes)?;
-        if pools.len() != host.num_pools || block_bytes as usize != host.block_bytes {
-            return Err(Error::invalid(
-                "host",
-                format!(
-                    "{host:?} does not match {} pools of {block_bytes} bytes",
-                    pools.len()
-                ),
-            ));
-        }
-        let mut seen = std::collections::HashSet::new();
-        for (i, &(a, b)) in pairs.iter().enumerate() {
-            let (dev, hst) = if dev_first { (a, b) } else { (b, a) };
-            if dev as u64 >= num_blocks || hst as usize >= host.num_blocks {
-                return Err(Error::invalid(
-                    "pairs",
-                    format!("pair {i}: device block {dev} or host block {hst} out of range"),
-                ));
-            }
-            if !seen.insert(b) {
-                return Err(Error::invalid(
-                    "pairs",
-                    format!("pair {i}: destination {b} is written twice"),
-                ));
-            }
-        }
-        Ok(num_blocks)
-    }
-
-    /// Copies device blocks to host blocks (`(device, host)` pairs from the scheduler's
-    /// `swap_out`), asynchronously on the stream.
-    pub fn swap_out(
-        &self,
-        pools: &[&DeviceTensor],
-        block_bytes: u64,
-        pairs: &[(u32, u32)],
-        host: &mut HostSwapPool,
-    ) -> Result<()> {
-        Self::check_swap(pools, block_bytes, host, pairs, true)?;
-        let bb = block_bytes as usize;
-        let base = host.buf.as_mut_ptr().map_err(cuda("pinned memory"))?;
-        for (pi, pool) in pools.iter().enumerate() {
-            let (src, _g) = pool.buf.device_ptr(&self.stream);
-            for &(d, h) in pairs {
-                let off = (h as usize * host.num_pools + pi) * bb;
-                // SAFETY: `off + bb` is inside the pinned buffer (checked ranges), which
-                // `host` keeps alive and borrowed mutably for the call.
-                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(off), bb) };
-                // SAFETY: the source range is inside the pool (checked); the copy is
-                // ordered on the stream after every earlier write to the pool.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtoh_async(
-                        dst,
-                        src + d as u64 * block_bytes,
-                        self.stream.cu_stream(),
-                    )
-                }
-                .map_err(cuda("cuMemcpyDtoHAsync"))?;
-            }
-        }
-        self.record_swap(host)
-    }
-
-    /// Copies host blocks back to device blocks (`(host, device)` pairs from the
-    /// scheduler's `swap_in`), asynchronously on the stream.
-    pub fn swap_in(
-        &self,
-        pools: &mut [&mut DeviceTensor],
-        block_bytes: u64,
-        pairs: &[(u32, u32)],
-        host: &HostSwapPool,
-    ) -> Result<()> {
-        {
-            let view: Vec<&DeviceTensor> = pools.iter().map(|p| &**p).collect();
-            Self::check_swap(&view, block_bytes, host, pairs, false)?;
-        }
-        let bb = block_bytes as usize;
-        let base = host.buf.as_ptr().map_err(cuda("pinned memory"))?;
-        for (pi, pool) in pools.iter_mut().enumerate() {
-            let (dst, _g) = pool.buf.device_ptr_mut(&self.stream);
-            for &(h, d) in pairs {
-                let off = (h as usize * host.num_pools + pi) * bb;
-                // SAFETY: `off + bb` is inside the pinned buffer (checked ranges).
-                let src = unsafe { std::slice::from_raw_parts(base.add(off), bb) };
-                // SAFETY: the destination range is inside the pool (checked), which is
-                // borrowed mutably for the call.
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        dst + d as u64 * block_bytes,
-                        src,
-                        self.stream.cu_stream(),
-                    )
-                }
-                .map_err(cuda("cuMemcpyHtoDAsync"))?;
-            }
-        }
-        self.record_swap(host)
     }
 
     /// Times `f` on the stream with CUDA events, in milliseconds (for benchmarks).
