@@ -15,6 +15,7 @@
 //! Nothing in this crate needs a GPU or a CUDA installation to build or test; the CUDA
 //! backend finds the driver at run time.
 
+pub mod backend;
 pub mod block;
 pub mod buffer;
 pub mod cuda;

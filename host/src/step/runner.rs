@@ -117,7 +117,8 @@ pub struct StepRunner<D: StepDevice> {
     dev: D,
     shape: StepShape,
     cap: StepCapacity,
-    sm_count: u32,
+    /// SMs the split planner plans for; `None`: never split.
+    sm_count: Option<u32>,
     /// `[tables | lens | slots]`, 16-byte aligned sections.
     meta: u64,
     meta_bytes: usize,
@@ -153,7 +154,18 @@ impl<D: StepDevice> StepRunner<D> {
     /// A runner for `shape` on `dev` (whose GPU has `sm_count` SMs, the split planner's
     /// input), with device buffers allocated for `cap`: metadata, split-K workspace and
     /// ALiBi slopes. The only allocations the runner ever makes.
-    pub fn new(mut dev: D, shape: StepShape, cap: StepCapacity, sm_count: u32) -> Result<Self> {
+    pub fn new(dev: D, shape: StepShape, cap: StepCapacity, sm_count: u32) -> Result<Self> {
+        Self::with_split(dev, shape, cap, Some(sm_count))
+    }
+
+    /// [`new`](Self::new), planning split-K for `sm_count` SMs, or never splitting when
+    /// it is `None` (the CPU: split-K exists to fill a GPU's SMs).
+    pub fn with_split(
+        mut dev: D,
+        shape: StepShape,
+        cap: StepCapacity,
+        sm_count: Option<u32>,
+    ) -> Result<Self> {
         check_layout(&shape.layout())?;
         if shape.num_q_heads == 0 || !shape.num_q_heads.is_multiple_of(shape.num_kv_heads) {
             return Err(Error::invalid(
@@ -196,9 +208,10 @@ impl<D: StepDevice> StepRunner<D> {
             max_blocks_per_seq: cap.max_blocks_per_seq,
         };
         let longest = cap.max_blocks_per_seq.saturating_mul(shape.block_size);
-        for n in 1..=cap.max_seqs {
+        let sms = sm_count.unwrap_or(0);
+        for n in (1..=cap.max_seqs).take_while(|_| sm_count.is_some()) {
             let p = clamp_partitions(
-                attention::plan(&decode_shape(n), shape.dtype, longest, sm_count),
+                attention::plan(&decode_shape(n), shape.dtype, longest, sms),
                 longest,
                 cap.max_partitions,
             );
@@ -246,6 +259,11 @@ impl<D: StepDevice> StepRunner<D> {
     /// What the last [`plan`](StepRunner::plan) decided.
     pub fn planned(&self) -> Option<&Planned> {
         self.planned.as_ref()
+    }
+
+    /// The ALiBi slopes [`set_alibi_slopes`](Self::set_alibi_slopes) uploaded.
+    pub fn alibi_slopes(&self) -> Option<&[f32]> {
+        self.slopes_host.as_deref()
     }
 
     /// Uploads ALiBi slopes (one per query head) for the decode runs that ask for ALiBi,
@@ -324,7 +342,10 @@ impl<D: StepDevice> StepRunner<D> {
             let max_len =
                 attention::validate_metadata(&ds, None, meta.block_tables, meta.context_lens)?;
             let p = clamp_partitions(
-                attention::plan(&ds, self.shape.dtype, max_len, self.sm_count),
+                match self.sm_count {
+                    Some(sms) => attention::plan(&ds, self.shape.dtype, max_len, sms),
+                    None => attention::plan_unsplit(&ds, self.shape.dtype, max_len),
+                },
                 max_len,
                 self.cap.max_partitions,
             );

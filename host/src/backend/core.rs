@@ -1,0 +1,118 @@
+//! [`StepCore`]: what every [`AttentionBackend`](super::AttentionBackend) shares: a
+//! [`StepRunner`] over the backend's [`StepDevice`], the batch-to-metadata step, and
+//! the per-layer calls on views of the backend's tensors.
+
+use super::{AppendArgs, BackendConfig, DecodeArgs, SplitPolicy};
+use crate::error::{Error, Result};
+use crate::scheduler::Batch;
+use crate::step::{
+    AppendIo, DecodeIo, Planned, StepDevice, StepMeta, StepRunner, TensorView, TensorViewMut,
+};
+use crate::tensor::HostTensor;
+
+/// A tensor the step path can view: host tensors on the emulator, device tensors on a
+/// GPU.
+pub(crate) trait AsView {
+    fn view(&self) -> TensorView<'_>;
+    fn view_mut(&mut self) -> TensorViewMut<'_>;
+}
+
+impl AsView for HostTensor {
+    fn view(&self) -> TensorView<'_> {
+        TensorView::of_host(self)
+    }
+    fn view_mut(&mut self) -> TensorViewMut<'_> {
+        TensorViewMut::of_host(self)
+    }
+}
+
+/// The step runner of a backend, and the buffers that turn a [`Batch`] into the
+/// runner's [`StepMeta`] without allocating once they have grown.
+#[derive(Debug)]
+pub(crate) struct StepCore<D: StepDevice> {
+    pub(crate) runner: StepRunner<D>,
+    pub(crate) config: BackendConfig,
+    /// The decoding rows' block tables and context lengths.
+    tables: Vec<i32>,
+    lens: Vec<i32>,
+}
+
+impl<D: StepDevice> StepCore<D> {
+    /// A core on `dev`, whose GPU has `sm_count` SMs (`None`: a CPU, which never
+    /// splits unless the config asks).
+    pub(crate) fn new(dev: D, config: BackendConfig, sm_count: Option<u32>) -> Result<Self> {
+        config.check()?;
+        let sms = match (config.split, sm_count) {
+            (SplitPolicy::Never, _) | (SplitPolicy::Auto, None) => None,
+            (SplitPolicy::Auto, Some(n)) => Some(n),
+            (SplitPolicy::ForSms(n), _) => Some(n),
+        };
+        let runner = StepRunner::with_split(dev, config.shape, config.capacity, sms)?;
+        let cap = &config.capacity;
+        Ok(Self {
+            runner,
+            config,
+            tables: Vec::with_capacity(cap.max_seqs as usize * cap.max_blocks_per_seq as usize),
+            lens: Vec::with_capacity(cap.max_seqs as usize),
+        })
+    }
+
+    /// Plans the step of `batch`: the decoding rows' tables and lengths, every new
+    /// token's slot.
+    pub(crate) fn plan_batch(&mut self, batch: &Batch) -> Result<Planned> {
+        let w = batch.max_blocks_per_seq as usize;
+        let rows = batch.seqs.len();
+        if batch.context_lens.len() != rows || batch.block_tables.len() != rows * w {
+            return Err(Error::invalid(
+                "batch",
+                format!(
+                    "{} context lengths and {} table entries for {rows} sequences of {w} blocks",
+                    batch.context_lens.len(),
+                    batch.block_tables.len()
+                ),
+            ));
+        }
+        self.tables.clear();
+        self.lens.clear();
+        for i in super::decode_rows(batch) {
+            self.tables
+                .extend_from_slice(&batch.block_tables[i * w..(i + 1) * w]);
+            self.lens.push(batch.context_lens[i]);
+        }
+        let width = if self.lens.is_empty() { 0 } else { w as u32 };
+        let meta = StepMeta {
+            block_tables: &self.tables,
+            max_blocks_per_seq: width,
+            context_lens: &self.lens,
+            slot_mapping: &batch.slot_mapping,
+        };
+        self.runner.plan(&meta).copied()
+    }
+
+    pub(crate) fn kv_append<T: AsView>(&self, args: AppendArgs<'_, T>) -> Result<()> {
+        let cache = args.cache;
+        self.runner.kv_append(AppendIo {
+            key: args.key.view(),
+            value: args.value.view(),
+            key_cache: cache.key.view_mut(),
+            value_cache: cache.value.view_mut(),
+        })
+    }
+
+    pub(crate) fn decode<T: AsView>(&mut self, args: DecodeArgs<'_, T>) -> Result<()> {
+        if self.runner.alibi_slopes() != args.opts.alibi_slopes.as_deref() {
+            self.runner
+                .set_alibi_slopes(args.opts.alibi_slopes.as_deref())?;
+        }
+        self.runner.decode(
+            args.opts,
+            DecodeIo {
+                q: args.q.view(),
+                key_cache: args.cache.key.view(),
+                value_cache: args.cache.value.view(),
+                out: args.out.view_mut(),
+            },
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,329 @@
+//! # One engine-facing API for every backend: [`AttentionBackend`]
+//!
+//! An engine's layer loop is the same whether the kernels run on a GPU or in the CPU
+//! emulator: allocate the paged cache once, then every step
+//!
+//! 1. hand the scheduler's [`Batch`] to [`begin_step`](AttentionBackend::begin_step):
+//!    the backend runs the batch's swaps and copy-on-write copies on the cache, checks
+//!    the batch's metadata once (block ids inside the pool, lengths, slots), plans the
+//!    decode launch and uploads the metadata;
+//! 2. per layer, [`kv_append`](AttentionBackend::kv_append) the new tokens' K and V
+//!    into the layer's cache and run [`decode`](AttentionBackend::decode) attention
+//!    for the decoding sequences: launches only, nothing allocated or uploaded.
+//!
+//! Two backends implement it: [`CpuBackend`] (the real kernel bodies in the SIMT
+//! emulator, on [`HostTensor`]s) and [`crate::cuda::CudaAttention`] (a GPU, on
+//! [`DeviceTensor`](crate::cuda::DeviceTensor)s). Both are the step path of
+//! [`crate::step`] over a different [`StepDevice`](crate::step::StepDevice), so what
+//! the emulator proves is the code a GPU runs. A test body written once over
+//! `B: AttentionBackend` runs on both (see `tests/backend.rs`).
+//!
+//! ## Which rows decode
+//! A batch mixes prefills and decodes. `kv_append` writes every new token of the batch
+//! (`batch.slot_mapping`, sequence by sequence). `decode` computes one query per
+//! *decoding* sequence: its `q` and `out` hold one row for each batch row `i` with
+//! `!batch.seqs[i].is_prefill`, in batch order ([`decode_rows`] lists them). Prefill
+//! tokens need a multi-query kernel, which this API does not have yet.
+//!
+//! ## Options
+//! [`DecodeOptions`] are defined once for every backend (scale, sliding window,
+//! soft-cap then ALiBi: see [`crate::ops::attention`]).
+//!
+//! ```
+//! use pagedkv_host::backend::{AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, AppendArgs};
+//! use pagedkv_host::ops::attention::DecodeOptions;
+//! use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};
+//! use pagedkv_host::step::StepShape;
+//! use pagedkv_host::{DType, HostTensor};
+//!
+//! let shape = StepShape { num_q_heads: 4, num_kv_heads: 2, head_dim: 64, block_size: 16,
+//!                         num_blocks: 32, dtype: DType::F32 };
+//! let mut be = CpuBackend::new(BackendConfig::new(shape, 1, 4, 8))?;
+//! let mut cache = be.alloc_cache()?;
+//! let mut sched = Scheduler::new(SchedulerConfig { num_blocks: 32, block_size: 16,
+//!     max_model_len: 128, ..SchedulerConfig::default() })?;
+//! sched.add_request(Request::new(7, vec![1, 2, 3], 4))?;
+//! let opts = DecodeOptions::new(64);
+//! let mut decoded = 0;
+//! while !sched.is_idle() {
+//!     let batch = sched.step()?.clone();
+//!     be.begin_step(&batch, &mut cache)?;
+//!     let n = batch.slot_mapping.len();
+//!     let k = be.upload(&HostTensor::full(DType::F32, &[n, 2, 64], 0.5))?;
+//!     let v = be.upload(&HostTensor::full(DType::F32, &[n, 2, 64], 2.0))?;
+//!     be.kv_append(AppendArgs { key: &k, value: &v, cache: &mut cache.layers[0] })?;
+//!     let rows = pagedkv_host::backend::decode_rows(&batch).count();
+//!     if rows > 0 {
+//!         let q = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], 1.0))?;
+//!         let mut out = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], f64::NAN))?;
+//!         be.decode(DecodeArgs { opts: &opts, q: &q, cache: &cache.layers[0], out: &mut out })?;
+//!         // Every cached V is 2.0, so attention returns 2.0 whatever the scores.
+//!         assert!(be.download(&out)?.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));
+//!         decoded += rows;
+//!     }
+//!     let sampled: Vec<_> = batch.seqs.iter().map(|s| (s.seq, 9)).collect();
+//!     sched.on_step_done(&sampled)?;
+//! }
+//! assert_eq!(decoded, 3); // 4 tokens: the first from the prefill, 3 decode steps
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod core;
+mod cpu;
+
+pub use cpu::CpuBackend;
+
+pub(crate) use core::{AsView, StepCore};
+
+use pagedkv_kernels::PagedLayout;
+
+use crate::error::{Error, Result};
+use crate::ops::attention::DecodeOptions;
+use crate::scheduler::Batch;
+use crate::step::{Planned, StepCapacity, StepShape};
+use crate::tensor::{DType, TensorDesc};
+
+/// How a backend cuts a decode launch into split-K partitions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SplitPolicy {
+    /// What suits the backend: a GPU plans for its SM count, the CPU never splits.
+    #[default]
+    Auto,
+    /// Never split (one partition per sequence).
+    Never,
+    /// Plan as if for a GPU of this many SMs (on any backend: tests of split-K).
+    ForSms(u32),
+}
+
+/// What a backend is made for: the model's attention shape, its layers, the most a
+/// step may hold, and the host blocks for swapped-out sequences.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackendConfig {
+    /// Heads, head size, block size, pool size and dtype of every layer.
+    pub shape: StepShape,
+    /// Layers of the cache [`AttentionBackend::alloc_cache`] makes.
+    pub num_layers: usize,
+    /// The most one step holds (the step buffers are allocated for it once).
+    pub capacity: StepCapacity,
+    /// Host blocks for swapped-out sequences (the scheduler's `num_cpu_blocks`).
+    pub num_host_blocks: u32,
+    /// How decode launches split.
+    pub split: SplitPolicy,
+}
+
+impl BackendConfig {
+    /// A config for `num_layers` layers of `shape`, steps of up to `max_seqs`
+    /// sequences of up to `max_blocks_per_seq` blocks each, no swap space, the
+    /// backend's own split policy. Room for `max_seqs * max_blocks_per_seq *
+    /// block_size` new tokens per step (every sequence prefilling at once) and 64
+    /// split-K partitions.
+    pub fn new(
+        shape: StepShape,
+        num_layers: usize,
+        max_seqs: u32,
+        max_blocks_per_seq: u32,
+    ) -> Self {
+        let tokens = (max_seqs as u64 * max_blocks_per_seq as u64 * shape.block_size as u64)
+            .min(u32::MAX as u64) as u32;
+        Self {
+            shape,
+            num_layers,
+            capacity: StepCapacity {
+                max_seqs,
+                max_blocks_per_seq,
+                max_tokens: tokens,
+                max_partitions: 64,
+            },
+            num_host_blocks: 0,
+            split: SplitPolicy::Auto,
+        }
+    }
+
+    /// The cache layout of one layer.
+    pub fn layout(&self) -> PagedLayout {
+        self.shape.layout()
+    }
+
+    /// Bytes of one block in one pool (`num_kv_heads * block_size * head_dim` elements).
+    pub fn block_bytes(&self) -> Result<u64> {
+        let l = self.layout();
+        l.block_stride()
+            .checked_mul(self.shape.dtype.size() as u64)
+            .ok_or_else(|| Error::invalid("shape", "block size in bytes overflows"))
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        crate::ops::check_layout(&self.layout())?;
+        if self.num_layers == 0 || self.num_layers > 1024 {
+            return Err(Error::invalid(
+                "num_layers",
+                format!("{} (must be 1..=1024)", self.num_layers),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One layer's K and V pools, each `[num_blocks, num_kv_heads, block_size, head_dim]`.
+#[derive(Debug)]
+pub struct LayerCache<T> {
+    /// The key pool.
+    pub key: T,
+    /// The value pool.
+    pub value: T,
+}
+
+/// The paged cache of a model: every layer's K and V pools, one layout and dtype.
+#[derive(Debug)]
+pub struct PagedCache<T> {
+    /// The layout shared by every pool.
+    pub layout: PagedLayout,
+    /// One entry per layer.
+    pub layers: Vec<LayerCache<T>>,
+}
+
+impl<T> PagedCache<T> {
+    /// Blocks of `layout` (its `num_blocks` ignored) that fit in `budget_bytes` for
+    /// `num_layers` layers of K and V in `dtype`.
+    pub fn blocks_for_budget(
+        layout: &PagedLayout,
+        dtype: DType,
+        num_layers: usize,
+        budget_bytes: u64,
+    ) -> u32 {
+        let per_block = layout
+            .block_stride()
+            .saturating_mul(dtype.size() as u64 * 2)
+            .saturating_mul(num_layers as u64);
+        (budget_bytes / per_block.max(1)).min(u32::MAX as u64) as u32
+    }
+
+    /// Every pool, K then V of each layer (the order swaps and copies walk).
+    pub fn pools(&self) -> impl Iterator<Item = &T> {
+        self.layers.iter().flat_map(|l| [&l.key, &l.value])
+    }
+
+    /// Every pool, mutably.
+    pub fn pools_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.layers
+            .iter_mut()
+            .flat_map(|l| [&mut l.key, &mut l.value])
+    }
+}
+
+/// The inputs of [`AttentionBackend::kv_append`]: this step's new tokens' K and V,
+/// and the layer's cache they go into (at the slots of the step's batch).
+#[derive(Debug)]
+pub struct AppendArgs<'a, T> {
+    /// `[num_new_tokens, num_kv_heads, head_dim]`, in `batch.slot_mapping` order.
+    pub key: &'a T,
+    /// `[num_new_tokens, num_kv_heads, head_dim]`.
+    pub value: &'a T,
+    /// The layer's cache.
+    pub cache: &'a mut LayerCache<T>,
+}
+
+/// The inputs of [`AttentionBackend::decode`] for one layer.
+#[derive(Debug)]
+pub struct DecodeArgs<'a, T> {
+    /// Scale, window, soft-cap, ALiBi (the same every layer, usually).
+    pub opts: &'a DecodeOptions,
+    /// `[num_decode_rows, num_q_heads, head_dim]`: one query per decoding sequence, in
+    /// [`decode_rows`] order.
+    pub q: &'a T,
+    /// The layer's cache.
+    pub cache: &'a LayerCache<T>,
+    /// `[num_decode_rows, num_q_heads, head_dim]`: written.
+    pub out: &'a mut T,
+}
+
+/// The rows of `batch` that decode (one query token each), in batch order: the rows
+/// of [`DecodeArgs::q`] and [`DecodeArgs::out`].
+pub fn decode_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
+    batch
+        .seqs
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.is_prefill)
+        .map(|(i, _)| i)
+}
+
+/// A KV-cache and attention backend: the one API an engine's layer loop is written
+/// against (see the [module docs](self)).
+///
+/// Per step: [`begin_step`](Self::begin_step) once, then per layer
+/// [`kv_append`](Self::kv_append) and [`decode`](Self::decode). Tensors are the
+/// backend's own ([`Self::Tensor`]); [`upload`](Self::upload) and
+/// [`download`](Self::download) move them to and from the host.
+pub trait AttentionBackend {
+    /// The backend's tensor type.
+    type Tensor: TensorDesc;
+
+    /// A short name for reports (`"cpu-emulator"`, `"cuda:NVIDIA H200"`).
+    fn name(&self) -> String;
+
+    /// What the backend was made for.
+    fn config(&self) -> &BackendConfig;
+
+    /// A new tensor holding `t`'s elements.
+    fn upload(&mut self, t: &crate::HostTensor) -> Result<Self::Tensor>;
+
+    /// `t`'s elements on the host (waits for the work that writes it).
+    fn download(&mut self, t: &Self::Tensor) -> Result<crate::HostTensor>;
+
+    /// Allocates the paged cache, `config().num_layers` layers, every slot NaN (a
+    /// kernel that read a slot nothing wrote would poison its output), and the swap
+    /// space the config asks for.
+    fn alloc_cache(&mut self) -> Result<PagedCache<Self::Tensor>>;
+
+    /// Starts a step: runs `batch.swap_out`, then `batch.swap_in`, then
+    /// `batch.copies` on `cache`, then checks and uploads the batch's metadata and
+    /// plans the decode launch. Returns the plan.
+    fn begin_step(
+        &mut self,
+        batch: &Batch,
+        cache: &mut PagedCache<Self::Tensor>,
+    ) -> Result<Planned>;
+
+    /// Writes this step's new tokens' K and V into one layer's cache: launches only.
+    fn kv_append(&mut self, args: AppendArgs<'_, Self::Tensor>) -> Result<()>;
+
+    /// Decode attention of the step's decoding sequences over one layer's cache:
+    /// launches only (the ALiBi slopes are uploaded the first time they change).
+    fn decode(&mut self, args: DecodeArgs<'_, Self::Tensor>) -> Result<()>;
+
+    /// Copies blocks `src -> dst` in every pool of `cache` (copy-on-write).
+    fn copy_blocks(
+        &mut self,
+        cache: &mut PagedCache<Self::Tensor>,
+        pairs: &[(u32, u32)],
+    ) -> Result<()>;
+
+    /// Copies `(device block, host block)` pairs of every pool to the swap space.
+    fn swap_out(&mut self, cache: &PagedCache<Self::Tensor>, pairs: &[(u32, u32)]) -> Result<()>;
+
+    /// Copies `(host block, device block)` pairs of every pool back from the swap space.
+    fn swap_in(&mut self, cache: &mut PagedCache<Self::Tensor>, pairs: &[(u32, u32)])
+    -> Result<()>;
+
+    /// Waits for every launch and copy issued so far.
+    fn synchronize(&mut self) -> Result<()>;
+}
+
+/// Checks `(a, b)` block pairs against pools of `a_blocks` and `b_blocks` blocks.
+pub(crate) fn check_pairs(
+    what: &'static str,
+    pairs: &[(u32, u32)],
+    a_blocks: u32,
+    b_blocks: u32,
+) -> Result<()> {
+    for &(a, b) in pairs {
+        if a >= a_blocks || b >= b_blocks {
+            return Err(Error::invalid(
+                what,
+                format!("pair ({a}, {b}) is outside {a_blocks} x {b_blocks} blocks"),
+            ));
+        }
+    }
+    Ok(())
+}
