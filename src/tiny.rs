@@ -23,15 +23,15 @@ use std::time::Instant;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use pagedkv_host::emulator::Emulator;
-use pagedkv_host::ops::attention::{DecodeOptions, DecodeShape, decode_emulated, plan};
-use pagedkv_host::ops::kv_append::kv_append_emulated;
+use pagedkv_host::backend::{
+    AppendArgs, AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, SplitPolicy, decode_rows,
+};
+use pagedkv_host::cuda::CudaAttention;
+use pagedkv_host::ops::attention::{DecodeOptions, DecodeShape};
 use pagedkv_host::reference::{dense_decode_attention, gather};
 use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};
+use pagedkv_host::step::{StepCapacity, StepShape};
 use pagedkv_host::{DType, HostTensor};
-
-use crate::cuda::DeviceTensor;
-use pagedkv_kernels::PagedLayout;
 
 /// Where the kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,7 +123,7 @@ impl RunConfig {
                 1 << 16
             ));
         }
-        pagedkv_host::ops::check_layout(&PagedLayout {
+        pagedkv_host::ops::check_layout(&pagedkv_kernels::PagedLayout {
             num_blocks: self.num_blocks,
             num_kv_heads: self.num_kv_heads,
             block_size: self.block_size,
@@ -208,17 +208,12 @@ impl fmt::Display for RunReport {
     }
 }
 
+/// One layer's weights (the cache lives in the backend's `PagedCache`).
 struct Layer {
     wq: Vec<f32>,
     wk: Vec<f32>,
     wv: Vec<f32>,
     wo: Vec<f32>,
-    /// The cache the kernels write and read (on the CPU backend), or a host copy of it
-    /// (on the CUDA backend) that the prefill path and the verification read.
-    key_cache: HostTensor,
-    value_cache: HostTensor,
-    /// The device cache (CUDA backend only).
-    device: Option<(DeviceTensor, DeviceTensor)>,
 }
 
 /// `x [n, k] @ w [k, m]`.
@@ -244,6 +239,15 @@ fn rms_norm(x: &mut [f32], width: usize) {
     }
 }
 
+/// The layer's output projection, residual and normalisation: `x = norm(x + attn @ wo)`.
+fn finish_layer(x: &mut [f32], attn: &[f32], wo: &[f32], hidden: usize) {
+    let o = matmul(attn, wo, hidden, hidden);
+    for (xv, ov) in x.iter_mut().zip(&o) {
+        *xv += ov;
+    }
+    rms_norm(x, hidden);
+}
+
 fn random(r: &mut SmallRng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| r.random_range(-1.0f32..1.0) * scale)
@@ -256,54 +260,68 @@ pub fn run(
     progress: &mut dyn FnMut(String),
 ) -> Result<RunReport, Box<dyn std::error::Error>> {
     cfg.check()?;
-    let gpu = match cfg.backend {
-        Backend::Cpu => None,
-        Backend::Cuda => Some(crate::cuda::backend(0)?),
+    let backend = BackendConfig {
+        shape: StepShape {
+            num_q_heads: cfg.num_q_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: cfg.block_size,
+            num_blocks: cfg.num_blocks,
+            dtype: cfg.dtype,
+        },
+        num_layers: cfg.num_layers,
+        capacity: StepCapacity {
+            max_seqs: cfg.num_requests as u32,
+            max_blocks_per_seq: MAX_MODEL_LEN.div_ceil(cfg.block_size),
+            max_tokens: MAX_TOKENS_PER_STEP as u32,
+            max_partitions: 64,
+        },
+        num_host_blocks: 0,
+        split: SplitPolicy::Auto,
     };
+    // One layer loop for every backend: only the backend differs.
+    match cfg.backend {
+        Backend::Cpu => run_on(&mut CpuBackend::new(backend)?, cfg, progress),
+        Backend::Cuda => {
+            let gpu = crate::cuda::backend(0)?;
+            run_on(&mut CudaAttention::new(&gpu, backend)?, cfg, progress)
+        }
+    }
+}
+
+/// Tokens the scheduler may put in one step.
+const MAX_TOKENS_PER_STEP: usize = 2048;
+
+fn run_on<B: AttentionBackend>(
+    be: &mut B,
+    cfg: &RunConfig,
+    progress: &mut dyn FnMut(String),
+) -> Result<RunReport, Box<dyn std::error::Error>> {
     let (qh, kvh, d) = (
         cfg.num_q_heads as usize,
         cfg.num_kv_heads as usize,
         cfg.head_dim as usize,
     );
     let hidden = qh * d;
-    let layout = PagedLayout {
-        num_blocks: cfg.num_blocks,
-        num_kv_heads: cfg.num_kv_heads,
-        block_size: cfg.block_size,
-        head_dim: cfg.head_dim,
-    };
     let mut r = SmallRng::seed_from_u64(cfg.seed);
     let embed = random(&mut r, cfg.vocab * hidden, 1.0);
     let scale = 1.0 / (hidden as f32).sqrt();
-    // `check` bounded the layout, so the pool's size fits.
-    let pool = [pagedkv_host::ops::checked_pool_elems(&layout)? as usize];
-    let mut layers: Vec<Layer> = (0..cfg.num_layers)
+    let layers: Vec<Layer> = (0..cfg.num_layers)
         .map(|_| Layer {
             wq: random(&mut r, hidden * hidden, scale),
             wk: random(&mut r, hidden * kvh * d, scale),
             wv: random(&mut r, hidden * kvh * d, scale),
             wo: random(&mut r, hidden * hidden, scale),
-            // Unused slots hold NaN: a kernel that read one would poison the output.
-            key_cache: HostTensor::full(cfg.dtype, &pool, f64::NAN),
-            value_cache: HostTensor::full(cfg.dtype, &pool, f64::NAN),
-            device: None,
         })
         .collect();
-    if let Some(g) = &gpu {
-        for l in layers.iter_mut() {
-            l.device = Some((
-                DeviceTensor::from_host(g, &l.key_cache)?,
-                DeviceTensor::from_host(g, &l.value_cache)?,
-            ));
-        }
-    }
-    let max_model_len = MAX_MODEL_LEN;
+    // Unused slots hold NaN: a kernel that read one would poison the output.
+    let mut cache = be.alloc_cache()?;
     let mut sched = Scheduler::new(SchedulerConfig {
         num_blocks: cfg.num_blocks,
         block_size: cfg.block_size,
         max_num_seqs: cfg.num_requests,
-        max_tokens_per_step: 2048,
-        max_model_len,
+        max_tokens_per_step: MAX_TOKENS_PER_STEP,
+        max_model_len: MAX_MODEL_LEN,
         ..SchedulerConfig::default()
     })?;
     for i in 0..cfg.num_requests {
@@ -313,9 +331,9 @@ pub fn run(
             .collect();
         sched.add_request(Request::new(i as u64, prompt, cfg.max_tokens))?;
     }
-    // The decode shapes of a step: `num_seqs` sequences, block-table rows of `w`.
-    let shape_for = |num_seqs: usize, w: usize| DecodeShape {
-        num_seqs: num_seqs as u32,
+    // The decode shapes of one sequence with block-table rows of `w` (for `gather`).
+    let shape_for = |w: usize| DecodeShape {
+        num_seqs: 1,
         num_q_heads: cfg.num_q_heads,
         num_kv_heads: cfg.num_kv_heads,
         head_dim: cfg.head_dim,
@@ -323,7 +341,13 @@ pub fn run(
         num_blocks: cfg.num_blocks,
         max_blocks_per_seq: w as u32,
     };
-    let emu = Emulator::new();
+    let to_host = |dtype, shape: &[usize], v: &[f32]| {
+        HostTensor::from_f64(
+            dtype,
+            shape,
+            &v.iter().map(|&a| a as f64).collect::<Vec<_>>(),
+        )
+    };
     let opts = DecodeOptions::new(cfg.head_dim);
     let (mut steps, mut tokens, mut util_sum) = (0u64, 0u64, 0.0f64);
     let (mut verified, mut max_error) = (0usize, 0.0f64);
@@ -333,6 +357,7 @@ pub fn run(
         if batch.seqs.is_empty() {
             return Err("the scheduler made an empty step with requests left".into());
         }
+        be.begin_step(&batch, &mut cache)?;
         let n_new = batch.slot_mapping.len();
         // Hidden states of every new token, sequence by sequence.
         let mut x = Vec::with_capacity(n_new * hidden);
@@ -343,116 +368,75 @@ pub fn run(
                 x.extend_from_slice(&embed[t * hidden..(t + 1) * hidden]);
             }
         }
-        let decode: Vec<usize> = (0..batch.seqs.len())
-            .filter(|&i| !batch.seqs[i].is_prefill)
-            .collect();
-        for (li, layer) in layers.iter_mut().enumerate() {
+        let decode: Vec<usize> = decode_rows(&batch).collect();
+        let has_prefill = decode.len() < batch.seqs.len();
+        let w = batch.max_blocks_per_seq as usize;
+        for (li, layer) in layers.iter().enumerate() {
             let q = matmul(&x, &layer.wq, hidden, hidden);
             let k = matmul(&x, &layer.wk, hidden, kvh * d);
             let v = matmul(&x, &layer.wv, hidden, kvh * d);
-            let shape_kv = [n_new, kvh, d];
-            let kt = HostTensor::from_f64(
-                cfg.dtype,
-                &shape_kv,
-                &k.iter().map(|&a| a as f64).collect::<Vec<_>>(),
-            )?;
-            let vt = HostTensor::from_f64(
-                cfg.dtype,
-                &shape_kv,
-                &v.iter().map(|&a| a as f64).collect::<Vec<_>>(),
-            )?;
-            match (&gpu, &mut layer.device) {
-                (Some(g), Some((kc, vc))) => {
-                    let kd = DeviceTensor::from_host(g, &kt)?;
-                    let vd = DeviceTensor::from_host(g, &vt)?;
-                    g.kv_append(&layout, &kd, &vd, &batch.slot_mapping, kc, vc)?;
-                    layer.key_cache = kc.to_host(g)?;
-                    layer.value_cache = vc.to_host(g)?;
-                }
-                _ => kv_append_emulated(
-                    &emu,
-                    &layout,
-                    &kt,
-                    &vt,
-                    &batch.slot_mapping,
-                    &mut layer.key_cache,
-                    &mut layer.value_cache,
-                )?,
-            }
+            let key = be.upload(&to_host(cfg.dtype, &[n_new, kvh, d], &k)?)?;
+            let value = be.upload(&to_host(cfg.dtype, &[n_new, kvh, d], &v)?)?;
+            let lc = &mut cache.layers[li];
+            be.kv_append(AppendArgs {
+                key: &key,
+                value: &value,
+                cache: lc,
+            })?;
 
             let mut attn = vec![0.0f32; n_new * hidden];
             // Decoding sequences: the paged decode kernel over the cache.
+            let mut qrows: Vec<f32> = Vec::with_capacity(decode.len() * hidden);
+            for &i in &decode {
+                let o = batch.seqs[i].token_offset as usize * hidden;
+                qrows.extend_from_slice(&q[o..o + hidden]);
+            }
+            let qt = to_host(cfg.dtype, &[decode.len(), qh, d], &qrows)?;
+            let mut outv = Vec::new();
             if !decode.is_empty() {
-                let w = batch.max_blocks_per_seq as usize;
-                let mut tables = Vec::with_capacity(decode.len() * w);
-                let mut lens = Vec::with_capacity(decode.len());
-                let mut qv = Vec::with_capacity(decode.len() * hidden);
-                for &i in &decode {
-                    tables.extend_from_slice(&batch.block_tables[i * w..(i + 1) * w]);
-                    lens.push(batch.context_lens[i]);
-                    let o = batch.seqs[i].token_offset as usize * hidden;
-                    qv.extend(q[o..o + hidden].iter().map(|&a| a as f64));
-                }
-                let shape = shape_for(decode.len(), w);
-                let qt = HostTensor::from_f64(cfg.dtype, &[decode.len(), qh, d], &qv)?;
-                let mut out = HostTensor::full(cfg.dtype, &[decode.len(), qh, d], f64::NAN);
-                let max_ctx = *lens.iter().max().unwrap_or(&1) as u32;
-                let p = plan(&shape, cfg.dtype, max_ctx, 16);
-                match (&gpu, &layer.device) {
-                    (Some(g), Some((kc, vc))) => {
-                        let qd = DeviceTensor::from_host(g, &qt)?;
-                        let mut od = DeviceTensor::from_host(g, &out)?;
-                        let plan = Some(p);
-                        g.paged_decode_attention(
-                            &shape, &opts, &qd, kc, vc, &tables, &lens, &mut od, plan,
-                        )?;
-                        out = od.to_host(g)?;
-                    }
-                    _ => decode_emulated(
-                        &emu,
-                        &shape,
-                        &opts,
-                        &p,
-                        &qt,
-                        &layer.key_cache,
-                        &layer.value_cache,
-                        &tables,
-                        &lens,
-                        &mut out,
-                    )?,
-                }
-                let outv = out.to_f64();
+                let qd = be.upload(&qt)?;
+                let nan = HostTensor::full(cfg.dtype, &[decode.len(), qh, d], f64::NAN);
+                let mut out = be.upload(&nan)?;
+                be.decode(DecodeArgs {
+                    opts: &opts,
+                    q: &qd,
+                    cache: lc,
+                    out: &mut out,
+                })?;
+                outv = be.download(&out)?.to_f64();
                 for (j, &i) in decode.iter().enumerate() {
                     let o = batch.seqs[i].token_offset as usize * hidden;
                     for e in 0..hidden {
                         attn[o + e] = outv[j * hidden + e] as f32;
                     }
                 }
+            }
+            let verify = li == 0 && !decode.is_empty();
+            if !(has_prefill || verify) {
+                finish_layer(&mut x, &attn, &layer.wo, hidden);
+                continue;
+            }
+            // A host copy of the layer's cache: the CPU reference reads it for the
+            // prefill tokens (no prefill kernel yet) and for verification.
+            let (kc, vc) = (be.download(&lc.key)?, be.download(&lc.value)?);
+            if verify {
                 // Check a sample against dense attention over the gathered cache.
-                if li == 0 {
-                    for (j, &i) in decode.iter().enumerate().take(cfg.verify_per_step) {
-                        let (kg, vg) = gather(
-                            &shape,
-                            &layer.key_cache,
-                            &layer.value_cache,
-                            &tables,
-                            lens[j] as usize,
-                            j,
-                        );
-                        let qs: Vec<f64> = (0..hidden).map(|e| qt.get(j * hidden + e)).collect();
-                        let want = dense_decode_attention(&qs, &kg, &vg, qh, kvh, d, &opts);
-                        let got = &outv[j * hidden..(j + 1) * hidden];
-                        let num: f64 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
-                        let den: f64 = want.iter().map(|b| b * b).sum();
-                        let e = (num / den.max(f64::MIN_POSITIVE)).sqrt();
-                        max_error = if e.is_nan() {
-                            f64::INFINITY
-                        } else {
-                            max_error.max(e)
-                        };
-                        verified += 1;
-                        let _ = i;
-                    }
+                for (j, &i) in decode.iter().enumerate().take(cfg.verify_per_step) {
+                    let row = &batch.block_tables[i * w..(i + 1) * w];
+                    let ctx = batch.context_lens[i] as usize;
+                    let (kg, vg) = gather(&shape_for(w), &kc, &vc, row, ctx, 0);
+                    let qs: Vec<f64> = (0..hidden).map(|e| qt.get(j * hidden + e)).collect();
+                    let want = dense_decode_attention(&qs, &kg, &vg, qh, kvh, d, &opts);
+                    let got = &outv[j * hidden..(j + 1) * hidden];
+                    let num: f64 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
+                    let den: f64 = want.iter().map(|b| b * b).sum();
+                    let e = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+                    max_error = if e.is_nan() {
+                        f64::INFINITY
+                    } else {
+                        max_error.max(e)
+                    };
+                    verified += 1;
                 }
             }
             // Prefills: each new token attends causally over the cache (CPU reference).
@@ -460,17 +444,8 @@ pub fn run(
                 if !sq.is_prefill {
                     continue;
                 }
-                let w = batch.max_blocks_per_seq as usize;
                 let row = &batch.block_tables[si * w..(si + 1) * w];
-                let shape = shape_for(1, w);
-                let (kg, vg) = gather(
-                    &shape,
-                    &layer.key_cache,
-                    &layer.value_cache,
-                    row,
-                    sq.context_len as usize,
-                    0,
-                );
+                let (kg, vg) = gather(&shape_for(w), &kc, &vc, row, sq.context_len as usize, 0);
                 for k in 0..sq.num_new_tokens as usize {
                     let pos = sq.start_pos as usize + k;
                     let o = (sq.token_offset as usize + k) * hidden;
@@ -483,11 +458,7 @@ pub fn run(
                     }
                 }
             }
-            let o = matmul(&attn, &layer.wo, hidden, hidden);
-            for (xv, ov) in x.iter_mut().zip(&o) {
-                *xv += ov;
-            }
-            rms_norm(&mut x, hidden);
+            finish_layer(&mut x, &attn, &layer.wo, hidden);
         }
         // Greedy sampling from each sequence's last new token.
         let mut sampled = Vec::with_capacity(batch.seqs.len());
