@@ -44,3 +44,9 @@ pub mod tiny;
 
 pub use pagedkv_host as host;
 pub use pagedkv_kernels as kernels;
+
+/// The README's Rust examples, compiled and run as doctests (`cargo test --doc`), so
+/// the "Use from Rust" section cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod case;
+pub mod serve;
 
 use pagedkv::host::DType;
 use rand::rngs::SmallRng;

@@ -1,0 +1,213 @@
+//! One test body for every [`AttentionBackend`]: a scheduler serves requests with
+//! shared prompt prefixes through a pool small enough to preempt (by swapping), and
+//! every decoding sequence's output, every step, is checked against f64 attention over
+//! the K/V its tokens must have in the cache. K and V are a function of (token,
+//! position), as a model's would be for a given prefix, so a block that was swapped,
+//! shared by the prefix cache or recomputed must still hold exactly them.
+//!
+//! `tests/backend.rs` runs it on the CPU backend; `tests/cuda_backend.rs` on the CUDA
+//! backend (ignored without a GPU; `scripts/gpu-check.sh` runs it).
+
+use super::{rel_l2, tolerance};
+use pagedkv::host::backend::{
+    AppendArgs, AttentionBackend, BackendConfig, DecodeArgs, SplitPolicy, decode_rows,
+};
+use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::reference::dense_decode_attention;
+use pagedkv::host::scheduler::{PreemptionMode, Request, Scheduler, SchedulerConfig};
+use pagedkv::host::step::StepShape;
+use pagedkv::host::{DType, HostTensor};
+
+pub const LAYERS: usize = 2;
+pub const NUM_BLOCKS: u32 = 12;
+pub const BLOCK: u32 = 8;
+pub const HOST_BLOCKS: u32 = 64;
+
+/// Prompts and the pool are `scale` times longer than the base case.
+pub fn shape(dtype: DType, scale: u32) -> StepShape {
+    StepShape {
+        num_q_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        block_size: BLOCK,
+        num_blocks: NUM_BLOCKS * scale,
+        dtype,
+    }
+}
+
+pub fn config(dtype: DType, split: SplitPolicy, scale: u32) -> BackendConfig {
+    let mut c = BackendConfig::new(shape(dtype, scale), LAYERS, 16, 64 * scale / BLOCK);
+    c.num_host_blocks = HOST_BLOCKS;
+    c.split = split;
+    c
+}
+
+/// A value in [-1, 1) that depends on every argument.
+fn hash(a: u64, b: u64, c: u64, salt: u64) -> f64 {
+    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        ^ c.wrapping_mul(0x1656_67B1_9E37_79F9)
+        ^ salt.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 29;
+    (x >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+}
+
+/// `[n, width]` rows of `f(token, pos)` for `(token, pos)` pairs, in `dtype` (so the
+/// reference sees the rounded values the cache holds).
+fn rows(dtype: DType, width: usize, keys: &[(u32, u32)], salt: u64) -> HostTensor {
+    let v: Vec<f64> = keys
+        .iter()
+        .flat_map(|&(t, p)| (0..width).map(move |e| hash(t as u64, p as u64, e as u64, salt)))
+        .collect();
+    HostTensor::from_f64(dtype, &[keys.len(), width], &v).unwrap()
+}
+
+pub struct Served {
+    pub checked: usize,
+    pub swapped_out: usize,
+    pub swapped_in: usize,
+    pub preempted: usize,
+    /// Steps whose decode launch used split-K.
+    pub split_steps: usize,
+}
+
+/// Serves the requests on `be`, checking every decode output; returns what happened.
+pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
+    let c = *be.config();
+    let sc = scale as usize;
+    let (qh, kvh, d) = (
+        c.shape.num_q_heads as usize,
+        c.shape.num_kv_heads as usize,
+        c.shape.head_dim as usize,
+    );
+    let dtype = c.shape.dtype;
+    let mut cache = be.alloc_cache().unwrap();
+    let mut sched = Scheduler::new(SchedulerConfig {
+        num_blocks: NUM_BLOCKS * scale,
+        block_size: BLOCK,
+        num_host_blocks: HOST_BLOCKS,
+        max_num_seqs: 16,
+        preemption: PreemptionMode::Swap,
+        enable_prefix_caching: true,
+        watermark: 0.0,
+        max_model_len: 64 * scale,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    // Prompts 0, 2, 4, ... share a 17-token prefix (two full blocks and a bit).
+    for i in 0..7u64 {
+        let len = sc
+            * if i % 2 == 0 {
+                18 + i as usize
+            } else {
+                5 + 2 * i as usize
+            };
+        let prompt: Vec<u32> = (0..len)
+            .map(|p| {
+                if i % 2 == 0 && p < 17 * sc {
+                    100 + p as u32
+                } else {
+                    (i * 31 + p as u64) as u32 % 97
+                }
+            })
+            .collect();
+        sched
+            .add_request(Request::new(i, prompt, 10 + (i as u32 % 4)))
+            .unwrap();
+    }
+    let opts = DecodeOptions {
+        softcap: Some(8.0),
+        alibi_slopes: Some(vec![0.25, 0.125, 0.0625, 0.03125]),
+        ..DecodeOptions::new(64)
+    };
+    let mut s = Served {
+        checked: 0,
+        swapped_out: 0,
+        swapped_in: 0,
+        preempted: 0,
+        split_steps: 0,
+    };
+    let mut steps = 0;
+    while !sched.is_idle() {
+        steps += 1;
+        assert!(steps < 500, "the scheduler does not finish");
+        let batch = sched.step().unwrap().clone();
+        s.swapped_out += batch.swap_out.len();
+        s.swapped_in += batch.swap_in.len();
+        s.preempted += batch.preempted.len();
+        let planned = be.begin_step(&batch, &mut cache).unwrap();
+        s.split_steps += planned.decode.is_some_and(|(_, p)| p.is_split()) as usize;
+        // (token, position) of every new token, and of every decoding row's query.
+        let mut new = Vec::new();
+        for q in &batch.seqs {
+            let toks = sched.tokens(q.seq).unwrap();
+            for p in q.start_pos..q.start_pos + q.num_new_tokens {
+                new.push((toks[p as usize], p));
+            }
+        }
+        let dec: Vec<usize> = decode_rows(&batch).collect();
+        let queries: Vec<(u32, u32)> = dec
+            .iter()
+            .map(|&i| {
+                let q = &batch.seqs[i];
+                (
+                    sched.tokens(q.seq).unwrap()[q.start_pos as usize],
+                    q.start_pos,
+                )
+            })
+            .collect();
+        for (li, layer) in cache.layers.iter_mut().enumerate() {
+            let salt = 10 * li as u64;
+            let key = be.upload(&rows(dtype, kvh * d, &new, salt + 1)).unwrap();
+            let value = be.upload(&rows(dtype, kvh * d, &new, salt + 2)).unwrap();
+            be.kv_append(AppendArgs {
+                key: &key,
+                value: &value,
+                cache: layer,
+            })
+            .unwrap();
+            if dec.is_empty() {
+                continue;
+            }
+            let qt = rows(dtype, qh * d, &queries, salt + 3);
+            let q = be.upload(&qt).unwrap();
+            let nan = HostTensor::full(dtype, &[dec.len(), qh, d], f64::NAN);
+            let mut out = be.upload(&nan).unwrap();
+            be.decode(DecodeArgs {
+                opts: &opts,
+                q: &q,
+                cache: layer,
+                out: &mut out,
+            })
+            .unwrap();
+            let got = be.download(&out).unwrap().to_f64();
+            for (j, &i) in dec.iter().enumerate() {
+                let seq = batch.seqs[i].seq;
+                let ctx = batch.context_lens[i] as u32;
+                let toks = sched.tokens(seq).unwrap();
+                let hist: Vec<(u32, u32)> = (0..ctx).map(|p| (toks[p as usize], p)).collect();
+                let k = rows(dtype, kvh * d, &hist, salt + 1).to_f64();
+                let v = rows(dtype, kvh * d, &hist, salt + 2).to_f64();
+                let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
+                let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, &opts);
+                let e = rel_l2(&got[j * qh * d..(j + 1) * qh * d], &want);
+                assert!(
+                    e <= tolerance(dtype),
+                    "{} step {steps} layer {li} seq {seq:?} ctx {ctx}: rel L2 {e:e}",
+                    be.name()
+                );
+                s.checked += 1;
+            }
+        }
+        let sampled: Vec<_> = batch
+            .seqs
+            .iter()
+            .map(|q| (q.seq, (q.context_len * 7 + q.request as u32) % 97))
+            .collect();
+        sched.on_step_done(&sampled).unwrap();
+    }
+    be.synchronize().unwrap();
+    s
+}

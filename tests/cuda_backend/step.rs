@@ -1,0 +1,204 @@
+//! The step path on a GPU: the runner against the CPU reference, a whole step
+//! captured in a CUDA graph whose replays, after the next plan updates the metadata in
+//! place, give the same outputs as direct launches, and the engine-facing
+//! `AttentionBackend` serving a scheduler (the body `tests/backend.rs` runs on the CPU).
+
+use super::common::case::{Params, build};
+use super::common::{self, rel_l2, tolerance};
+use super::gpu;
+use pagedkv::cuda::{CudaStepDevice, DeviceTensor};
+use pagedkv::host::reference::paged_decode_attention;
+use pagedkv::host::step::{DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
+use pagedkv::host::{DType, HostTensor};
+// The step path on a GPU: the runner against the CPU reference, and a whole step
+// captured in a CUDA graph whose replays, after the next plan updates the metadata in
+// place, give the same outputs as direct launches.
+
+fn step_case(dtype: DType, batch: u32, len: u32, seed: u64) -> common::case::Case {
+    build(&Params {
+        dtype,
+        head_dim: 128,
+        block_size: 16,
+        num_kv_heads: 8,
+        group: 4,
+        batch,
+        max_len: len,
+        window: None,
+        softcap: None,
+        alibi: false,
+        partition: None,
+        narrow_heads: false,
+        seed,
+        full_length: true,
+    })
+}
+
+fn shape_of(c: &common::case::Case, dtype: DType) -> StepShape {
+    StepShape {
+        num_q_heads: c.shape.num_q_heads,
+        num_kv_heads: c.shape.num_kv_heads,
+        head_dim: c.shape.head_dim,
+        block_size: c.shape.block_size,
+        num_blocks: c.shape.num_blocks,
+        dtype,
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn the_runner_on_the_gpu_matches_the_reference_split_and_unsplit() {
+    let g = gpu();
+    for (batch, len) in [(64, 1000), (1, 8192)] {
+        let dtype = DType::F16;
+        let c = step_case(dtype, batch, len, 11);
+        let want = paged_decode_attention(&c.inputs());
+        let cap = StepCapacity {
+            max_seqs: 64,
+            max_blocks_per_seq: c.shape.max_blocks_per_seq,
+            max_tokens: 64,
+            max_partitions: 64,
+        };
+        let mut r = StepRunner::new(
+            CudaStepDevice::new(&g),
+            shape_of(&c, dtype),
+            cap,
+            g.sm_count(),
+        )
+        .unwrap();
+        r.plan(&StepMeta {
+            block_tables: &c.tables,
+            max_blocks_per_seq: c.shape.max_blocks_per_seq,
+            context_lens: &c.lens,
+            slot_mapping: &[],
+        })
+        .unwrap();
+        let (q, kc, vc) = (
+            DeviceTensor::from_host(&g, &c.q).unwrap(),
+            DeviceTensor::from_host(&g, &c.kc).unwrap(),
+            DeviceTensor::from_host(&g, &c.vc).unwrap(),
+        );
+        let mut out =
+            DeviceTensor::from_host(&g, &HostTensor::full(dtype, c.q.shape(), f64::NAN)).unwrap();
+        let p = r
+            .decode(
+                &c.opts,
+                DecodeIo {
+                    q: q.view(),
+                    key_cache: kc.view(),
+                    value_cache: vc.view(),
+                    out: out.view_mut(),
+                },
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.is_split(), batch == 1, "{p:?}");
+        let e = rel_l2(&out.to_host(&g).unwrap().to_f64(), &want);
+        assert!(e <= tolerance(dtype), "batch {batch}: rel L2 {e:e} ({p:?})");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn a_captured_step_replays_like_direct_launches_after_the_tables_change() {
+    let g = gpu();
+    let dtype = DType::F16;
+    let layers = 4;
+    let c = step_case(dtype, 16, 2000, 5);
+    // The same shapes with the sequences' rows (and lengths) rotated: new metadata.
+    let width = c.shape.max_blocks_per_seq as usize;
+    let mut tables2 = c.tables.clone();
+    tables2.rotate_left(width);
+    let mut lens2 = c.lens.clone();
+    lens2.rotate_left(1);
+    let cap = StepCapacity {
+        max_seqs: 16,
+        max_blocks_per_seq: c.shape.max_blocks_per_seq,
+        max_tokens: 16,
+        max_partitions: 64,
+    };
+    let mut r = StepRunner::new(
+        CudaStepDevice::new(&g),
+        shape_of(&c, dtype),
+        cap,
+        g.sm_count(),
+    )
+    .unwrap();
+    let (kc, vc) = (
+        DeviceTensor::from_host(&g, &c.kc).unwrap(),
+        DeviceTensor::from_host(&g, &c.vc).unwrap(),
+    );
+    let q = DeviceTensor::from_host(&g, &c.q).unwrap();
+    let mut outs: Vec<DeviceTensor> = (0..layers)
+        .map(|_| {
+            DeviceTensor::from_host(&g, &HostTensor::full(dtype, c.q.shape(), f64::NAN)).unwrap()
+        })
+        .collect();
+    let step = |r: &StepRunner<CudaStepDevice<'_>>,
+                outs: &mut [DeviceTensor]|
+     -> pagedkv::host::Result<()> {
+        for o in outs.iter_mut() {
+            r.decode(
+                &c.opts,
+                DecodeIo {
+                    q: q.view(),
+                    key_cache: kc.view(),
+                    value_cache: vc.view(),
+                    out: o.view_mut(),
+                },
+            )?;
+        }
+        Ok(())
+    };
+    let read = |outs: &[DeviceTensor]| -> Vec<Vec<f64>> {
+        outs.iter()
+            .map(|o| o.to_host(&g).unwrap().to_f64())
+            .collect()
+    };
+    let nan = DeviceTensor::from_host(&g, &HostTensor::full(dtype, c.q.shape(), f64::NAN)).unwrap();
+    let plan = |r: &mut StepRunner<CudaStepDevice<'_>>, tables: &[i32], lens: &[i32]| {
+        r.plan(&StepMeta {
+            block_tables: tables,
+            max_blocks_per_seq: width as u32,
+            context_lens: lens,
+            slot_mapping: &[],
+        })
+        .map(|_| ())
+    };
+    // Direct launches for both metadata sets, capturing the first step into a graph.
+    plan(&mut r, &c.tables, &c.lens).unwrap();
+    step(&r, &mut outs).unwrap();
+    let direct1 = read(&outs);
+    let graph = r.device().capture(|| step(&r, &mut outs)).unwrap();
+    plan(&mut r, &tables2, &lens2).unwrap();
+    step(&r, &mut outs).unwrap();
+    let direct2 = read(&outs);
+    assert_ne!(
+        direct1, direct2,
+        "the two steps must differ for this test to mean anything"
+    );
+    // Replays after in-place metadata updates follow the new metadata.
+    for (tables, lens, want) in [(&tables2, &lens2, &direct2), (&c.tables, &c.lens, &direct1)] {
+        for o in outs.iter_mut() {
+            g.copy_d2d(&nan, o).unwrap();
+        }
+        plan(&mut r, tables, lens).unwrap();
+        graph.replay().unwrap();
+        g.synchronize().unwrap();
+        assert_eq!(&read(&outs), want, "replay differs from direct launches");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn attention_backend_serves_a_batch_through_swaps_and_prefix_hits() {
+    let gpu = gpu();
+    for dtype in [DType::F32, DType::F16] {
+        let mut be = pagedkv::cuda::CudaAttention::new(
+            &gpu,
+            common::serve::config(dtype, pagedkv::host::backend::SplitPolicy::Auto, 4),
+        )
+        .unwrap();
+        let s = common::serve::serve_and_check(&mut be, 4);
+        assert!(s.checked > 100 && s.swapped_in > 0);
+    }
+}
