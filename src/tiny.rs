@@ -13,9 +13,13 @@
 //!    the CPU reference;
 //! 3. the last hidden state of each sequence picks its next token.
 //!
-//! With `Backend::Cpu` the two kernels run in the SIMT emulator (the real kernel
-//! bodies). After every step a sample of decoding sequences is checked against dense
-//! attention over their gathered cache (layer 0); the report gives the worst error.
+//! The layer loop is written once, over [`AttentionBackend`]: `Backend::Cpu` runs it on
+//! [`CpuBackend`] (the real kernel bodies in the SIMT emulator), `Backend::Cuda` on
+//! [`CudaAttention`] (a GPU). The cache stays in the backend's memory; a layer's cache
+//! comes back to the host only when the step has a prefill (whose attention is the CPU
+//! reference until a prefill kernel exists) or is checked. After every step a sample of
+//! decoding sequences is checked against dense attention over their gathered cache
+//! (layer 0); the report gives the worst error.
 
 use std::fmt;
 use std::time::Instant;

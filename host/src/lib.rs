@@ -1,5 +1,8 @@
 //! # pagedkv-host: everything pagedkv does on the CPU
 //!
+//! * [`backend`]: [`backend::AttentionBackend`], the one engine-facing API of every
+//!   backend (the CPU emulator and CUDA): cache, `kv_append`, decode, copies and swaps,
+//!   with the scheduler's `Batch` as each step's input. Start here.
 //! * [`cuda`]: the CUDA backend (cudarc, dynamic loading): loads the PTX, launches.
 //! * [`emulator`]: the SIMT emulator that runs the kernel bodies of `pagedkv-kernels`
 //!   thread by thread on the CPU, so the tests prove the real kernel source.
@@ -11,6 +14,10 @@
 //! * [`tensor`]: [`DType`] and [`HostTensor`], typed host buffers.
 //! * [`reference`]: the CPU references (f64), the ground truth of the tests.
 //! * [`error`]: the crate's error type.
+//!
+//! The `pagedkv` crate re-exports this crate as `pagedkv::host`: an engine that depends
+//! on `pagedkv` writes `pagedkv::host::backend::…` for what these docs call
+//! `pagedkv_host::backend::…`.
 //!
 //! Nothing in this crate needs a GPU or a CUDA installation to build or test; the CUDA
 //! backend finds the driver at run time.
