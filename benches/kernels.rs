@@ -26,6 +26,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, Throughput};
 use pagedkv::cuda::{CudaBackend, CudaStepDevice, DeviceTensor, backend};
 use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape, decode_bytes};
+use pagedkv::host::ops::kv_append::KvAppendIo;
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::step::{DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use pagedkv::host::{DType, HostTensor};
@@ -345,14 +346,14 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                     slots.chunks(tokens).take(64).map(|c| c.to_vec()).collect();
                 let bytes = 4 * (tokens * row * dtype.size()) as u64 + 8 * tokens as u64;
                 let mut launch = |i: usize| {
-                    gpu.kv_append(
-                        &layout,
-                        &k,
-                        &v,
-                        &mappings[i % mappings.len()],
-                        &mut kc,
-                        &mut vc,
-                    )
+                    gpu.kv_append(KvAppendIo {
+                        layout: &layout,
+                        key: &k,
+                        value: &v,
+                        slot_mapping: &mappings[i % mappings.len()],
+                        key_cache: &mut kc,
+                        value_cache: &mut vc,
+                    })
                     .unwrap();
                 };
                 let ms = median_ms(gpu, 30, &mut launch);

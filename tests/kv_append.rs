@@ -7,7 +7,7 @@ mod common;
 use common::{cases, rng, uniform};
 use pagedkv::host::emulator::{BlockOrder, Emulator};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
-use pagedkv::host::ops::kv_append::{kv_append_emulated, kv_append_reference};
+use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_emulated, kv_append_reference};
 use pagedkv::host::{DType, Error, HostTensor};
 use pagedkv::kernels::PagedLayout;
 use proptest::prelude::*;
@@ -41,9 +41,23 @@ proptest! {
         let pool = [l.pool_elems() as usize];
         let (mut kc, mut vc) = (HostTensor::full(dtype, &pool, f64::NAN), HostTensor::full(dtype, &pool, f64::NAN));
         let (mut kr, mut vr) = (kc.clone(), vc.clone());
-        kv_append_reference(&l, &k, &v, &mapping, &mut kr, &mut vr).unwrap();
+        kv_append_reference(KvAppendIo {
+            layout: &l,
+            key: &k,
+            value: &v,
+            slot_mapping: &mapping,
+            key_cache: &mut kr,
+            value_cache: &mut vr,
+        }).unwrap();
         let emu = Emulator::new().with_order(BlockOrder::Shuffled(seed));
-        kv_append_emulated(&emu, &l, &k, &v, &mapping, &mut kc, &mut vc).unwrap();
+        kv_append_emulated(&emu, KvAppendIo {
+            layout: &l,
+            key: &k,
+            value: &v,
+            slot_mapping: &mapping,
+            key_cache: &mut kc,
+            value_cache: &mut vc,
+        }).unwrap();
         prop_assert_eq!(kc.buf().as_bytes(), kr.buf().as_bytes());
         prop_assert_eq!(vc.buf().as_bytes(), vr.buf().as_bytes());
         // Only the mapped slots changed, and each holds its token's row.
@@ -109,12 +123,14 @@ fn bad_arguments_are_rejected_before_any_launch() {
         let v = k.clone();
         match kv_append_emulated(
             &Emulator::new(),
-            &layout,
-            &k,
-            &v,
-            &mapping,
-            &mut kc,
-            &mut vc,
+            KvAppendIo {
+                layout: &layout,
+                key: &k,
+                value: &v,
+                slot_mapping: &mapping,
+                key_cache: &mut kc,
+                value_cache: &mut vc,
+            },
         ) {
             Err(Error::InvalidArgument { reason, .. }) => {
                 assert!(reason.contains(want), "{want}: {reason}")

@@ -33,7 +33,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, Once};
 
 use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
-use pagedkv::host::ops::kv_append::kv_append_reference;
+use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_reference};
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::scheduler::{
     Batch, PreemptionMode, QueuePolicy, Request, Scheduler, SchedulerConfig,
@@ -1207,8 +1207,15 @@ pub unsafe extern "C" fn pagedkv_reference_kv_append(
             };
             let (kt, vt) = (tensor(k, &[k.len()]), tensor(v, &[v.len()]));
             let (mut kct, mut vct) = (tensor(kc, &[kc.len()]), tensor(vc, &[vc.len()]));
-            kv_append_reference(&layout, &kt, &vt, sm, &mut kct, &mut vct)
-                .map_err(|e| from_error(&e))?;
+            kv_append_reference(KvAppendIo {
+                layout: &layout,
+                key: &kt,
+                value: &vt,
+                slot_mapping: sm,
+                key_cache: &mut kct,
+                value_cache: &mut vct,
+            })
+            .map_err(|e| from_error(&e))?;
             kc.copy_from_slice(kct.buf().as_slice::<f32>());
             vc.copy_from_slice(vct.buf().as_slice::<f32>());
             Ok(PAGEDKV_OK)
@@ -1425,8 +1432,15 @@ pub unsafe extern "C" fn pagedkv_cuda_kv_append(
                 B::new(g, value_cache, dt, &pool).map_err(m)?,
             )
         };
-        g.kv_append(&layout, &k, &v, sm, &mut kc, &mut vc)
-            .map_err(|e| from_error(&e))
+        g.kv_append(KvAppendIo {
+            layout: &layout,
+            key: &*k,
+            value: &*v,
+            slot_mapping: sm,
+            key_cache: &mut *kc,
+            value_cache: &mut *vc,
+        })
+        .map_err(|e| from_error(&e))
     })
 }
 

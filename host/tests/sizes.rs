@@ -46,7 +46,16 @@ fn a_layout_whose_pool_wraps_is_refused() {
 #[test]
 fn kv_append_with_a_wrapping_layout_is_an_error_not_a_panic() {
     let empty = HostTensor::full(DType::F16, &[0], 0.0);
-    let e = kv_append::validate(&WRAPPING, &empty, &empty, &[], &empty, &empty).unwrap_err();
+    let (mut kc, mut vc) = (empty.clone(), empty.clone());
+    let e = kv_append::validate(&kv_append::KvAppendIo {
+        layout: &WRAPPING,
+        key: &empty,
+        value: &empty,
+        slot_mapping: &[],
+        key_cache: &mut kc,
+        value_cache: &mut vc,
+    })
+    .unwrap_err();
     names(e, "num_blocks");
 }
 

@@ -11,7 +11,7 @@ use common::case::{Params, build};
 use common::{approx_tolerance, rel_l2, rng, tolerance, uniform};
 use pagedkv::cuda::{CudaBackend, DeviceTensor, backend};
 use pagedkv::host::ops::attention::DecodeInputs;
-use pagedkv::host::ops::kv_append::kv_append_reference;
+use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_reference};
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::{DType, Error, HostTensor};
 use pagedkv::kernels::PagedLayout;
@@ -199,13 +199,28 @@ fn kv_append_matches_the_reference_every_dtype() {
         let mut vr = kr.clone();
         let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
         let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
-        kv_append_reference(&l, &k, &v, &mapping, &mut kr, &mut vr).unwrap();
+        kv_append_reference(KvAppendIo {
+            layout: &l,
+            key: &k,
+            value: &v,
+            slot_mapping: &mapping,
+            key_cache: &mut kr,
+            value_cache: &mut vr,
+        })
+        .unwrap();
         let (kd, vd) = (
             DeviceTensor::from_host(&gpu, &k).unwrap(),
             DeviceTensor::from_host(&gpu, &v).unwrap(),
         );
-        gpu.kv_append(&l, &kd, &vd, &mapping, &mut kc, &mut vc)
-            .unwrap();
+        gpu.kv_append(KvAppendIo {
+            layout: &l,
+            key: &kd,
+            value: &vd,
+            slot_mapping: &mapping,
+            key_cache: &mut kc,
+            value_cache: &mut vc,
+        })
+        .unwrap();
         assert_eq!(
             kc.to_host(&gpu).unwrap().buf().as_bytes(),
             kr.buf().as_bytes(),
@@ -380,13 +395,28 @@ fn sanitizer_small_append() {
     let mut vr = kr.clone();
     let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
     let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
-    kv_append_reference(&l, &k, &v, &mapping, &mut kr, &mut vr).unwrap();
+    kv_append_reference(KvAppendIo {
+        layout: &l,
+        key: &k,
+        value: &v,
+        slot_mapping: &mapping,
+        key_cache: &mut kr,
+        value_cache: &mut vr,
+    })
+    .unwrap();
     let (kd, vd) = (
         DeviceTensor::from_host(&gpu, &k).unwrap(),
         DeviceTensor::from_host(&gpu, &v).unwrap(),
     );
-    gpu.kv_append(&l, &kd, &vd, &mapping, &mut kc, &mut vc)
-        .unwrap();
+    gpu.kv_append(KvAppendIo {
+        layout: &l,
+        key: &kd,
+        value: &vd,
+        slot_mapping: &mapping,
+        key_cache: &mut kc,
+        value_cache: &mut vc,
+    })
+    .unwrap();
     assert_eq!(
         kc.to_host(&gpu).unwrap().buf().as_bytes(),
         kr.buf().as_bytes()

@@ -56,7 +56,8 @@ use pagedkv_kernels::{Bf16, F16, GlobalSlice, GlobalSliceMut, Kernel, PagedLayou
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::ops::attention::{self, DecodeInputs, SplitPlan};
-use crate::ops::{kv_append, with_elem};
+use crate::ops::kv_append::{self, KvAppendIo};
+use crate::ops::with_elem;
 use crate::tensor::{DType, TensorDesc};
 
 /// One PTX module the backend may load: the `pagedkv` crate embeds one per architecture.
@@ -347,18 +348,19 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Appends tokens' K and V to one layer's cache (see `ops::kv_append`). `key`,
-    /// `value`: `[num_tokens, num_kv_heads, head_dim]`; `slot_mapping` from the batch.
-    pub fn kv_append(
-        &self,
-        layout: &PagedLayout,
-        key: &DeviceTensor,
-        value: &DeviceTensor,
-        slot_mapping: &[i64],
-        key_cache: &mut DeviceTensor,
-        value_cache: &mut DeviceTensor,
-    ) -> Result<()> {
-        kv_append::validate(layout, key, value, slot_mapping, key_cache, value_cache)?;
+    /// Appends tokens' K and V to one layer's cache (see `ops::kv_append`), the slot
+    /// mapping from the batch. A per-call convenience that uploads the slot mapping;
+    /// the step path ([`CudaAttention`]) uploads it once per step.
+    pub fn kv_append(&self, io: KvAppendIo<'_, DeviceTensor>) -> Result<()> {
+        kv_append::validate(&io)?;
+        let KvAppendIo {
+            layout,
+            key,
+            value,
+            slot_mapping,
+            key_cache,
+            value_cache,
+        } = io;
         if slot_mapping.is_empty() {
             return Ok(());
         }

@@ -2,7 +2,7 @@
 //!
 //! ```
 //! use pagedkv_host::{DType, HostTensor, emulator::Emulator};
-//! use pagedkv_host::ops::kv_append::kv_append_emulated;
+//! use pagedkv_host::ops::kv_append::{KvAppendIo, kv_append_emulated};
 //! use pagedkv_kernels::PagedLayout;
 //!
 //! let layout = PagedLayout { num_blocks: 4, num_kv_heads: 2, block_size: 8, head_dim: 64 };
@@ -11,7 +11,8 @@
 //! let k = HostTensor::full(DType::F16, &[3, 2, 64], 1.5);
 //! let v = HostTensor::full(DType::F16, &[3, 2, 64], -2.0);
 //! // Token 1 is padding (slot -1).
-//! kv_append_emulated(&Emulator::new(), &layout, &k, &v, &[9, -1, 30], &mut kc, &mut vc).unwrap();
+//! kv_append_emulated(&Emulator::new(), KvAppendIo { layout: &layout, key: &k, value: &v,
+//!     slot_mapping: &[9, -1, 30], key_cache: &mut kc, value_cache: &mut vc }).unwrap();
 //! assert_eq!(kc.get(layout.slot_offset(9, 1) as usize), 1.5);
 //! assert!(kc.get(layout.slot_offset(10, 0) as usize).is_nan());
 //! ```
@@ -31,19 +32,39 @@ use crate::tensor::{HostTensor, TensorDesc};
 /// Most tokens one launch appends (`gridDim.x`).
 pub const MAX_TOKENS: usize = i32::MAX as usize;
 
+/// The tensors of one `kv_append` call, by name (for every backend: `T` is its tensor),
+/// so K and V, or the two caches, cannot be swapped by position.
+#[derive(Debug)]
+pub struct KvAppendIo<'a, T> {
+    /// The caches' layout.
+    pub layout: &'a PagedLayout,
+    /// `[num_tokens, num_kv_heads, head_dim]`: the new tokens' keys.
+    pub key: &'a T,
+    /// `[num_tokens, num_kv_heads, head_dim]`: the new tokens' values.
+    pub value: &'a T,
+    /// `[num_tokens]`: each token's slot (`block * block_size + offset`; negative: skip).
+    pub slot_mapping: &'a [i64],
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`: written at the slots.
+    pub key_cache: &'a mut T,
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`: written at the slots.
+    pub value_cache: &'a mut T,
+}
+
 /// Checks every argument of a `kv_append` launch.
 ///
 /// `key`, `value`: `[num_tokens, num_kv_heads, head_dim]`; `slot_mapping`: `[num_tokens]`
 /// (negative: skip); caches: `[num_blocks, num_kv_heads, block_size, head_dim]`, all
 /// of one dtype. Every non-negative slot must be inside the pool and appear once.
-pub fn validate(
-    layout: &PagedLayout,
-    key: &impl TensorDesc,
-    value: &impl TensorDesc,
-    slot_mapping: &[i64],
-    key_cache: &impl TensorDesc,
-    value_cache: &impl TensorDesc,
-) -> Result<()> {
+pub fn validate<T: TensorDesc>(io: &KvAppendIo<'_, T>) -> Result<()> {
+    let KvAppendIo {
+        layout,
+        key,
+        value,
+        slot_mapping,
+        ref key_cache,
+        ref value_cache,
+    } = *io;
+    let (key_cache, value_cache): (&T, &T) = (key_cache, value_cache);
     check_layout(layout)?;
     let n = slot_mapping.len();
     if n > MAX_TOKENS {
@@ -97,30 +118,31 @@ pub fn launch_config(num_tokens: usize) -> LaunchConfig {
 }
 
 /// The reference path: validation, then [`reference::kv_append`].
-pub fn kv_append_reference(
-    layout: &PagedLayout,
-    key: &HostTensor,
-    value: &HostTensor,
-    slot_mapping: &[i64],
-    key_cache: &mut HostTensor,
-    value_cache: &mut HostTensor,
-) -> Result<()> {
-    validate(layout, key, value, slot_mapping, key_cache, value_cache)?;
+pub fn kv_append_reference(io: KvAppendIo<'_, HostTensor>) -> Result<()> {
+    validate(&io)?;
+    let KvAppendIo {
+        layout,
+        key,
+        value,
+        slot_mapping,
+        key_cache,
+        value_cache,
+    } = io;
     reference::kv_append(layout, key, value, slot_mapping, key_cache, value_cache);
     Ok(())
 }
 
 /// Runs the real `kv_append` kernel body in the emulator.
-pub fn kv_append_emulated(
-    emu: &Emulator,
-    layout: &PagedLayout,
-    key: &HostTensor,
-    value: &HostTensor,
-    slot_mapping: &[i64],
-    key_cache: &mut HostTensor,
-    value_cache: &mut HostTensor,
-) -> Result<()> {
-    validate(layout, key, value, slot_mapping, key_cache, value_cache)?;
+pub fn kv_append_emulated(emu: &Emulator, io: KvAppendIo<'_, HostTensor>) -> Result<()> {
+    validate(&io)?;
+    let KvAppendIo {
+        layout,
+        key,
+        value,
+        slot_mapping,
+        key_cache,
+        value_cache,
+    } = io;
     if slot_mapping.is_empty() {
         return Ok(());
     }
