@@ -57,6 +57,7 @@
 
 mod device;
 mod emu;
+mod run;
 mod runner;
 
 pub use device::{DeviceOp, Recorder, Space, StepDevice, TensorView, TensorViewMut};

@@ -1,0 +1,232 @@
+//! The runs of [`StepRunner`]: per-layer `kv_append` and `decode`, which check the
+//! layer's views on the host and then only launch.
+
+use pagedkv_kernels::kernels::{
+    DecodeParams, DecodeReduce, KvAppend, KvAppendParams, PagedDecode, ReduceParams,
+};
+use pagedkv_kernels::{GlobalSlice, GlobalSliceMut};
+
+use super::device::{RawView, StepDevice};
+use super::runner::{AppendIo, DecodeIo, Planned, StepRunner};
+use crate::error::{Error, Result};
+use crate::ops::attention::{
+    self, DecodeOptions, SplitPlan, decode_launch_config, reduce_launch_config,
+};
+use crate::ops::{checked_pool_elems, kv_append, with_elem};
+
+impl<D: StepDevice> StepRunner<D> {
+    fn current(&self) -> Result<&Planned> {
+        self.planned
+            .as_ref()
+            .ok_or_else(|| Error::InvalidState("no step planned: call plan() first".into()))
+    }
+
+    /// Checks a view: its memory space, dtype, 16-byte alignment, and element count
+    /// (`rows` rows of `row` elements, `stride` apart, for row-strided views; exactly
+    /// `elems` for dense ones). Returns the row stride (dense: `row`).
+    fn check_view(
+        &self,
+        arg: &'static str,
+        v: &RawView,
+        rows: u64,
+        row: u64,
+        strided: bool,
+    ) -> Result<u64> {
+        let &RawView {
+            addr,
+            elems,
+            dtype,
+            space,
+            row_stride: stride,
+        } = v;
+        if space != self.dev.space() {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "memory of {space:?}, but the runner's device is {:?}",
+                    self.dev.space()
+                ),
+            ));
+        }
+        if dtype != self.shape.dtype {
+            return Err(Error::invalid(
+                arg,
+                format!("dtype {dtype} but the runner's is {}", self.shape.dtype),
+            ));
+        }
+        if addr == 0 || !addr.is_multiple_of(16) {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "address {addr:#x} is not 16-byte aligned (the kernels read 16-byte vectors)"
+                ),
+            ));
+        }
+        let size = dtype.size() as u64;
+        let stride = match stride {
+            Some(s) if !strided => {
+                return Err(Error::invalid(
+                    arg,
+                    format!("row stride {s}: this input is dense only"),
+                ));
+            }
+            Some(s) => s,
+            None => row,
+        };
+        if stride < row || !(stride * size).is_multiple_of(16) {
+            return Err(Error::invalid(
+                arg,
+                format!("row stride {stride} must be >= {row} elements and a multiple of 16 bytes"),
+            ));
+        }
+        let need = if rows == 0 {
+            0
+        } else {
+            (rows - 1) * stride + row
+        };
+        let ok = if strided && stride != row {
+            elems >= need
+        } else {
+            elems == need
+        };
+        if !ok {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "{elems} elements, expected {need} ({rows} rows of {row}, stride {stride})"
+                ),
+            ));
+        }
+        Ok(stride)
+    }
+
+    /// Appends this step's new tokens' K and V to one layer's cache: one launch.
+    pub fn kv_append(&self, io: AppendIo<'_>) -> Result<()> {
+        let planned = self.current()?;
+        let n = planned.num_tokens as u64;
+        let l = self.shape.layout();
+        let row = l.num_kv_heads as u64 * l.head_dim as u64;
+        let pool = checked_pool_elems(&l)?;
+        self.check_view("key", &io.key.raw, n, row, false)?;
+        self.check_view("value", &io.value.raw, n, row, false)?;
+        self.check_view("key_cache", &io.key_cache.raw, 1, pool, false)?;
+        self.check_view("value_cache", &io.value_cache.raw, 1, pool, false)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let slots = self.meta + planned.offsets[2];
+        let cfg = kv_append::launch_config(n as usize);
+        with_elem!(self.shape.dtype, T => {
+            // SAFETY: every address was checked to be of this device's space, aligned
+            // and as long as its length here; the slot mapping lives in the runner's
+            // metadata buffer, uploaded by `plan` (ordered before this launch).
+            let params = unsafe {
+                KvAppendParams::<T> {
+                    key: GlobalSlice::from_raw_parts(io.key.raw.addr as *const T, n * row),
+                    value: GlobalSlice::from_raw_parts(io.value.raw.addr as *const T, n * row),
+                    slot_mapping: GlobalSlice::from_raw_parts(slots as *const i64, n),
+                    key_cache: GlobalSliceMut::from_raw_parts(io.key_cache.raw.addr as *mut T, pool),
+                    value_cache: GlobalSliceMut::from_raw_parts(io.value_cache.raw.addr as *mut T, pool),
+                    layout: l,
+                }
+            };
+            // SAFETY: (1) above; (2) `plan` validated the slots against this layout and
+            // the views' lengths were checked; (3) the caches are borrowed mutably and
+            // the inputs shared for the call, all work on the device's one queue;
+            // (4) kv_append's own configuration.
+            unsafe { self.dev.launch::<KvAppend<T>>(cfg, params)? };
+        });
+        Ok(())
+    }
+
+    /// Decode attention for one layer: one launch (two with split-K), with the options
+    /// `opts` (`opts.alibi_slopes` must equal what [`set_alibi_slopes`](Self::set_alibi_slopes)
+    /// uploaded). Returns the split plan used.
+    pub fn decode(&self, opts: &DecodeOptions, io: DecodeIo<'_>) -> Result<Option<SplitPlan>> {
+        let planned = self.current()?;
+        let Some((ds, p)) = planned.decode else {
+            return Ok(None);
+        };
+        attention::validate_options(opts, ds.num_q_heads)?;
+        if opts.alibi_slopes != self.slopes_host {
+            return Err(Error::invalid(
+                "alibi_slopes",
+                "differ from the slopes uploaded with set_alibi_slopes",
+            ));
+        }
+        let l = self.shape.layout();
+        let pool = checked_pool_elems(&l)?;
+        let row = ds.row_elems();
+        let rows = ds.num_seqs as u64;
+        let q_stride = self.check_view("q", &io.q.raw, rows, row, true)?;
+        let out_stride = self.check_view("out", &io.out.raw, rows, row, true)?;
+        self.check_view("key_cache", &io.key_cache.raw, 1, pool, false)?;
+        self.check_view("value_cache", &io.value_cache.raw, 1, pool, false)?;
+        let dtype = self.shape.dtype;
+        let tables = self.meta + planned.offsets[0];
+        let lens = self.meta + planned.offsets[1];
+        with_elem!(dtype, T => {
+            // SAFETY: checked views of this device's space; the tables and lengths in the
+            // metadata buffer `plan` uploaded and validated; the workspace and slopes
+            // buffers the runner owns, sized for every plan within its capacity.
+            let params = unsafe {
+                DecodeParams::<T> {
+                    q: GlobalSlice::from_raw_parts(io.q.raw.addr as *const T, io.q.raw.elems),
+                    key_cache: GlobalSlice::from_raw_parts(io.key_cache.raw.addr as *const T, pool),
+                    value_cache: GlobalSlice::from_raw_parts(io.value_cache.raw.addr as *const T, pool),
+                    block_tables: GlobalSlice::from_raw_parts(tables as *const i32, rows * ds.max_blocks_per_seq as u64),
+                    context_lens: GlobalSlice::from_raw_parts(lens as *const i32, rows),
+                    alibi_slopes: if opts.alibi_slopes.is_some() {
+                        GlobalSlice::from_raw_parts(self.slopes as *const f32, ds.num_q_heads as u64)
+                    } else {
+                        GlobalSlice::empty()
+                    },
+                    out: if p.is_split() {
+                        GlobalSliceMut::empty()
+                    } else {
+                        GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems)
+                    },
+                    part_out: GlobalSliceMut::from_raw_parts(self.part_out.0 as *mut f32, self.part_out.1),
+                    part_ml: GlobalSliceMut::from_raw_parts(self.part_ml.0 as *mut f32, self.part_ml.1),
+                    layout: l,
+                    num_q_heads: ds.num_q_heads,
+                    max_blocks_per_seq: ds.max_blocks_per_seq,
+                    heads_per_block: p.heads_per_block,
+                    partition_tokens: p.partition_tokens,
+                    num_partitions: p.num_partitions,
+                    scale: opts.scale,
+                    softcap: opts.softcap.unwrap_or(0.0),
+                    inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
+                    window: opts.window.unwrap_or(0),
+                    q_row_stride: q_stride,
+                    out_row_stride: out_stride,
+                }
+            };
+            let cfg = decode_launch_config(&ds, dtype, &p);
+            if p.is_split() {
+                // SAFETY: (1)-(2) above and `plan`'s validation; (3) `out` borrowed
+                // mutably, the workspace used by one launch at a time on the device's
+                // one queue; (4) the decode kernel's own configuration.
+                unsafe { self.dev.launch::<PagedDecode<T, true>>(cfg, params)? };
+                // SAFETY: as above; the reduce reads the partials the decode wrote.
+                let rp = unsafe {
+                    ReduceParams::<T> {
+                        part_out: params.part_out.as_const(),
+                        part_ml: params.part_ml.as_const(),
+                        out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems),
+                        num_q_heads: ds.num_q_heads,
+                        head_dim: ds.head_dim,
+                        num_partitions: p.num_partitions,
+                        out_row_stride: out_stride,
+                    }
+                };
+                // SAFETY: as above.
+                unsafe { self.dev.launch::<DecodeReduce<T>>(reduce_launch_config(&ds, dtype), rp)? };
+            } else {
+                // SAFETY: as for the split launch.
+                unsafe { self.dev.launch::<PagedDecode<T, false>>(cfg, params)? };
+            }
+        });
+        Ok(Some(p))
+    }
+}
