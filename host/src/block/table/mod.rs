@@ -27,12 +27,27 @@
 //!   [`Error::InvalidArgument`] (`table`). An empty table is bound to nobody.
 //! * Dropping a table that still holds blocks leaks them (they stay counted as held);
 //!   free it through its manager.
+//!
+//! # Where the code lives
+//! The types, their accessors, slot lookup and `free` are here; the rest of the
+//! manager's operations sit beside the concern they serve:
+//! * `prefix`: prefix caching, hits at prefill and the commits that register
+//!   computed blocks;
+//! * `append`: appends, with copy-on-write of a shared partial last block, their
+//!   block costs, the sliding window, and `fork`, which makes the sharing;
+//! * `swap`: moving a sequence group's tables between the device and host pools.
+//!
+//! [`NULL_BLOCK`]: crate::block::NULL_BLOCK
+
+mod append;
+mod prefix;
+mod swap;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::FxHashMap as HashMap;
 
-use super::pool::{BlockHash, BlockId, BlockPool, NULL_BLOCK, PAD_SLOT, hash_block};
+use super::pool::{BlockHash, BlockId, BlockPool, PAD_SLOT};
 use crate::error::{Error, Result};
 
 /// Where a table's blocks live.
@@ -117,7 +132,8 @@ impl BlockTable {
         &self.hashes
     }
 
-    /// Leading entries a sliding window has released (all [`NULL_BLOCK`]).
+    /// Leading entries a sliding window has released (all
+    /// [`NULL_BLOCK`](crate::block::NULL_BLOCK)).
     pub(crate) fn first_live(&self) -> u32 {
         self.first_live
     }
@@ -268,301 +284,6 @@ impl KvCacheManager {
         }
     }
 
-    /// `(hit_blocks, hits_that_are_free)` for a prompt: the leading full blocks whose
-    /// hash chain is cached, capped so at least one token is left to compute. Changes
-    /// nothing. Always `(0, 0)` without prefix caching, and with a sliding window (a
-    /// prefill may need cached tokens the window has already released).
-    pub fn count_prefix_hits(&self, tokens: &[u32], salt: Option<u64>) -> (u32, u32) {
-        if !self.prefix_caching || self.window.is_some() || tokens.is_empty() {
-            return (0, 0);
-        }
-        let bs = self.block_size as usize;
-        let max_hits = (tokens.len() - 1) / bs;
-        let (mut hits, mut free) = (0, 0);
-        let mut parent = None;
-        for chunk in tokens.chunks_exact(bs).take(max_hits) {
-            let h = hash_block(parent, chunk, salt);
-            match self.device.lookup(h) {
-                Some(b) => {
-                    hits += 1;
-                    free += (self.device.rc(b) == 0) as u32;
-                    parent = Some(h);
-                }
-                None => break,
-            }
-        }
-        (hits, free)
-    }
-
-    /// Free device blocks a prefill of `tokens` would take: its blocks inside the
-    /// window, less prefix hits, plus the hits that sit in the free queue.
-    pub fn prefill_cost(&self, tokens: &[u32], salt: Option<u64>) -> u32 {
-        let n = tokens.len() as u32;
-        let (hits, hits_free) = self.count_prefix_hits(tokens, salt);
-        self.blocks_for(n) - self.dead_blocks(n) - hits + hits_free
-    }
-
-    /// Gives an empty table slots for every position of `tokens`, reusing cached prefix
-    /// blocks. Positions before a sliding window get no block ([`NULL_BLOCK`] entries,
-    /// [`PAD_SLOT`] slots). Returns the number of leading tokens whose KV is already
-    /// cached (a multiple of the block size, less than `tokens.len()`). Nothing
-    /// changes on error.
-    pub fn allocate_prefill(
-        &mut self,
-        t: &mut BlockTable,
-        tokens: &[u32],
-        salt: Option<u64>,
-    ) -> Result<u32> {
-        self.check(t)?;
-        if !t.blocks.is_empty() || t.location != Location::Device {
-            return Err(Error::InvalidState(
-                "allocate_prefill needs an empty device table".into(),
-            ));
-        }
-        if tokens.is_empty() {
-            return Err(Error::invalid(
-                "tokens",
-                "a prompt needs at least one token",
-            ));
-        }
-        let cost = self.prefill_cost(tokens, salt);
-        if cost > self.device.num_free() {
-            return Err(Error::OutOfBlocks {
-                needed: cost,
-                free: self.device.num_free(),
-            });
-        }
-        let (hits, _) = self.count_prefix_hits(tokens, salt);
-        let bs = self.block_size as usize;
-        let mut parent = None;
-        for chunk in tokens.chunks_exact(bs).take(hits as usize) {
-            let h = hash_block(parent, chunk, salt);
-            let b = self.device.lookup(h).expect("counted hit");
-            self.device.take(b, self.block_size);
-            t.blocks.push(b);
-            t.hashes.push(h);
-            parent = Some(h);
-        }
-        let n = tokens.len() as u32;
-        let dead = self.dead_blocks(n);
-        while (t.blocks.len() as u32) < self.blocks_for(n) {
-            let b = if (t.blocks.len() as u32) < dead {
-                NULL_BLOCK
-            } else {
-                self.device.allocate().expect("cost checked")
-            };
-            t.blocks.push(b);
-        }
-        t.first_live = dead;
-        t.num_tokens = n;
-        t.owner = self.id;
-        t.last = *t.blocks.last().expect("a prompt has a block");
-        // The new blocks' tokens (the hits were counted by `touch`).
-        let new_from = hits.max(dead);
-        self.device
-            .add_fill(n.saturating_sub(new_from * self.block_size));
-        Ok(hits * self.block_size)
-    }
-
-    /// Free device blocks the next [`append_slot`](Self::append_slot) of `t` takes: 1
-    /// when its last block is full (or it has none) or is shared (copy-on-write), else
-    /// 0. For a swapped-out table, what its first append after a swap-in takes. An
-    /// upper bound for the forks of one group: the last of the sharers of a partial
-    /// block to append writes in place ([`group_append_cost`](Self::group_append_cost)
-    /// is exact).
-    pub fn append_cost(&self, t: &BlockTable) -> Result<u32> {
-        self.check(t)?;
-        Ok(self.append_cost_of(t))
-    }
-
-    /// [`append_cost`](Self::append_cost) of a table known to be this manager's.
-    fn append_cost_of(&self, t: &BlockTable) -> u32 {
-        if t.num_tokens.is_multiple_of(self.block_size) {
-            return 1;
-        }
-        (self.shared_partial_last(t).is_some()) as u32
-    }
-
-    /// The partial last block of `t` and its reference count, when it is shared.
-    fn shared_partial_last(&self, t: &BlockTable) -> Option<(BlockId, u32)> {
-        if t.num_tokens.is_multiple_of(self.block_size) {
-            return None;
-        }
-        let last = *t.blocks.last()?;
-        let rc = match t.location {
-            Location::Device if !t.last_maybe_shared => return None,
-            Location::Device => self.device.rc(last),
-            Location::Host => self.host.rc(last),
-        };
-        (rc > 1).then_some((last, rc))
-    }
-
-    /// Free device blocks one append to each of `tables` (in any order) takes, exactly:
-    /// a fresh block for each full (or empty) last block, and a copy for each sharer of
-    /// a partial last block but the last one to append, which then holds it alone.
-    /// For swapped-out tables, what the appends right after their swap-in take. Pass
-    /// every running sequence of a group (forks share partial blocks only within their
-    /// group) for the exact count; a subset gets an upper bound.
-    pub fn group_append_cost<'a, I>(&self, tables: I) -> Result<u32>
-    where
-        I: IntoIterator<Item = &'a BlockTable>,
-        I::IntoIter: Clone,
-    {
-        let it = tables.into_iter();
-        let mut cost = 0;
-        for (i, t) in it.clone().enumerate() {
-            self.check(t)?;
-            if t.num_tokens.is_multiple_of(self.block_size) {
-                cost += 1;
-                continue;
-            }
-            let Some((last, rc)) = self.shared_partial_last(t) else {
-                continue;
-            };
-            let same = |o: &BlockTable| {
-                o.location == t.location
-                    && !o.num_tokens.is_multiple_of(self.block_size)
-                    && o.blocks.last() == Some(&last)
-            };
-            // Count each shared block once, at its first sharer in `tables`.
-            if it.clone().take(i).any(same) {
-                continue;
-            }
-            let sharers = it.clone().filter(|o| same(o)).count() as u32;
-            cost += sharers.min(rc - 1);
-        }
-        Ok(cost)
-    }
-
-    /// Gives position `num_tokens` of `t` a slot and returns it. Allocates only when
-    /// the last block is full; copies a shared partial last block first and pushes the
-    /// `(src, dst)` pair onto `copies`. Nothing changes on error.
-    pub fn append_slot(&mut self, t: &mut BlockTable, copies: &mut Vec<(u32, u32)>) -> Result<i64> {
-        self.check(t)?;
-        if t.location != Location::Device {
-            return Err(Error::InvalidState("append to a swapped-out table".into()));
-        }
-        let bs = self.block_size;
-        let pos = t.num_tokens;
-        if pos.is_multiple_of(bs) {
-            let b = self.device.allocate()?;
-            t.blocks.push(b);
-        } else if t.last_maybe_shared {
-            let i = t.blocks.len() - 1;
-            let last = t.blocks[i];
-            if self.device.rc(last) > 1 {
-                let dst = self.device.allocate()?;
-                self.device.add_fill(pos % bs);
-                copies.push((last, dst));
-                self.device.release(last, pos % bs);
-                t.blocks[i] = dst;
-            }
-        }
-        t.owner = self.id;
-        t.last_maybe_shared = false;
-        t.num_tokens = pos + 1;
-        self.device.add_fill(1);
-        let b = *t.blocks.last().unwrap();
-        t.last = b;
-        self.slide_window(t);
-        Ok(b as i64 * bs as i64 + (pos % bs) as i64)
-    }
-
-    /// [`append_slot`](Self::append_slot) in its common case, inline: a device table
-    /// of this manager whose partial last block it holds alone (no allocation, no
-    /// copy, no window). `None`, changing nothing, for every other case.
-    #[inline]
-    pub(crate) fn append_in_place(&mut self, t: &mut BlockTable) -> Option<i64> {
-        let pos = t.num_tokens;
-        let off = pos & self.block_mask;
-        if off == 0
-            || self.block_mask == 0
-            || t.last_maybe_shared
-            || self.window.is_some()
-            || t.owner != self.id
-            || t.location != Location::Device
-        {
-            return None;
-        }
-        let b = t.last;
-        debug_assert_eq!(t.blocks.last(), Some(&b), "stale last block");
-        t.num_tokens = pos + 1;
-        self.device.add_fill(1);
-        Some(b as i64 * self.block_size as i64 + off as i64)
-    }
-
-    /// Records the hashes of `t`'s full blocks whose contents are now computed (the
-    /// first `t.num_tokens()` tokens of `tokens`), and registers them in the prefix cache.
-    /// Errors on a table of another manager.
-    pub fn commit(&mut self, t: &mut BlockTable, tokens: &[u32], salt: Option<u64>) -> Result<()> {
-        self.commit_deferred(t, tokens, salt)?;
-        self.flush_commits();
-        Ok(())
-    }
-
-    /// [`commit`](Self::commit), except that the prefix-cache registrations wait for
-    /// [`flush_commits`](Self::flush_commits), which must run before any block is
-    /// freed or allocated (a registration is of a held block).
-    pub(crate) fn commit_deferred(
-        &mut self,
-        t: &mut BlockTable,
-        tokens: &[u32],
-        salt: Option<u64>,
-    ) -> Result<()> {
-        self.check(t)?;
-        if !self.prefix_caching || self.window.is_some() || t.location != Location::Device {
-            return Ok(());
-        }
-        let bs = self.block_size as usize;
-        let full = (t.num_tokens as usize).min(tokens.len()) / bs;
-        while t.hashes.len() < full {
-            let i = t.hashes.len();
-            let h = hash_block(
-                t.hashes.last().copied(),
-                &tokens[i * bs..(i + 1) * bs],
-                salt,
-            );
-            if t.blocks[i] != NULL_BLOCK {
-                // Start the map's cache miss now; the flush finds the line in cache.
-                self.device.prefetch_register(t.blocks[i], h);
-                self.pending.push((t.blocks[i], h));
-            }
-            t.hashes.push(h);
-        }
-        Ok(())
-    }
-
-    /// Whether [`commit`](Self::commit) of `t` would record anything: prefix caching
-    /// is on (without a window) and a full block of `t` has no hash yet.
-    pub(crate) fn has_uncommitted(&self, t: &BlockTable) -> bool {
-        self.prefix_caching
-            && self.window.is_none()
-            && (t.num_tokens as usize) >= (t.hashes.len() + 1) * self.block_size as usize
-    }
-
-    /// Registers the pending commits in order (their map slots were prefetched when
-    /// they were hashed, so their cache misses overlap with the caller's other work).
-    pub(crate) fn flush_commits(&mut self) {
-        for &(b, h) in &self.pending {
-            self.device.register(b, h);
-        }
-        self.pending.clear();
-    }
-
-    /// A new table sharing every block of `t` (each `ref_cnt` + 1): the only way to
-    /// copy a table. Errors on a table of another manager or swapped out.
-    pub fn fork(&mut self, t: &mut BlockTable) -> Result<BlockTable> {
-        self.check(t)?;
-        if t.location != Location::Device {
-            return Err(Error::InvalidState("fork of a swapped-out table".into()));
-        }
-        for &b in &t.blocks {
-            self.device.share(b);
-        }
-        t.last_maybe_shared = true;
-        Ok(t.duplicate())
-    }
-
     /// Releases every block of `t` (last block first, so a freed sequence's prefix
     /// stays cached longest) and empties it, so freeing it again does nothing. Errors,
     /// changing nothing, on a table of another manager.
@@ -590,145 +311,5 @@ impl KvCacheManager {
     /// Tokens in block `i` of a table of `num_tokens` tokens.
     fn fill_of(block_size: u32, num_tokens: u32, i: usize) -> u32 {
         (num_tokens - i as u32 * block_size).min(block_size)
-    }
-
-    /// Releases the blocks wholly before the sliding window (entries become
-    /// [`NULL_BLOCK`]).
-    fn slide_window(&mut self, t: &mut BlockTable) {
-        let Some(w) = self.window else { return };
-        let first_pos = t.num_tokens.saturating_sub(w);
-        let dead = first_pos / self.block_size;
-        while t.first_live < dead {
-            let i = t.first_live as usize;
-            if t.blocks[i] != NULL_BLOCK {
-                self.device.release(t.blocks[i], self.block_size);
-                t.blocks[i] = NULL_BLOCK;
-            }
-            t.first_live += 1;
-        }
-    }
-
-    /// Distinct live blocks of the tables (entries before a window are null), in
-    /// first-seen order.
-    fn distinct(&mut self, tables: &[&mut BlockTable]) -> Vec<BlockId> {
-        self.scratch.clear();
-        let mut v = Vec::new();
-        for t in tables {
-            for &b in &t.blocks[t.first_live as usize..] {
-                if self.scratch.insert(b, 0).is_none() {
-                    v.push(b);
-                }
-            }
-        }
-        v
-    }
-
-    /// Host blocks a swap-out of these tables takes.
-    pub fn swap_out_cost(&mut self, tables: &[&mut BlockTable]) -> Result<u32> {
-        self.check_all(tables)?;
-        Ok(self.distinct(tables).len() as u32)
-    }
-
-    /// Device blocks a swap-in of these tables takes (their blocks; the appends after
-    /// it take [`group_append_cost`](Self::group_append_cost) more).
-    pub fn swap_in_cost(&mut self, tables: &[&mut BlockTable]) -> Result<u32> {
-        self.check_all(tables)?;
-        Ok(self.distinct(tables).len() as u32)
-    }
-
-    /// Moves a sequence group's tables to the host pool (blocks shared within the group
-    /// stay shared) and pushes one `(device, host)` copy per distinct block. Nothing
-    /// changes when the host pool is too small.
-    pub fn swap_out(
-        &mut self,
-        tables: &mut [&mut BlockTable],
-        pairs: &mut Vec<(u32, u32)>,
-    ) -> Result<()> {
-        self.check_all(tables)?;
-        if tables.iter().any(|t| t.location != Location::Device) {
-            return Err(Error::InvalidState(
-                "swap_out of a swapped-out table".into(),
-            ));
-        }
-        let distinct = self.distinct(tables);
-        if distinct.len() as u32 > self.host.num_free() {
-            return Err(Error::OutOfBlocks {
-                needed: distinct.len() as u32,
-                free: self.host.num_free(),
-            });
-        }
-        self.scratch.clear();
-        for &d in &distinct {
-            let h = self.host.allocate().expect("checked");
-            self.scratch.insert(d, h);
-            pairs.push((d, h));
-        }
-        // Each entry takes a reference; the one `allocate` made is dropped afterwards,
-        // so every host block ends with one reference per entry that holds it.
-        for t in tables.iter_mut() {
-            let (live, n) = (t.first_live as usize, t.num_tokens);
-            for (i, e) in t.blocks.iter_mut().enumerate().skip(live) {
-                let h = self.scratch[e];
-                self.host.share(h);
-                self.device
-                    .release(*e, Self::fill_of(self.block_size, n, i));
-                *e = h;
-            }
-            t.location = Location::Host;
-        }
-        for &d in &distinct {
-            self.host.release(self.scratch[&d], 0);
-        }
-        Ok(())
-    }
-
-    /// Moves a sequence group's tables back to the device pool, pushing one
-    /// `(host, device)` copy per distinct block. Nothing changes when the device pool
-    /// is too small.
-    pub fn swap_in(
-        &mut self,
-        tables: &mut [&mut BlockTable],
-        pairs: &mut Vec<(u32, u32)>,
-    ) -> Result<()> {
-        self.check_all(tables)?;
-        if tables.iter().any(|t| t.location != Location::Host) {
-            return Err(Error::InvalidState(
-                "swap_in of a table on the device".into(),
-            ));
-        }
-        let distinct = self.distinct(tables);
-        if distinct.len() as u32 > self.device.num_free() {
-            return Err(Error::OutOfBlocks {
-                needed: distinct.len() as u32,
-                free: self.device.num_free(),
-            });
-        }
-        self.scratch.clear();
-        for &h in &distinct {
-            let d = self.device.allocate().expect("checked");
-            self.scratch.insert(h, d);
-            pairs.push((h, d));
-        }
-        let bs = self.block_size;
-        for t in tables.iter_mut() {
-            let live = t.first_live as usize;
-            for (i, e) in t.blocks.iter_mut().enumerate().skip(live) {
-                let d = self.scratch[e];
-                self.device.share(d);
-                // The allocation's reference plus the first entry's: count its tokens once.
-                if self.device.rc(d) == 2 {
-                    self.device.add_fill(Self::fill_of(bs, t.num_tokens, i));
-                }
-                self.host.release(*e, 0);
-                *e = d;
-            }
-            t.location = Location::Device;
-            t.last_maybe_shared = true;
-        }
-        for &h in &distinct {
-            // Drops the allocation's reference; the entries keep theirs (never zero).
-            self.device.release(self.scratch[&h], 0);
-        }
-        Ok(())
     }
 }
