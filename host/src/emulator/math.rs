@@ -1,7 +1,7 @@
 //! The fast-math operations' error model: [`MathMode::Exact`] computes `exp2` and
-//! `tanh` as the Rust standard library does; [`MathMode::Approx`] perturbs each result by a relative
-//! error drawn uniformly from the hardware instruction's documented worst case, so a
-//! test's tolerance that holds here holds on the GPU.
+//! `tanh` as the Rust standard library does; [`MathMode::Approx`] perturbs each
+//! result by a relative error drawn uniformly from the hardware instruction's
+//! documented worst case, so a test's tolerance that holds here holds on the GPU.
 //!
 //! The perturbations are deterministic: each thread draws from its own splitmix64
 //! stream, seeded from the mode's seed and the thread's block and thread indices.

@@ -50,9 +50,9 @@ impl KvCacheManager {
 
     /// Gives an empty table slots for every position of `tokens`, reusing cached prefix
     /// blocks. Positions before a sliding window get no block ([`NULL_BLOCK`] entries,
-    /// [`PAD_SLOT`] slots). Returns the number of leading tokens whose KV is already
-    /// cached (a multiple of the block size, less than `tokens.len()`). Nothing
-    /// changes on error.
+    /// [`PAD_SLOT`](crate::block::PAD_SLOT) slots). Returns the number of leading
+    /// tokens whose KV is already cached (a multiple of the block size, less than
+    /// `tokens.len()`). Nothing changes on error.
     pub fn allocate_prefill(
         &mut self,
         t: &mut BlockTable,
