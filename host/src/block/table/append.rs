@@ -1,0 +1,175 @@
+//! Appends and sharing: `fork` shares every block of a table; an append gives the
+//! next position a slot, copying a shared partial last block first (copy-on-write)
+//! and releasing the blocks a sliding window leaves behind.
+//!
+//! * A sequence writes only into a block it holds alone: `append_slot` copies a shared
+//!   partial last block and reports the `(src, dst)` pair for `copy_blocks`; the last
+//!   sharer to append keeps the original. Full blocks are never written again.
+//! * [`KvCacheManager::append_cost`] (an upper bound for forks) and
+//!   [`KvCacheManager::group_append_cost`] (exact for a whole group) count the free
+//!   device blocks appends take, so the scheduler can make room before it appends.
+//! * The common append (a slot in a partial last block held alone, no window) is
+//!   `append_in_place`: inline, reading no heap memory.
+
+use super::{BlockTable, KvCacheManager, Location};
+use crate::block::pool::{BlockId, NULL_BLOCK};
+use crate::error::{Error, Result};
+
+impl KvCacheManager {
+    /// Free device blocks the next [`append_slot`](Self::append_slot) of `t` takes: 1
+    /// when its last block is full (or it has none) or is shared (copy-on-write), else
+    /// 0. For a swapped-out table, what its first append after a swap-in takes. An
+    /// upper bound for the forks of one group: the last of the sharers of a partial
+    /// block to append writes in place ([`group_append_cost`](Self::group_append_cost)
+    /// is exact).
+    pub fn append_cost(&self, t: &BlockTable) -> Result<u32> {
+        self.check(t)?;
+        Ok(self.append_cost_of(t))
+    }
+
+    /// [`append_cost`](Self::append_cost) of a table known to be this manager's.
+    fn append_cost_of(&self, t: &BlockTable) -> u32 {
+        if t.num_tokens.is_multiple_of(self.block_size) {
+            return 1;
+        }
+        (self.shared_partial_last(t).is_some()) as u32
+    }
+
+    /// The partial last block of `t` and its reference count, when it is shared.
+    fn shared_partial_last(&self, t: &BlockTable) -> Option<(BlockId, u32)> {
+        if t.num_tokens.is_multiple_of(self.block_size) {
+            return None;
+        }
+        let last = *t.blocks.last()?;
+        let rc = match t.location {
+            Location::Device if !t.last_maybe_shared => return None,
+            Location::Device => self.device.rc(last),
+            Location::Host => self.host.rc(last),
+        };
+        (rc > 1).then_some((last, rc))
+    }
+
+    /// Free device blocks one append to each of `tables` (in any order) takes, exactly:
+    /// a fresh block for each full (or empty) last block, and a copy for each sharer of
+    /// a partial last block but the last one to append, which then holds it alone.
+    /// For swapped-out tables, what the appends right after their swap-in take. Pass
+    /// every running sequence of a group (forks share partial blocks only within their
+    /// group) for the exact count; a subset gets an upper bound.
+    pub fn group_append_cost<'a, I>(&self, tables: I) -> Result<u32>
+    where
+        I: IntoIterator<Item = &'a BlockTable>,
+        I::IntoIter: Clone,
+    {
+        let it = tables.into_iter();
+        let mut cost = 0;
+        for (i, t) in it.clone().enumerate() {
+            self.check(t)?;
+            if t.num_tokens.is_multiple_of(self.block_size) {
+                cost += 1;
+                continue;
+            }
+            let Some((last, rc)) = self.shared_partial_last(t) else {
+                continue;
+            };
+            let same = |o: &BlockTable| {
+                o.location == t.location
+                    && !o.num_tokens.is_multiple_of(self.block_size)
+                    && o.blocks.last() == Some(&last)
+            };
+            // Count each shared block once, at its first sharer in `tables`.
+            if it.clone().take(i).any(same) {
+                continue;
+            }
+            let sharers = it.clone().filter(|o| same(o)).count() as u32;
+            cost += sharers.min(rc - 1);
+        }
+        Ok(cost)
+    }
+
+    /// Gives position `num_tokens` of `t` a slot and returns it. Allocates only when
+    /// the last block is full; copies a shared partial last block first and pushes the
+    /// `(src, dst)` pair onto `copies`. Nothing changes on error.
+    pub fn append_slot(&mut self, t: &mut BlockTable, copies: &mut Vec<(u32, u32)>) -> Result<i64> {
+        self.check(t)?;
+        if t.location != Location::Device {
+            return Err(Error::InvalidState("append to a swapped-out table".into()));
+        }
+        let bs = self.block_size;
+        let pos = t.num_tokens;
+        if pos.is_multiple_of(bs) {
+            let b = self.device.allocate()?;
+            t.blocks.push(b);
+        } else if t.last_maybe_shared {
+            let i = t.blocks.len() - 1;
+            let last = t.blocks[i];
+            if self.device.rc(last) > 1 {
+                let dst = self.device.allocate()?;
+                self.device.add_fill(pos % bs);
+                copies.push((last, dst));
+                self.device.release(last, pos % bs);
+                t.blocks[i] = dst;
+            }
+        }
+        t.owner = self.id;
+        t.last_maybe_shared = false;
+        t.num_tokens = pos + 1;
+        self.device.add_fill(1);
+        let b = *t.blocks.last().unwrap();
+        t.last = b;
+        self.slide_window(t);
+        Ok(b as i64 * bs as i64 + (pos % bs) as i64)
+    }
+
+    /// [`append_slot`](Self::append_slot) in its common case, inline: a device table
+    /// of this manager whose partial last block it holds alone (no allocation, no
+    /// copy, no window). `None`, changing nothing, for every other case.
+    #[inline]
+    pub(crate) fn append_in_place(&mut self, t: &mut BlockTable) -> Option<i64> {
+        let pos = t.num_tokens;
+        let off = pos & self.block_mask;
+        if off == 0
+            || self.block_mask == 0
+            || t.last_maybe_shared
+            || self.window.is_some()
+            || t.owner != self.id
+            || t.location != Location::Device
+        {
+            return None;
+        }
+        let b = t.last;
+        debug_assert_eq!(t.blocks.last(), Some(&b), "stale last block");
+        t.num_tokens = pos + 1;
+        self.device.add_fill(1);
+        Some(b as i64 * self.block_size as i64 + off as i64)
+    }
+
+    /// Releases the blocks wholly before the sliding window (entries become
+    /// [`NULL_BLOCK`]).
+    fn slide_window(&mut self, t: &mut BlockTable) {
+        let Some(w) = self.window else { return };
+        let first_pos = t.num_tokens.saturating_sub(w);
+        let dead = first_pos / self.block_size;
+        while t.first_live < dead {
+            let i = t.first_live as usize;
+            if t.blocks[i] != NULL_BLOCK {
+                self.device.release(t.blocks[i], self.block_size);
+                t.blocks[i] = NULL_BLOCK;
+            }
+            t.first_live += 1;
+        }
+    }
+
+    /// A new table sharing every block of `t` (each `ref_cnt` + 1): the only way to
+    /// copy a table. Errors on a table of another manager or swapped out.
+    pub fn fork(&mut self, t: &mut BlockTable) -> Result<BlockTable> {
+        self.check(t)?;
+        if t.location != Location::Device {
+            return Err(Error::InvalidState("fork of a swapped-out table".into()));
+        }
+        for &b in &t.blocks {
+            self.device.share(b);
+        }
+        t.last_maybe_shared = true;
+        Ok(t.duplicate())
+    }
+}

@@ -1,0 +1,315 @@
+//! [`BlockTable`] and [`KvCacheManager`]: one sequence's blocks, and every operation
+//! that changes which sequence holds which block.
+//!
+//! # Invariants (checked by the proptests in `tests/scheduler.rs`)
+//! * Every entry of a device table is [`NULL_BLOCK`] or a block whose `ref_cnt` counts
+//!   it; every entry of a host (swapped) table likewise in the host pool.
+//! * Token position `p < num_tokens` of a table lives in slot
+//!   `blocks[p / block_size] * block_size + p % block_size`; entries before a sliding
+//!   window are `NULL_BLOCK`.
+//! * A sequence only ever writes into a block it holds alone: [`KvCacheManager::append_slot`]
+//!   copies a shared partial last block first (copy-on-write) and reports the
+//!   `(src, dst)` pair for the `copy_blocks` kernel. Full blocks are never written
+//!   again, so sharing them (fork, prefix hits) is free.
+//! * `hashes[i]` is the prefix-cache hash chain of full block `i`, recorded once its
+//!   contents are computed ([`KvCacheManager::commit`]).
+//! * Only a full block is ever shared between sequence groups (prefix hits never
+//!   include a prompt's last block); a partial last block is shared only among the
+//!   forks of one group, and all its sharers have it as their last block.
+//!
+//! # Ownership of tables
+//! A [`BlockTable`] holds one reference per entry, so it is an *owning* handle:
+//! * It is not `Clone`. The only copy is [`KvCacheManager::fork`], which takes the
+//!   extra references; [`KvCacheManager::free`] drops them and leaves the table empty,
+//!   so a second `free` of the same table frees nothing.
+//! * It is bound to the manager that gave it its first block (each manager has a
+//!   process-unique [`KvCacheManager::id`]); every other manager refuses it with
+//!   [`Error::InvalidArgument`] (`table`). An empty table is bound to nobody.
+//! * Dropping a table that still holds blocks leaks them (they stay counted as held);
+//!   free it through its manager.
+//!
+//! # Where the code lives
+//! The types, their accessors, slot lookup and `free` are here; the rest of the
+//! manager's operations sit beside the concern they serve:
+//! * `prefix`: prefix caching, hits at prefill and the commits that register
+//!   computed blocks;
+//! * `append`: appends, with copy-on-write of a shared partial last block, their
+//!   block costs, the sliding window, and `fork`, which makes the sharing;
+//! * `swap`: moving a sequence group's tables between the device and host pools.
+//!
+//! [`NULL_BLOCK`]: crate::block::NULL_BLOCK
+
+mod append;
+mod prefix;
+mod swap;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rustc_hash::FxHashMap as HashMap;
+
+use super::pool::{BlockHash, BlockId, BlockPool, PAD_SLOT};
+use crate::error::{Error, Result};
+
+/// Where a table's blocks live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Location {
+    /// In the GPU pool (the kernels can read them).
+    #[default]
+    Device,
+    /// Swapped out to the host pool.
+    Host,
+}
+
+/// One sequence's logical → physical block map: an owning handle on its blocks'
+/// references (not `Clone`; see the module docs on ownership).
+///
+/// ```compile_fail
+/// let t = pagedkv_host::block::BlockTable::new();
+/// let copy = t.clone(); // a copy would free the same references twice
+/// ```
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct BlockTable {
+    /// The [`KvCacheManager::id`] of the manager whose blocks these are; 0 while empty.
+    owner: u64,
+    blocks: Vec<BlockId>,
+    num_tokens: u32,
+    hashes: Vec<BlockHash>,
+    location: Location,
+    first_live: u32,
+    /// The last block may be shared (set by fork and swap-in): only then does an
+    /// append look at its reference count for copy-on-write.
+    last_maybe_shared: bool,
+    /// `blocks.last()`, kept beside the counts so the common append reads no heap
+    /// memory. Exact whenever `append_in_place` may use it: after `allocate_prefill`
+    /// or `append_slot` (which set it), until a fork or swap sets `last_maybe_shared`
+    /// or moves the table to the host.
+    last: BlockId,
+}
+
+impl BlockTable {
+    /// An empty table on the device, bound to no manager yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The [`KvCacheManager::id`] of the manager this table's blocks belong to; `None`
+    /// for an empty table.
+    pub fn owner(&self) -> Option<u64> {
+        (self.owner != 0).then_some(self.owner)
+    }
+
+    /// A second handle on the same blocks; the caller takes the extra references.
+    fn duplicate(&self) -> Self {
+        Self {
+            owner: self.owner,
+            blocks: self.blocks.clone(),
+            num_tokens: self.num_tokens,
+            hashes: self.hashes.clone(),
+            location: self.location,
+            first_live: self.first_live,
+            last_maybe_shared: self.last_maybe_shared,
+            last: self.last,
+        }
+    }
+
+    /// Physical block of each logical block.
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
+    /// Token positions that have a slot.
+    pub fn num_tokens(&self) -> u32 {
+        self.num_tokens
+    }
+
+    /// Where the blocks live.
+    pub fn location(&self) -> Location {
+        self.location
+    }
+
+    /// Prefix-cache hashes of the leading full, computed blocks.
+    pub fn hashes(&self) -> &[BlockHash] {
+        &self.hashes
+    }
+
+    /// Leading entries a sliding window has released (all
+    /// [`NULL_BLOCK`](crate::block::NULL_BLOCK)).
+    pub(crate) fn first_live(&self) -> u32 {
+        self.first_live
+    }
+}
+
+/// The source of [`KvCacheManager::id`]s (0 means "no manager").
+static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The KV-cache manager: a device pool, a host pool for swapping, and the rules.
+///
+/// Not `Clone`: a copy would share its tables' identity while its counts diverge.
+#[derive(Debug)]
+pub struct KvCacheManager {
+    id: u64,
+    device: BlockPool,
+    host: BlockPool,
+    block_size: u32,
+    /// `block_size - 1` when it is a power of two (offsets by mask), else 0.
+    block_mask: u32,
+    prefix_caching: bool,
+    window: Option<u32>,
+    scratch: HashMap<BlockId, BlockId>,
+    /// Registrations [`commit_deferred`](Self::commit_deferred) left for
+    /// [`flush_commits`](Self::flush_commits).
+    pending: Vec<(BlockId, BlockHash)>,
+}
+
+impl KvCacheManager {
+    /// A manager over `num_blocks` device blocks (block 0 is the null block) and
+    /// `num_host_blocks` host blocks for swapping (0 disables swap).
+    pub fn new(
+        num_blocks: u32,
+        num_host_blocks: u32,
+        block_size: u32,
+        prefix_caching: bool,
+        window: Option<u32>,
+    ) -> Result<Self> {
+        if block_size == 0 || block_size > u16::MAX as u32 {
+            return Err(Error::invalid("block_size", format!("{block_size}")));
+        }
+        if window == Some(0) {
+            return Err(Error::invalid("sliding_window", "must be at least 1 token"));
+        }
+        let host = if num_host_blocks == 0 {
+            BlockPool::new(1, false).map(|mut p| {
+                // A pool with its only block taken: swap always finds it full.
+                let _ = p.allocate();
+                p
+            })?
+        } else {
+            BlockPool::new(num_host_blocks, false)?
+        };
+        Ok(Self {
+            id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
+            device: BlockPool::new(num_blocks, true)?,
+            host,
+            block_size,
+            block_mask: if block_size.is_power_of_two() {
+                block_size - 1
+            } else {
+                0
+            },
+            prefix_caching,
+            window,
+            scratch: HashMap::default(),
+            pending: Vec::new(),
+        })
+    }
+
+    /// This manager's process-unique id; the tables it fills carry it.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// [`Error::InvalidArgument`] (`table`) unless `t` is empty or this manager's.
+    fn check(&self, t: &BlockTable) -> Result<()> {
+        if t.owner == self.id || (t.owner == 0 && t.blocks.is_empty()) {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                "table",
+                format!(
+                    "belongs to KV-cache manager {}, not to manager {}",
+                    t.owner, self.id
+                ),
+            ))
+        }
+    }
+
+    fn check_all(&self, tables: &[&mut BlockTable]) -> Result<()> {
+        tables.iter().try_for_each(|t| self.check(t))
+    }
+
+    /// The device pool.
+    pub fn device(&self) -> &BlockPool {
+        &self.device
+    }
+
+    /// The host (swap) pool.
+    pub fn host(&self) -> &BlockPool {
+        &self.host
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// The sliding window, if any.
+    pub fn window(&self) -> Option<u32> {
+        self.window
+    }
+
+    /// Slot of token position `pos` of a device table; [`PAD_SLOT`] for a position a
+    /// sliding window has already released (a prefill longer than the window computes
+    /// those tokens, but their K/V is never stored). Errors: a table of another manager
+    /// or swapped out, a position without a slot (`pos >= num_tokens`).
+    pub fn slot(&self, t: &BlockTable, pos: u32) -> Result<i64> {
+        self.check(t)?;
+        if t.location != Location::Device {
+            return Err(Error::InvalidState("slot of a swapped-out table".into()));
+        }
+        if pos >= t.num_tokens {
+            return Err(Error::invalid(
+                "pos",
+                format!("{pos}: the table has {} token slots", t.num_tokens),
+            ));
+        }
+        let bs = self.block_size;
+        let i = (pos / bs) as usize;
+        if (i as u32) < t.first_live {
+            return Ok(PAD_SLOT);
+        }
+        Ok(t.blocks[i] as i64 * bs as i64 + (pos % bs) as i64)
+    }
+
+    /// Blocks a table of `num_tokens` tokens spans.
+    pub fn blocks_for(&self, num_tokens: u32) -> u32 {
+        num_tokens.div_ceil(self.block_size)
+    }
+
+    /// Leading blocks a table of `num_tokens` tokens no longer needs: those wholly
+    /// before the sliding window.
+    pub fn dead_blocks(&self, num_tokens: u32) -> u32 {
+        match self.window {
+            Some(w) => num_tokens.saturating_sub(w) / self.block_size,
+            None => 0,
+        }
+    }
+
+    /// Releases every block of `t` (last block first, so a freed sequence's prefix
+    /// stays cached longest) and empties it, so freeing it again does nothing. Errors,
+    /// changing nothing, on a table of another manager.
+    pub fn free(&mut self, t: &mut BlockTable) -> Result<()> {
+        self.check(t)?;
+        let pool = match t.location {
+            Location::Device => &mut self.device,
+            Location::Host => &mut self.host,
+        };
+        // Only the device pool counts filled slots (the utilisation metric).
+        let counts = t.location == Location::Device;
+        let live = t.first_live as usize;
+        for (i, &b) in t.blocks.iter().enumerate().skip(live).rev() {
+            let fill = if counts {
+                Self::fill_of(self.block_size, t.num_tokens, i)
+            } else {
+                0
+            };
+            pool.release(b, fill);
+        }
+        *t = BlockTable::new();
+        Ok(())
+    }
+
+    /// Tokens in block `i` of a table of `num_tokens` tokens.
+    fn fill_of(block_size: u32, num_tokens: u32, i: usize) -> u32 {
+        (num_tokens - i as u32 * block_size).min(block_size)
+    }
+}

@@ -1,0 +1,170 @@
+//! Prefix caching: a prompt's leading full blocks are found by the hash chain of
+//! their tokens (and the request's salt) and shared instead of computed again.
+//!
+//! * A hit is only ever a full block, and a prefill always leaves at least one token
+//!   to compute, so a prompt's last block is never a hit: a prefill's last block is
+//!   always newly allocated, its own.
+//! * A block is registered in the cache only once its contents are computed
+//!   (`commit`, after the step that wrote its last token), never at allocation.
+//! * Prefix caching is off with a sliding window: a prefill may need cached tokens the
+//!   window has already released.
+
+use super::{BlockTable, KvCacheManager, Location};
+use crate::block::pool::{NULL_BLOCK, hash_block};
+use crate::error::{Error, Result};
+
+impl KvCacheManager {
+    /// `(hit_blocks, hits_that_are_free)` for a prompt: the leading full blocks whose
+    /// hash chain is cached, capped so at least one token is left to compute. Changes
+    /// nothing. Always `(0, 0)` without prefix caching, and with a sliding window (a
+    /// prefill may need cached tokens the window has already released).
+    pub fn count_prefix_hits(&self, tokens: &[u32], salt: Option<u64>) -> (u32, u32) {
+        if !self.prefix_caching || self.window.is_some() || tokens.is_empty() {
+            return (0, 0);
+        }
+        let bs = self.block_size as usize;
+        let max_hits = (tokens.len() - 1) / bs;
+        let (mut hits, mut free) = (0, 0);
+        let mut parent = None;
+        for chunk in tokens.chunks_exact(bs).take(max_hits) {
+            let h = hash_block(parent, chunk, salt);
+            match self.device.lookup(h) {
+                Some(b) => {
+                    hits += 1;
+                    free += (self.device.rc(b) == 0) as u32;
+                    parent = Some(h);
+                }
+                None => break,
+            }
+        }
+        (hits, free)
+    }
+
+    /// Free device blocks a prefill of `tokens` would take: its blocks inside the
+    /// window, less prefix hits, plus the hits that sit in the free queue.
+    pub fn prefill_cost(&self, tokens: &[u32], salt: Option<u64>) -> u32 {
+        let n = tokens.len() as u32;
+        let (hits, hits_free) = self.count_prefix_hits(tokens, salt);
+        self.blocks_for(n) - self.dead_blocks(n) - hits + hits_free
+    }
+
+    /// Gives an empty table slots for every position of `tokens`, reusing cached prefix
+    /// blocks. Positions before a sliding window get no block ([`NULL_BLOCK`] entries,
+    /// [`PAD_SLOT`](crate::block::PAD_SLOT) slots). Returns the number of leading
+    /// tokens whose KV is already cached (a multiple of the block size, less than
+    /// `tokens.len()`). Nothing changes on error.
+    pub fn allocate_prefill(
+        &mut self,
+        t: &mut BlockTable,
+        tokens: &[u32],
+        salt: Option<u64>,
+    ) -> Result<u32> {
+        self.check(t)?;
+        if !t.blocks.is_empty() || t.location != Location::Device {
+            return Err(Error::InvalidState(
+                "allocate_prefill needs an empty device table".into(),
+            ));
+        }
+        if tokens.is_empty() {
+            return Err(Error::invalid(
+                "tokens",
+                "a prompt needs at least one token",
+            ));
+        }
+        let cost = self.prefill_cost(tokens, salt);
+        if cost > self.device.num_free() {
+            return Err(Error::OutOfBlocks {
+                needed: cost,
+                free: self.device.num_free(),
+            });
+        }
+        let (hits, _) = self.count_prefix_hits(tokens, salt);
+        let bs = self.block_size as usize;
+        let mut parent = None;
+        for chunk in tokens.chunks_exact(bs).take(hits as usize) {
+            let h = hash_block(parent, chunk, salt);
+            let b = self.device.lookup(h).expect("counted hit");
+            self.device.take(b, self.block_size);
+            t.blocks.push(b);
+            t.hashes.push(h);
+            parent = Some(h);
+        }
+        let n = tokens.len() as u32;
+        let dead = self.dead_blocks(n);
+        while (t.blocks.len() as u32) < self.blocks_for(n) {
+            let b = if (t.blocks.len() as u32) < dead {
+                NULL_BLOCK
+            } else {
+                self.device.allocate().expect("cost checked")
+            };
+            t.blocks.push(b);
+        }
+        t.first_live = dead;
+        t.num_tokens = n;
+        t.owner = self.id;
+        t.last = *t.blocks.last().expect("a prompt has a block");
+        // The new blocks' tokens (the hits were counted by `touch`).
+        let new_from = hits.max(dead);
+        self.device
+            .add_fill(n.saturating_sub(new_from * self.block_size));
+        Ok(hits * self.block_size)
+    }
+
+    /// Records the hashes of `t`'s full blocks whose contents are now computed (the
+    /// first `t.num_tokens()` tokens of `tokens`), and registers them in the prefix cache.
+    /// Errors on a table of another manager.
+    pub fn commit(&mut self, t: &mut BlockTable, tokens: &[u32], salt: Option<u64>) -> Result<()> {
+        self.commit_deferred(t, tokens, salt)?;
+        self.flush_commits();
+        Ok(())
+    }
+
+    /// [`commit`](Self::commit), except that the prefix-cache registrations wait for
+    /// [`flush_commits`](Self::flush_commits), which must run before any block is
+    /// freed or allocated (a registration is of a held block).
+    pub(crate) fn commit_deferred(
+        &mut self,
+        t: &mut BlockTable,
+        tokens: &[u32],
+        salt: Option<u64>,
+    ) -> Result<()> {
+        self.check(t)?;
+        if !self.prefix_caching || self.window.is_some() || t.location != Location::Device {
+            return Ok(());
+        }
+        let bs = self.block_size as usize;
+        let full = (t.num_tokens as usize).min(tokens.len()) / bs;
+        while t.hashes.len() < full {
+            let i = t.hashes.len();
+            let h = hash_block(
+                t.hashes.last().copied(),
+                &tokens[i * bs..(i + 1) * bs],
+                salt,
+            );
+            if t.blocks[i] != NULL_BLOCK {
+                // Start the map's cache miss now; the flush finds the line in cache.
+                self.device.prefetch_register(t.blocks[i], h);
+                self.pending.push((t.blocks[i], h));
+            }
+            t.hashes.push(h);
+        }
+        Ok(())
+    }
+
+    /// Whether [`commit`](Self::commit) of `t` would record anything: prefix caching
+    /// is on (without a window) and a full block of `t` has no hash yet.
+    pub(crate) fn has_uncommitted(&self, t: &BlockTable) -> bool {
+        self.prefix_caching
+            && self.window.is_none()
+            && (t.num_tokens as usize) >= (t.hashes.len() + 1) * self.block_size as usize
+    }
+
+    /// Registers the pending commits in order (their map slots were prefetched when
+    /// they were hashed, so their cache misses overlap with the caller's other work).
+    pub(crate) fn flush_commits(&mut self) {
+        for &(b, h) in &self.pending {
+            self.device.register(b, h);
+        }
+        self.pending.clear();
+    }
+}

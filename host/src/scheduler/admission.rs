@@ -1,0 +1,214 @@
+//! Admission: what may enter the scheduler, and when it starts running.
+//!
+//! [`Scheduler::add_request`] and [`Scheduler::fork`] keep the first liveness bound
+//! (see the module docs): a group fits the usable pool and a step's token budget
+//! alone, so it can always run once nothing else does. Step 4 of
+//! [`Scheduler::step`] admits waiting groups in queue order while the running
+//! sequences stay within `max_num_seqs`, the step's tokens within
+//! `max_tokens_per_step`, and the free blocks above the watermark (when others run).
+
+use super::seqs::{Group, Seq, Status};
+use super::{Request, ScheduledSeq, Scheduler, SeqId};
+use crate::block::BlockTable;
+use crate::error::{Error, Result};
+
+impl Scheduler {
+    /// Queues a request. Rejects an empty prompt, zero `max_tokens`, a duplicate id,
+    /// and a request that could never run: longer than `max_model_len`, or growing to
+    /// more blocks than the whole usable pool. A request accepted here finishes if the
+    /// caller keeps stepping (see the module docs on liveness).
+    pub fn add_request(&mut self, req: Request) -> Result<SeqId> {
+        if req.prompt.is_empty() {
+            return Err(Error::invalid("prompt", "must hold at least one token"));
+        }
+        if req.max_tokens == 0 {
+            return Err(Error::invalid("max_tokens", "must be at least 1"));
+        }
+        if self.groups.contains_key(&req.id) {
+            return Err(Error::invalid(
+                "id",
+                format!("request {} is already live", req.id),
+            ));
+        }
+        let total = req.prompt.len() as u64 + req.max_tokens as u64;
+        if total > self.cfg.max_model_len as u64 {
+            return Err(Error::invalid(
+                "prompt",
+                format!(
+                    "{} prompt + {} output tokens exceed max_model_len {}",
+                    req.prompt.len(),
+                    req.max_tokens,
+                    self.cfg.max_model_len
+                ),
+            ));
+        }
+        let need = self.max_blocks(&req) as u64;
+        let usable = self.kv.device().num_usable() as u64;
+        if need > usable {
+            return Err(Error::invalid(
+                "prompt",
+                format!("needs {need} blocks, the pool holds {usable}: it could never run"),
+            ));
+        }
+        let seq = self.seqs.alloc_id();
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        self.seqs.insert(
+            seq,
+            Seq {
+                id: seq,
+                request: req.id,
+                tokens: {
+                    // Room for every token it may generate: appends never reallocate.
+                    let mut t = Vec::with_capacity(total as usize);
+                    t.extend_from_slice(&req.prompt);
+                    t
+                },
+                table: BlockTable::new(),
+                num_computed: 0,
+                row: usize::MAX,
+                stop_token: req.stop_token,
+                max_len: req.prompt.len() + req.max_tokens as usize,
+                salt: req.cache_salt,
+            },
+        );
+        let g = Group {
+            req,
+            arrival,
+            seqs: vec![seq],
+            status: Status::Waiting,
+        };
+        self.waiting.insert(g.key(self.cfg.policy), g.req.id);
+        self.groups.insert(g.req.id, g);
+        Ok(seq)
+    }
+
+    /// Blocks one sequence of `req` holds at its largest: all of `prompt + max_tokens`,
+    /// or with a sliding window the window's blocks plus one partial block.
+    fn max_blocks(&self, req: &Request) -> u32 {
+        let total = req.prompt.len() as u32 + req.max_tokens;
+        let mut need = self.kv.blocks_for(total);
+        if let Some(w) = self.cfg.sliding_window {
+            need = need.min(self.kv.blocks_for(w) + 1);
+        }
+        need
+    }
+
+    /// A new sequence in `seq`'s group sharing all its blocks (parallel sampling).
+    /// The sequence must be running and between steps.
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        if self.in_step {
+            return Err(Error::InvalidState(
+                "fork between step() and on_step_done()".into(),
+            ));
+        }
+        let parent = self.seqs.get(&seq).ok_or(Error::Unknown {
+            what: "sequence",
+            id: seq,
+        })?;
+        let g = &self.groups[&parent.request];
+        if g.status != Status::Running || self.rows.len() >= self.cfg.max_num_seqs {
+            return Err(Error::InvalidState(format!(
+                "sequence {seq} cannot fork now (not running, or max_num_seqs reached)"
+            )));
+        }
+        // A preempted group is recomputed (or swapped in) whole: refuse a fork that
+        // would make it too large to ever come back.
+        let size = g.seqs.len() as u64 + 1;
+        let blocks = size * self.max_blocks(&g.req) as u64;
+        let tokens = size * (g.req.prompt.len() as u64 + g.req.max_tokens as u64);
+        if blocks > self.kv.device().num_usable() as u64
+            || tokens > self.cfg.max_tokens_per_step as u64
+        {
+            return Err(Error::invalid(
+                "seq",
+                format!(
+                    "a group of {size} sequences would need {blocks} blocks and {tokens} prefill tokens if preempted: more than the pool or a step holds"
+                ),
+            ));
+        }
+        let table = self.kv.fork(&mut self.seqs.get_mut(&seq).unwrap().table)?;
+        let child_id = self.seqs.alloc_id();
+        let parent = &self.seqs[&seq];
+        let child = Seq {
+            id: child_id,
+            request: parent.request,
+            tokens: parent.tokens.clone(),
+            table,
+            num_computed: parent.num_computed,
+            row: usize::MAX,
+            stop_token: parent.stop_token,
+            max_len: parent.max_len,
+            salt: parent.salt,
+        };
+        let id = child.id;
+        let request = child.request;
+        self.seqs.insert(id, child);
+        self.groups.get_mut(&request).unwrap().seqs.push(id);
+        self.push_row(id);
+        Ok(id)
+    }
+
+    /// Step 4: admits waiting groups (prefills), in queue order, while they fit.
+    pub(super) fn admit_waiting(&mut self) -> Result<()> {
+        let mut budget = self.cfg.max_tokens_per_step.saturating_sub(self.rows.len());
+        while let Some((&key, &id)) = self.waiting.first_key_value() {
+            let seqs = self.groups[&id].seqs.clone();
+            if self.rows.len() + seqs.len() > self.cfg.max_num_seqs {
+                break;
+            }
+            let salt = self.groups[&id].req.cache_salt;
+            let (mut tokens_needed, mut blocks_needed) = (0usize, 0u32);
+            for s in &seqs {
+                let t = &self.seqs[s].tokens;
+                if seqs.len() == 1 {
+                    let (hits, _) = self.kv.count_prefix_hits(t, salt);
+                    tokens_needed += t.len() - (hits * self.cfg.block_size) as usize;
+                    blocks_needed += self.kv.prefill_cost(t, salt);
+                } else {
+                    // One fork's allocations may evict the cached blocks another
+                    // counted on: assume no hits (an upper bound).
+                    let n = t.len() as u32;
+                    tokens_needed += t.len();
+                    blocks_needed += self.kv.blocks_for(n) - self.kv.dead_blocks(n);
+                }
+            }
+            if tokens_needed > budget
+                || blocks_needed + self.watermark_now() > self.kv.device().num_free()
+            {
+                break;
+            }
+            budget -= tokens_needed;
+            self.waiting.remove(&key);
+            let arrival = self.groups[&id].arrival;
+            self.running.insert(arrival, id);
+            self.groups.get_mut(&id).unwrap().status = Status::Running;
+            for s in seqs {
+                self.seqs.scheduled_in[(s & 0xffff_ffff) as usize] = self.step_gen;
+                let seq = self.seqs.get_mut(&s).unwrap();
+                let cached = self
+                    .kv
+                    .allocate_prefill(&mut seq.table, &seq.tokens, salt)?;
+                self.metrics.prefix_queried_tokens += seq.tokens.len() as u64;
+                self.metrics.prefix_hit_tokens += cached as u64;
+                let n = seq.tokens.len() as u32;
+                let offset = self.batch.slot_mapping.len() as u32;
+                for pos in cached..n {
+                    self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
+                }
+                let request = seq.request;
+                self.push_row(s);
+                self.batch.seqs.push(ScheduledSeq {
+                    seq: s,
+                    request,
+                    is_prefill: true,
+                    start_pos: cached,
+                    num_new_tokens: n - cached,
+                    context_len: n,
+                    token_offset: offset,
+                });
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,148 @@
+//! The [`Batch`] a step hands out, and the upkeep of its persistent rows.
+//!
+//! Row `i` of the block tables and of the context lengths belongs to running sequence
+//! `Scheduler::rows[i]`, whose `row` field is `i`; the rows stay in place from one step
+//! to the next. A sequence joins at the end (`push_row`); one that leaves is replaced
+//! by the last row (`remove_row`), so the rows stay dense.
+//!
+//! Every entry that changes is recorded in [`Batch::dirty`] (a pushed or moved row
+//! whole, a decode only the entries it changed): the list collects the changes since
+//! the last `step()` handed one out, so a device copy kept up to date batch by batch
+//! never misses a change made between steps (a fork, an abort).
+
+use super::{PreemptionMode, RequestId, Scheduler, SeqId};
+use crate::block::NULL_BLOCK;
+
+/// One sequence's part of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Its request.
+    pub request: RequestId,
+    /// Whether this is its prefill (several new tokens) or a decode (one).
+    pub is_prefill: bool,
+    /// Position of its first new token.
+    pub start_pos: u32,
+    /// New tokens this step (their slots are consecutive in `slot_mapping`).
+    pub num_new_tokens: u32,
+    /// Tokens in its cache after this step (the kernels' context length).
+    pub context_len: u32,
+    /// Offset of its first new token in `slot_mapping`.
+    pub token_offset: u32,
+}
+
+/// What one step runs: device-ready arrays for the kernels.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    /// The scheduled sequences; `seqs[i]` owns row `i` of the block tables.
+    pub seqs: Vec<ScheduledSeq>,
+    /// `[seqs.len(), max_blocks_per_seq]`, padded with `NULL_BLOCK`.
+    pub block_tables: Vec<i32>,
+    /// Row length of `block_tables`.
+    pub max_blocks_per_seq: u32,
+    /// `[seqs.len()]`: context length of each sequence after this step.
+    pub context_lens: Vec<i32>,
+    /// `[total new tokens]`: slot of each new token, sequence by sequence.
+    pub slot_mapping: Vec<i64>,
+    /// Copy-on-write `(src, dst)` block pairs for `copy_blocks`, to run before the
+    /// kernels write.
+    pub copies: Vec<(u32, u32)>,
+    /// `(device, host)` pairs to copy out, first of all.
+    pub swap_out: Vec<(u32, u32)>,
+    /// `(host, device)` pairs to copy in, after the swap-outs.
+    pub swap_in: Vec<(u32, u32)>,
+    /// Requests preempted this step, and how.
+    pub preempted: Vec<(RequestId, PreemptionMode)>,
+    /// The entries of `block_tables` that changed since the previous batch: uploading
+    /// `block_tables[r.row * max_blocks_per_seq ..][r.start..r.end]` for each range
+    /// brings a device copy of the previous batch's tables up to date (ranges may
+    /// overlap; rows past `seqs.len()` are gone). A new or moved row is dirty whole; a
+    /// decode step dirties only the entry of a new block (or a copied-on-write one) and
+    /// the entries a sliding window released.
+    pub dirty: Vec<RowRange>,
+    /// `dirty` was handed out by the last `step()`: the next change starts a new list.
+    pub(super) dirty_sent: bool,
+}
+
+/// A run of changed entries in one block-table row of a [`Batch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowRange {
+    /// The row (the sequence's index in `Batch::seqs`).
+    pub row: u32,
+    /// First changed entry.
+    pub start: u32,
+    /// One past the last changed entry.
+    pub end: u32,
+}
+
+impl Batch {
+    /// Records entries `start..end` of row `row` as changed.
+    pub(super) fn mark_dirty(&mut self, row: usize, start: usize, end: usize) {
+        if self.dirty_sent {
+            self.dirty.clear();
+            self.dirty_sent = false;
+        }
+        if start < end {
+            self.dirty.push(RowRange {
+                row: row as u32,
+                start: start as u32,
+                end: end as u32,
+            });
+        }
+    }
+}
+
+impl Scheduler {
+    /// Writes sequence `seq`'s block table and context length into batch row `row`
+    /// (the whole row, marked dirty).
+    fn write_row(&mut self, row: usize, seq: SeqId) {
+        let w = self.batch.max_blocks_per_seq as usize;
+        let s = &self.seqs[&seq];
+        let r = &mut self.batch.block_tables[row * w..(row + 1) * w];
+        let blocks = s.table.blocks();
+        for (dst, b) in r.iter_mut().zip(blocks) {
+            *dst = *b as i32;
+        }
+        for dst in r[blocks.len().min(w)..].iter_mut() {
+            *dst = NULL_BLOCK as i32;
+        }
+        self.batch.context_lens[row] = s.table.num_tokens() as i32;
+        self.batch.mark_dirty(row, 0, w);
+    }
+
+    /// Gives running sequence `seq` the next batch row.
+    pub(super) fn push_row(&mut self, seq: SeqId) {
+        let row = self.rows.len();
+        self.rows.push(seq);
+        let w = self.batch.max_blocks_per_seq as usize;
+        self.batch
+            .block_tables
+            .resize((row + 1) * w, NULL_BLOCK as i32);
+        self.batch.context_lens.resize(row + 1, 0);
+        self.seqs.get_mut(&seq).unwrap().row = row;
+        self.write_row(row, seq);
+    }
+
+    /// Takes sequence `seq` out of the batch rows: the last row moves into its place
+    /// (and is dirty whole there).
+    pub(super) fn remove_row(&mut self, seq: SeqId) {
+        let row = self.seqs[&seq].row;
+        let last = self.rows.len() - 1;
+        let w = self.batch.max_blocks_per_seq as usize;
+        if row != last {
+            let moved = self.rows[last];
+            self.rows[row] = moved;
+            self.batch
+                .block_tables
+                .copy_within(last * w..(last + 1) * w, row * w);
+            self.batch.context_lens[row] = self.batch.context_lens[last];
+            self.seqs.get_mut(&moved).unwrap().row = row;
+            self.batch.mark_dirty(row, 0, w);
+        }
+        self.rows.pop();
+        self.batch.block_tables.truncate(last * w);
+        self.batch.context_lens.truncate(last);
+        self.seqs.get_mut(&seq).unwrap().row = usize::MAX;
+    }
+}

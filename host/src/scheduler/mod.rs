@@ -1,0 +1,459 @@
+//! The decode scheduler: continuous batching over the paged KV cache.
+//!
+//! ```
+//! use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};
+//!
+//! let mut s = Scheduler::new(SchedulerConfig { num_blocks: 64, block_size: 16, ..SchedulerConfig::default() })?;
+//! s.add_request(Request::new(7, vec![1, 2, 3, 4, 5], 3))?;
+//! loop {
+//!     let batch = s.step()?;
+//!     if batch.seqs.is_empty() { break; }
+//!     // ... run kv_append and paged_decode_attention with batch.block_tables,
+//!     // batch.context_lens and batch.slot_mapping, sample one token per sequence ...
+//!     let sampled: Vec<(u64, u32)> = batch.seqs.iter().map(|q| (q.seq, 42)).collect();
+//!     s.on_step_done(&sampled)?;
+//! }
+//! assert_eq!(s.finished().len(), 1);
+//! # Ok::<(), pagedkv_host::Error>(())
+//! ```
+//!
+//! # Queues and one step
+//! Requests wait (FCFS, or by priority then FCFS), run, or sit swapped out. A request is
+//! a *sequence group*: its prompt's sequence plus any [`Scheduler::fork`]s of it; groups
+//! are admitted, preempted and swapped whole. [`Scheduler::step`]:
+//! 1. makes room for every running sequence's next token; if the pool cannot, preempts
+//!    the newest running groups, by recompute (blocks freed, the group back to waiting,
+//!    in its original arrival place) or by swap (blocks copied to the host pool; falls
+//!    back to recompute when the host pool is full), per group or by default;
+//! 2. swaps groups back in, oldest first, when no preemption happened this step and
+//!    the group's blocks plus its next decode slots fit, with free blocks left above
+//!    the watermark while other sequences run;
+//! 3. gives every running sequence its decode slot (allocating only when a block
+//!    fills, copying a shared partial block on write);
+//! 4. admits waiting groups while free blocks stay above the watermark (while other
+//!    sequences run), the running sequences stay within `max_num_seqs`, and the step's
+//!    tokens within `max_tokens_per_step` (a prefill counts its uncached prompt tokens).
+//!
+//! The watermark keeps headroom for running sequences to grow into; with nothing
+//! running there is nobody to keep it for, so a group alone may take the whole pool.
+//!
+//! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
+//! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites
+//! only the entries that changed (a new block's, a copied-on-write block's, those a
+//! window released; a new or moved row whole) and lists them in [`Batch::dirty`] for
+//! an incremental upload, so a steady decode step costs O(running sequences) with no
+//! heap allocation beyond growing buffers. The common decode (a slot in the partial
+//! last block) is an inline mask and multiply; the prefix-cache registrations of a
+//! step's newly full blocks are hashed as the tokens come in and registered in one
+//! batch at the end of `on_step_done`, their cache misses overlapped.
+//!
+//! After sampling, [`Scheduler::on_step_done`] takes each scheduled sequence's new token;
+//! a stop token or `max_tokens` finishes it and frees its blocks at once.
+//!
+//! # Liveness
+//! Every request [`Scheduler::add_request`] accepts finishes if the caller keeps
+//! calling `step` and `on_step_done`: while any request is live, every step schedules
+//! at least one sequence, and every scheduled sequence keeps the token it gets (a
+//! recomputed sequence keeps its generated tokens), so the steps until idle are at most
+//! the tokens the live sequences may still generate. It holds by construction:
+//! * *A group fits the pool alone.* `add_request` refuses a request whose sequence
+//!   would outgrow the usable pool (`prompt + max_tokens` tokens, at most
+//!   `max_model_len`; with a sliding window, the window's blocks plus one), and
+//!   [`Scheduler::fork`] refuses a fork after which the group's sequences together
+//!   could outgrow it or a step's token budget, or exceed `max_num_seqs`.
+//! * *The oldest running group is never preempted*: step 1 counts each group's next
+//!   decode slots exactly (forks sharing a partial block copy it all but once) and
+//!   preempts newer groups first; alone, the group fits.
+//! * *With nothing running, something always starts*: the watermark does not apply, the
+//!   whole pool is free (waiting and swapped groups hold no device blocks), so the
+//!   oldest swapped group swaps in (it needs its blocks plus its exact next decode
+//!   slots, which fit the pool as they did before it was swapped out), or else the
+//!   first waiting group is admitted (its prefill fits the pool and a step's budget).
+//!
+//! # Where the code lives
+//! * this file: the public types, the [`Scheduler`] itself, its constructor and
+//!   read-only accessors;
+//! * `seqs`: the private bookkeeping (sequences by slot id, sequence groups);
+//! * `admission`: [`Scheduler::add_request`] and [`Scheduler::fork`], which keep the
+//!   liveness bounds, and step 4 (admitting waiting groups);
+//! * `preemption`: steps 1 and 2 (making room by preemption, swapping back in) and
+//!   the block-cost and watermark arithmetic they share;
+//! * `step`: [`Scheduler::step`] itself, step 3 (the decode slots) and the metrics;
+//! * `batch`: the [`Batch`] types and the upkeep of its persistent block-table rows;
+//! * `completion`: [`Scheduler::on_step_done`], [`Scheduler::abort`] and finishing a
+//!   sequence.
+
+mod admission;
+mod batch;
+mod completion;
+mod preemption;
+mod seqs;
+mod step;
+
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap as HashMap;
+
+pub use batch::{Batch, RowRange, ScheduledSeq};
+use seqs::{Group, SeqSlab};
+
+use crate::block::{BlockTable, KvCacheManager};
+use crate::error::{Error, Result};
+use crate::ops::SUPPORTED_BLOCK_SIZES;
+
+/// A request's id, chosen by the caller.
+pub type RequestId = u64;
+/// A sequence's id, chosen by the scheduler.
+pub type SeqId = u64;
+
+/// How a preempted group gives its blocks back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PreemptionMode {
+    /// Free the blocks; the group is prefilled again later (prefix hits may help).
+    #[default]
+    Recompute,
+    /// Copy the blocks to the host pool and back later.
+    Swap,
+}
+
+/// The order of the waiting queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum QueuePolicy {
+    /// First come, first served.
+    #[default]
+    Fcfs,
+    /// Higher `Request::priority` first, FCFS among equals.
+    Priority,
+}
+
+/// Why a sequence finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It sampled its stop token.
+    Stop,
+    /// It generated `max_tokens` tokens.
+    MaxTokens,
+    /// [`Scheduler::abort`] ended it.
+    Aborted,
+}
+
+/// Scheduler settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SchedulerConfig {
+    /// Device blocks (block 0 is the null block).
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Host blocks for swapping (0: swap falls back to recompute).
+    pub num_host_blocks: u32,
+    /// Most running sequences.
+    pub max_num_seqs: usize,
+    /// Most tokens one step processes (decodes count 1, prefills their new tokens).
+    pub max_tokens_per_step: usize,
+    /// Fraction of device blocks admission and swap-in keep free.
+    pub watermark: f64,
+    /// Default preemption mode.
+    pub preemption: PreemptionMode,
+    /// Waiting-queue order.
+    pub policy: QueuePolicy,
+    /// Reuse cached full blocks of matching prefixes.
+    pub enable_prefix_caching: bool,
+    /// Attend only to the last `w` tokens; blocks before the window are freed.
+    pub sliding_window: Option<u32>,
+    /// Longest sequence (prompt + output) a request may reach.
+    pub max_model_len: u32,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            num_blocks: 1024,
+            block_size: 16,
+            num_host_blocks: 0,
+            max_num_seqs: 256,
+            max_tokens_per_step: 8192,
+            watermark: 0.01,
+            preemption: PreemptionMode::Recompute,
+            policy: QueuePolicy::Fcfs,
+            enable_prefix_caching: false,
+            sliding_window: None,
+            max_model_len: 4096,
+        }
+    }
+}
+
+/// A generation request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Caller-chosen id, unique among live requests.
+    pub id: RequestId,
+    /// Prompt token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (at least 1).
+    pub max_tokens: u32,
+    /// Finish when this token is sampled.
+    pub stop_token: Option<u32>,
+    /// Priority under [`QueuePolicy::Priority`] (higher first).
+    pub priority: i32,
+    /// Prefix-cache salt: requests with different salts never share cached blocks.
+    pub cache_salt: Option<u64>,
+    /// Preemption mode for this request (default: the config's).
+    pub preemption: Option<PreemptionMode>,
+}
+
+impl Request {
+    /// A request with default options.
+    pub fn new(id: RequestId, prompt: Vec<u32>, max_tokens: u32) -> Self {
+        Self {
+            id,
+            prompt,
+            max_tokens,
+            stop_token: None,
+            priority: 0,
+            cache_salt: None,
+            preemption: None,
+        }
+    }
+}
+
+/// Counters and gauges after a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Metrics {
+    /// Steps run.
+    pub steps: u64,
+    /// Device blocks held by sequences.
+    pub blocks_used: u32,
+    /// Device blocks free (cached ones included).
+    pub blocks_free: u32,
+    /// Free blocks that still hold a reusable prefix.
+    pub blocks_cached_free: u32,
+    /// Tokens stored / token slots of held blocks.
+    pub kv_utilization: f64,
+    /// Running, waiting and swapped sequence groups.
+    pub running: usize,
+    /// Waiting groups.
+    pub waiting: usize,
+    /// Swapped-out groups.
+    pub swapped: usize,
+    /// Preemptions by recompute so far.
+    pub preempted_recompute: u64,
+    /// Preemptions by swap so far.
+    pub preempted_swap: u64,
+    /// Blocks copied out to the host so far.
+    pub swapped_out_blocks: u64,
+    /// Blocks copied in from the host so far.
+    pub swapped_in_blocks: u64,
+    /// Prompt tokens looked up in the prefix cache so far.
+    pub prefix_queried_tokens: u64,
+    /// Of those, tokens found cached.
+    pub prefix_hit_tokens: u64,
+}
+
+impl Metrics {
+    /// Prefix-cache hit rate (hit tokens / queried tokens), 0 when nothing was queried.
+    pub fn prefix_hit_rate(&self) -> f64 {
+        if self.prefix_queried_tokens == 0 {
+            0.0
+        } else {
+            self.prefix_hit_tokens as f64 / self.prefix_queried_tokens as f64
+        }
+    }
+}
+
+/// The decode scheduler; see the module docs.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvCacheManager,
+    seqs: SeqSlab,
+    groups: HashMap<RequestId, Group>,
+    waiting: BTreeMap<(i64, u64), RequestId>,
+    running: BTreeMap<u64, RequestId>,
+    swapped: BTreeMap<u64, RequestId>,
+    /// Running sequences in row order.
+    rows: Vec<SeqId>,
+    batch: Batch,
+    next_arrival: u64,
+    in_step: bool,
+    generation: u64,
+    /// Steps planned so far (`step()` numbers the sequences it schedules with it).
+    step_gen: u64,
+    finished: Vec<(RequestId, SeqId, FinishReason, Vec<u32>)>,
+    metrics: Metrics,
+    watermark_blocks: u32,
+}
+
+impl Scheduler {
+    /// A scheduler with this configuration (validated).
+    pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        if !SUPPORTED_BLOCK_SIZES.contains(&cfg.block_size) {
+            return Err(Error::invalid(
+                "block_size",
+                format!("{} (one of {SUPPORTED_BLOCK_SIZES:?})", cfg.block_size),
+            ));
+        }
+        if cfg.max_num_seqs == 0 {
+            return Err(Error::invalid("max_num_seqs", "must be at least 1"));
+        }
+        if cfg.max_model_len == 0 || cfg.max_model_len > i32::MAX as u32 {
+            return Err(Error::invalid(
+                "max_model_len",
+                format!(
+                    "{} (must be in 1..={}: context lengths are i32)",
+                    cfg.max_model_len,
+                    i32::MAX
+                ),
+            ));
+        }
+        if cfg.num_blocks > i32::MAX as u32 {
+            return Err(Error::invalid(
+                "num_blocks",
+                format!(
+                    "{} (at most {}: block tables are i32)",
+                    cfg.num_blocks,
+                    i32::MAX
+                ),
+            ));
+        }
+        if cfg.max_tokens_per_step < cfg.max_model_len as usize {
+            return Err(Error::invalid(
+                "max_tokens_per_step",
+                format!(
+                    "{} is below max_model_len {}: a long prompt could never be admitted",
+                    cfg.max_tokens_per_step, cfg.max_model_len
+                ),
+            ));
+        }
+        if !(0.0..1.0).contains(&cfg.watermark) {
+            return Err(Error::invalid(
+                "watermark",
+                format!("{} (must be in [0, 1))", cfg.watermark),
+            ));
+        }
+        let kv = KvCacheManager::new(
+            cfg.num_blocks,
+            cfg.num_host_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            cfg.sliding_window,
+        )?;
+        let watermark_blocks = (cfg.watermark * cfg.num_blocks as f64) as u32;
+        let max_blocks = cfg.max_model_len.div_ceil(cfg.block_size);
+        // The batch's block tables hold up to `max_num_seqs` rows of `max_blocks` i32s.
+        cfg.max_num_seqs
+            .checked_mul(max_blocks as usize)
+            .and_then(|n| n.checked_mul(size_of::<i32>()))
+            .filter(|&bytes| bytes <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "max_num_seqs",
+                    format!(
+                        "{} rows of {max_blocks} blocks (max_model_len / block_size) overflow the block-table size",
+                        cfg.max_num_seqs
+                    ),
+                )
+            })?;
+        Ok(Self {
+            batch: Batch {
+                max_blocks_per_seq: max_blocks,
+                ..Batch::default()
+            },
+            kv,
+            seqs: SeqSlab::default(),
+            groups: HashMap::default(),
+            waiting: BTreeMap::new(),
+            running: BTreeMap::new(),
+            swapped: BTreeMap::new(),
+            rows: Vec::new(),
+            next_arrival: 0,
+            in_step: false,
+            generation: 0,
+            step_gen: 0,
+            finished: Vec::new(),
+            metrics: Metrics::default(),
+            watermark_blocks,
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// The KV-cache manager (pools and counts), read-only.
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// The metrics as of the last step.
+    pub fn metrics(&self) -> Metrics {
+        self.metrics
+    }
+
+    /// Finished sequences so far: request, sequence, reason, all tokens (prompt first).
+    pub fn finished(&self) -> &[(RequestId, SeqId, FinishReason, Vec<u32>)] {
+        &self.finished
+    }
+
+    /// Takes the finished list, leaving it empty.
+    pub fn take_finished(&mut self) -> Vec<(RequestId, SeqId, FinishReason, Vec<u32>)> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Whether nothing waits, runs or is swapped.
+    pub fn is_idle(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// The tokens of a live sequence.
+    pub fn tokens(&self, seq: SeqId) -> Result<&[u32]> {
+        self.seqs
+            .get(&seq)
+            .map(|s| s.tokens.as_slice())
+            .ok_or(Error::Unknown {
+                what: "sequence",
+                id: seq,
+            })
+    }
+
+    /// The block table of a live sequence.
+    pub fn block_table(&self, seq: SeqId) -> Result<&BlockTable> {
+        self.seqs.get(&seq).map(|s| &s.table).ok_or(Error::Unknown {
+            what: "sequence",
+            id: seq,
+        })
+    }
+
+    /// Tokens whose KV is in the cache, for a live sequence.
+    pub fn num_computed(&self, seq: SeqId) -> Result<u32> {
+        self.seqs
+            .get(&seq)
+            .map(|s| s.num_computed)
+            .ok_or(Error::Unknown {
+                what: "sequence",
+                id: seq,
+            })
+    }
+
+    /// Running sequences, in batch-row order.
+    pub fn running_seqs(&self) -> &[SeqId] {
+        &self.rows
+    }
+
+    /// Every live sequence (waiting, running or swapped), in no particular order.
+    pub fn live_seqs(&self) -> Vec<SeqId> {
+        self.seqs.keys().copied().collect()
+    }
+
+    /// Live sequence ids of a request.
+    pub fn request_seqs(&self, id: RequestId) -> Result<&[SeqId]> {
+        self.groups
+            .get(&id)
+            .map(|g| g.seqs.as_slice())
+            .ok_or(Error::Unknown {
+                what: "request",
+                id,
+            })
+    }
+}

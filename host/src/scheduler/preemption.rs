@@ -1,0 +1,183 @@
+//! Steps 1 and 2 of [`Scheduler::step`]: making room for the running sequences'
+//! next tokens by preemption, and swapping preempted groups back in.
+//!
+//! Invariants kept here (see the module docs on liveness):
+//! * the oldest running group is never preempted: room is counted group by group,
+//!   oldest first, with each group's exact next decode cost, and only newer groups
+//!   are preempted for it;
+//! * a group is preempted whole, by swap when it asks for it and the host pool has
+//!   room, else by recompute (its blocks freed, back to waiting in its arrival place);
+//! * nothing swaps in during a step that preempted; a group swaps in, oldest first,
+//!   only when its blocks plus its next decode slots fit above the watermark (which
+//!   applies only while some sequence runs).
+
+use super::seqs::Status;
+use super::{PreemptionMode, RequestId, Scheduler};
+use crate::block::BlockTable;
+use crate::error::Result;
+
+impl Scheduler {
+    /// Step 1: preempts the newest running groups until every running sequence's next
+    /// token fits the free blocks.
+    pub(super) fn make_room(&mut self) -> Result<()> {
+        // Each sequence takes at most one block: only a nearly full pool needs the
+        // exact count (so the steady state skips this pass).
+        let mut reserved = self.rows.len() as u32;
+        if reserved > self.kv.device().num_free() {
+            reserved = self.rows_append_cost()?;
+        }
+        if reserved > self.kv.device().num_free() {
+            let order: Vec<(u64, RequestId)> = self.running.iter().map(|(a, r)| (*a, *r)).collect();
+            reserved = 0;
+            for (arrival, id) in order {
+                if !self.running.contains_key(&arrival) {
+                    continue; // preempted already in this loop
+                }
+                // Exact, so the oldest group (reserved = 0) never preempts itself: alone,
+                // its next tokens fit the pool (`add_request` and `fork` see to that).
+                let cost = self.group_append_cost(id)?;
+                while reserved + cost > self.kv.device().num_free() {
+                    let (&newest, &victim) = self.running.last_key_value().unwrap();
+                    self.preempt(victim)?;
+                    if newest == arrival {
+                        break;
+                    }
+                }
+                if self.running.contains_key(&arrival) {
+                    reserved += cost;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 2: swaps groups back in, oldest first, unless this step preempted.
+    pub(super) fn swap_in_groups(&mut self) -> Result<()> {
+        if self.swapped.is_empty() {
+            return Ok(());
+        }
+        // Blocks step 3 will take for the running sequences (swap-ins come after them).
+        let mut reserved = self.rows_append_cost()?;
+        if !self.batch.preempted.is_empty() {
+            return Ok(());
+        }
+        while let Some((&arrival, &id)) = self.swapped.first_key_value() {
+            let seqs = self.groups[&id].seqs.clone();
+            if self.rows.len() + seqs.len() > self.cfg.max_num_seqs {
+                break;
+            }
+            let mut tables: Vec<BlockTable> = seqs
+                .iter()
+                .map(|s| std::mem::take(&mut self.seqs.get_mut(s).unwrap().table))
+                .collect();
+            // Its blocks, plus what this step's decode slots take after the swap-in
+            // (exact: a group that fits the pool alone always comes back).
+            let append = self.kv.group_append_cost(tables.iter());
+            let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
+            let cost = match (&append, self.kv.swap_in_cost(&refs)) {
+                (Ok(a), Ok(c)) => Some(a + c),
+                _ => None,
+            };
+            let before = self.batch.swap_in.len();
+            let ok = cost.is_some_and(|c| {
+                c + reserved + self.watermark_now() <= self.kv.device().num_free()
+            }) && self.kv.swap_in(&mut refs, &mut self.batch.swap_in).is_ok();
+            self.metrics.swapped_in_blocks += (self.batch.swap_in.len() - before) as u64;
+            // The tables go back before any error returns.
+            for (s, t) in seqs.iter().zip(tables) {
+                self.seqs.get_mut(s).unwrap().table = t;
+            }
+            let append = append?;
+            if !ok {
+                break;
+            }
+            reserved += append;
+            self.swapped.remove(&arrival);
+            self.running.insert(arrival, id);
+            self.groups.get_mut(&id).unwrap().status = Status::Running;
+            for s in seqs {
+                self.push_row(s);
+            }
+        }
+        Ok(())
+    }
+
+    /// Preempts running group `id`: swap if asked and the host pool has room, else
+    /// recompute.
+    fn preempt(&mut self, id: RequestId) -> Result<()> {
+        let g = &self.groups[&id];
+        let mode = g.req.preemption.unwrap_or(self.cfg.preemption);
+        let seqs = g.seqs.clone();
+        let arrival = g.arrival;
+        for &s in &seqs {
+            self.remove_row(s);
+        }
+        self.running.remove(&arrival);
+        let mut done = false;
+        if mode == PreemptionMode::Swap {
+            let mut tables: Vec<BlockTable> = seqs
+                .iter()
+                .map(|s| std::mem::take(&mut self.seqs.get_mut(s).unwrap().table))
+                .collect();
+            let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
+            let before = self.batch.swap_out.len();
+            if self
+                .kv
+                .swap_out(&mut refs, &mut self.batch.swap_out)
+                .is_ok()
+            {
+                done = true;
+                self.metrics.preempted_swap += 1;
+                self.metrics.swapped_out_blocks += (self.batch.swap_out.len() - before) as u64;
+                self.swapped.insert(arrival, id);
+                self.groups.get_mut(&id).unwrap().status = Status::Swapped;
+                self.batch.preempted.push((id, PreemptionMode::Swap));
+            }
+            for (s, t) in seqs.iter().zip(tables) {
+                self.seqs.get_mut(s).unwrap().table = t;
+            }
+        }
+        if !done {
+            for &s in &seqs {
+                let seq = self.seqs.get_mut(&s).unwrap();
+                self.kv.free(&mut seq.table)?;
+                seq.num_computed = 0;
+            }
+            self.metrics.preempted_recompute += 1;
+            let g = self.groups.get_mut(&id).unwrap();
+            g.status = Status::Waiting;
+            let key = g.key(self.cfg.policy);
+            self.waiting.insert(key, id);
+            self.batch.preempted.push((id, PreemptionMode::Recompute));
+        }
+        Ok(())
+    }
+
+    /// Free blocks the next decode of every sequence of group `id` takes, exactly
+    /// (forks sharing a partial block copy it all but one).
+    fn group_append_cost(&self, id: RequestId) -> Result<u32> {
+        let seqs = &self.seqs;
+        self.kv
+            .group_append_cost(self.groups[&id].seqs.iter().map(move |s| &seqs[s].table))
+    }
+
+    /// An upper bound of the free blocks the next decode of every running sequence
+    /// takes.
+    fn rows_append_cost(&self) -> Result<u32> {
+        self.rows
+            .iter()
+            .map(|s| self.kv.append_cost(&self.seqs[s].table))
+            .sum()
+    }
+
+    /// The watermark admission and swap-in keep free, which applies only while some
+    /// sequence runs: a group alone may use the whole pool (nothing else can need the
+    /// headroom), so every request `add_request` accepts can run.
+    pub(super) fn watermark_now(&self) -> u32 {
+        if self.rows.is_empty() {
+            0
+        } else {
+            self.watermark_blocks
+        }
+    }
+}

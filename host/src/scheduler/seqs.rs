@@ -1,0 +1,128 @@
+//! The scheduler's private bookkeeping: live sequences in a slab addressed by their
+//! ids, and the sequence groups they belong to.
+//!
+//! A [`SeqId`] names a slab slot and that slot's generation, so a finished sequence's
+//! id does not name its slot's next occupant: looking it up afterwards finds nothing.
+//! A group lists its live sequences; a sequence's `row` is its block-table row while
+//! its group runs (`usize::MAX` otherwise).
+
+use super::{QueuePolicy, Request, RequestId, SeqId};
+use crate::block::BlockTable;
+
+/// Where a sequence group is: which of the scheduler's queues holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Status {
+    Waiting,
+    Running,
+    Swapped,
+}
+
+/// One live sequence: its tokens, its block table, and its place in the batch.
+#[derive(Debug)]
+pub(super) struct Seq {
+    pub(super) id: SeqId,
+    pub(super) request: RequestId,
+    pub(super) tokens: Vec<u32>,
+    pub(super) table: BlockTable,
+    /// Tokens whose KV is computed (`table.num_tokens()` after a step).
+    pub(super) num_computed: u32,
+    /// Row in the batch while running.
+    pub(super) row: usize,
+    /// Its request's stop token, token cap (prompt + `max_tokens`) and cache salt,
+    /// copied here so `on_step_done` needs no group lookup.
+    pub(super) stop_token: Option<u32>,
+    pub(super) max_len: usize,
+    pub(super) salt: Option<u64>,
+}
+
+/// A sequence group: a request's sequences (its prompt's and its forks), which are
+/// admitted, preempted and swapped together.
+#[derive(Clone, Debug)]
+pub(super) struct Group {
+    pub(super) req: Request,
+    pub(super) arrival: u64,
+    pub(super) seqs: Vec<SeqId>,
+    pub(super) status: Status,
+}
+
+impl Group {
+    /// The group's key in the waiting queue under `policy` (smallest first).
+    pub(super) fn key(&self, policy: QueuePolicy) -> (i64, u64) {
+        match policy {
+            QueuePolicy::Fcfs => (0, self.arrival),
+            QueuePolicy::Priority => (-(self.req.priority as i64), self.arrival),
+        }
+    }
+}
+
+/// Sequences by id, without hashing: a [`SeqId`] is a slot index (low 32 bits) and
+/// that slot's generation (high 32 bits), so a finished sequence's id never names the
+/// slot's next occupant.
+#[derive(Debug, Default)]
+pub(super) struct SeqSlab {
+    pub(super) slots: Vec<Option<Seq>>,
+    generation: Vec<u32>,
+    free: Vec<u32>,
+    /// Per slot, beside the (larger, colder) sequences so that `on_step_done`'s
+    /// validation pass reads 16 contiguous bytes per sequence: the step that last
+    /// scheduled it, and the last `on_step_done` generation that named it.
+    pub(super) scheduled_in: Vec<u64>,
+    pub(super) stamp: Vec<u64>,
+}
+
+impl SeqSlab {
+    pub(super) fn alloc_id(&mut self) -> SeqId {
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(None);
+                self.generation.push(0);
+                self.scheduled_in.push(0);
+                self.stamp.push(0);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.generation[slot as usize] += 1;
+        ((self.generation[slot as usize] as u64) << 32) | slot as u64
+    }
+
+    pub(super) fn slot(&self, id: SeqId) -> Option<usize> {
+        let slot = (id & 0xffff_ffff) as usize;
+        (self.generation.get(slot) == Some(&((id >> 32) as u32))).then_some(slot)
+    }
+
+    pub(super) fn insert(&mut self, id: SeqId, seq: Seq) {
+        let slot = self.slot(id).expect("id from alloc_id");
+        self.slots[slot] = Some(seq);
+        self.scheduled_in[slot] = 0;
+        self.stamp[slot] = 0;
+    }
+
+    pub(super) fn get(&self, id: &SeqId) -> Option<&Seq> {
+        self.slots[self.slot(*id)?].as_ref()
+    }
+
+    pub(super) fn get_mut(&mut self, id: &SeqId) -> Option<&mut Seq> {
+        let slot = self.slot(*id)?;
+        self.slots[slot].as_mut()
+    }
+
+    pub(super) fn remove(&mut self, id: &SeqId) -> Option<Seq> {
+        let slot = self.slot(*id)?;
+        let s = self.slots[slot].take()?;
+        self.scheduled_in[slot] = 0;
+        self.free.push(slot as u32);
+        Some(s)
+    }
+
+    pub(super) fn keys(&self) -> impl Iterator<Item = &SeqId> {
+        self.slots.iter().filter_map(|s| s.as_ref().map(|s| &s.id))
+    }
+}
+
+impl std::ops::Index<&SeqId> for SeqSlab {
+    type Output = Seq;
+    fn index(&self, id: &SeqId) -> &Seq {
+        self.get(id).expect("live sequence")
+    }
+}

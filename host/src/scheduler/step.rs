@@ -1,0 +1,153 @@
+//! [`Scheduler::step`]: one step's plan, in the four stages the scheduler's module docs
+//! list, and stage 3 itself, the decode slots of the running sequences.
+//!
+//! A step lists the sequences in row order: the decodes in row order first, then the
+//! admitted prefills in the order their rows were pushed. The common decode (a free
+//! slot in a partial last block this sequence holds alone) changes no block-table
+//! entry; any other marks only the entries it changed dirty.
+
+use super::{Batch, ScheduledSeq, Scheduler};
+use crate::block::NULL_BLOCK;
+use crate::block::pool::prefetch;
+use crate::error::{Error, Result};
+
+/// How many sequences ahead the per-sequence loops prefetch.
+const PREFETCH_AHEAD: usize = 16;
+/// Batches from this size prefetch: below it a step's per-sequence data stays in the
+/// core's caches from one step to the next, and the look-ahead only costs instructions.
+const PREFETCH_MIN_BATCH: usize = 2048;
+
+/// The look-ahead distance for a batch of `n` sequences (`usize::MAX`: none).
+pub(super) fn prefetch_distance(n: usize) -> usize {
+    if n >= PREFETCH_MIN_BATCH {
+        PREFETCH_AHEAD
+    } else {
+        usize::MAX
+    }
+}
+
+impl Scheduler {
+    /// Plans and returns the next step's batch; see the module docs. Call
+    /// [`on_step_done`](Self::on_step_done) with the sampled tokens before the next step.
+    pub fn step(&mut self) -> Result<&Batch> {
+        if self.in_step {
+            return Err(Error::InvalidState(
+                "step() called again before on_step_done()".into(),
+            ));
+        }
+        self.step_gen += 1;
+        let b = &mut self.batch;
+        b.mark_dirty(0, 0, 0); // starts a new list if the last one was handed out
+        b.seqs.clear();
+        b.slot_mapping.clear();
+        b.copies.clear();
+        b.swap_out.clear();
+        b.swap_in.clear();
+        b.preempted.clear();
+
+        // 1. Room for every running sequence's next token, oldest groups first.
+        self.make_room()?;
+        // 2. Swap in, oldest first, above the watermark (when others run), when nobody
+        // was preempted.
+        self.swap_in_groups()?;
+        // 3. Decode slots for every running sequence, in row order.
+        self.schedule_decodes()?;
+        // 4. Admit waiting groups.
+        self.admit_waiting()?;
+
+        // Decodes were pushed in row order and admissions appended rows in push order,
+        // so the batch lists sequences in row order.
+        debug_assert!(
+            self.batch
+                .seqs
+                .iter()
+                .zip(&self.rows)
+                .all(|(q, r)| q.seq == *r)
+        );
+
+        let rows = self.rows.len() as u32;
+        self.batch.dirty.retain(|r| r.row < rows);
+        self.batch.dirty_sent = true;
+        self.in_step = !self.batch.seqs.is_empty();
+        self.update_metrics();
+        Ok(&self.batch)
+    }
+
+    /// Step 3: gives every running sequence its decode slot, allocating only when a
+    /// block fills and copying a shared partial block on write.
+    fn schedule_decodes(&mut self) -> Result<()> {
+        let w = self.batch.max_blocks_per_seq as usize;
+        let ahead = prefetch_distance(self.rows.len());
+        for row in 0..self.rows.len() {
+            let id = self.rows[row];
+            // The last block entry of a sequence a few rows ahead (a cache miss
+            // otherwise, at large batches).
+            if let Some(ahead) = self.rows.get(row.saturating_add(ahead))
+                && let Some(q) = self.seqs.get(ahead)
+            {
+                let b = q.table.blocks();
+                prefetch(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
+            }
+            self.seqs.scheduled_in[(id & 0xffff_ffff) as usize] = self.step_gen;
+            let seq = self.seqs.get_mut(&id).unwrap();
+            let start = seq.table.num_tokens();
+            let offset = self.batch.slot_mapping.len() as u32;
+            if let Some(slot) = self.kv.append_in_place(&mut seq.table) {
+                // The common case: a slot in the partial last block; the row is as is.
+                self.batch.slot_mapping.push(slot);
+            } else {
+                let before = seq.table.blocks().len();
+                let live_before = seq.table.first_live() as usize;
+                let copies_before = self.batch.copies.len();
+                let slot = self
+                    .kv
+                    .append_slot(&mut seq.table, &mut self.batch.copies)?;
+                self.batch.slot_mapping.push(slot);
+                // Only entries that changed: a new (or copied-on-write) last block,
+                // and the entries a sliding window released.
+                let blocks = seq.table.blocks();
+                let last = blocks.len() - 1;
+                if (blocks.len() != before || self.batch.copies.len() != copies_before) && last < w
+                {
+                    self.batch.block_tables[row * w + last] = blocks[last] as i32;
+                    self.batch.mark_dirty(row, last, last + 1);
+                }
+                let live = (seq.table.first_live() as usize).min(w);
+                if live > live_before {
+                    self.batch.block_tables[row * w + live_before..row * w + live]
+                        .fill(NULL_BLOCK as i32);
+                    self.batch.mark_dirty(row, live_before, live);
+                }
+            }
+            self.batch.context_lens[row] = (start + 1) as i32;
+            self.batch.seqs.push(ScheduledSeq {
+                seq: id,
+                request: seq.request,
+                is_prefill: false,
+                start_pos: start,
+                num_new_tokens: 1,
+                context_len: start + 1,
+                token_offset: offset,
+            });
+        }
+        Ok(())
+    }
+
+    /// Refreshes the metrics' gauges after a step.
+    fn update_metrics(&mut self) {
+        let m = &mut self.metrics;
+        m.steps += 1;
+        let pool = self.kv.device();
+        m.blocks_used = pool.num_used();
+        m.blocks_free = pool.num_free();
+        m.blocks_cached_free = pool.num_cached_free();
+        m.kv_utilization = if m.blocks_used == 0 {
+            0.0
+        } else {
+            pool.held_fill() as f64 / (m.blocks_used as f64 * self.cfg.block_size as f64)
+        };
+        m.running = self.running.len();
+        m.waiting = self.waiting.len();
+        m.swapped = self.swapped.len();
+    }
+}

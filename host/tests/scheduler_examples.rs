@@ -1,0 +1,151 @@
+//! The scheduler on small hand-made cases, each checking one behaviour exactly: prefix
+//! hits (and the one token a prefill always computes), fork's copy-on-write, and input
+//! the scheduler must refuse with an error rather than a panic. The random
+//! interleavings against a model are in `tests/scheduler.rs`.
+
+use pagedkv_host::Error;
+use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};
+
+#[test]
+fn prefix_hits_reuse_blocks_and_leave_one_token_to_compute() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 32,
+        block_size: 8,
+        enable_prefix_caching: true,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let prompt: Vec<u32> = (0..24).collect();
+    let a = s.add_request(Request::new(1, prompt.clone(), 2)).unwrap();
+    let b = s.step().unwrap();
+    assert_eq!(b.seqs[0].num_new_tokens, 24);
+    s.on_step_done(&[(a, 99)]).unwrap();
+    let a_blocks = s.block_table(a).unwrap().blocks().to_vec();
+    // Same 24-token prompt: 3 full blocks cached, but one token must be computed, so 2 hit.
+    let c = s.add_request(Request::new(2, prompt, 2)).unwrap();
+    let b = s.step().unwrap().clone();
+    let q = b.seqs.iter().find(|q| q.seq == c).unwrap();
+    assert_eq!((q.start_pos, q.num_new_tokens), (16, 8));
+    let c_blocks = s.block_table(c).unwrap().blocks().to_vec();
+    assert_eq!(c_blocks[..2], a_blocks[..2]);
+    assert_ne!(c_blocks[2], a_blocks[2]);
+    assert_eq!(s.kv().device().ref_cnt(a_blocks[0]).unwrap(), 2);
+    assert!((s.metrics().prefix_hit_rate() - 16.0 / 48.0).abs() < 1e-12);
+    // A different salt never hits.
+    let mut r = Request::new(3, (0..24).collect(), 2);
+    r.cache_salt = Some(5);
+    s.on_step_done(&b.seqs.iter().map(|q| (q.seq, 1)).collect::<Vec<_>>())
+        .unwrap();
+    let d = s.add_request(r).unwrap();
+    let b = s.step().unwrap();
+    assert_eq!(b.seqs.iter().find(|q| q.seq == d).unwrap().start_pos, 0);
+}
+
+#[test]
+fn fork_shares_blocks_and_copies_the_partial_block_on_write() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 16,
+        block_size: 8,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let a = s
+        .add_request(Request::new(1, (0..12).collect(), 10))
+        .unwrap();
+    s.step().unwrap();
+    s.on_step_done(&[(a, 50)]).unwrap();
+    let child = s.fork(a).unwrap();
+    let blocks = s.block_table(a).unwrap().blocks().to_vec();
+    assert_eq!(s.block_table(child).unwrap().blocks(), blocks.as_slice());
+    assert_eq!(s.kv().device().ref_cnt(blocks[1]).unwrap(), 2);
+    let b = s.step().unwrap();
+    // The first writer into the shared partial block 1 copies it; the second then owns
+    // the original alone.
+    assert_eq!(b.copies.len(), 1);
+    assert_eq!(b.copies[0].0, blocks[1]);
+    let (ta, tc) = (s.block_table(a).unwrap(), s.block_table(child).unwrap());
+    assert_eq!(ta.blocks()[0], tc.blocks()[0]);
+    assert_ne!(ta.blocks()[1], tc.blocks()[1]);
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let cfg = SchedulerConfig {
+        num_blocks: 8,
+        block_size: 16,
+        max_model_len: 512,
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(cfg.clone()).unwrap();
+    let err = |r: Result<u64, Error>| match r {
+        Err(Error::InvalidArgument { arg, .. }) => arg,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    };
+    assert_eq!(err(s.add_request(Request::new(1, vec![], 4))), "prompt");
+    assert_eq!(
+        err(s.add_request(Request::new(1, vec![1], 0))),
+        "max_tokens"
+    );
+    // 7 usable blocks of 16 tokens: 200 tokens can never fit.
+    assert_eq!(
+        err(s.add_request(Request::new(1, vec![1; 150], 50))),
+        "prompt"
+    );
+    assert_eq!(
+        err(s.add_request(Request::new(1, vec![1; 500], 50))),
+        "prompt"
+    );
+    s.add_request(Request::new(1, vec![1, 2], 4)).unwrap();
+    assert_eq!(err(s.add_request(Request::new(1, vec![1], 4))), "id");
+    assert!(matches!(
+        s.abort(99),
+        Err(Error::Unknown {
+            what: "request",
+            id: 99
+        })
+    ));
+    assert!(matches!(
+        s.fork(99),
+        Err(Error::Unknown {
+            what: "sequence",
+            ..
+        })
+    ));
+    assert!(matches!(s.on_step_done(&[]), Err(Error::InvalidState(_))));
+    let b = s.step().unwrap().clone();
+    assert!(matches!(s.step(), Err(Error::InvalidState(_))));
+    assert!(matches!(
+        s.on_step_done(&[(42, 1)]),
+        Err(Error::Unknown { .. })
+    ));
+    assert!(matches!(
+        s.on_step_done(&[]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let q = b.seqs[0].seq;
+    assert!(matches!(
+        s.on_step_done(&[(q, 1), (q, 2)]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    s.on_step_done(&[(q, 1)]).unwrap();
+    for bad in [
+        SchedulerConfig {
+            block_size: 12,
+            ..cfg.clone()
+        },
+        SchedulerConfig {
+            num_blocks: 1,
+            ..cfg.clone()
+        },
+        SchedulerConfig {
+            max_tokens_per_step: 100,
+            ..cfg.clone()
+        },
+        SchedulerConfig {
+            watermark: 1.5,
+            ..cfg.clone()
+        },
+    ] {
+        assert!(Scheduler::new(bad).is_err());
+    }
+}
