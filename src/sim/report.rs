@@ -5,7 +5,9 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::{Policy, PolicyResult, SimConfig, SimError, Workload, WorkloadKind, err, simulate};
+use super::{
+    KvFootprint, Policy, PolicyResult, SimConfig, SimError, Workload, WorkloadKind, err, simulate,
+};
 
 /// The paper's Fig. 13 mean batch sizes for OPT-13B on one A100 (vLLM, Orca Oracle,
 /// Pow2, Max), for the two published scenarios.
@@ -36,6 +38,8 @@ pub struct ScenarioReport {
     pub kv_budget_gib: f64,
     /// KV token slots.
     pub kv_capacity_tokens: u64,
+    /// KV bytes of one token and of one request of 2k and 8k tokens, for the model.
+    pub kv_footprint: KvFootprint,
     /// Whether the paper's Fig. 13 has this scenario (OPT-13B, A100-40GB, ShareGPT
     /// 2 req/s or Alpaca 30 req/s).
     pub paper_scenario: Option<String>,
@@ -109,6 +113,38 @@ impl ScenarioReport {
             match &self.paper_scenario {
                 Some(s) => format!("; paper scenario: {s}"),
                 None => String::new(),
+            }
+        );
+        let k = &self.kv_footprint;
+        let requests: Vec<String> = k
+            .per_request
+            .iter()
+            .map(|r| format!("{} at {} tokens", binary_size(r.bytes), r.tokens))
+            .collect();
+        let beyond: Vec<String> = k
+            .per_request
+            .iter()
+            .filter(|r| r.tokens > k.max_model_len as u64)
+            .map(|r| r.tokens.to_string())
+            .collect();
+        let _ = writeln!(
+            o,
+            "KV per token: {} bytes = {} (2 x {} layers x {} KV heads x {} x {} bytes); one request: {}{}",
+            k.bytes_per_token,
+            binary_size(k.bytes_per_token),
+            k.num_layers,
+            k.num_kv_heads,
+            k.head_dim,
+            k.dtype_bytes,
+            requests.join(", "),
+            if beyond.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " ({} beyond the model's {}-token maximum)",
+                    beyond.join(", "),
+                    k.max_model_len
+                )
             }
         );
         let _ = writeln!(
@@ -203,9 +239,32 @@ pub fn run_scenario(
         model: cfg.model.name.clone(),
         kv_budget_gib: budget / (1u64 << 30) as f64,
         kv_capacity_tokens: cfg.capacity_tokens()?,
+        kv_footprint: KvFootprint::of(&cfg.model)?,
         paper_scenario,
         policies: out,
     };
     report.check_finite()?;
     Ok(report)
+}
+
+/// `bytes` in the largest binary unit (B, KiB, MiB, GiB, TiB, PiB, EiB) that leaves at
+/// least 1, to three significant figures: `800 KiB`, `1.56 GiB`, `6.25 GiB`.
+pub fn binary_size(bytes: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut unit = 0;
+    while unit + 1 < UNITS.len() && bytes >> (10 * (unit + 1)) > 0 {
+        unit += 1;
+    }
+    if unit == 0 {
+        return format!("{bytes} B");
+    }
+    let v = bytes as f64 / (1u64 << (10 * unit)) as f64;
+    let digits = if v < 10.0 {
+        2
+    } else if v < 100.0 {
+        1
+    } else {
+        0
+    };
+    format!("{v:.digits$} {}", UNITS[unit])
 }

@@ -163,6 +163,74 @@ impl ModelSpec {
     }
 }
 
+/// What the KV cache of one token and of one request costs for a model: the figure
+/// that makes paging matter (a request of a few thousand tokens holds hundreds of MB to
+/// a few GiB). All of it computed with checked arithmetic.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KvFootprint {
+    /// Transformer layers.
+    pub num_layers: u32,
+    /// KV heads per layer.
+    pub num_kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Bytes per cached element.
+    pub dtype_bytes: u32,
+    /// K and V bytes of one token, all layers:
+    /// `2 * num_layers * num_kv_heads * head_dim * dtype_bytes`.
+    pub bytes_per_token: u64,
+    /// The model's longest sequence (prompt + output), tokens.
+    pub max_model_len: u32,
+    /// One request's KV bytes at each of [`KvFootprint::REQUEST_TOKENS`] tokens.
+    pub per_request: Vec<RequestKv>,
+}
+
+/// One request's KV cache at a given length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct RequestKv {
+    /// Tokens held (prompt + output so far).
+    pub tokens: u64,
+    /// Their K and V bytes, all layers.
+    pub bytes: u64,
+}
+
+impl KvFootprint {
+    /// The request lengths the report prices: 2k and 8k tokens.
+    pub const REQUEST_TOKENS: [u64; 2] = [2048, 8192];
+
+    /// The footprint of `model`, or an error naming the fields when a figure overflows
+    /// 64 bits.
+    pub fn of(model: &ModelSpec) -> Result<Self, SimError> {
+        let overflow = |what: String| {
+            SimError(format!(
+                "--model {}: num_layers, num_kv_heads, head_dim, dtype_bytes: {what} overflows 64 bits",
+                model.name
+            ))
+        };
+        let bytes_per_token = model
+            .checked_kv_bytes_per_token()
+            .ok_or_else(|| overflow("the KV bytes of one token".into()))?;
+        let per_request = Self::REQUEST_TOKENS
+            .iter()
+            .map(|&tokens| {
+                bytes_per_token
+                    .checked_mul(tokens)
+                    .map(|bytes| RequestKv { tokens, bytes })
+                    .ok_or_else(|| overflow(format!("the KV bytes of {tokens} tokens")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            num_layers: model.num_layers,
+            num_kv_heads: model.num_kv_heads,
+            head_dim: model.head_dim,
+            dtype_bytes: model.dtype_bytes,
+            bytes_per_token,
+            max_model_len: model.max_model_len,
+            per_request,
+        })
+    }
+}
+
 /// Simulation settings beyond the workload.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
