@@ -70,7 +70,32 @@ fn a_trace_run_writes_json_and_svg() {
     for p in policies {
         assert_eq!(p["completed"], 60, "{p}");
     }
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+    // The figure: Fig. 2's stacked bars and the batch over time, per policy.
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.contains("<svg"));
+    for want in [
+        "where the KV memory goes",
+        "token states",
+        "reserved for future tokens",
+        "internal fragmentation",
+        "external fragmentation + free",
+        "token-state share (Fig. 2)",
+        "paper 20.4%",
+        "paper 96.3%",
+        "batch size over time",
+        "contiguous Max",
+        "contiguous Pow2",
+        "contiguous Oracle",
+        "paged (block 8)",
+        "paged (block 16)",
+        "paged (block 32)",
+    ] {
+        assert!(svg.contains(want), "no `{want}` in the SVG");
+    }
+    assert!(
+        !svg.contains("KV memory held"),
+        "the old memory panel is back"
+    );
 }
 
 /// A 60-request trace that simulates in a blink.

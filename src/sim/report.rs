@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::{
-    KvFootprint, Policy, PolicyResult, SimConfig, SimError, Workload, WorkloadKind, err, simulate,
+    KvFootprint, MemorySplit, Policy, PolicyResult, SimConfig, SimError, Workload, WorkloadKind,
+    err, simulate,
 };
 
 /// The paper's Fig. 13 mean batch sizes for OPT-13B on one A100 (vLLM, Orca Oracle,
@@ -57,6 +58,33 @@ pub struct PolicyReport {
     pub paper_token_share: Option<f64>,
     /// The paper's Fig. 13 mean batch size, when the scenario is the paper's.
     pub paper_mean_batch: Option<f64>,
+}
+
+impl PolicyReport {
+    /// Whether the policy is paged (its name is `paged (block N)`).
+    pub fn is_paged(&self) -> bool {
+        self.result.policy.starts_with("paged")
+    }
+
+    /// Where the KV memory goes, as the paper's Fig. 2 draws it, shares summing to 1.
+    /// A contiguous policy: shares of the whole KV pool ([`PolicyResult::split`], as the
+    /// paper's Orca bars). A paged one: shares of the memory its blocks hold, token states
+    /// and the unfilled slots of last blocks (as the paper's vLLM bar): the blocks a paged
+    /// server does not hold are free for any request, not reserved or fragmented, so its
+    /// bar says how much of the memory it uses holds token states, not how many bytes.
+    pub fn figure_split(&self) -> MemorySplit {
+        if self.is_paged() {
+            let t = self.result.tokens_per_reserved.clamp(0.0, 1.0);
+            MemorySplit {
+                token_states: t,
+                reserved_future: 0.0,
+                internal_fragmentation: 1.0 - t,
+                external_and_free: 0.0,
+            }
+        } else {
+            self.result.split
+        }
+    }
 }
 
 impl ScenarioReport {
@@ -169,13 +197,10 @@ impl ScenarioReport {
         );
         for p in &self.policies {
             let r = &p.result;
-            let (ours_share, paper) = match p.paper_token_share {
-                // Paged systems: share of held memory (the paper's vLLM bar); contiguous:
-                // share of the whole pool (the paper's Orca bars).
-                Some(x) if r.policy.starts_with("paged") => (r.tokens_per_reserved, Some(x)),
-                Some(x) => (r.split.token_states, Some(x)),
-                None => (r.split.token_states, None),
-            };
+            // Paged systems: share of held memory (the paper's vLLM bar); contiguous:
+            // share of the whole pool (the paper's Orca bars).
+            let ours_share = p.figure_split().token_states;
+            let paper = p.paper_token_share;
             let f = |x: Option<f64>, d: usize| x.map_or("-".to_string(), |v| format!("{v:.d$}"));
             let _ = writeln!(
                 o,
