@@ -66,7 +66,8 @@ struct SimArgs {
     /// KV-cache budget, GiB (default: 90% of GPU memory minus the weights).
     #[arg(long)]
     kv_budget_gib: Option<f64>,
-    /// Draw KV memory in use and batch size over time to this SVG file.
+    /// Draw the KV memory split per policy (the vLLM paper's Fig. 2 form) and the batch
+    /// size over time to this SVG file.
     #[arg(long)]
     plot: Option<PathBuf>,
     /// Write the report as JSON to this file.

@@ -51,18 +51,7 @@ fn no_arguments_prints_the_simulate_report_for_both_paper_scenarios() {
 
 #[test]
 fn a_trace_run_writes_json_and_svg() {
-    let trace = tmp("ok.jsonl");
-    let lines: Vec<String> = (0..60)
-        .map(|i| {
-            format!(
-                "{{\"arrival_s\": {}, \"prompt_len\": {}, \"output_len\": {}}}",
-                i as f64 * 0.1,
-                20 + i,
-                10 + i % 7
-            )
-        })
-        .collect();
-    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let trace = small_trace("ok.jsonl");
     let (json, svg) = (tmp("ok.json"), tmp("ok.svg"));
     let o = bin()
         .args(["simulate", "--trace"])
@@ -81,7 +70,101 @@ fn a_trace_run_writes_json_and_svg() {
     for p in policies {
         assert_eq!(p["completed"], 60, "{p}");
     }
-    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+    // The figure: Fig. 2's stacked bars and the batch over time, per policy.
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.contains("<svg"));
+    for want in [
+        "where the KV memory goes",
+        "token states",
+        "reserved for future tokens",
+        "internal fragmentation",
+        "external fragmentation + free",
+        "token-state share (Fig. 2)",
+        "paper 20.4%",
+        "paper 96.3%",
+        "batch size over time",
+        "contiguous Max",
+        "contiguous Pow2",
+        "contiguous Oracle",
+        "paged (block 8)",
+        "paged (block 16)",
+        "paged (block 32)",
+    ] {
+        assert!(svg.contains(want), "no `{want}` in the SVG");
+    }
+    assert!(
+        !svg.contains("KV memory held"),
+        "the old memory panel is back"
+    );
+}
+
+/// A 60-request trace that simulates in a blink.
+fn small_trace(name: &str) -> PathBuf {
+    let trace = tmp(name);
+    let lines: Vec<String> = (0..60)
+        .map(|i| {
+            format!(
+                "{{\"arrival_s\": {}, \"prompt_len\": {}, \"output_len\": {}}}",
+                i as f64 * 0.1,
+                20 + i,
+                10 + i % 7
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    trace
+}
+
+#[test]
+fn the_report_prices_kv_per_token_and_per_request_in_the_table_and_json() {
+    // The models' published shapes (layers, KV heads, head dim; 16-bit cache), and the
+    // report's rounding of 2048 and 8192 tokens' bytes.
+    let cases = [
+        ("opt-13b", 40u64, 40u64, "1.56 GiB", "6.25 GiB", true),
+        ("llama-3-8b", 32, 8, "256 MiB", "1.00 GiB", false),
+        ("llama-3-70b", 80, 8, "640 MiB", "2.50 GiB", false),
+    ];
+    let trace = small_trace("kv.jsonl");
+    for (model, layers, kv_heads, at_2k, at_8k, beyond) in cases {
+        let per_token = 2 * layers * kv_heads * 128 * 2;
+        let json = tmp(&format!("kv-{model}.json"));
+        let o = bin()
+            .args(["simulate", "--model", model, "--kv-budget-gib", "4"])
+            .arg("--trace")
+            .arg(&trace)
+            .arg("--json")
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{model}: {}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("KV per token: "))
+            .unwrap_or_else(|| panic!("{model}: no KV per token line in:\n{out}"));
+        let want = format!(
+            "KV per token: {per_token} bytes = {} KiB (2 x {layers} layers x {kv_heads} KV heads x 128 x 2 bytes); one request: {at_2k} at 2048 tokens, {at_8k} at 8192 tokens",
+            per_token / 1024
+        );
+        assert!(line.starts_with(&want), "{model}:\n{line}\nwanted\n{want}");
+        assert_eq!(
+            line.contains("(8192 beyond the model's 2048-token maximum)"),
+            beyond,
+            "{model}: {line}"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let k = &v[0]["kv_footprint"];
+        assert_eq!(k["bytes_per_token"], per_token, "{model}: {k}");
+        assert_eq!(k["num_layers"], layers, "{model}: {k}");
+        assert_eq!(k["num_kv_heads"], kv_heads, "{model}: {k}");
+        let per_request = k["per_request"].as_array().unwrap();
+        assert_eq!(per_request.len(), 2, "{model}: {k}");
+        for (r, tokens) in per_request.iter().zip([2048u64, 8192]) {
+            assert_eq!(r["tokens"], tokens, "{model}: {k}");
+            assert_eq!(r["bytes"], per_token * tokens, "{model}: {k}");
+        }
+    }
 }
 
 #[test]

@@ -1,7 +1,10 @@
 //! The simulator's parts: workload statistics, the contiguous allocator's limits, the
 //! step-time model, and paged memory use.
 
-use pagedkv::sim::{GpuSpec, ModelSpec, Policy, SimConfig, Workload, WorkloadKind, simulate};
+use pagedkv::sim::{
+    GpuSpec, KvFootprint, ModelSpec, Policy, RequestKv, SimConfig, Workload, WorkloadKind,
+    binary_size, simulate,
+};
 
 fn a100_opt13b() -> SimConfig {
     SimConfig::new(
@@ -74,4 +77,59 @@ fn max_reservation_caps_the_batch_and_paged_memory_holds_tokens() {
     let s = paged.split;
     let total = s.token_states + s.reserved_future + s.internal_fragmentation + s.external_and_free;
     assert!((total - 1.0).abs() < 1e-9, "{total}");
+}
+
+#[test]
+fn kv_footprint_of_the_presets_is_the_product_of_their_shapes() {
+    // Published shapes: layers, KV heads (head dim 128, 16-bit cache).
+    for (name, layers, kv_heads) in [
+        ("opt-13b", 40u64, 40u64),
+        ("llama-3-8b", 32, 8),
+        ("llama-3-70b", 80, 8),
+    ] {
+        let m = ModelSpec::preset(name).unwrap();
+        let k = KvFootprint::of(&m).unwrap();
+        let per_token = 2 * layers * kv_heads * 128 * 2;
+        assert_eq!(k.bytes_per_token, per_token, "{name}");
+        assert_eq!(
+            k.per_request,
+            vec![
+                RequestKv {
+                    tokens: 2048,
+                    bytes: 2048 * per_token
+                },
+                RequestKv {
+                    tokens: 8192,
+                    bytes: 8192 * per_token
+                },
+            ],
+            "{name}"
+        );
+        // Hundreds of MB to a few GiB per request of thousands of tokens.
+        assert!(k.per_request[0].bytes >= 256 << 20, "{name}");
+        assert!(k.per_request[1].bytes <= 8 << 30, "{name}");
+    }
+}
+
+#[test]
+fn kv_footprint_overflow_is_an_error_not_a_wrapped_number() {
+    let mut m = ModelSpec::preset("llama-3-8b").unwrap();
+    // 2 x 2^20 x 2^20 x 2^10 x 2^8 = 2^59 bytes a token fits; 2048 tokens of it do not.
+    (m.num_layers, m.num_kv_heads, m.head_dim, m.dtype_bytes) = (1 << 20, 1 << 20, 1 << 10, 1 << 8);
+    assert_eq!(m.checked_kv_bytes_per_token(), Some(1 << 59));
+    let e = KvFootprint::of(&m).unwrap_err().to_string();
+    assert!(e.contains("2048 tokens") && e.contains("overflows"), "{e}");
+    m.dtype_bytes = u32::MAX;
+    assert!(KvFootprint::of(&m).is_err());
+}
+
+#[test]
+fn binary_sizes_read_as_people_write_them() {
+    assert_eq!(binary_size(0), "0 B");
+    assert_eq!(binary_size(1023), "1023 B");
+    assert_eq!(binary_size(800 << 10), "800 KiB");
+    assert_eq!(binary_size(256 << 20), "256 MiB");
+    assert_eq!(binary_size(1600 << 20), "1.56 GiB");
+    assert_eq!(binary_size(25 << 28), "6.25 GiB");
+    assert_eq!(binary_size(u64::MAX), "16.0 EiB");
 }

@@ -1,0 +1,295 @@
+//! A scenario's report: every policy's results next to the paper's figures (Fig. 2's
+//! token-state shares, Fig. 13's batch sizes), checked finite, as a text table or JSON.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use super::{
+    KvFootprint, MemorySplit, Policy, PolicyResult, SimConfig, SimError, Workload, WorkloadKind,
+    err, simulate,
+};
+
+/// The paper's Fig. 13 mean batch sizes for OPT-13B on one A100 (vLLM, Orca Oracle,
+/// Pow2, Max), for the two published scenarios.
+pub fn paper_batch(kind: WorkloadKind, rate: f64, policy: Policy) -> Option<f64> {
+    let row = match (kind, rate) {
+        (WorkloadKind::ShareGpt, r) if (r - 2.0).abs() < 1e-9 => [30.42, 13.62, 9.81, 7.00],
+        (WorkloadKind::Alpaca, r) if (r - 30.0).abs() < 1e-9 => [132.44, 72.75, 43.24, 7.00],
+        _ => return None,
+    };
+    Some(match policy {
+        Policy::Paged(_) => row[0],
+        Policy::Oracle => row[1],
+        Policy::Pow2 => row[2],
+        Policy::Max => row[3],
+    })
+}
+
+/// A scenario's results, ready to print or serialise.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ScenarioReport {
+    /// Where the requests come from.
+    pub workload: String,
+    /// The GPU.
+    pub gpu: String,
+    /// The model.
+    pub model: String,
+    /// KV budget, GiB.
+    pub kv_budget_gib: f64,
+    /// KV token slots.
+    pub kv_capacity_tokens: u64,
+    /// KV bytes of one token and of one request of 2k and 8k tokens, for the model.
+    pub kv_footprint: KvFootprint,
+    /// Whether the paper's Fig. 13 has this scenario (OPT-13B, A100-40GB, ShareGPT
+    /// 2 req/s or Alpaca 30 req/s).
+    pub paper_scenario: Option<String>,
+    /// One entry per policy.
+    pub policies: Vec<PolicyReport>,
+}
+
+/// One policy's results next to the paper's.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PolicyReport {
+    /// Our results.
+    #[serde(flatten)]
+    pub result: PolicyResult,
+    /// The paper's Fig. 2 token-states share for the matching system.
+    pub paper_token_share: Option<f64>,
+    /// The paper's Fig. 13 mean batch size, when the scenario is the paper's.
+    pub paper_mean_batch: Option<f64>,
+}
+
+impl PolicyReport {
+    /// Whether the policy is paged (its name is `paged (block N)`).
+    pub fn is_paged(&self) -> bool {
+        self.result.policy.starts_with("paged")
+    }
+
+    /// Where the KV memory goes, as the paper's Fig. 2 draws it, shares summing to 1.
+    /// A contiguous policy: shares of the whole KV pool ([`PolicyResult::split`], as the
+    /// paper's Orca bars). A paged one: shares of the memory its blocks hold, token states
+    /// and the unfilled slots of last blocks (as the paper's vLLM bar): the blocks a paged
+    /// server does not hold are free for any request, not reserved or fragmented, so its
+    /// bar says how much of the memory it uses holds token states, not how many bytes.
+    pub fn figure_split(&self) -> MemorySplit {
+        if self.is_paged() {
+            let t = self.result.tokens_per_reserved.clamp(0.0, 1.0);
+            MemorySplit {
+                token_states: t,
+                reserved_future: 0.0,
+                internal_fragmentation: 1.0 - t,
+                external_and_free: 0.0,
+            }
+        } else {
+            self.result.split
+        }
+    }
+}
+
+impl ScenarioReport {
+    /// An error naming the first figure that is NaN or infinite: [`run_scenario`]
+    /// refuses to return such a report, so no NaN or infinity reaches a table, a JSON
+    /// file or a plot.
+    pub fn check_finite(&self) -> Result<(), SimError> {
+        let bad = |what: &str, policy: &str| {
+            err(format!(
+                "internal error: {what} of {policy} is not a finite number; please report the inputs"
+            ))
+        };
+        if !self.kv_budget_gib.is_finite() {
+            return bad("kv_budget_gib", "the scenario");
+        }
+        for p in &self.policies {
+            let r = &p.result;
+            let s = &r.split;
+            for (what, v) in [
+                ("sim_seconds", r.sim_seconds),
+                ("requests_per_s", r.requests_per_s),
+                ("tokens_per_s", r.tokens_per_s),
+                ("mean_batch", r.mean_batch),
+                ("p99_batch", r.p99_batch),
+                ("token_states", s.token_states),
+                ("reserved_future", s.reserved_future),
+                ("internal_fragmentation", s.internal_fragmentation),
+                ("external_and_free", s.external_and_free),
+                ("tokens_per_reserved", r.tokens_per_reserved),
+            ] {
+                if !v.is_finite() {
+                    return bad(what, &r.policy);
+                }
+            }
+            if r.timeline
+                .iter()
+                .any(|&(t, h, _)| !(t.is_finite() && h.is_finite()))
+            {
+                return bad("timeline", &r.policy);
+            }
+        }
+        Ok(())
+    }
+
+    /// The report as a text table.
+    pub fn to_table(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "\n{} on {}: {}", self.model, self.gpu, self.workload);
+        let _ = writeln!(
+            o,
+            "KV cache: {:.2} GiB = {} token slots{}",
+            self.kv_budget_gib,
+            self.kv_capacity_tokens,
+            match &self.paper_scenario {
+                Some(s) => format!("; paper scenario: {s}"),
+                None => String::new(),
+            }
+        );
+        let k = &self.kv_footprint;
+        let requests: Vec<String> = k
+            .per_request
+            .iter()
+            .map(|r| format!("{} at {} tokens", binary_size(r.bytes), r.tokens))
+            .collect();
+        let beyond: Vec<String> = k
+            .per_request
+            .iter()
+            .filter(|r| r.tokens > k.max_model_len as u64)
+            .map(|r| r.tokens.to_string())
+            .collect();
+        let _ = writeln!(
+            o,
+            "KV per token: {} bytes = {} (2 x {} layers x {} KV heads x {} x {} bytes); one request: {}{}",
+            k.bytes_per_token,
+            binary_size(k.bytes_per_token),
+            k.num_layers,
+            k.num_kv_heads,
+            k.head_dim,
+            k.dtype_bytes,
+            requests.join(", "),
+            if beyond.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " ({} beyond the model's {}-token maximum)",
+                    beyond.join(", "),
+                    k.max_model_len
+                )
+            }
+        );
+        let _ = writeln!(
+            o,
+            "{:<20} {:>7} {:>8} {:>6} {:>5} {:>6} | {:>7} {:>7} {:>7} {:>7} | {:>8} {:>7} {:>6} | {:>6} {:>6} {:>6}",
+            "policy",
+            "req/s",
+            "tok/s",
+            "batch",
+            "p99",
+            "preem",
+            "tokens",
+            "future",
+            "intfrag",
+            "ext+free",
+            "tok/rsv",
+            "paper",
+            "ratio",
+            "paperB",
+            "ratioB",
+            "done"
+        );
+        for p in &self.policies {
+            let r = &p.result;
+            // Paged systems: share of held memory (the paper's vLLM bar); contiguous:
+            // share of the whole pool (the paper's Orca bars).
+            let ours_share = p.figure_split().token_states;
+            let paper = p.paper_token_share;
+            let f = |x: Option<f64>, d: usize| x.map_or("-".to_string(), |v| format!("{v:.d$}"));
+            let _ = writeln!(
+                o,
+                "{:<20} {:>7.2} {:>8.0} {:>6.2} {:>5.0} {:>6} | {:>6.1}% {:>6.1}% {:>6.1}% {:>7.1}% | {:>7.1}% {:>7} {:>6} | {:>6} {:>6} {:>6}",
+                r.policy,
+                r.requests_per_s,
+                r.tokens_per_s,
+                r.mean_batch,
+                r.p99_batch,
+                r.preemptions,
+                100.0 * r.split.token_states,
+                100.0 * r.split.reserved_future,
+                100.0 * r.split.internal_fragmentation,
+                100.0 * r.split.external_and_free,
+                100.0 * r.tokens_per_reserved,
+                f(paper.map(|x| 100.0 * x), 1),
+                f(paper.map(|x| ours_share / x), 2),
+                f(p.paper_mean_batch, 2),
+                f(p.paper_mean_batch.map(|x| r.mean_batch / x), 2),
+                r.completed,
+            );
+        }
+        o
+    }
+}
+
+/// Runs every policy over a workload and assembles the report.
+pub fn run_scenario(
+    workload: &Workload,
+    kind_rate: Option<(WorkloadKind, f64)>,
+    cfg: &SimConfig,
+    policies: &[Policy],
+    on_finish: &mut dyn FnMut(),
+) -> Result<ScenarioReport, SimError> {
+    let budget = cfg.kv_budget_bytes()?;
+    let paper_scenario = match kind_rate {
+        Some((k, r))
+            if cfg.model.name == "opt-13b"
+                && cfg.gpu.name == "a100-40gb"
+                && paper_batch(k, r, Policy::Max).is_some() =>
+        {
+            Some(format!("Fig. 13, {} at {r} req/s", k.name()))
+        }
+        _ => None,
+    };
+    let mut out = Vec::new();
+    for &p in policies {
+        let result = simulate(p, workload, cfg, on_finish)?;
+        out.push(PolicyReport {
+            result,
+            paper_token_share: p.paper_token_share(),
+            paper_mean_batch: match (&paper_scenario, kind_rate) {
+                (Some(_), Some((k, r))) => paper_batch(k, r, p),
+                _ => None,
+            },
+        });
+    }
+    let report = ScenarioReport {
+        workload: workload.description.clone(),
+        gpu: cfg.gpu.name.clone(),
+        model: cfg.model.name.clone(),
+        kv_budget_gib: budget / (1u64 << 30) as f64,
+        kv_capacity_tokens: cfg.capacity_tokens()?,
+        kv_footprint: KvFootprint::of(&cfg.model)?,
+        paper_scenario,
+        policies: out,
+    };
+    report.check_finite()?;
+    Ok(report)
+}
+
+/// `bytes` in the largest binary unit (B, KiB, MiB, GiB, TiB, PiB, EiB) that leaves at
+/// least 1, to three significant figures: `800 KiB`, `1.56 GiB`, `6.25 GiB`.
+pub fn binary_size(bytes: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut unit = 0;
+    while unit + 1 < UNITS.len() && bytes >> (10 * (unit + 1)) > 0 {
+        unit += 1;
+    }
+    if unit == 0 {
+        return format!("{bytes} B");
+    }
+    let v = bytes as f64 / (1u64 << (10 * unit)) as f64;
+    let digits = if v < 10.0 {
+        2
+    } else if v < 100.0 {
+        1
+    } else {
+        0
+    };
+    format!("{v:.digits$} {}", UNITS[unit])
+}

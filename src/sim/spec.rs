@@ -1,0 +1,371 @@
+//! The step-time model and its inputs: the GPU and model specs (presets, JSON model
+//! files, KV bytes per token) and [`SimConfig`], the settings of a run, which turns them
+//! into a KV budget, token slots and the duration of a step.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::{SimError, check_range, err, limits};
+
+/// A GPU: memory, bandwidth and dense 16-bit peak.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GpuSpec {
+    /// Name for the report.
+    pub name: String,
+    /// Device memory, GiB.
+    pub memory_gib: f64,
+    /// Memory bandwidth (datasheet), GB/s.
+    pub bandwidth_gbs: f64,
+    /// Dense 16-bit matrix peak (datasheet), TFLOP/s.
+    pub tflops: f64,
+}
+
+impl GpuSpec {
+    /// The presets: `a100-40gb`, `h100`, `h200` (datasheet figures).
+    pub fn preset(name: &str) -> Result<Self, SimError> {
+        let (memory_gib, bandwidth_gbs, tflops) = match name {
+            "a100-40gb" => (40.0, 1555.0, 312.0),
+            "h100" => (80.0, 3350.0, 989.0),
+            "h200" => (141e9 / (1u64 << 30) as f64, 4800.0, 989.0),
+            other => {
+                return err(format!(
+                    "--gpu: unknown preset `{other}` (one of a100-40gb, h100, h200)"
+                ));
+            }
+        };
+        Ok(Self {
+            name: name.to_string(),
+            memory_gib,
+            bandwidth_gbs,
+            tflops,
+        })
+    }
+}
+
+/// A model: the shapes that set KV bytes per token, and the weight size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Name for the report.
+    pub name: String,
+    /// Transformer layers.
+    pub num_layers: u32,
+    /// KV heads per layer.
+    pub num_kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Parameters.
+    pub num_params: f64,
+    /// Bytes per weight and per cached element.
+    pub dtype_bytes: u32,
+    /// Longest sequence (prompt + output).
+    pub max_model_len: u32,
+}
+
+impl ModelSpec {
+    /// The presets of `../shared/workloads.md`: `opt-13b`, `llama-3-8b`, `llama-3-70b`.
+    pub fn preset(name: &str) -> Result<Self, SimError> {
+        let (l, kvh, params, max_len) = match name {
+            "opt-13b" => (40, 40, 13e9, 2048),
+            "llama-3-8b" => (32, 8, 8.03e9, 8192),
+            "llama-3-70b" => (80, 8, 70.6e9, 8192),
+            other => {
+                return err(format!(
+                    "--model: unknown preset `{other}` (one of opt-13b, llama-3-8b, llama-3-70b, or a JSON file)"
+                ));
+            }
+        };
+        Ok(Self {
+            name: name.to_string(),
+            num_layers: l,
+            num_kv_heads: kvh,
+            head_dim: 128,
+            num_params: params,
+            dtype_bytes: 2,
+            max_model_len: max_len,
+        })
+    }
+
+    /// Reads a JSON model config (the fields of [`ModelSpec`]; unknown fields are an
+    /// error). The file is read up to 64 KiB.
+    pub fn from_json_file(path: &Path) -> Result<Self, SimError> {
+        use std::io::Read as _;
+        const MAX_BYTES: u64 = 64 << 10;
+        let at = |e: &dyn std::fmt::Display| SimError(format!("--model {}: {e}", path.display()));
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_BYTES + 1).read_to_string(&mut text))
+            .map_err(|e| at(&e))?;
+        if text.len() as u64 > MAX_BYTES {
+            return Err(at(&format!("longer than {MAX_BYTES} bytes")));
+        }
+        Self::from_json_str(&text).map_err(|e| at(&e))
+    }
+
+    /// Parses and checks a JSON model config (see [`ModelSpec::from_json_file`]).
+    pub fn from_json_str(text: &str) -> Result<Self, SimError> {
+        let m: ModelSpec = serde_json::from_str(text).map_err(|e| SimError(e.to_string()))?;
+        m.check()?;
+        Ok(m)
+    }
+
+    /// Checks that every field is in range and that the sizes computed from them fit;
+    /// errors name the field.
+    pub fn check(&self) -> Result<(), SimError> {
+        for (field, v) in [
+            ("num_layers", self.num_layers),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("dtype_bytes", self.dtype_bytes),
+        ] {
+            if v == 0 {
+                return err(format!("{field}: must be positive"));
+            }
+        }
+        check_range("num_params", self.num_params, limits::NUM_PARAMS)?;
+        if self.max_model_len < 2 {
+            return err("max_model_len: must be at least 2");
+        }
+        if self.max_model_len as u64 > limits::MAX_TOKEN_SLOTS {
+            return err(format!(
+                "max_model_len: {} is more than the simulator's {} token slots",
+                self.max_model_len,
+                limits::MAX_TOKEN_SLOTS
+            ));
+        }
+        if self.checked_kv_bytes_per_token().is_none() {
+            return err(format!(
+                "num_layers, num_kv_heads, head_dim, dtype_bytes: 2 x {} x {} x {} x {} bytes per token overflows 64 bits",
+                self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// K and V bytes of one token, all layers, or `None` when that overflows `u64`.
+    pub fn checked_kv_bytes_per_token(&self) -> Option<u64> {
+        2u64.checked_mul(self.num_layers as u64)?
+            .checked_mul(self.num_kv_heads as u64)?
+            .checked_mul(self.head_dim as u64)?
+            .checked_mul(self.dtype_bytes as u64)
+    }
+
+    /// K and V bytes of one token, all layers (saturating at `u64::MAX`; a spec that
+    /// passed [`ModelSpec::check`] never saturates).
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        self.checked_kv_bytes_per_token().unwrap_or(u64::MAX)
+    }
+
+    /// Weight bytes.
+    pub fn weight_bytes(&self) -> f64 {
+        self.num_params * self.dtype_bytes as f64
+    }
+}
+
+/// What the KV cache of one token and of one request costs for a model: the figure
+/// that makes paging matter (a request of a few thousand tokens holds hundreds of MB to
+/// a few GiB). All of it computed with checked arithmetic.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KvFootprint {
+    /// Transformer layers.
+    pub num_layers: u32,
+    /// KV heads per layer.
+    pub num_kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Bytes per cached element.
+    pub dtype_bytes: u32,
+    /// K and V bytes of one token, all layers:
+    /// `2 * num_layers * num_kv_heads * head_dim * dtype_bytes`.
+    pub bytes_per_token: u64,
+    /// The model's longest sequence (prompt + output), tokens.
+    pub max_model_len: u32,
+    /// One request's KV bytes at each of [`KvFootprint::REQUEST_TOKENS`] tokens.
+    pub per_request: Vec<RequestKv>,
+}
+
+/// One request's KV cache at a given length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct RequestKv {
+    /// Tokens held (prompt + output so far).
+    pub tokens: u64,
+    /// Their K and V bytes, all layers.
+    pub bytes: u64,
+}
+
+impl KvFootprint {
+    /// The request lengths the report prices: 2k and 8k tokens.
+    pub const REQUEST_TOKENS: [u64; 2] = [2048, 8192];
+
+    /// The footprint of `model`, or an error naming the fields when a figure overflows
+    /// 64 bits.
+    pub fn of(model: &ModelSpec) -> Result<Self, SimError> {
+        let overflow = |what: String| {
+            SimError(format!(
+                "--model {}: num_layers, num_kv_heads, head_dim, dtype_bytes: {what} overflows 64 bits",
+                model.name
+            ))
+        };
+        let bytes_per_token = model
+            .checked_kv_bytes_per_token()
+            .ok_or_else(|| overflow("the KV bytes of one token".into()))?;
+        let per_request = Self::REQUEST_TOKENS
+            .iter()
+            .map(|&tokens| {
+                bytes_per_token
+                    .checked_mul(tokens)
+                    .map(|bytes| RequestKv { tokens, bytes })
+                    .ok_or_else(|| overflow(format!("the KV bytes of {tokens} tokens")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            num_layers: model.num_layers,
+            num_kv_heads: model.num_kv_heads,
+            head_dim: model.head_dim,
+            dtype_bytes: model.dtype_bytes,
+            bytes_per_token,
+            max_model_len: model.max_model_len,
+            per_request,
+        })
+    }
+}
+
+/// Simulation settings beyond the workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimConfig {
+    /// The GPU.
+    pub gpu: GpuSpec,
+    /// The model.
+    pub model: ModelSpec,
+    /// KV-cache budget in GiB; `None`: `gpu_memory_utilization * memory - weights`.
+    pub kv_budget_gib: Option<f64>,
+    /// Share of device memory the server may use (weights + KV).
+    pub gpu_memory_utilization: f64,
+    /// Achieved share of the datasheet bandwidth.
+    pub bandwidth_efficiency: f64,
+    /// Achieved share of the datasheet FLOP rate.
+    pub flops_efficiency: f64,
+    /// Fixed time per step, seconds.
+    pub step_overhead_s: f64,
+    /// Most running sequences (both kinds of policy).
+    pub max_num_seqs: usize,
+    /// Most tokens one step processes.
+    pub max_tokens_per_step: usize,
+}
+
+impl SimConfig {
+    /// Defaults for a GPU and model (see the module docs for the step-time model).
+    pub fn new(gpu: GpuSpec, model: ModelSpec) -> Self {
+        Self {
+            gpu,
+            model,
+            kv_budget_gib: None,
+            gpu_memory_utilization: 0.9,
+            bandwidth_efficiency: 0.8,
+            flops_efficiency: 0.5,
+            step_overhead_s: 0.005,
+            max_num_seqs: 256,
+            max_tokens_per_step: 4096,
+        }
+    }
+
+    /// Checks the GPU, the model and the budget against [`limits`]: every figure the
+    /// simulation computes from them is then finite.
+    pub fn check(&self) -> Result<(), SimError> {
+        check_range("--memory-gib", self.gpu.memory_gib, limits::MEMORY_GIB)?;
+        check_range(
+            "--bandwidth-gbs",
+            self.gpu.bandwidth_gbs,
+            limits::BANDWIDTH_GBS,
+        )?;
+        check_range("GPU tflops", self.gpu.tflops, limits::TFLOPS)?;
+        self.model
+            .check()
+            .map_err(|e| SimError(format!("--model {}: {e}", self.model.name)))?;
+        if let Some(g) = self.kv_budget_gib {
+            check_range("--kv-budget-gib", g, limits::KV_BUDGET_GIB)?;
+        }
+        for (what, v) in [
+            ("gpu_memory_utilization", self.gpu_memory_utilization),
+            ("bandwidth_efficiency", self.bandwidth_efficiency),
+            ("flops_efficiency", self.flops_efficiency),
+        ] {
+            if !(v > 0.0 && v <= 1.0) {
+                return err(format!("{what}: {v} is not in (0, 1]"));
+            }
+        }
+        if !(0.0..=10.0).contains(&self.step_overhead_s) {
+            return err(format!(
+                "step_overhead_s: {} is not in [0, 10] s",
+                self.step_overhead_s
+            ));
+        }
+        if self.max_num_seqs == 0 || self.max_tokens_per_step == 0 {
+            return err("max_num_seqs and max_tokens_per_step must be positive");
+        }
+        Ok(())
+    }
+
+    /// The flag that sets the KV budget, for error messages.
+    pub(super) fn budget_flag(&self) -> &'static str {
+        if self.kv_budget_gib.is_some() {
+            "--kv-budget-gib"
+        } else {
+            "--memory-gib (or --gpu)"
+        }
+    }
+
+    /// The KV budget in bytes, or an error when an input is out of range
+    /// ([`SimConfig::check`]) or the budget cannot hold one maximum-length request.
+    pub fn kv_budget_bytes(&self) -> Result<f64, SimError> {
+        self.check()?;
+        let gib = (1u64 << 30) as f64;
+        let b = match self.kv_budget_gib {
+            Some(g) => g * gib,
+            None => {
+                self.gpu_memory_utilization * self.gpu.memory_gib * gib - self.model.weight_bytes()
+            }
+        };
+        let need = self.model.kv_bytes_per_token() as f64 * self.model.max_model_len as f64;
+        if b < need {
+            return err(format!(
+                "{}: memory budget too small: {:.2} GiB of KV cache for {} on {} cannot hold even one {}-token request ({:.2} GiB); use a larger --gpu or --kv-budget-gib",
+                self.budget_flag(),
+                b / gib,
+                self.model.name,
+                self.gpu.name,
+                self.model.max_model_len,
+                need / gib
+            ));
+        }
+        Ok(b)
+    }
+
+    /// KV token slots in the budget; an error naming the flag when they are more than
+    /// the simulator can hold ([`limits::MAX_TOKEN_SLOTS`]).
+    pub fn capacity_tokens(&self) -> Result<u64, SimError> {
+        let slots = (self.kv_budget_bytes()? / self.model.kv_bytes_per_token() as f64).floor();
+        if slots > limits::MAX_TOKEN_SLOTS as f64 {
+            return err(format!(
+                "{}: a KV budget of {:.4e} token slots for {} is more than the simulator's limit of {} (2^24); use a smaller budget",
+                self.budget_flag(),
+                slots,
+                self.model.name,
+                limits::MAX_TOKEN_SLOTS
+            ));
+        }
+        Ok(slots as u64)
+    }
+
+    /// Duration of a step that processes `tokens` tokens and reads `kv_tokens` cached
+    /// tokens' K/V (the roofline of the module docs).
+    pub fn step_time(&self, tokens: u64, kv_tokens: u64) -> f64 {
+        let bytes =
+            self.model.weight_bytes() + kv_tokens as f64 * self.model.kv_bytes_per_token() as f64;
+        let t_mem = bytes / (self.gpu.bandwidth_gbs * 1e9 * self.bandwidth_efficiency);
+        let t_compute = 2.0 * self.model.num_params * tokens as f64
+            / (self.gpu.tflops * 1e12 * self.flops_efficiency);
+        t_mem.max(t_compute) + self.step_overhead_s
+    }
+}
