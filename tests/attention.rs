@@ -21,9 +21,13 @@ use pagedkv::host::{DType, HostTensor};
 use proptest::prelude::*;
 
 fn params() -> impl Strategy<Value = Params> {
+    params_with(SUPPORTED_HEAD_DIMS.to_vec())
+}
+
+fn params_with(head_dims: Vec<u32>) -> impl Strategy<Value = Params> {
     (
         prop::sample::select(DType::ALL.to_vec()),
-        prop::sample::select(SUPPORTED_HEAD_DIMS.to_vec()),
+        prop::sample::select(head_dims),
         prop::sample::select(vec![8u32, 16, 32]),
         1u32..=2,
         prop_oneof![4 => 1u32..=8, 1 => Just(12u32), 1 => Just(16u32)],
@@ -83,55 +87,111 @@ fn run(c: &Case, p: &Params, plan: &SplitPlan, order: BlockOrder, math: MathMode
     out.to_f64()
 }
 
+/// The kernel against the f64 reference for one case: unsplit and split, exact and
+/// approximate math, shuffled and reversed block orders.
+fn check_case(p: Params) -> Result<(), TestCaseError> {
+    let c = build(&p);
+    let want = paged_decode_attention(&c.inputs());
+
+    // The paged reference agrees with dense attention over the gathered cache.
+    if !c.windowed {
+        let (qh, kvh, d) = (
+            c.shape.num_q_heads as usize,
+            c.shape.num_kv_heads as usize,
+            c.shape.head_dim as usize,
+        );
+        for s in 0..c.shape.num_seqs as usize {
+            let (k, v) = gather(&c.shape, &c.kc, &c.vc, &c.tables, c.lens[s] as usize, s);
+            let q: Vec<f64> = (0..qh * d).map(|i| c.q.get(s * qh * d + i)).collect();
+            let dense = dense_decode_attention(&q, &k, &v, qh, kvh, d, &c.opts);
+            let e = rel_l2(&want[s * qh * d..(s + 1) * qh * d], &dense);
+            prop_assert!(e <= 1e-12, "paged reference vs dense, seq {}: {:e}", s, e);
+        }
+    }
+
+    // Unsplit: the plan a big GPU would make for this (small) batch, without split.
+    let max_len = *c.lens.iter().max().unwrap() as u32;
+    let mut unsplit = plan(&c.shape, p.dtype, max_len, 1);
+    prop_assert_eq!(unsplit.num_partitions, 1);
+    if p.narrow_heads {
+        unsplit.heads_per_block =
+            1.max(max_heads_per_block(p.head_dim, p.dtype).min(c.shape.group()) / 2);
+    }
+    let got = run(
+        &c,
+        &p,
+        &unsplit,
+        BlockOrder::Shuffled(p.seed),
+        MathMode::Exact,
+    );
+    let e = rel_l2(&got, &want);
+    prop_assert!(
+        e <= tolerance(p.dtype),
+        "unsplit vs reference: {:e} ({:?})",
+        e,
+        unsplit
+    );
+    let approx = MathMode::Approx { seed: p.seed };
+    let got_approx = run(&c, &p, &unsplit, BlockOrder::Forward, approx);
+    let e = rel_l2(&got_approx, &want);
+    let tol = approx_tolerance(p.dtype, p.softcap);
+    prop_assert!(
+        e <= tol,
+        "unsplit, approximate math, vs reference: {:e} > {:e} ({:?})",
+        e,
+        tol,
+        unsplit
+    );
+
+    if let Some(part) = p.partition {
+        let split = SplitPlan {
+            partition_tokens: part,
+            num_partitions: max_len.div_ceil(part),
+            ..unsplit
+        };
+        let got_split = run(&c, &p, &split, BlockOrder::Reverse, MathMode::Exact);
+        let e = rel_l2(&got_split, &want);
+        prop_assert!(
+            e <= tolerance(p.dtype),
+            "split vs reference: {:e} ({:?})",
+            e,
+            split
+        );
+        let e = rel_l2(&run(&c, &p, &split, BlockOrder::Forward, approx), &want);
+        prop_assert!(
+            e <= tol,
+            "split, approximate math, vs reference: {:e} > {:e} ({:?})",
+            e,
+            tol,
+            split
+        );
+        let e = rel_l2(&got_split, &got);
+        prop_assert!(
+            e <= split_tolerance(p.dtype),
+            "split vs unsplit: {:e} ({:?})",
+            e,
+            split
+        );
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases(64), ..ProptestConfig::default() })]
 
     #[test]
     fn decode_matches_the_f64_reference(p in params()) {
-        let c = build(&p);
-        let want = paged_decode_attention(&c.inputs());
+        check_case(p)?;
+    }
+}
 
-        // The paged reference agrees with dense attention over the gathered cache.
-        if !c.windowed {
-            let (qh, kvh, d) = (c.shape.num_q_heads as usize, c.shape.num_kv_heads as usize, c.shape.head_dim as usize);
-            for s in 0..c.shape.num_seqs as usize {
-                let (k, v) = gather(&c.shape, &c.kc, &c.vc, &c.tables, c.lens[s] as usize, s);
-                let q: Vec<f64> = (0..qh * d).map(|i| c.q.get(s * qh * d + i)).collect();
-                let dense = dense_decode_attention(&q, &k, &v, qh, kvh, d, &c.opts);
-                let e = rel_l2(&want[s * qh * d..(s + 1) * qh * d], &dense);
-                prop_assert!(e <= 1e-12, "paged reference vs dense, seq {}: {:e}", s, e);
-            }
-        }
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(16), ..ProptestConfig::default() })]
 
-        // Unsplit: the plan a big GPU would make for this (small) batch, without split.
-        let max_len = *c.lens.iter().max().unwrap() as u32;
-        let mut unsplit = plan(&c.shape, p.dtype, max_len, 1);
-        prop_assert_eq!(unsplit.num_partitions, 1);
-        if p.narrow_heads {
-            unsplit.heads_per_block = 1.max(max_heads_per_block(p.head_dim, p.dtype).min(c.shape.group()) / 2);
-        }
-        let got = run(&c, &p, &unsplit, BlockOrder::Shuffled(p.seed), MathMode::Exact);
-        let e = rel_l2(&got, &want);
-        prop_assert!(e <= tolerance(p.dtype), "unsplit vs reference: {:e} ({:?})", e, unsplit);
-        let approx = MathMode::Approx { seed: p.seed };
-        let got_approx = run(&c, &p, &unsplit, BlockOrder::Forward, approx);
-        let e = rel_l2(&got_approx, &want);
-        let tol = approx_tolerance(p.dtype, p.softcap);
-        prop_assert!(e <= tol, "unsplit, approximate math, vs reference: {:e} > {:e} ({:?})", e, tol, unsplit);
-
-        if let Some(part) = p.partition {
-            let split = SplitPlan {
-                partition_tokens: part,
-                num_partitions: max_len.div_ceil(part),
-                ..unsplit
-            };
-            let got_split = run(&c, &p, &split, BlockOrder::Reverse, MathMode::Exact);
-            let e = rel_l2(&got_split, &want);
-            prop_assert!(e <= tolerance(p.dtype), "split vs reference: {:e} ({:?})", e, split);
-            let e = rel_l2(&run(&c, &p, &split, BlockOrder::Forward, approx), &want);
-            prop_assert!(e <= tol, "split, approximate math, vs reference: {:e} > {:e} ({:?})", e, tol, split);
-            let e = rel_l2(&got_split, &got);
-            prop_assert!(e <= split_tolerance(p.dtype), "split vs unsplit: {:e} ({:?})", e, split);
-        }
+    /// head_dim 32 (small test models): a head is 4 (16-bit) or 8 (f32) 16-byte chunks,
+    /// so a block serves up to 32 query heads and a stage holds half its K/V budget.
+    #[test]
+    fn head_dim_32_matches_the_f64_reference(p in params_with(vec![32])) {
+        check_case(p)?;
     }
 }

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, HostTensor, TensorDesc};
 
 /// Head dimensions the kernels support.
-pub const SUPPORTED_HEAD_DIMS: [u32; 6] = [64, 80, 96, 112, 128, 256];
+pub const SUPPORTED_HEAD_DIMS: [u32; 7] = [32, 64, 80, 96, 112, 128, 256];
 /// Block sizes (tokens per block) the kernels support.
 pub const SUPPORTED_BLOCK_SIZES: [u32; 3] = [8, 16, 32];
 /// CUDA's limit on `gridDim.y` and `gridDim.z`.
