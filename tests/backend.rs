@@ -5,9 +5,10 @@ mod common;
 
 use common::serve::{HOST_BLOCKS, LAYERS, NUM_BLOCKS, config, serve_and_check, shape};
 use pagedkv::host::backend::{
-    AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, SplitPolicy,
+    AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, SplitPolicy, decode_rows,
 };
 use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::scheduler::{Request, Scheduler, SchedulerConfig};
 use pagedkv::host::step::StepShape;
 use pagedkv::host::{DType, Error, HostTensor};
 
@@ -72,4 +73,37 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
         out: &mut out,
     });
     assert!(matches!(e, Err(Error::InvalidState(_))), "{e:?}");
+
+    // One decoding row planned: q and out of two rows are errors naming them, and the
+    // output is left alone.
+    let mut sched = Scheduler::new(SchedulerConfig {
+        num_blocks: NUM_BLOCKS,
+        block_size: 8,
+        max_model_len: 64,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    sched.add_request(Request::new(1, vec![5; 9], 4)).unwrap();
+    let prefill = sched.step().unwrap().clone();
+    sched.on_step_done(&[(prefill.seqs[0].seq, 3)]).unwrap();
+    let batch = sched.step().unwrap().clone();
+    assert_eq!(decode_rows(&batch).count(), 1);
+    be.begin_step(&batch, &mut cache).unwrap();
+    let q2 = HostTensor::full(DType::F32, &[2, 4, 64], 1.0);
+    let mut out2 = HostTensor::full(DType::F32, &[2, 4, 64], -3.0);
+    let e = be.decode(DecodeArgs {
+        opts: &opts,
+        q: &q2,
+        cache: &cache.layers[0],
+        out: &mut out2,
+    });
+    assert!(
+        matches!(&e, Err(Error::InvalidArgument { arg: "q", .. })),
+        "{e:?}"
+    );
+    assert!(out2.to_f64().iter().all(|&x| x == -3.0));
+    // A cache of the wrong dtype for this backend.
+    let mut f16 = CpuBackend::new(config(DType::F16, SplitPolicy::Auto, 1)).unwrap();
+    let mut wrong = f16.alloc_cache().unwrap();
+    assert!(be.begin_step(&batch, &mut wrong).is_err());
 }

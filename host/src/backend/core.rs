@@ -2,13 +2,13 @@
 //! [`StepRunner`] over the backend's [`StepDevice`], the batch-to-metadata step, and
 //! the per-layer calls on views of the backend's tensors.
 
-use super::{AppendArgs, BackendConfig, DecodeArgs, SplitPolicy};
+use super::{AppendArgs, BackendConfig, DecodeArgs, PagedCache, SplitPolicy};
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
 use crate::step::{
     AppendIo, DecodeIo, Planned, StepDevice, StepMeta, StepRunner, TensorView, TensorViewMut,
 };
-use crate::tensor::HostTensor;
+use crate::tensor::{HostTensor, TensorDesc};
 
 /// A tensor the step path can view: host tensors on the emulator, device tensors on a
 /// GPU.
@@ -87,6 +87,25 @@ impl<D: StepDevice> StepCore<D> {
             slot_mapping: &batch.slot_mapping,
         };
         self.runner.plan(&meta).copied()
+    }
+
+    /// `cache` is one `alloc_cache` made for this config: its fields are public, so a
+    /// pool may have been replaced by one of another size or dtype.
+    pub(crate) fn check_cache<T: TensorDesc>(&self, cache: &PagedCache<T>) -> Result<()> {
+        let c = &self.config;
+        let elems = crate::ops::checked_pool_elems(&c.layout())?;
+        let ok = cache.layout == c.layout()
+            && cache.layers.len() == c.num_layers
+            && cache
+                .pools()
+                .all(|t| t.dtype() == c.shape.dtype && t.len() as u64 == elems);
+        if !ok {
+            return Err(Error::invalid(
+                "cache",
+                "not a cache of this backend's layout, dtype and layers",
+            ));
+        }
+        Ok(())
     }
 
     pub(crate) fn kv_append<T: AsView>(&self, args: AppendArgs<'_, T>) -> Result<()> {

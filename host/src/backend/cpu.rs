@@ -46,25 +46,6 @@ impl CpuBackend {
         let pools = 2 * self.core.config.num_layers;
         Ok((bb * pools, bb))
     }
-
-    /// `cache` is one [`alloc_cache`](AttentionBackend::alloc_cache) made: its fields
-    /// are public, so a pool may have been replaced by one of another size or dtype.
-    fn check_cache(&self, cache: &PagedCache<HostTensor>) -> Result<()> {
-        let c = &self.core.config;
-        let bytes = c.block_bytes()? * c.shape.num_blocks as u64;
-        let ok = cache.layout == c.layout()
-            && cache.layers.len() == c.num_layers
-            && cache
-                .pools()
-                .all(|t| t.dtype() == c.shape.dtype && t.buf().len() as u64 == bytes);
-        if !ok {
-            return Err(Error::invalid(
-                "cache",
-                "not a cache of this backend's layout, dtype and layers",
-            ));
-        }
-        Ok(())
-    }
 }
 
 impl AttentionBackend for CpuBackend {
@@ -109,10 +90,7 @@ impl AttentionBackend for CpuBackend {
         })
     }
 
-    fn begin_step(&mut self, batch: &Batch, cache: &mut PagedCache<HostTensor>) -> Result<Planned> {
-        self.swap_out(cache, &batch.swap_out)?;
-        self.swap_in(cache, &batch.swap_in)?;
-        self.copy_blocks(cache, &batch.copies)?;
+    fn plan(&mut self, batch: &Batch) -> Result<Planned> {
         self.core.plan_batch(batch)
     }
 
@@ -129,7 +107,7 @@ impl AttentionBackend for CpuBackend {
         cache: &mut PagedCache<HostTensor>,
         pairs: &[(u32, u32)],
     ) -> Result<()> {
-        self.check_cache(cache)?;
+        self.core.check_cache(cache)?;
         if pairs.is_empty() {
             return Ok(());
         }
@@ -147,7 +125,7 @@ impl AttentionBackend for CpuBackend {
     }
 
     fn swap_out(&mut self, cache: &PagedCache<HostTensor>, pairs: &[(u32, u32)]) -> Result<()> {
-        self.check_cache(cache)?;
+        self.core.check_cache(cache)?;
         let c = &self.core.config;
         check_pairs("swap_out", pairs, c.shape.num_blocks, c.num_host_blocks)?;
         let (per_block, bb) = self.swap_geometry()?;
@@ -162,7 +140,7 @@ impl AttentionBackend for CpuBackend {
     }
 
     fn swap_in(&mut self, cache: &mut PagedCache<HostTensor>, pairs: &[(u32, u32)]) -> Result<()> {
-        self.check_cache(cache)?;
+        self.core.check_cache(cache)?;
         let c = &self.core.config;
         check_pairs("swap_in", pairs, c.num_host_blocks, c.shape.num_blocks)?;
         let (per_block, bb) = self.swap_geometry()?;

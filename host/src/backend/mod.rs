@@ -277,13 +277,22 @@ pub trait AttentionBackend {
     fn alloc_cache(&mut self) -> Result<PagedCache<Self::Tensor>>;
 
     /// Starts a step: runs `batch.swap_out`, then `batch.swap_in`, then
-    /// `batch.copies` on `cache`, then checks and uploads the batch's metadata and
-    /// plans the decode launch. Returns the plan.
+    /// `batch.copies` on `cache`, then [`plan`](Self::plan)s the step. Returns the plan.
     fn begin_step(
         &mut self,
         batch: &Batch,
         cache: &mut PagedCache<Self::Tensor>,
-    ) -> Result<Planned>;
+    ) -> Result<Planned> {
+        self.swap_out(cache, &batch.swap_out)?;
+        self.swap_in(cache, &batch.swap_in)?;
+        self.copy_blocks(cache, &batch.copies)?;
+        self.plan(batch)
+    }
+
+    /// Checks the batch's metadata once (block ids inside the pool, lengths, slots
+    /// inside the pool and distinct), plans the decode launch of its decoding rows and
+    /// uploads the metadata ([`begin_step`](Self::begin_step) without the block moves).
+    fn plan(&mut self, batch: &Batch) -> Result<Planned>;
 
     /// Writes this step's new tokens' K and V into one layer's cache: launches only.
     fn kv_append(&mut self, args: AppendArgs<'_, Self::Tensor>) -> Result<()>;

@@ -63,23 +63,6 @@ impl<'g> CudaAttention<'g> {
         self.core.runner.device().capture(f)
     }
 
-    fn check_cache(&self, cache: &PagedCache) -> Result<()> {
-        let c = &self.core.config;
-        let bytes = c.block_bytes()? * c.shape.num_blocks as u64;
-        let ok = cache.layout == c.layout()
-            && cache.layers.len() == c.num_layers
-            && cache
-                .pools()
-                .all(|t| t.dtype() == c.shape.dtype && t.num_bytes() as u64 == bytes);
-        if !ok {
-            return Err(Error::invalid(
-                "cache",
-                "not a cache of this backend's layout, dtype and layers",
-            ));
-        }
-        Ok(())
-    }
-
     fn swap_pool(&mut self) -> Result<&mut HostSwapPool> {
         self.swap
             .as_mut()
@@ -138,10 +121,7 @@ impl AttentionBackend for CudaAttention<'_> {
         })
     }
 
-    fn begin_step(&mut self, batch: &Batch, cache: &mut PagedCache) -> Result<Planned> {
-        self.swap_out(cache, &batch.swap_out)?;
-        self.swap_in(cache, &batch.swap_in)?;
-        self.copy_blocks(cache, &batch.copies)?;
+    fn plan(&mut self, batch: &Batch) -> Result<Planned> {
         self.core.plan_batch(batch)
     }
 
@@ -154,7 +134,7 @@ impl AttentionBackend for CudaAttention<'_> {
     }
 
     fn copy_blocks(&mut self, cache: &mut PagedCache, pairs: &[(u32, u32)]) -> Result<()> {
-        self.check_cache(cache)?;
+        self.core.check_cache(cache)?;
         if pairs.is_empty() {
             return Ok(());
         }
@@ -164,7 +144,7 @@ impl AttentionBackend for CudaAttention<'_> {
     }
 
     fn swap_out(&mut self, cache: &PagedCache, pairs: &[(u32, u32)]) -> Result<()> {
-        self.check_cache(cache)?;
+        self.core.check_cache(cache)?;
         let c = self.core.config;
         check_pairs("swap_out", pairs, c.shape.num_blocks, c.num_host_blocks)?;
         if pairs.is_empty() {
@@ -177,7 +157,7 @@ impl AttentionBackend for CudaAttention<'_> {
     }
 
     fn swap_in(&mut self, cache: &mut PagedCache, pairs: &[(u32, u32)]) -> Result<()> {
-        self.check_cache(cache)?;
+        self.core.check_cache(cache)?;
         let c = self.core.config;
         check_pairs("swap_in", pairs, c.num_host_blocks, c.shape.num_blocks)?;
         if pairs.is_empty() {
