@@ -12,7 +12,7 @@
 //! `target/pagedkv-bench.md`). Shapes whose K+V would exceed `PAGEDKV_BENCH_MAX_GIB`
 //! (default 48 GiB) are skipped and listed as such.
 //!
-//! Decode runs through the step path (`pagedkv_host::step`): each region's metadata is
+//! Decode runs through the step path (`pagedkv::host::step`): each region's metadata is
 //! planned (uploaded) once before timing, so CUDA events around back-to-back runs time
 //! the kernels alone; the host's cost of one run (checks and launch, the CPU side of a
 //! layer) is timed separately with a wall clock and reported in its own column, with
