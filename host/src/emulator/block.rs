@@ -21,6 +21,8 @@ use std::rc::Rc;
 use corosensei::stack::DefaultStack;
 use corosensei::{Coroutine, CoroutineResult, Yielder};
 use pagedkv_kernels::device::WARP_SIZE;
+
+use super::warp::{self, WarpOp};
 use pagedkv_kernels::{Dim3, Kernel};
 
 use super::ctx::{CpAsync, EmuCtx};
@@ -36,20 +38,24 @@ pub(super) enum Event {
     Barrier,
     /// A warp shuffle: this lane's value, and the xor of the lane to read from.
     Shuffle { value: u32, lane_mask: u32 },
+    /// A warp-collective tensor-core instruction (`ldmatrix`, `mma`): this lane's part.
+    Warp(WarpOp),
 }
 
 /// Where a thread of the block is, between two rounds of the block's scheduler.
 #[derive(Clone, Copy, Debug)]
 enum State {
-    Ready(u32),
+    Ready([u32; 4]),
     AtBarrier,
     AtShuffle { value: u32, lane_mask: u32 },
+    AtWarp(WarpOp),
     Done,
 }
 
-/// An emulated thread: resumed with the value its last event returns (a shuffle's
-/// result), it runs until its next event or its end.
-type ThreadCo = Coroutine<u32, Event, (), DefaultStack>;
+/// An emulated thread: resumed with the registers its last event returns (a shuffle's
+/// value in the first, a warp instruction's results), it runs until its next event or
+/// its end.
+type ThreadCo = Coroutine<[u32; 4], Event, (), DefaultStack>;
 
 /// Per-block state shared by the block's threads (all on one OS thread).
 pub(super) struct BlockShared {
@@ -95,7 +101,7 @@ pub(super) fn run_block<K: Kernel>(
         let approx = math.thread_state(block_idx, t);
         threads.push(Coroutine::with_stack(
             stack,
-            move |y: &Yielder<u32, Event>, _first: u32| {
+            move |y: &Yielder<[u32; 4], Event>, _first: [u32; 4]| {
                 let ctx = EmuCtx {
                     yielder: y as *const _,
                     block,
@@ -111,7 +117,7 @@ pub(super) fn run_block<K: Kernel>(
             },
         ));
     }
-    let mut state = vec![State::Ready(0); n];
+    let mut state = vec![State::Ready([0; 4]); n];
     let warps = n.div_ceil(WARP_SIZE as usize);
 
     loop {
@@ -124,6 +130,7 @@ pub(super) fn run_block<K: Kernel>(
                     Ok(CoroutineResult::Yield(Event::Shuffle { value, lane_mask })) => {
                         state[t] = State::AtShuffle { value, lane_mask }
                     }
+                    Ok(CoroutineResult::Yield(Event::Warp(op))) => state[t] = State::AtWarp(op),
                     Ok(CoroutineResult::Return(())) => state[t] = State::Done,
                     Err(p) => {
                         return Err(EmuError::Panic {
@@ -144,7 +151,7 @@ pub(super) fn run_block<K: Kernel>(
             let lanes = w * WARP_SIZE as usize..((w + 1) * WARP_SIZE as usize).min(n);
             let at_shuffle = lanes
                 .clone()
-                .filter(|&t| matches!(state[t], State::AtShuffle { .. }))
+                .filter(|&t| matches!(state[t], State::AtShuffle { .. } | State::AtWarp(_)))
                 .count();
             if at_shuffle == 0 {
                 continue;
@@ -164,6 +171,30 @@ pub(super) fn run_block<K: Kernel>(
                     }
                 )));
             }
+            let warp_ops = lanes
+                .clone()
+                .filter(|&t| matches!(state[t], State::AtWarp(_)))
+                .count();
+            if warp_ops > 0 {
+                if warp_ops < WARP_SIZE as usize {
+                    return Err(divergence(format!(
+                        "{warp_ops} of 32 lanes at a tensor-core instruction, the others at a shuffle"
+                    )));
+                }
+                let mut ops = [None; WARP_SIZE as usize];
+                for (lane, t) in lanes.clone().enumerate() {
+                    if let State::AtWarp(op) = state[t] {
+                        ops[lane] = Some(op);
+                    }
+                }
+                let ops = ops.map(|o| o.expect("every lane is at the instruction"));
+                let regs = warp::execute(&ops, &shared.smem.borrow()).map_err(divergence)?;
+                for (lane, t) in lanes.enumerate() {
+                    state[t] = State::Ready(regs[lane]);
+                }
+                progressed = true;
+                continue;
+            }
             let mut values = [0u32; WARP_SIZE as usize];
             let mut mask0 = None;
             for (lane, t) in lanes.clone().enumerate() {
@@ -182,7 +213,7 @@ pub(super) fn run_block<K: Kernel>(
             }
             let mask = mask0.unwrap_or(0) & (WARP_SIZE - 1);
             for (lane, t) in lanes.enumerate() {
-                state[t] = State::Ready(values[lane ^ mask as usize]);
+                state[t] = State::Ready([values[lane ^ mask as usize], 0, 0, 0]);
             }
             progressed = true;
         }
@@ -203,7 +234,7 @@ pub(super) fn run_block<K: Kernel>(
             });
         }
         for s in state.iter_mut() {
-            *s = State::Ready(0);
+            *s = State::Ready([0; 4]);
         }
     }
     for co in threads {

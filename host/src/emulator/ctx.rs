@@ -19,6 +19,7 @@ use corosensei::Yielder;
 use pagedkv_kernels::{Ctx, Dim3, GlobalSlice, GlobalSliceMut};
 
 use super::block::{BlockShared, Event};
+use super::warp::WarpOp;
 
 /// One thread's asynchronous copies: `(shared byte offset, the 16 bytes)`.
 #[derive(Default)]
@@ -31,7 +32,7 @@ pub(super) struct CpAsync {
 
 /// The emulator's [`Ctx`]: one per emulated thread, living on that thread's stack.
 pub struct EmuCtx {
-    pub(super) yielder: *const Yielder<u32, Event>,
+    pub(super) yielder: *const Yielder<[u32; 4], Event>,
     pub(super) block: Rc<BlockShared>,
     pub(super) thread_idx: Dim3,
     pub(super) block_idx: Dim3,
@@ -57,10 +58,37 @@ impl EmuCtx {
 
     /// Parks this thread on event `e` until the block's scheduler resumes it; returns
     /// what it resumes with (a shuffle's result).
-    fn suspend(&self, e: Event) -> u32 {
+    fn suspend(&self, e: Event) -> [u32; 4] {
         // SAFETY: an `EmuCtx` is created inside its coroutine's body from the yielder
         // that body received, and never leaves that body, so the yielder outlives it.
         unsafe { (*self.yielder).suspend(e) }
+    }
+
+    /// `ldmatrix.x{num}`: a lane whose row is used checks its address (16-byte aligned,
+    /// inside shared memory), then the warp executes together.
+    fn ldmatrix(&self, num: u8, trans: bool, word: u32) -> [u32; 4] {
+        if self.lane() < 8 * num as u32 {
+            if !word.is_multiple_of(4) {
+                panic!("ldmatrix: shared word {word} is not 16-byte aligned");
+            }
+            self.smem_check(4 * word as u64, 16);
+        }
+        self.suspend(Event::Warp(WarpOp::LdMatrix {
+            num,
+            trans,
+            byte: 4 * word,
+        }))
+    }
+
+    /// `mma.m16n8k16`, executed by the warp together.
+    fn mma(&self, bf16: bool, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        self.suspend(Event::Warp(WarpOp::Mma {
+            bf16,
+            a,
+            b,
+            c: c.map(f32::to_bits),
+        }))
+        .map(f32::from_bits)
     }
 
     /// The byte offset of a `width`-byte shared-memory access at `byte`; panics when
@@ -115,7 +143,7 @@ impl Ctx for EmuCtx {
         self.suspend(Event::Shuffle {
             value: v,
             lane_mask,
-        })
+        })[0]
     }
     fn exp2(&self, x: f32) -> f32 {
         self.math_exp2(x)
@@ -153,6 +181,22 @@ impl Ctx for EmuCtx {
                 smem[o..o + 16].copy_from_slice(&data);
             }
         }
+    }
+    fn ldmatrix_x4<const TRANS: bool>(&self, word: u32) -> [u32; 4] {
+        self.ldmatrix(4, TRANS, word)
+    }
+    fn ldmatrix_x2<const TRANS: bool>(&self, word: u32) -> [u32; 2] {
+        let r = self.ldmatrix(2, TRANS, word);
+        [r[0], r[1]]
+    }
+    fn ldmatrix_x1<const TRANS: bool>(&self, word: u32) -> u32 {
+        self.ldmatrix(1, TRANS, word)[0]
+    }
+    fn mma_m16n8k16_f16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        self.mma(false, a, b, c)
+    }
+    fn mma_m16n8k16_bf16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        self.mma(true, a, b, c)
     }
     fn smem_ld_v4(&self, word: u32) -> [u32; 4] {
         if !word.is_multiple_of(4) {

@@ -73,6 +73,7 @@
 mod block;
 mod ctx;
 mod math;
+mod warp;
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -281,6 +281,37 @@ pub trait Ctx {
         self.smem_st_u32(i, v.to_bits())
     }
 
+    /// `ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16`: the warp loads four 8x8
+    /// matrices of 16-bit elements from the block's dynamic shared memory. Lane `l`
+    /// gives the byte address `4 * word` (16-byte aligned) of row `l % 8` of matrix
+    /// `l / 8`, and receives one 32-bit register per matrix: without `TRANS`, elements
+    /// `[l / 4][2 * (l % 4)]` and `[l / 4][2 * (l % 4) + 1]` (low half first); with
+    /// `TRANS`, `[2 * (l % 4)][l / 4]` and `[2 * (l % 4) + 1][l / 4]` (`[row][col]`,
+    /// rows as addressed). All 32 lanes of the warp call it together.
+    fn ldmatrix_x4<const TRANS: bool>(&self, word: u32) -> [u32; 4];
+
+    /// [`Ctx::ldmatrix_x4`] for two matrices (`.x2`): lanes 0-15 give the row
+    /// addresses (the others' are ignored).
+    fn ldmatrix_x2<const TRANS: bool>(&self, word: u32) -> [u32; 2];
+
+    /// [`Ctx::ldmatrix_x4`] for one matrix (`.x1`): lanes 0-7 give the row addresses
+    /// (the others' are ignored).
+    fn ldmatrix_x1<const TRANS: bool>(&self, word: u32) -> u32;
+
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`: `D = A B + C` for the warp's
+    /// 16x16 `A` (f16, row-major), 16x8 `B` (f16, column-major) and 16x8 `C`/`D` (f32).
+    /// With `g = lane / 4`, `t = lane % 4`, lane `l` holds (the PTX ISA's fragments):
+    /// * `a[j]`: `A[g + 8 * (j % 2)][2t + 8 * (j / 2) + h]` in half `h` (low first);
+    /// * `b[j]`: `B[2t + 8j + h][g]` in half `h`;
+    /// * `c[i]`, `D[i]`: `[g + 8 * (i / 2)][2t + i % 2]`.
+    ///
+    /// All 32 lanes of the warp call it together.
+    fn mma_m16n8k16_f16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4];
+
+    /// [`Ctx::mma_m16n8k16_f16`] with bf16 `A` and `B`
+    /// (`mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`).
+    fn mma_m16n8k16_bf16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4];
+
     /// The linear thread index within the block (`x + y*dim.x + z*dim.x*dim.y`).
     #[inline(always)]
     fn linear_thread(&self) -> u32 {

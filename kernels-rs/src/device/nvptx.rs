@@ -208,6 +208,92 @@ impl Ctx for Gpu {
     }
 
     #[inline(always)]
+    fn ldmatrix_x4<const TRANS: bool>(&self, word: u32) -> [u32; 4] {
+        let a = smem_base() + 4 * word as u64;
+        let (x, y, z, w): (u32, u32, u32, u32);
+        // SAFETY: every lane gives a 16-byte aligned row inside the launch's shared
+        // memory, and the whole warp calls together (kernel contract).
+        unsafe {
+            if TRANS {
+                asm!("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{x}, {y}, {z}, {w}}}, [{a}];",
+                     x = out(reg32) x, y = out(reg32) y, z = out(reg32) z, w = out(reg32) w,
+                     a = in(reg64) a, options(readonly, nostack));
+            } else {
+                asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{x}, {y}, {z}, {w}}}, [{a}];",
+                     x = out(reg32) x, y = out(reg32) y, z = out(reg32) z, w = out(reg32) w,
+                     a = in(reg64) a, options(readonly, nostack));
+            }
+        }
+        [x, y, z, w]
+    }
+
+    #[inline(always)]
+    fn ldmatrix_x2<const TRANS: bool>(&self, word: u32) -> [u32; 2] {
+        let a = smem_base() + 4 * word as u64;
+        let (x, y): (u32, u32);
+        // SAFETY: as for `ldmatrix_x4` (lanes 0-15's addresses).
+        unsafe {
+            if TRANS {
+                asm!("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {{{x}, {y}}}, [{a}];",
+                     x = out(reg32) x, y = out(reg32) y, a = in(reg64) a,
+                     options(readonly, nostack));
+            } else {
+                asm!("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {{{x}, {y}}}, [{a}];",
+                     x = out(reg32) x, y = out(reg32) y, a = in(reg64) a,
+                     options(readonly, nostack));
+            }
+        }
+        [x, y]
+    }
+
+    #[inline(always)]
+    fn ldmatrix_x1<const TRANS: bool>(&self, word: u32) -> u32 {
+        let a = smem_base() + 4 * word as u64;
+        let x: u32;
+        // SAFETY: as for `ldmatrix_x4` (lanes 0-7's addresses).
+        unsafe {
+            if TRANS {
+                asm!("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {{{x}}}, [{a}];",
+                     x = out(reg32) x, a = in(reg64) a, options(readonly, nostack));
+            } else {
+                asm!("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {{{x}}}, [{a}];",
+                     x = out(reg32) x, a = in(reg64) a, options(readonly, nostack));
+            }
+        }
+        x
+    }
+
+    #[inline(always)]
+    fn mma_m16n8k16_f16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        let (d0, d1, d2, d3): (f32, f32, f32, f32);
+        // SAFETY: registers only; the whole warp calls together (kernel contract).
+        unsafe {
+            asm!("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}};",
+                 d0 = out(reg32) d0, d1 = out(reg32) d1, d2 = out(reg32) d2, d3 = out(reg32) d3,
+                 a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                 b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+                 c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
+                 options(pure, nomem, nostack));
+        }
+        [d0, d1, d2, d3]
+    }
+
+    #[inline(always)]
+    fn mma_m16n8k16_bf16(&self, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        let (d0, d1, d2, d3): (f32, f32, f32, f32);
+        // SAFETY: registers only; the whole warp calls together (kernel contract).
+        unsafe {
+            asm!("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}};",
+                 d0 = out(reg32) d0, d1 = out(reg32) d1, d2 = out(reg32) d2, d3 = out(reg32) d3,
+                 a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                 b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+                 c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
+                 options(pure, nomem, nostack));
+        }
+        [d0, d1, d2, d3]
+    }
+
+    #[inline(always)]
     fn smem_ld_v4(&self, word: u32) -> [u32; 4] {
         let a = smem_base() + 4 * word as u64;
         let (x, y, z, w): (u32, u32, u32, u32);
