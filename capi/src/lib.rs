@@ -21,17 +21,18 @@
 //! `pagedkv_scheduler_destroy` on that scheduler. The caller owns everything it passes in.
 #![allow(non_camel_case_types)]
 
+mod guard;
 #[cfg(feature = "header-check")]
 mod header_check;
+mod status;
 
-use std::any::Any;
-use std::cell::{Cell, RefCell};
+pub use status::{pagedkv_last_error_message, pagedkv_status, pagedkv_version};
+
 use std::collections::HashMap;
-use std::ffi::{CString, c_char};
 use std::marker::PhantomData;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::{Mutex, Once};
+use std::sync::Mutex;
 
+use guard::guard;
 use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
 use pagedkv::host::ops::kv_append::kv_append_reference;
 use pagedkv::host::reference::paged_decode_attention;
@@ -40,158 +41,8 @@ use pagedkv::host::scheduler::{
 };
 use pagedkv::host::{DType, Error, HostTensor};
 use pagedkv::kernels::PagedLayout;
-
-/// Result of every call. `PAGEDKV_OK` is 0.
-#[repr(i32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum pagedkv_status {
-    /// Success.
-    PAGEDKV_OK = 0,
-    /// A required pointer was null.
-    PAGEDKV_ERR_NULL = 1,
-    /// An argument is out of range or inconsistent.
-    PAGEDKV_ERR_INVALID_ARGUMENT = 2,
-    /// The block pool is full.
-    PAGEDKV_ERR_OUT_OF_BLOCKS = 3,
-    /// A request or sequence id names nothing live.
-    PAGEDKV_ERR_UNKNOWN_ID = 4,
-    /// The call is not allowed now (destroyed handle, re-entrance, call order).
-    PAGEDKV_ERR_INVALID_STATE = 5,
-    /// A CUDA driver call failed, or no CUDA driver or device.
-    PAGEDKV_ERR_CUDA = 6,
-    /// A panic inside the library was caught (a bug: please report it).
-    PAGEDKV_ERR_PANIC = 7,
-}
-
 use pagedkv_status::*;
-
-thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-}
-
-fn set_error(msg: &str) {
-    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
-}
-
-fn fail(status: pagedkv_status, msg: impl AsRef<str>) -> pagedkv_status {
-    set_error(msg.as_ref());
-    status
-}
-
-fn from_error(e: &Error) -> pagedkv_status {
-    let s = match e {
-        Error::InvalidArgument { .. } => PAGEDKV_ERR_INVALID_ARGUMENT,
-        Error::OutOfBlocks { .. } => PAGEDKV_ERR_OUT_OF_BLOCKS,
-        Error::Unknown { .. } => PAGEDKV_ERR_UNKNOWN_ID,
-        Error::InvalidState(_) => PAGEDKV_ERR_INVALID_STATE,
-        Error::NoCudaDriver
-        | Error::NoCudaDevice(_)
-        | Error::UnsupportedDevice(_)
-        | Error::Cuda { .. } => PAGEDKV_ERR_CUDA,
-        _ => PAGEDKV_ERR_INVALID_STATE,
-    };
-    fail(s, e.to_string())
-}
-
-thread_local! {
-    /// How many guarded C ABI calls this thread is inside (the quiet panic hook's test).
-    static IN_CALL: Cell<u32> = const { Cell::new(0) };
-    /// The message of a panic inside a guarded call, recorded by the hook.
-    static PANIC_MESSAGE: Cell<Option<String>> = const { Cell::new(None) };
-}
-
-static QUIET_HOOK: Once = Once::new();
-
-/// The text of a panic payload (`panic!` with a literal or with a format).
-fn payload_text(p: &(dyn Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
-}
-
-/// Installs, once per process, a panic hook that keeps panics inside guarded calls
-/// quiet: it records the message (with its location) for [`guard`] instead of printing
-/// to the host program's stderr. Any other panic goes to the hook that was installed
-/// before (the host's own, or the default one).
-fn install_quiet_panic_hook() {
-    // `take_hook`/`set_hook` panic on a panicking thread (a call from a destructor
-    // during unwinding in a Rust host): leave the hook alone there.
-    if std::thread::panicking() {
-        return;
-    }
-    QUIET_HOOK.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let inside = IN_CALL.try_with(|c| c.get() > 0).unwrap_or(false);
-            if !inside {
-                return previous(info);
-            }
-            let at = info
-                .location()
-                .map(|l| format!(" at {}:{}", l.file(), l.line()))
-                .unwrap_or_default();
-            let msg = format!("{}{at}", payload_text(info.payload()));
-            let _ = PANIC_MESSAGE.try_with(|m| m.set(Some(msg)));
-        }));
-    });
-}
-
-/// Marks this thread as inside a guarded call while it lives.
-struct InCall;
-
-impl InCall {
-    fn enter() -> Self {
-        let _ = IN_CALL.try_with(|c| c.set(c.get() + 1));
-        InCall
-    }
-}
-
-impl Drop for InCall {
-    fn drop(&mut self) {
-        let _ = IN_CALL.try_with(|c| c.set(c.get().saturating_sub(1)));
-    }
-}
-
-/// Runs `f`, turning a panic into `PAGEDKV_ERR_PANIC` with its message (nothing is
-/// printed: see [`install_quiet_panic_hook`]).
-fn guard(f: impl FnOnce() -> pagedkv_status) -> pagedkv_status {
-    install_quiet_panic_hook();
-    let _inside = InCall::enter();
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(s) => {
-            if s == PAGEDKV_OK {
-                set_error("");
-            }
-            s
-        }
-        Err(p) => {
-            let msg = PANIC_MESSAGE
-                .try_with(|m| m.take())
-                .ok()
-                .flatten()
-                .unwrap_or_else(|| payload_text(&*p));
-            // A payload whose destructor panics must not unwind out of here either.
-            let _ = catch_unwind(AssertUnwindSafe(move || drop(p)));
-            let _ = PANIC_MESSAGE.try_with(|m| m.take());
-            fail(PAGEDKV_ERR_PANIC, format!("internal panic: {msg}"))
-        }
-    }
-}
-
-/// The message of the last failed call on this thread ("" after a success). The
-/// pointer stays valid until the next pagedkv call on this thread. Never null.
-#[unsafe(no_mangle)]
-pub extern "C" fn pagedkv_last_error_message() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
-}
-
-/// The library's version, `"MAJOR.MINOR.PATCH"`, static. Never null.
-#[unsafe(no_mangle)]
-pub extern "C" fn pagedkv_version() -> *const c_char {
-    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
-}
+use status::{fail, from_error};
 
 // ---------------------------------------------------------------------------------
 // Scheduler
