@@ -22,17 +22,17 @@
 #![allow(non_camel_case_types)]
 
 mod guard;
+mod handle;
 #[cfg(feature = "header-check")]
 mod header_check;
 mod status;
+#[cfg(test)]
+mod tests;
 
 pub use status::{pagedkv_last_error_message, pagedkv_status, pagedkv_version};
 
-use std::collections::HashMap;
-use std::marker::PhantomData;
-use std::sync::Mutex;
-
 use guard::guard;
+use handle::{Handle, Registry, destroy, enter, register};
 use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
 use pagedkv::host::ops::kv_append::kv_append_reference;
 use pagedkv::host::reference::paged_decode_attention;
@@ -208,165 +208,12 @@ pub struct pagedkv_scheduler {
     awaiting: u64,
 }
 
-/// What a live handle is doing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Use {
-    /// No call runs on it.
-    Idle,
-    /// A call runs on it: other calls and destroy are refused.
-    Busy,
-    /// A call on it panicked: its state may be inconsistent, so only destroy is allowed.
-    Poisoned,
-}
-
-/// The live handles of one type and what each is doing: a pointer is dereferenced only
-/// while registered and marked busy by the caller, both under this lock, so a
-/// destroyed or foreign handle is refused instead of dereferenced, and destroy (which
-/// checks and unregisters under the same lock) never frees a handle a call is using.
-struct Registry(Mutex<Option<HashMap<usize, Use>>>);
-
-impl Registry {
-    const fn new() -> Self {
-        Self(Mutex::new(None))
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<HashMap<usize, Use>>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// An opaque handle type of this library.
-trait Handle: Sized {
-    /// Its name in error messages.
-    const WHAT: &'static str;
-    /// Its registry.
-    fn registry() -> &'static Registry;
-}
-
 static SCHEDULERS: Registry = Registry::new();
 
 impl Handle for pagedkv_scheduler {
     const WHAT: &'static str = "scheduler";
     fn registry() -> &'static Registry {
         &SCHEDULERS
-    }
-}
-
-/// Moves a new handle to the heap and registers it, idle.
-fn register<H: Handle>(h: H) -> *mut H {
-    let p = Box::into_raw(Box::new(h));
-    H::registry()
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(p as usize, Use::Idle);
-    p
-}
-
-fn destroyed<H: Handle>() -> pagedkv_status {
-    fail(
-        PAGEDKV_ERR_INVALID_STATE,
-        format!("{} handle was destroyed or never created", H::WHAT),
-    )
-}
-
-/// Marks a handle idle again when a call on it returns, or poisoned when the call
-/// unwinds instead (a panic).
-struct Leave<H: Handle> {
-    handle: usize,
-    returned: bool,
-    what: PhantomData<H>,
-}
-
-impl<H: Handle> Drop for Leave<H> {
-    fn drop(&mut self) {
-        let next = if self.returned {
-            Use::Idle
-        } else {
-            Use::Poisoned
-        };
-        if let Some(u) = H::registry()
-            .lock()
-            .as_mut()
-            .and_then(|m| m.get_mut(&self.handle))
-        {
-            *u = next;
-        }
-    }
-}
-
-/// Runs `f` on a live, idle handle; refuses null, destroyed, busy and poisoned handles.
-fn enter<H: Handle>(p: *mut H, f: impl FnOnce(&mut H) -> pagedkv_status) -> pagedkv_status {
-    guard(|| {
-        if p.is_null() {
-            return fail(PAGEDKV_ERR_NULL, format!("{} is null", H::WHAT));
-        }
-        {
-            // The live check and the busy mark happen under one lock: `destroy` takes
-            // the same lock, so it either unregisters first (and this call is refused)
-            // or sees the handle busy (and refuses itself).
-            let mut reg = H::registry().lock();
-            match reg.as_mut().and_then(|m| m.get_mut(&(p as usize))) {
-                None => return destroyed::<H>(),
-                Some(Use::Busy) => {
-                    return fail(
-                        PAGEDKV_ERR_INVALID_STATE,
-                        format!(
-                            "{} is already inside a call (re-entrant or concurrent use)",
-                            H::WHAT
-                        ),
-                    );
-                }
-                Some(Use::Poisoned) => {
-                    return fail(
-                        PAGEDKV_ERR_INVALID_STATE,
-                        format!(
-                            "{} is unusable: an earlier call on it panicked (destroy it)",
-                            H::WHAT
-                        ),
-                    );
-                }
-                Some(u @ Use::Idle) => *u = Use::Busy,
-            }
-        }
-        let mut leave = Leave::<H> {
-            handle: p as usize,
-            returned: false,
-            what: PhantomData,
-        };
-        // SAFETY: registered, so created by `register` and not destroyed, and marked
-        // busy by this call under the registry lock: `destroy` and every other call
-        // refuse it until `leave` marks it idle again, so this is the only reference.
-        let r = f(unsafe { &mut *p });
-        leave.returned = true;
-        r
-    })
-}
-
-/// Unregisters a live handle that no call is using and gives it back for dropping.
-fn destroy<H: Handle>(p: *mut H) -> Result<Box<H>, pagedkv_status> {
-    if p.is_null() {
-        return Err(fail(PAGEDKV_ERR_NULL, format!("{} is null", H::WHAT)));
-    }
-    let mut reg = H::registry().lock();
-    let Some(map) = reg.as_mut() else {
-        return Err(destroyed::<H>());
-    };
-    match map.get(&(p as usize)) {
-        None => Err(destroyed::<H>()),
-        Some(Use::Busy) => Err(fail(
-            PAGEDKV_ERR_INVALID_STATE,
-            format!(
-                "{} is inside a call (on another thread, or re-entrant): it was not destroyed",
-                H::WHAT
-            ),
-        )),
-        Some(Use::Idle | Use::Poisoned) => {
-            map.remove(&(p as usize));
-            drop(reg);
-            // SAFETY: registered and idle until just now, under the lock: no call uses
-            // it and none can start (it is unregistered); this is the only release.
-            Ok(unsafe { Box::from_raw(p) })
-        }
     }
 }
 
@@ -1492,158 +1339,4 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pagedkv_testing_panic(s: *mut pagedkv_scheduler) -> pagedkv_status {
     with_scheduler(s, |_| panic!("pagedkv_testing_panic: a deliberate panic"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn create() -> *mut pagedkv_scheduler {
-        let mut cfg = std::mem::MaybeUninit::uninit();
-        let mut s = std::ptr::null_mut();
-        // SAFETY: valid out-pointers.
-        unsafe {
-            assert_eq!(
-                pagedkv_scheduler_config_default(cfg.as_mut_ptr()),
-                PAGEDKV_OK
-            );
-            assert_eq!(pagedkv_scheduler_create(cfg.as_ptr(), &mut s), PAGEDKV_OK);
-        }
-        s
-    }
-
-    fn last_error() -> String {
-        // SAFETY: never null, NUL-terminated.
-        unsafe { std::ffi::CStr::from_ptr(pagedkv_last_error_message()) }
-            .to_string_lossy()
-            .into_owned()
-    }
-
-    /// Sets what the registry says `s` is doing, as a call in progress would.
-    fn set_use(s: *mut pagedkv_scheduler, u: Use) {
-        let mut reg = SCHEDULERS.lock();
-        let slot = reg.as_mut().unwrap().get_mut(&(s as usize)).unwrap();
-        *slot = u;
-    }
-
-    #[test]
-    fn a_scheduler_inside_a_call_refuses_another_and_cannot_be_destroyed() {
-        let s = create();
-        // Simulate a call in progress (re-entrance from a callback, or another thread).
-        set_use(s, Use::Busy);
-        let mut idle = 0;
-        // SAFETY: valid pointers.
-        assert_eq!(
-            unsafe { pagedkv_is_idle(s, &mut idle) },
-            PAGEDKV_ERR_INVALID_STATE
-        );
-        assert!(
-            last_error().contains("already inside a call"),
-            "{}",
-            last_error()
-        );
-        // SAFETY: as above.
-        assert_eq!(
-            unsafe { pagedkv_scheduler_destroy(s) },
-            PAGEDKV_ERR_INVALID_STATE
-        );
-        assert!(last_error().contains("inside a call"), "{}", last_error());
-        set_use(s, Use::Idle);
-        // SAFETY: valid pointers.
-        assert_eq!(unsafe { pagedkv_is_idle(s, &mut idle) }, PAGEDKV_OK);
-        assert_eq!(idle, 1);
-        assert_eq!(last_error(), "");
-        // SAFETY: live handle, destroyed once.
-        assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
-    }
-
-    #[test]
-    fn a_panic_inside_is_an_error_code_not_an_unwind() {
-        let s = guard(|| panic!("boom"));
-        assert_eq!(s, PAGEDKV_ERR_PANIC);
-        // The message, with where it happened (recorded by the quiet hook).
-        assert!(
-            last_error().contains("internal panic: boom at "),
-            "{}",
-            last_error()
-        );
-        assert!(last_error().contains("lib.rs"), "{}", last_error());
-        // Formatted payloads too.
-        let n = 3;
-        assert_eq!(guard(|| panic!("boom {n}")), PAGEDKV_ERR_PANIC);
-        assert!(last_error().contains("boom 3"), "{}", last_error());
-        // The next call starts clean.
-        assert_eq!(guard(|| PAGEDKV_OK), PAGEDKV_OK);
-        assert_eq!(last_error(), "");
-    }
-
-    #[test]
-    fn a_call_that_panics_leaves_its_handle_poisoned_but_destroyable() {
-        let s = create();
-        assert_eq!(
-            with_scheduler(s, |_| panic!("inside a call")),
-            PAGEDKV_ERR_PANIC
-        );
-        assert!(last_error().contains("inside a call"), "{}", last_error());
-        let mut idle = 0;
-        // SAFETY: valid pointers.
-        assert_eq!(
-            unsafe { pagedkv_is_idle(s, &mut idle) },
-            PAGEDKV_ERR_INVALID_STATE
-        );
-        assert!(last_error().contains("panicked"), "{}", last_error());
-        // SAFETY: live handle, destroyed once.
-        assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
-        // SAFETY: as above; a destroyed handle is detected.
-        assert_eq!(
-            unsafe { pagedkv_scheduler_destroy(s) },
-            PAGEDKV_ERR_INVALID_STATE
-        );
-    }
-
-    /// The child half of the next test: panics inside guarded calls, with output
-    /// capture off. Does nothing unless the parent runs it.
-    #[test]
-    fn quiet_panic_child() {
-        if std::env::var_os("PAGEDKV_QUIET_PANIC_CHILD").is_none() {
-            return;
-        }
-        assert_eq!(guard(|| panic!("quiet boom")), PAGEDKV_ERR_PANIC);
-        let s = create();
-        assert_eq!(
-            with_scheduler(s, |_| panic!("quiet boom")),
-            PAGEDKV_ERR_PANIC
-        );
-        // SAFETY: live handle, destroyed once.
-        assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
-        // A panic outside any C ABI call still goes to the previous (default) hook.
-        assert!(
-            std::thread::spawn(|| panic!("loud outside"))
-                .join()
-                .is_err()
-        );
-        println!("child done");
-    }
-
-    #[test]
-    fn a_panic_inside_a_call_prints_nothing_to_stderr() {
-        let o = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "tests::quiet_panic_child", "--nocapture"])
-            .args(["--test-threads", "1"])
-            .env("PAGEDKV_QUIET_PANIC_CHILD", "1")
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .unwrap();
-        let (out, err) = (
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr),
-        );
-        assert!(o.status.success(), "{out}\n{err}");
-        assert!(out.contains("child done"), "{out}");
-        assert!(!err.contains("quiet boom"), "{err}");
-        assert!(!out.contains("quiet boom"), "{out}");
-        // Only the panic outside a call printed (through the default hook).
-        assert_eq!(err.matches("panicked").count(), 1, "{err}");
-        assert!(err.contains("loud outside"), "{err}");
-    }
 }
