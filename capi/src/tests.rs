@@ -6,6 +6,7 @@
 
 use crate::guard::guard;
 use crate::handle::{Handle, Use};
+use crate::pagedkv_status::*;
 use crate::scheduler::with_scheduler;
 use crate::*;
 
