@@ -215,7 +215,7 @@ typedef struct pagedkv_decode_shape {
     uint32_t num_seqs;           /* sequences, one query token each */
     uint32_t num_q_heads;        /* a multiple of num_kv_heads */
     uint32_t num_kv_heads;
-    uint32_t head_dim;           /* 64, 80, 96, 112, 128 or 256 */
+    uint32_t head_dim;           /* 32, 64, 80, 96, 112, 128 or 256 */
     uint32_t block_size;         /* 8, 16 or 32 */
     uint32_t num_blocks;         /* blocks in the cache */
     uint32_t max_blocks_per_seq; /* row length of block_tables */

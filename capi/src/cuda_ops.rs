@@ -1,0 +1,347 @@
+//! The CUDA kernels for C: `kv_append` and paged decode attention on device pointers.
+//!
+//! Each function takes a backend (see [`crate::cuda`]), the sizes, and device pointers
+//! (`CUdeviceptr`, as `u64`) to buffers the caller owns in the backend's context:
+//!
+//! ```c
+//! /* the new tokens' K/V into their slots (host slot_mapping, negative: skip) */
+//! pagedkv_cuda_kv_append(gpu, num_blocks, num_kv_heads, block_size, head_dim,
+//!                        PAGEDKV_F16, k, v, num_tokens, b.slot_mapping, kc, vc);
+//! /* attention over the batch's tables (host arrays, as pagedkv_step gives them) */
+//! pagedkv_cuda_decode_attention(gpu, &sh, PAGEDKV_F16, scale, q, kc, vc,
+//!                               b.block_tables, b.num_seqs * b.max_blocks_per_seq,
+//!                               b.context_lens, b.num_seqs, out);
+//! ```
+//!
+//! What the library can check, it checks before anything is launched, in the order of
+//! [`crate::args`]: the layout, every size in checked arithmetic, the host arrays'
+//! lengths against the shape, then their contents (slots and block ids inside the pool,
+//! context lengths inside the tables). What it cannot check is the caller's contract
+//! (each function's `# Safety`): that the device pointers are allocations of the sizes
+//! the shapes imply, unused by other work until the launch completes. The work is
+//! asynchronous on the backend's stream; the caller keeps its buffers alive until
+//! `pagedkv_cuda_synchronize`.
+//!
+//! [`pagedkv_cuda_kv_append`] and [`pagedkv_cuda_decode_attention`] wrap the device
+//! pointers as borrowed tensors and call the backend's kernels directly; split-K is
+//! planned from the device's SM count. [`pagedkv_cuda_decode_attention_strided`] lets
+//! `q` and `out` be rows a stride apart (`q` can be a view into a fused QKV
+//! projection) and runs through the crate's step path instead: a `StepRunner` on a
+//! `CudaStepDevice` plans the batch, then one launch or two, with the views' alignment
+//! and strides checked (`PAGEDKV_ERR_INVALID_ARGUMENT` naming the argument, never a
+//! misaligned-address fault).
+
+use pagedkv::host::Error;
+use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
+use pagedkv::host::ops::kv_append::KvAppendIo;
+use pagedkv::kernels::PagedLayout;
+
+use crate::args::{check_len, checked_elems, pagedkv_decode_shape, pool_elems, slice};
+use crate::cuda::{dtype_of, pagedkv_cuda_backend, with_cuda};
+use crate::pagedkv_status::{self, *};
+use crate::status::{fail, from_error};
+
+/// `kv_append` on the GPU, on device buffers the caller owns: `key`, `value`:
+/// `[num_tokens, num_kv_heads, head_dim]`; the caches `[num_blocks, num_kv_heads,
+/// block_size, head_dim]`, all of `dtype`. `slot_mapping` is host memory
+/// (`num_tokens` entries; negative: skip), validated before the launch. Asynchronous on
+/// the backend's stream.
+///
+/// # Safety
+/// The device pointers are allocations in the backend's context of at least the sizes
+/// the shapes imply, unused by other work until the launch completes; `slot_mapping` is
+/// null only when `num_tokens` is 0, else valid for `num_tokens` reads.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_cuda_kv_append(
+    b: *mut pagedkv_cuda_backend,
+    num_blocks: u32,
+    num_kv_heads: u32,
+    block_size: u32,
+    head_dim: u32,
+    dtype: i32,
+    key: u64,
+    value: u64,
+    num_tokens: u64,
+    slot_mapping: *const i64,
+    key_cache: u64,
+    value_cache: u64,
+) -> pagedkv_status {
+    with_cuda(b, |g| {
+        let dt = dtype_of(dtype)?;
+        let layout = PagedLayout {
+            num_blocks,
+            num_kv_heads,
+            block_size,
+            head_dim,
+        };
+        pagedkv::host::ops::check_layout(&layout).map_err(|e| from_error(&e))?;
+        // Sizes in checked arithmetic: both fit in `usize` (so do the shapes' products,
+        // every factor being at least 1 past `check_layout` and the early return).
+        let pool = [pool_elems(&layout)? as usize];
+        if num_tokens == 0 {
+            return Ok(());
+        }
+        let rows = usize::try_from(num_tokens)
+            .ok()
+            .filter(|_| {
+                num_tokens
+                    .checked_mul(num_kv_heads as u64 * head_dim as u64)
+                    .is_some_and(|n| usize::try_from(n).is_ok())
+            })
+            .ok_or_else(|| {
+                fail(
+                    PAGEDKV_ERR_INVALID_ARGUMENT,
+                    format!(
+                        "invalid argument `num_tokens`: {num_tokens} * num_kv_heads * head_dim overflows"
+                    ),
+                )
+            })?;
+        // SAFETY: the caller's contract.
+        let sm = unsafe { slice(slot_mapping, num_tokens, "slot_mapping")? };
+        let tok = [rows, num_kv_heads as usize, head_dim as usize];
+        // SAFETY: the caller's contract (device allocations of these sizes, unused by
+        // other work until the launch completes).
+        let (k, v, mut kc, mut vc) = unsafe {
+            use pagedkv::cuda::BorrowedDeviceTensor as B;
+            let m = |e: Error| from_error(&e);
+            (
+                B::new(g, key, dt, &tok).map_err(m)?,
+                B::new(g, value, dt, &tok).map_err(m)?,
+                B::new(g, key_cache, dt, &pool).map_err(m)?,
+                B::new(g, value_cache, dt, &pool).map_err(m)?,
+            )
+        };
+        g.kv_append(KvAppendIo {
+            layout: &layout,
+            key: &k,
+            value: &v,
+            slot_mapping: sm,
+            key_cache: &mut kc,
+            value_cache: &mut vc,
+        })
+        .map_err(|e| from_error(&e))
+    })
+}
+
+/// Paged decode attention on the GPU, on device buffers the caller owns: `q`, `out`:
+/// `[num_seqs, num_q_heads, head_dim]`; caches `[num_blocks, num_kv_heads, block_size,
+/// head_dim]`, all of `dtype`. `block_tables` (`[num_seqs, max_blocks_per_seq]`) and
+/// `context_lens` (`[num_seqs]`) are host memory, validated (ids in the pool, lengths in
+/// the tables) before anything is launched; split-K is planned from the device's SM
+/// count. Asynchronous on the backend's stream.
+///
+/// # Safety
+/// As `pagedkv_cuda_kv_append`; the host arrays are valid for their `*_len` reads.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
+    b: *mut pagedkv_cuda_backend,
+    shape: *const pagedkv_decode_shape,
+    dtype: i32,
+    scale: f32,
+    q: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: *const i32,
+    block_tables_len: u64,
+    context_lens: *const i32,
+    context_lens_len: u64,
+    out: u64,
+) -> pagedkv_status {
+    with_cuda(b, |g| {
+        let dt = dtype_of(dtype)?;
+        if shape.is_null() {
+            return Err(fail(PAGEDKV_ERR_NULL, "shape is null"));
+        }
+        // SAFETY: non-null, valid for a read.
+        let c = unsafe { shape.read() };
+        let sh = DecodeShape::from(c);
+        pagedkv::host::ops::check_layout(&sh.layout()).map_err(|e| from_error(&e))?;
+        // Sizes in checked arithmetic (each fits in `usize`, so do the shapes' partial
+        // products: head_dim >= 1 past `check_layout`), and the host arrays' lengths
+        // checked against the shape before they are read.
+        let pool = [pool_elems(&sh.layout())? as usize];
+        checked_elems(
+            &[c.num_seqs, c.num_q_heads, c.head_dim],
+            "num_seqs",
+            "num_seqs * num_q_heads * head_dim",
+        )?;
+        let btn = checked_elems(
+            &[c.num_seqs, c.max_blocks_per_seq],
+            "max_blocks_per_seq",
+            "num_seqs * max_blocks_per_seq",
+        )?;
+        check_len("block_tables", block_tables_len, btn)?;
+        check_len("context_lens", context_lens_len, c.num_seqs as u64)?;
+        // SAFETY: the caller's contract.
+        let (bt, cl) = unsafe {
+            (
+                slice(block_tables, block_tables_len, "block_tables")?,
+                slice(context_lens, context_lens_len, "context_lens")?,
+            )
+        };
+        let qs = [
+            c.num_seqs as usize,
+            c.num_q_heads as usize,
+            c.head_dim as usize,
+        ];
+        // SAFETY: the caller's contract (device allocations of these sizes).
+        let (qt, kc, vc, mut ot) = unsafe {
+            use pagedkv::cuda::BorrowedDeviceTensor as B;
+            let m = |e: Error| from_error(&e);
+            (
+                B::new(g, q, dt, &qs).map_err(m)?,
+                B::new(g, key_cache, dt, &pool).map_err(m)?,
+                B::new(g, value_cache, dt, &pool).map_err(m)?,
+                B::new(g, out, dt, &qs).map_err(m)?,
+            )
+        };
+        let mut opts = DecodeOptions::new(c.head_dim.max(1));
+        opts.scale = scale;
+        g.paged_decode_attention(
+            DecodeInputs {
+                shape: &sh,
+                opts: &opts,
+                q: &qt,
+                key_cache: &kc,
+                value_cache: &vc,
+                block_tables: bt,
+                context_lens: cl,
+                plan: None,
+            },
+            &mut ot,
+        )
+        .map(|_| ())
+        .map_err(|e| from_error(&e))
+    })
+}
+
+/// Decode attention on the GPU like `pagedkv_cuda_decode_attention`, with `q` and `out`
+/// as rows `q_row_stride` / `out_row_stride` elements apart (0: dense,
+/// `num_q_heads * head_dim`): q can be a view into a fused QKV projection. A stride is
+/// at least `num_q_heads * head_dim` and a multiple of 16 bytes, and every device
+/// pointer 16-byte aligned, or the call is `PAGEDKV_ERR_INVALID_ARGUMENT` naming it.
+/// Runs through the step path (one plan, one launch or two); asynchronous on the
+/// backend's stream.
+///
+/// # Safety
+/// As `pagedkv_cuda_decode_attention`, with `q` valid for `(num_seqs - 1) *
+/// q_row_stride + num_q_heads * head_dim` elements and `out` likewise.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
+    b: *mut pagedkv_cuda_backend,
+    shape: *const pagedkv_decode_shape,
+    dtype: i32,
+    scale: f32,
+    q: u64,
+    q_row_stride: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: *const i32,
+    block_tables_len: u64,
+    context_lens: *const i32,
+    context_lens_len: u64,
+    out: u64,
+    out_row_stride: u64,
+) -> pagedkv_status {
+    use pagedkv::cuda::CudaStepDevice;
+    use pagedkv::host::step::{
+        DecodeIo, StepCapacity, StepDevice, StepMeta, StepRunner, StepShape, TensorView,
+        TensorViewMut,
+    };
+    with_cuda(b, |g| {
+        let dt = dtype_of(dtype)?;
+        if shape.is_null() {
+            return Err(fail(PAGEDKV_ERR_NULL, "shape is null"));
+        }
+        // SAFETY: non-null, valid for a read.
+        let c = unsafe { shape.read() };
+        let sh = DecodeShape::from(c);
+        let m = |e: Error| from_error(&e);
+        pagedkv::host::ops::check_layout(&sh.layout()).map_err(m)?;
+        let pool = pool_elems(&sh.layout())?;
+        let row = checked_elems(
+            &[c.num_q_heads, c.head_dim],
+            "num_q_heads",
+            "num_q_heads * head_dim",
+        )?;
+        let btn = checked_elems(
+            &[c.num_seqs, c.max_blocks_per_seq],
+            "max_blocks_per_seq",
+            "num_seqs * max_blocks_per_seq",
+        )?;
+        check_len("block_tables", block_tables_len, btn)?;
+        check_len("context_lens", context_lens_len, c.num_seqs as u64)?;
+        // SAFETY: the caller's contract.
+        let (bt, cl) = unsafe {
+            (
+                slice(block_tables, block_tables_len, "block_tables")?,
+                slice(context_lens, context_lens_len, "context_lens")?,
+            )
+        };
+        // Elements a strided view spans: (num_seqs - 1) * stride + row, checked.
+        let span = |what: &str, stride: u64| -> Result<(u64, u64), pagedkv_status> {
+            let stride = if stride == 0 { row } else { stride };
+            (c.num_seqs.max(1) as u64 - 1)
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add(row))
+                .map(|n| (n, stride))
+                .ok_or_else(|| {
+                    fail(
+                        PAGEDKV_ERR_INVALID_ARGUMENT,
+                        format!("`{what}`: num_seqs * row stride overflows"),
+                    )
+                })
+        };
+        let (q_elems, q_stride) = span("q_row_stride", q_row_stride)?;
+        let (out_elems, out_stride) = span("out_row_stride", out_row_stride)?;
+        let step_shape = StepShape {
+            num_q_heads: c.num_q_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: c.block_size,
+            num_blocks: c.num_blocks,
+            dtype: dt,
+        };
+        let cap = StepCapacity {
+            max_seqs: c.num_seqs.max(1),
+            max_blocks_per_seq: c.max_blocks_per_seq.max(1),
+            max_tokens: 1,
+            max_partitions: 1024,
+        };
+        let mut r =
+            StepRunner::new(CudaStepDevice::new(g), step_shape, cap, g.sm_count()).map_err(m)?;
+        r.plan(&StepMeta {
+            block_tables: bt,
+            max_blocks_per_seq: c.max_blocks_per_seq,
+            context_lens: cl,
+            slot_mapping: &[],
+        })
+        .map_err(m)?;
+        let space = r.device().space();
+        // SAFETY: the caller's contract: device allocations in the backend's context of
+        // these sizes, unused by other work until the launch completes.
+        let (qv, kv, vv, ov) = unsafe {
+            (
+                TensorView::from_raw(q, q_elems, dt, space).with_row_stride(q_stride),
+                TensorView::from_raw(key_cache, pool, dt, space),
+                TensorView::from_raw(value_cache, pool, dt, space),
+                TensorViewMut::from_raw(out, out_elems, dt, space).with_row_stride(out_stride),
+            )
+        };
+        let mut opts = DecodeOptions::new(c.head_dim.max(1));
+        opts.scale = scale;
+        r.decode(
+            &opts,
+            DecodeIo {
+                q: qv,
+                key_cache: kv,
+                value_cache: vv,
+                out: ov,
+            },
+        )
+        .map(|_| ())
+        .map_err(m)
+    })
+}

@@ -1,0 +1,161 @@
+//! Unit tests of the machinery behind every entry point, driven through the C
+//! functions themselves: a handle inside a call refuses other calls and destroy, a
+//! panic becomes `PAGEDKV_ERR_PANIC` with its message and location and leaves its
+//! handle poisoned but destroyable, and nothing reaches stderr. (The C programs in
+//! `capi/tests/` cover the same ground from C.)
+
+use crate::guard::guard;
+use crate::handle::{Handle, Use};
+use crate::pagedkv_status::*;
+use crate::scheduler::with_scheduler;
+use crate::*;
+
+fn create() -> *mut pagedkv_scheduler {
+    let mut cfg = std::mem::MaybeUninit::uninit();
+    let mut s = std::ptr::null_mut();
+    // SAFETY: valid out-pointers.
+    unsafe {
+        assert_eq!(
+            pagedkv_scheduler_config_default(cfg.as_mut_ptr()),
+            PAGEDKV_OK
+        );
+        assert_eq!(pagedkv_scheduler_create(cfg.as_ptr(), &mut s), PAGEDKV_OK);
+    }
+    s
+}
+
+fn last_error() -> String {
+    // SAFETY: never null, NUL-terminated.
+    unsafe { std::ffi::CStr::from_ptr(pagedkv_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Sets what the registry says `s` is doing, as a call in progress would.
+fn set_use(s: *mut pagedkv_scheduler, u: Use) {
+    let mut reg = pagedkv_scheduler::registry().lock();
+    let slot = reg.as_mut().unwrap().get_mut(&(s as usize)).unwrap();
+    *slot = u;
+}
+
+#[test]
+fn a_scheduler_inside_a_call_refuses_another_and_cannot_be_destroyed() {
+    let s = create();
+    // Simulate a call in progress (re-entrance from a callback, or another thread).
+    set_use(s, Use::Busy);
+    let mut idle = 0;
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { pagedkv_is_idle(s, &mut idle) },
+        PAGEDKV_ERR_INVALID_STATE
+    );
+    assert!(
+        last_error().contains("already inside a call"),
+        "{}",
+        last_error()
+    );
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { pagedkv_scheduler_destroy(s) },
+        PAGEDKV_ERR_INVALID_STATE
+    );
+    assert!(last_error().contains("inside a call"), "{}", last_error());
+    set_use(s, Use::Idle);
+    // SAFETY: valid pointers.
+    assert_eq!(unsafe { pagedkv_is_idle(s, &mut idle) }, PAGEDKV_OK);
+    assert_eq!(idle, 1);
+    assert_eq!(last_error(), "");
+    // SAFETY: live handle, destroyed once.
+    assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
+}
+
+#[test]
+fn a_panic_inside_is_an_error_code_not_an_unwind() {
+    let s = guard(|| panic!("boom"));
+    assert_eq!(s, PAGEDKV_ERR_PANIC);
+    // The message, with where it happened (recorded by the quiet hook).
+    assert!(
+        last_error().contains("internal panic: boom at "),
+        "{}",
+        last_error()
+    );
+    // (This file: the panic is in the closure above.)
+    assert!(last_error().contains(file!()), "{}", last_error());
+    // Formatted payloads too.
+    let n = 3;
+    assert_eq!(guard(|| panic!("boom {n}")), PAGEDKV_ERR_PANIC);
+    assert!(last_error().contains("boom 3"), "{}", last_error());
+    // The next call starts clean.
+    assert_eq!(guard(|| PAGEDKV_OK), PAGEDKV_OK);
+    assert_eq!(last_error(), "");
+}
+
+#[test]
+fn a_call_that_panics_leaves_its_handle_poisoned_but_destroyable() {
+    let s = create();
+    assert_eq!(
+        with_scheduler(s, |_| panic!("inside a call")),
+        PAGEDKV_ERR_PANIC
+    );
+    assert!(last_error().contains("inside a call"), "{}", last_error());
+    let mut idle = 0;
+    // SAFETY: valid pointers.
+    assert_eq!(
+        unsafe { pagedkv_is_idle(s, &mut idle) },
+        PAGEDKV_ERR_INVALID_STATE
+    );
+    assert!(last_error().contains("panicked"), "{}", last_error());
+    // SAFETY: live handle, destroyed once.
+    assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
+    // SAFETY: as above; a destroyed handle is detected.
+    assert_eq!(
+        unsafe { pagedkv_scheduler_destroy(s) },
+        PAGEDKV_ERR_INVALID_STATE
+    );
+}
+
+/// The child half of the next test: panics inside guarded calls, with output
+/// capture off. Does nothing unless the parent runs it.
+#[test]
+fn quiet_panic_child() {
+    if std::env::var_os("PAGEDKV_QUIET_PANIC_CHILD").is_none() {
+        return;
+    }
+    assert_eq!(guard(|| panic!("quiet boom")), PAGEDKV_ERR_PANIC);
+    let s = create();
+    assert_eq!(
+        with_scheduler(s, |_| panic!("quiet boom")),
+        PAGEDKV_ERR_PANIC
+    );
+    // SAFETY: live handle, destroyed once.
+    assert_eq!(unsafe { pagedkv_scheduler_destroy(s) }, PAGEDKV_OK);
+    // A panic outside any C ABI call still goes to the previous (default) hook.
+    assert!(
+        std::thread::spawn(|| panic!("loud outside"))
+            .join()
+            .is_err()
+    );
+    println!("child done");
+}
+
+#[test]
+fn a_panic_inside_a_call_prints_nothing_to_stderr() {
+    let o = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "tests::quiet_panic_child", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env("PAGEDKV_QUIET_PANIC_CHILD", "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("child done"), "{out}");
+    assert!(!err.contains("quiet boom"), "{err}");
+    assert!(!out.contains("quiet boom"), "{out}");
+    // Only the panic outside a call printed (through the default hook).
+    assert_eq!(err.matches("panicked").count(), 1, "{err}");
+    assert!(err.contains("loud outside"), "{err}");
+}
