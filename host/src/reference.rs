@@ -183,3 +183,54 @@ pub fn kv_append(
         }
     }
 }
+
+/// Prefill attention for a batch over the paged cache: for every sequence `s` and each
+/// of its new tokens `i` (at position `context_lens[s] - qo_len + i`), dense attention
+/// over the positions up to its own, as [`dense_decode_attention`] computes for a
+/// context that ends there. Returns `[qo_indptr[num_seqs], num_q_heads, head_dim]`.
+pub fn paged_prefill_attention(
+    inputs: &crate::ops::prefill::PrefillInputs<'_, HostTensor>,
+) -> Vec<f64> {
+    let sh = inputs.shape;
+    let (qh, kvh, d) = (
+        sh.num_q_heads as usize,
+        sh.num_kv_heads as usize,
+        sh.head_dim as usize,
+    );
+    let row = qh * d;
+    let mut out = Vec::new();
+    for s in 0..sh.num_seqs as usize {
+        let (q0, q1) = (
+            inputs.qo_indptr[s] as usize,
+            inputs.qo_indptr[s + 1] as usize,
+        );
+        let ctx = inputs.context_lens[s] as usize;
+        let first = match inputs.opts.window {
+            Some(w) if ctx - (q1 - q0) + 1 > w as usize => ctx - (q1 - q0) + 1 - w as usize,
+            _ => 0,
+        };
+        let (k, v) = gather_from(
+            sh,
+            inputs.key_cache,
+            inputs.value_cache,
+            inputs.block_tables,
+            s,
+            first,
+            ctx,
+        );
+        for (i, tok) in (q0..q1).enumerate() {
+            let end = (ctx - (q1 - q0) + i + 1) * kvh * d;
+            let q: Vec<f64> = (0..row).map(|e| inputs.q.get(tok * row + e)).collect();
+            out.extend(dense_decode_attention(
+                &q,
+                &k[..end],
+                &v[..end],
+                qh,
+                kvh,
+                d,
+                inputs.opts,
+            ));
+        }
+    }
+    out
+}

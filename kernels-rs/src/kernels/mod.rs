@@ -8,7 +8,9 @@
 pub mod attention;
 pub mod copy_blocks;
 pub mod kv_append;
+pub mod prefill;
 
 pub use attention::{DecodeParams, DecodeReduce, PagedDecode, ReduceParams};
 pub use copy_blocks::{CopyBlocks, CopyBlocksParams, PoolView};
 pub use kv_append::{KvAppend, KvAppendParams};
+pub use prefill::{PagedPrefill, PagedPrefillSimt, PrefillParams};

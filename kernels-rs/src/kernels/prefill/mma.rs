@@ -1,0 +1,211 @@
+//! [`PagedPrefill`]: the tensor-core prefill kernel (f16, bf16).
+//!
+//! Shared memory (32-bit words, 16-bit elements): the Q tile `[16, head_dim]` at 0,
+//! the K tile `[16, head_dim]` at `8 * head_dim`, one pass of the V tile `[16,
+//! PASS_DIMS]` after it. Thread `lane` holds, per `mma` fragment, rows `g = lane / 4`
+//! and `g + 8` and columns `2 * (lane % 4)` and `+ 1` (the PTX ISA's layouts, see
+//! `Ctx::mma_m16n8k16_f16`).
+
+use super::{KV_TILE, MmaElem, Of, PASS_DIMS, PrefillParams, ROWS, Row, Seq, cache_at, weight};
+use crate::device::{Ctx, Kernel};
+use crate::elem::{Bf16, F16};
+
+/// The tensor-core prefill kernel for `T` (see the [module docs](super)).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedPrefill<T>(Of<T>);
+
+macro_rules! kernel {
+    ($t:ty, $name:literal) => {
+        impl Kernel for PagedPrefill<$t> {
+            type Params = PrefillParams<$t>;
+            const NAME: &'static str = $name;
+            #[inline(always)]
+            fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
+                prefill::<$t, C>(ctx, p)
+            }
+        }
+    };
+}
+kernel!(F16, "paged_prefill_attention_f16");
+kernel!(Bf16, "paged_prefill_attention_bf16");
+
+/// Output fragments of one pass: `PASS_DIMS / 8` column blocks of `[f32; 4]`.
+const NBLK: usize = (PASS_DIMS / 8) as usize;
+
+fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
+    let b = ctx.block_idx();
+    let (kvh, tile, s) = (b.x, b.y, b.z);
+    let sq = Seq::load(ctx, p, s);
+    let rows = sq.qo_len * sq.group;
+    let row0 = tile * ROWS;
+    if row0 >= rows {
+        return; // the block is one warp: it leaves whole
+    }
+    let d = p.layout.head_dim;
+    let dw = d / 2; // words per row of Q and K
+    let lane = ctx.lane();
+    let (g, t) = (lane / 4, lane % 4);
+    let row = [
+        Row::new(ctx, p, &sq, kvh, row0 + g),
+        Row::new(ctx, p, &sq, kvh, row0 + g + 8),
+    ];
+    // The positions any row of the block sees.
+    let last = if row0 + ROWS < rows {
+        row0 + ROWS
+    } else {
+        rows
+    } - 1;
+    let lo = sq.first_visible(p, row0 / sq.group);
+    let hi = sq.pos(last / sq.group) + 1;
+
+    // Q tile into shared memory, 16 bytes a copy; rows past the sequence are zeros.
+    let (kw, vw) = (ROWS * dw, 2 * ROWS * dw);
+    let chunks = d / 8;
+    let mut c = lane;
+    while c < ROWS * chunks {
+        let (r, k) = (c / chunks, c % chunks);
+        let word = r * dw + 4 * k;
+        let rr = Row::new(ctx, p, &sq, kvh, row0 + r);
+        let v = if rr.valid {
+            ctx.ld_v4(&p.q, rr.at(p, &sq, 8 * k))
+        } else {
+            [0; 4]
+        };
+        for (i, x) in v.into_iter().enumerate() {
+            ctx.smem_st_u32(word + i as u32, x);
+        }
+        c += 32;
+    }
+
+    let mut pass = 0;
+    while pass * PASS_DIMS < d {
+        let width = if d - pass * PASS_DIMS < PASS_DIMS {
+            d - pass * PASS_DIMS
+        } else {
+            PASS_DIMS
+        };
+        let (nblk, vchunks) = (width / 8, width / 8);
+        let mut o = [[0f32; 4]; NBLK];
+        let mut m = [f32::NEG_INFINITY; 2];
+        let mut l = [0f32; 2];
+        let mut kv = lo - lo % KV_TILE;
+        while kv < hi {
+            // Stage K and this pass's V columns; positions outside [lo, hi) (before
+            // the window, whose blocks may be freed, or past the context) are zeros.
+            let mut c = lane;
+            while c < KV_TILE * (chunks + vchunks) {
+                let is_k = c < KV_TILE * chunks;
+                let (r, k, word) = if is_k {
+                    let (r, k) = (c / chunks, c % chunks);
+                    (r, 8 * k, kw + r * dw + 4 * k)
+                } else {
+                    let c = c - KV_TILE * chunks;
+                    let (r, k) = (c / vchunks, c % vchunks);
+                    (r, pass * PASS_DIMS + 8 * k, vw + r * (width / 2) + 4 * k)
+                };
+                let pos = kv + r;
+                if pos >= lo && pos < hi {
+                    let at = cache_at(ctx, p, s, kvh, pos) + k as u64;
+                    let src = if is_k { &p.key_cache } else { &p.value_cache };
+                    ctx.cp_async_16(word, src, at);
+                } else {
+                    for i in 0..4 {
+                        ctx.smem_st_u32(word + i, 0);
+                    }
+                }
+                c += 32;
+            }
+            ctx.cp_async_commit();
+            ctx.cp_async_wait::<0>();
+            ctx.sync_threads();
+
+            // S = Q K^T for the tile's two 8-position column blocks.
+            let mut sacc = [[0f32; 4]; 2];
+            let (lr, lh) = (lane % 8, (lane / 8) % 2);
+            let mut ks = 0;
+            while ks < d / 16 {
+                let a_row = lr + 8 * lh;
+                let a = ctx.ldmatrix_x4::<false>(a_row * dw + 8 * ks + 4 * (lane / 16));
+                let mut nb = 0;
+                while nb < 2 {
+                    let bk = ctx.ldmatrix_x2::<false>(kw + (8 * nb + lr) * dw + 8 * ks + 4 * lh);
+                    sacc[nb as usize] = T::mma(ctx, a, bk, sacc[nb as usize]);
+                    nb += 1;
+                }
+                ks += 1;
+            }
+            // Online softmax per row (the 4 lanes of a group share a row).
+            let mut sc = [[0f32; 4]; 2];
+            let mut mx = [f32::NEG_INFINITY; 2];
+            for nb in 0..2 {
+                for i in 0..4 {
+                    let kpos = kv + 8 * nb as u32 + 2 * t + (i % 2) as u32;
+                    let x = row[i / 2].score(ctx, p, sacc[nb][i], kpos);
+                    sc[nb][i] = x;
+                    if x > mx[i / 2] {
+                        mx[i / 2] = x;
+                    }
+                }
+            }
+            let mut alpha = [0f32; 2];
+            for r in 0..2 {
+                let mut w = 1;
+                while w < 4 {
+                    let y = ctx.shfl_xor_f32(mx[r], w);
+                    if y > mx[r] {
+                        mx[r] = y;
+                    }
+                    w *= 2;
+                }
+                let m_new = if mx[r] > m[r] { mx[r] } else { m[r] };
+                alpha[r] = weight(ctx, m[r], m_new);
+                m[r] = m_new;
+                l[r] *= alpha[r];
+            }
+            let mut pa = [0u32; 4];
+            for nb in 0..2 {
+                let pr: [f32; 4] = core::array::from_fn(|i| weight(ctx, sc[nb][i], m[i / 2]));
+                for (i, x) in pr.iter().enumerate() {
+                    l[i / 2] += x;
+                }
+                pa[2 * nb] = T::pack2(pr[0], pr[1]);
+                pa[2 * nb + 1] = T::pack2(pr[2], pr[3]);
+            }
+            // O = alpha O + P V.
+            let mut nd = 0;
+            while nd < NBLK as u32 {
+                if nd < nblk {
+                    let f = &mut o[nd as usize];
+                    for (i, x) in f.iter_mut().enumerate() {
+                        *x *= alpha[i / 2];
+                    }
+                    let bv = ctx.ldmatrix_x2::<true>(vw + (8 * lh + lr) * (width / 2) + 4 * nd);
+                    *f = T::mma(ctx, pa, bv, *f);
+                }
+                nd += 1;
+            }
+            // Everyone is done with the tile before the next one is staged.
+            ctx.sync_threads();
+            kv += KV_TILE;
+        }
+        // Each lane summed its own columns: the row's total is the group's.
+        for x in l.iter_mut() {
+            *x += ctx.shfl_xor_f32(*x, 1);
+            *x += ctx.shfl_xor_f32(*x, 2);
+        }
+        let mut nd = 0;
+        while nd < NBLK as u32 {
+            if nd < nblk {
+                for (i, x) in o[nd as usize].iter().enumerate() {
+                    let r = &row[i / 2];
+                    if r.valid {
+                        let dim = pass * PASS_DIMS + 8 * nd + 2 * t + (i % 2) as u32;
+                        ctx.st(&p.out, r.at(p, &sq, dim), T::from_f32(x / l[i / 2]));
+                    }
+                }
+            }
+            nd += 1;
+        }
+        pass += 1;
+    }
+}

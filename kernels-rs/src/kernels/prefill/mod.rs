@@ -1,0 +1,262 @@
+//! Paged prefill attention: many query tokens per sequence (a prompt, or a chunk of
+//! one), each attending causally to its sequence's cached tokens (through the block
+//! table) and to the new tokens up to itself.
+//!
+//! # The batch
+//! A ragged batch: sequence `s` has the query tokens `qo_indptr[s]..qo_indptr[s + 1]`
+//! (rows of `q` and `out`) and `context_lens[s]` tokens in its cache, the new ones
+//! included (`kv_append` wrote their K and V first). New token `i` of `s` sits at
+//! position `context_lens[s] - qo_len + i` and attends to the positions up to it (the
+//! last `window` of them with a window), with the same score definition as decode:
+//! `x = scale * q.k`, then soft-cap, then ALiBi `slope * (kpos - qpos)`. A chunk of one
+//! token is exactly decode's question.
+//!
+//! # Work decomposition
+//! A sequence's query rows are its `(token, query head)` pairs of one KV head's group,
+//! token-major: row `r` is token `r / group`, head `kv_head * group + r % group`, so
+//! the K/V a block stages serves the whole group.
+//! * f16 / bf16 ([`PagedPrefill`], tensor cores): grid `(num_kv_heads, ceil(rows /
+//!   16), num_seqs)`, one warp per block serving 16 rows. The block walks the KV
+//!   positions its rows may see in tiles of 16 tokens, staged into shared memory with
+//!   `cp.async` (positions past the context are zero-filled, never read); `S = Q K^T`
+//!   and `O += P V` are `mma.m16n8k16` with `ldmatrix` fragments, the online softmax in
+//!   registers. The output columns are done in passes of [`PASS_DIMS`] (each pass
+//!   recomputes `S`), which bounds the accumulator registers for every head_dim.
+//! * f32 ([`PagedPrefillSimt`], CUDA cores): one thread per row and pass, over the
+//!   same positions, from global memory.
+
+mod mma;
+mod simt;
+
+use core::marker::PhantomData;
+
+use crate::device::{Ctx, GlobalSlice, GlobalSliceMut};
+use crate::elem::{Bf16, Elem, F16};
+use crate::layout::PagedLayout;
+
+pub use mma::PagedPrefill;
+pub use simt::PagedPrefillSimt;
+
+/// Query rows one tensor-core block serves (the `M` of `mma.m16n8k16`).
+pub const ROWS: u32 = 16;
+/// KV positions per tile (the `K` of the `P V` product).
+pub const KV_TILE: u32 = 16;
+/// Output columns per pass (accumulators: `PASS_DIMS / 8` fragments of 4 `f32`).
+pub const PASS_DIMS: u32 = 64;
+/// Threads per block of the tensor-core kernel (one warp).
+pub const MMA_THREADS: u32 = 32;
+/// Threads per block of the f32 kernel (one row each).
+pub const SIMT_THREADS: u32 = 128;
+
+/// Shared memory of the tensor-core kernel for `head_dim`, bytes: the Q and K tiles
+/// (`16 x head_dim`) and one pass of the V tile (`16 x PASS_DIMS`), 16-bit elements.
+pub const fn mma_shared_bytes(head_dim: u32) -> u32 {
+    (2 * ROWS * head_dim + KV_TILE * PASS_DIMS) * 2
+}
+
+/// Parameters of [`PagedPrefill`] and [`PagedPrefillSimt`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillParams<T> {
+    /// `[total_tokens, num_q_heads, head_dim]`: the new tokens' queries, sequence by
+    /// sequence.
+    pub q: GlobalSlice<T>,
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's key cache.
+    pub key_cache: GlobalSlice<T>,
+    /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's value cache.
+    pub value_cache: GlobalSlice<T>,
+    /// `[num_seqs, max_blocks_per_seq]`: physical block of each logical block.
+    pub block_tables: GlobalSlice<i32>,
+    /// `[num_seqs + 1]`: sequence `s`'s query rows are `qo_indptr[s]..qo_indptr[s + 1]`.
+    pub qo_indptr: GlobalSlice<i32>,
+    /// `[num_seqs]`: tokens in each sequence's cache, the new ones included.
+    pub context_lens: GlobalSlice<i32>,
+    /// `[num_q_heads]`: ALiBi slope per query head, or empty for no ALiBi.
+    pub alibi_slopes: GlobalSlice<f32>,
+    /// `[total_tokens, num_q_heads, head_dim]`: the output.
+    pub out: GlobalSliceMut<T>,
+    /// The cache's shape.
+    pub layout: PagedLayout,
+    /// Query heads (a multiple of `layout.num_kv_heads`).
+    pub num_q_heads: u32,
+    /// Row length of `block_tables`.
+    pub max_blocks_per_seq: u32,
+    /// Score scale (usually `1 / sqrt(head_dim)`).
+    pub scale: f32,
+    /// Logit soft-cap: `s = cap * tanh(s * inv_softcap)`; 0 disables it.
+    pub softcap: f32,
+    /// `1 / softcap`.
+    pub inv_softcap: f32,
+    /// Sliding window: attend to the last `window` positions only; 0 disables it.
+    pub window: u32,
+}
+
+/// Where one sequence's rows are, as a block computes them.
+#[derive(Clone, Copy)]
+struct Seq {
+    /// First query row of the sequence in `q` / `out`.
+    q0: u32,
+    /// New tokens.
+    qo_len: u32,
+    /// Tokens in the cache, the new ones included.
+    ctx_len: u32,
+    /// Query heads per KV head.
+    group: u32,
+}
+
+impl Seq {
+    #[inline(always)]
+    fn load<T, C: Ctx>(ctx: &C, p: &PrefillParams<T>, s: u32) -> Self {
+        let q0 = ctx.ld(&p.qo_indptr, s as u64) as u32;
+        let q1 = ctx.ld(&p.qo_indptr, s as u64 + 1) as u32;
+        Seq {
+            q0,
+            qo_len: q1 - q0,
+            ctx_len: ctx.ld(&p.context_lens, s as u64) as u32,
+            group: p.num_q_heads / p.layout.num_kv_heads,
+        }
+    }
+
+    /// The position of new token `i`.
+    #[inline(always)]
+    fn pos(&self, i: u32) -> u32 {
+        self.ctx_len - self.qo_len + i
+    }
+
+    /// The first position new token `i` attends to.
+    #[inline(always)]
+    fn first_visible<T>(&self, p: &PrefillParams<T>, i: u32) -> u32 {
+        let q = self.pos(i);
+        if p.window > 0 && q + 1 > p.window {
+            q + 1 - p.window
+        } else {
+            0
+        }
+    }
+}
+
+/// The element index of position `pos`'s `(kv_head, dim 0)` in the cache of sequence
+/// `s` (its block looked up in the block table).
+#[inline(always)]
+fn cache_at<T, C: Ctx>(ctx: &C, p: &PrefillParams<T>, s: u32, kvh: u32, pos: u32) -> u64 {
+    let l = &p.layout;
+    let lb = pos / l.block_size;
+    let block = ctx.ld(
+        &p.block_tables,
+        s as u64 * p.max_blocks_per_seq as u64 + lb as u64,
+    ) as u32;
+    l.offset(block, kvh, pos % l.block_size)
+}
+
+/// The score of query position `qpos` (head `h`) against key position `kpos`, from
+/// `dot = q.k`, in base-2 units: decode's definition.
+#[inline(always)]
+fn score<T, C: Ctx>(
+    ctx: &C,
+    p: &PrefillParams<T>,
+    dot: f32,
+    slope: f32,
+    kpos: u32,
+    qpos: u32,
+) -> f32 {
+    let mut sc = dot * p.scale;
+    if p.softcap > 0.0 {
+        sc = p.softcap * ctx.tanh(sc * p.inv_softcap);
+    }
+    ctx.fma(slope, kpos as f32 - qpos as f32, sc) * crate::softmax::LOG2_E
+}
+
+/// What a block's rows are: for each of a thread's rows, whether it exists, its token,
+/// query head, position, first visible position and ALiBi slope.
+#[derive(Clone, Copy)]
+struct Row {
+    valid: bool,
+    token: u32,
+    head: u32,
+    qpos: u32,
+    first: u32,
+    slope: f32,
+}
+
+impl Row {
+    #[inline(always)]
+    fn new<T, C: Ctx>(ctx: &C, p: &PrefillParams<T>, sq: &Seq, kvh: u32, r: u32) -> Self {
+        let rows = sq.qo_len * sq.group;
+        let valid = r < rows;
+        let r = if valid { r } else { rows - 1 };
+        let (token, head) = (r / sq.group, kvh * sq.group + r % sq.group);
+        Row {
+            valid,
+            token,
+            head,
+            qpos: sq.pos(token),
+            first: sq.first_visible(p, token),
+            slope: if p.alibi_slopes.is_empty() {
+                0.0
+            } else {
+                ctx.ld(&p.alibi_slopes, head as u64)
+            },
+        }
+    }
+
+    /// The score against `kpos` from `dot`, or `-inf` where this row may not look.
+    #[inline(always)]
+    fn score<T, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T>, dot: f32, kpos: u32) -> f32 {
+        if self.valid && kpos >= self.first && kpos <= self.qpos {
+            score(ctx, p, dot, self.slope, kpos, self.qpos)
+        } else {
+            f32::NEG_INFINITY
+        }
+    }
+
+    /// Element index of this row's `(token, head, dim)` in `q` / `out`.
+    #[inline(always)]
+    fn at<T>(&self, p: &PrefillParams<T>, sq: &Seq, dim: u32) -> u64 {
+        ((sq.q0 + self.token) as u64 * p.num_q_heads as u64 + self.head as u64)
+            * p.layout.head_dim as u64
+            + dim as u64
+    }
+}
+
+/// The 16-bit element types the tensor-core kernel runs on.
+pub trait MmaElem: Elem {
+    /// `mma.m16n8k16` with this element type's A and B.
+    fn mma<C: Ctx>(ctx: &C, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4];
+    /// Two `f32`s as this type, packed low first.
+    fn pack2(lo: f32, hi: f32) -> u32;
+}
+
+/// `exp2(sc - m)`, 0 for a masked score (never `exp2(-inf - -inf)`).
+#[inline(always)]
+fn weight<C: Ctx>(ctx: &C, sc: f32, m: f32) -> f32 {
+    if sc == f32::NEG_INFINITY {
+        0.0
+    } else {
+        ctx.exp2(sc - m)
+    }
+}
+
+impl MmaElem for F16 {
+    #[inline(always)]
+    fn mma<C: Ctx>(ctx: &C, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        ctx.mma_m16n8k16_f16(a, b, c)
+    }
+    #[inline(always)]
+    fn pack2(lo: f32, hi: f32) -> u32 {
+        F16::from_f32(lo).0 as u32 | (F16::from_f32(hi).0 as u32) << 16
+    }
+}
+
+impl MmaElem for Bf16 {
+    #[inline(always)]
+    fn mma<C: Ctx>(ctx: &C, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        ctx.mma_m16n8k16_bf16(a, b, c)
+    }
+    #[inline(always)]
+    fn pack2(lo: f32, hi: f32) -> u32 {
+        Bf16::from_f32(lo).0 as u32 | (Bf16::from_f32(hi).0 as u32) << 16
+    }
+}
+
+/// A marker tying the kernels to their element type.
+type Of<T> = PhantomData<T>;

@@ -1,0 +1,242 @@
+//! The prefill kernels (tensor cores for f16/bf16, CUDA cores for f32) in the emulator
+//! against the f64 reference: ragged batches over a shuffled pool with shared blocks,
+//! NaN in every unused cache slot and in the output, garbage table entries for the
+//! blocks before a window, every head_dim, GQA groups up to 16, chunks that start
+//! mid-block, and a chunk of one token against the decode kernel.
+
+mod common;
+
+use common::case::{Params, build};
+use common::{approx_tolerance, cases, rel_l2, rng, tolerance, uniform};
+use pagedkv::host::emulator::{Emulator, MathMode};
+use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
+use pagedkv::host::ops::attention::{DecodeInputs, DecodeShape, decode_emulated};
+use pagedkv::host::ops::prefill::{PrefillInputs, prefill_emulated};
+use pagedkv::host::reference::paged_prefill_attention;
+use pagedkv::host::{DType, Error, HostTensor};
+use proptest::prelude::*;
+use rand::Rng;
+
+fn params() -> impl Strategy<Value = Params> {
+    (
+        prop::sample::select(DType::ALL.to_vec()),
+        prop::sample::select(SUPPORTED_HEAD_DIMS.to_vec()),
+        prop::sample::select(vec![8u32, 16, 32]),
+        1u32..=2,
+        prop_oneof![3 => 1u32..=4, 1 => Just(8u32), 1 => Just(16u32)],
+        prop::sample::select(vec![1u32, 3, 17]),
+        (1u32..=90, prop::option::weighted(0.3, 1u32..=40)),
+        (
+            prop::option::weighted(0.3, 2.0f32..30.0),
+            prop::bool::weighted(0.3),
+            any::<u64>(),
+        ),
+    )
+        .prop_map(
+            |(dtype, head_dim, block_size, kvh, group, batch, (max_len, window), rest)| {
+                let (softcap, alibi, seed) = rest;
+                Params {
+                    dtype,
+                    head_dim,
+                    block_size,
+                    num_kv_heads: if group > 4 { 1 } else { kvh },
+                    group,
+                    batch,
+                    max_len: if batch == 17 {
+                        max_len.min(40)
+                    } else {
+                        max_len
+                    },
+                    window,
+                    softcap,
+                    alibi,
+                    partition: None,
+                    narrow_heads: false,
+                    seed,
+                    full_length: false,
+                }
+            },
+        )
+}
+
+/// A prefill case: the decode case's cache, tables and options, each sequence's last
+/// `qo_lens[s]` tokens new, and the blocks wholly before its first new token's window
+/// poisoned in the table (freed by the scheduler).
+struct Prefill {
+    c: common::case::Case,
+    qo_indptr: Vec<i32>,
+    q: HostTensor,
+}
+
+fn prefill_case(p: &Params) -> Prefill {
+    let mut c = build(&Params {
+        window: None,
+        ..p.clone()
+    });
+    c.opts.window = p.window;
+    let mut r = rng(p.seed ^ 0x5eed);
+    let mut qo_indptr = vec![0i32];
+    let w = c.shape.max_blocks_per_seq as usize;
+    for s in 0..p.batch as usize {
+        let len = c.lens[s];
+        // Whole prompts, single tokens (decode's question) and chunks in between.
+        let qo = match r.random_range(0..3) {
+            0 => len,
+            1 => 1,
+            _ => r.random_range(1..=len),
+        };
+        qo_indptr.push(qo_indptr[s] + qo);
+        if let Some(win) = p.window {
+            let first = (len - qo + 1) as u32;
+            if first > win {
+                for lb in 0..(first - win) / p.block_size {
+                    c.tables[s * w + lb as usize] = -3;
+                }
+            }
+        }
+    }
+    let total = *qo_indptr.last().unwrap() as usize;
+    let qh = c.shape.num_q_heads as usize;
+    let d = p.head_dim as usize;
+    let q =
+        HostTensor::from_f64(p.dtype, &[total, qh, d], &uniform(&mut r, total * qh * d)).unwrap();
+    Prefill { c, qo_indptr, q }
+}
+
+impl Prefill {
+    fn inputs(&self) -> PrefillInputs<'_, HostTensor> {
+        PrefillInputs {
+            shape: &self.c.shape,
+            opts: &self.c.opts,
+            q: &self.q,
+            key_cache: &self.c.kc,
+            value_cache: &self.c.vc,
+            block_tables: &self.c.tables,
+            qo_indptr: &self.qo_indptr,
+            context_lens: &self.c.lens,
+        }
+    }
+
+    fn run(&self, math: MathMode) -> Result<Vec<f64>, Error> {
+        let mut out = HostTensor::full(self.q.dtype(), self.q.shape(), f64::NAN);
+        prefill_emulated(&Emulator::new().with_math(math), self.inputs(), &mut out)?;
+        Ok(out.to_f64())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(24), ..ProptestConfig::default() })]
+
+    #[test]
+    fn prefill_matches_the_f64_reference(p in params()) {
+        let pc = prefill_case(&p);
+        let want = paged_prefill_attention(&pc.inputs());
+        let got = pc.run(MathMode::Exact).unwrap();
+        let e = rel_l2(&got, &want);
+        prop_assert!(e <= tolerance(p.dtype), "exact math: rel L2 {:e}", e);
+        let approx = pc.run(MathMode::Approx { seed: p.seed }).unwrap();
+        let e = rel_l2(&approx, &want);
+        let tol = approx_tolerance(p.dtype, p.softcap);
+        prop_assert!(e <= tol, "approximate math: rel L2 {:e} > {:e}", e, tol);
+
+        // A chunk of one token asks decode's question: the decode kernel agrees (both
+        // with exact math).
+        let (qh, d) = (pc.c.shape.num_q_heads as usize, p.head_dim as usize);
+        let w = pc.c.shape.max_blocks_per_seq as usize;
+        for s in 0..p.batch as usize {
+            if pc.qo_indptr[s + 1] - pc.qo_indptr[s] != 1 {
+                continue;
+            }
+            let row = pc.qo_indptr[s] as usize;
+            let one = DecodeShape { num_seqs: 1, ..pc.c.shape };
+            let qv: Vec<f64> = (0..qh * d).map(|e| pc.q.get(row * qh * d + e)).collect();
+            let q1 = HostTensor::from_f64(p.dtype, &[1, qh, d], &qv).unwrap();
+            let mut out = HostTensor::full(p.dtype, &[1, qh, d], f64::NAN);
+            let inputs = DecodeInputs {
+                shape: &one,
+                opts: &pc.c.opts,
+                q: &q1,
+                key_cache: &pc.c.kc,
+                value_cache: &pc.c.vc,
+                block_tables: &pc.c.tables[s * w..(s + 1) * w],
+                context_lens: &pc.c.lens[s..s + 1],
+                plan: None,
+            };
+            decode_emulated(&Emulator::new(), inputs, &mut out).unwrap();
+            let e = rel_l2(&got[row * qh * d..(row + 1) * qh * d], &out.to_f64());
+            prop_assert!(e <= tolerance(p.dtype), "chunk of one vs decode, seq {}: {:e}", s, e);
+        }
+    }
+}
+
+#[test]
+fn bad_prefill_inputs_are_errors_naming_the_argument() {
+    let p = Params {
+        dtype: DType::F16,
+        head_dim: 64,
+        block_size: 16,
+        num_kv_heads: 2,
+        group: 2,
+        batch: 3,
+        max_len: 40,
+        window: None,
+        softcap: None,
+        alibi: false,
+        partition: None,
+        narrow_heads: false,
+        seed: 7,
+        full_length: true,
+    };
+    let pc = prefill_case(&p);
+    let names = |e: Error, want: &str| match e {
+        Error::InvalidArgument { arg, .. } => assert_eq!(arg, want),
+        e => panic!("{want}: {e:?}"),
+    };
+    let mut out = HostTensor::full(DType::F16, pc.q.shape(), -1.0);
+    let emu = Emulator::new();
+    // qo_indptr that decreases, is short, or claims more new tokens than the context.
+    let mut bad = pc.qo_indptr.clone();
+    bad.swap(1, 2);
+    let e = prefill_emulated(
+        &emu,
+        PrefillInputs {
+            qo_indptr: &bad,
+            ..pc.inputs()
+        },
+        &mut out,
+    );
+    assert!(e.is_err());
+    let e = prefill_emulated(
+        &emu,
+        PrefillInputs {
+            qo_indptr: &bad[..2],
+            ..pc.inputs()
+        },
+        &mut out,
+    );
+    names(e.unwrap_err(), "qo_indptr");
+    let lens = [1, 1, 1];
+    let e = prefill_emulated(
+        &emu,
+        PrefillInputs {
+            context_lens: &lens,
+            ..pc.inputs()
+        },
+        &mut out,
+    );
+    names(e.unwrap_err(), "context_lens");
+    // A block id outside the pool, where the sequence reads.
+    let mut tables = pc.c.tables.clone();
+    tables[0] = 1 << 20;
+    let e = prefill_emulated(
+        &emu,
+        PrefillInputs {
+            block_tables: &tables,
+            ..pc.inputs()
+        },
+        &mut out,
+    );
+    names(e.unwrap_err(), "block_tables");
+    // The output untouched by every rejected call.
+    assert!(out.to_f64().iter().all(|&x| x == -1.0));
+}
