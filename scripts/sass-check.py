@@ -3,6 +3,9 @@
 
     sass-check.py ARCH FILE.sass      prints table rows; exit 1 if a check fails
 
+For every `paged_prefill_attention_{f16,bf16}` entry point (tensor cores): HMMA and
+LDSM (ldmatrix) instructions exist and K/V are staged with LDGSTS.
+
 For every `paged_decode_attention*` entry point:
   * K and V are staged with cp.async: LDGSTS (16-byte, L1-bypassing) instructions exist;
   * the only 16-byte global loads (LDG.*.128) are the query's, at most two per thread
@@ -31,11 +34,32 @@ def main():
     arch, path = sys.argv[1], sys.argv[2]
     text = open(path, encoding="utf-8", errors="replace").read()
     ok, seen = True, 0
+    prefill = 0
     for name, body in sections(text):
+        ops = [m.group(1) + m.group(2) for m in OP.finditer(body)]
+        if name.startswith("paged_prefill_attention_") and not name.endswith("f32"):
+            prefill += 1
+            hmma = sum(1 for o in ops if o.startswith("HMMA.16816.F32"))
+            ldsm = sum(1 for o in ops if o.startswith("LDSM"))
+            ldgsts = sum(1 for o in ops if o.startswith("LDGSTS") and ".128" in o)
+            ldg128 = sum(1 for o in ops if o.startswith("LDG.") and ".128" in o)
+            ffma = sum(1 for o in ops if o.startswith("FFMA"))
+            ex2 = sum(1 for o in ops if o == "MUFU.EX2")
+            depbar = sum(1 for o in ops if o.startswith("DEPBAR"))
+            verdict = []
+            if hmma == 0:
+                verdict.append("no HMMA")
+            if ldsm == 0:
+                verdict.append("no LDSM")
+            if ldgsts == 0:
+                verdict.append("no LDGSTS")
+            status = f"ok (HMMA {hmma}, LDSM {ldsm})" if not verdict else "FAIL: " + ", ".join(verdict)
+            ok = ok and not verdict
+            print(f"| {arch} | {name} | {ldgsts} | {ldg128} | {depbar} | {ffma} | {ex2} | {status} |")
+            continue
         if not name.startswith("paged_decode_attention"):
             continue
         seen += 1
-        ops = [m.group(1) + m.group(2) for m in OP.finditer(body)]
         ldgsts = sum(1 for o in ops if o.startswith("LDGSTS") and ".128" in o)
         ldg128 = sum(1 for o in ops if o.startswith("LDG.") and ".128" in o)
         ffma = sum(1 for o in ops if o.startswith("FFMA"))
@@ -55,6 +79,9 @@ def main():
         print(f"| {arch} | {name} | {ldgsts} | {ldg128} | {depbar} | {ffma} | {ex2} | {status} |")
     if seen != 6:
         print(f"sass-check: {seen} decode kernels in {path}, expected 6", file=sys.stderr)
+        ok = False
+    if prefill != 2:
+        print(f"sass-check: {prefill} tensor-core prefill kernels in {path}, expected 2", file=sys.stderr)
         ok = False
     return 0 if ok else 1
 

@@ -122,9 +122,9 @@ done
 
 {
   echo
-  echo "## Decode kernels' SASS (nvdisasm -c, $("$NVDISASM" --version | tail -1))"
+  echo "## Attention kernels' SASS (nvdisasm -c, $("$NVDISASM" --version | tail -1))"
   echo
-  echo "K and V are staged with cp.async (LDGSTS, 16 bytes, bypassing L1); the only 16-byte plain global loads (LDG.128) are the query's (at most 2 per thread); DEPBAR is the cp.async wait."
+  echo "K and V are staged with cp.async (LDGSTS, 16 bytes, bypassing L1); in decode the only 16-byte plain global loads (LDG.128) are the query's (at most 2 per thread); DEPBAR is the cp.async wait. The f16/bf16 prefill kernels run on tensor cores: HMMA.16816 with LDSM (ldmatrix) fragments."
   echo
   echo "| arch | kernel | LDGSTS.128 | LDG.128 | DEPBAR | FFMA | MUFU.EX2 | check |"
   echo "|---|---|---|---|---|---|---|---|"

@@ -1,7 +1,9 @@
 //! The embedded PTX matches the kernels: every `Kernel::NAME` is an entry point of
 //! every module, and the modules are the architectures the README promises.
 
-use pagedkv::kernels::kernels::{CopyBlocks, DecodeReduce, KvAppend, PagedDecode};
+use pagedkv::kernels::kernels::{
+    CopyBlocks, DecodeReduce, KvAppend, PagedDecode, PagedPrefill, PagedPrefillSimt,
+};
 use pagedkv::kernels::{Bf16, F16, Kernel};
 use pagedkv::ptx;
 
@@ -20,6 +22,11 @@ fn names() -> Vec<&'static str> {
     v.extend(typed!(F16));
     v.extend(typed!(Bf16));
     v.extend(typed!(f32));
+    v.extend([
+        <PagedPrefill<F16> as Kernel>::NAME,
+        <PagedPrefill<Bf16> as Kernel>::NAME,
+        <PagedPrefillSimt<f32> as Kernel>::NAME,
+    ]);
     v
 }
 
@@ -96,6 +103,25 @@ fn decode_streams_k_and_v_through_the_cp_async_pipeline() {
                     "{} {name}: K/V read with a plain global load",
                     m.arch
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn prefill_runs_on_tensor_cores_with_k_and_v_through_cp_async() {
+    for m in ptx::ALL {
+        for t in ["f16", "bf16"] {
+            let name = format!("paged_prefill_attention_{t}");
+            let body = entry_body(m.ptx, &name);
+            for want in [
+                format!("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"),
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16".into(),
+                "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16".into(),
+                "cp.async.cg.shared.global".into(),
+                "ex2.approx.ftz.f32".into(),
+            ] {
+                assert!(body.contains(&want), "{} {name}: no `{want}`", m.arch);
             }
         }
     }

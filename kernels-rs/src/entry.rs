@@ -8,7 +8,7 @@ use crate::device::{Gpu, Kernel};
 use crate::elem::{Bf16, F16};
 use crate::kernels::{
     CopyBlocks, CopyBlocksParams, DecodeParams, DecodeReduce, KvAppend, KvAppendParams,
-    PagedDecode, ReduceParams,
+    PagedDecode, PagedPrefill, PagedPrefillSimt, PrefillParams, ReduceParams,
 };
 
 /// `copy_blocks(CopyBlocksParams)`, see [`CopyBlocks`].
@@ -63,3 +63,21 @@ typed_entries!(
     paged_decode_attention_split_f32,
     paged_decode_reduce_f32
 );
+
+/// Paged prefill attention, f16, on tensor cores: see [`PagedPrefill`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn paged_prefill_attention_f16(p: PrefillParams<F16>) {
+    PagedPrefill::<F16>::run(&Gpu, &p)
+}
+
+/// Paged prefill attention, bf16, on tensor cores: see [`PagedPrefill`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn paged_prefill_attention_bf16(p: PrefillParams<Bf16>) {
+    PagedPrefill::<Bf16>::run(&Gpu, &p)
+}
+
+/// Paged prefill attention, f32, on CUDA cores: see [`PagedPrefillSimt`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn paged_prefill_attention_f32(p: PrefillParams<f32>) {
+    PagedPrefillSimt::<f32>::run(&Gpu, &p)
+}

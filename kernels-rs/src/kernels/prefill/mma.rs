@@ -32,6 +32,21 @@ kernel!(Bf16, "paged_prefill_attention_bf16");
 /// Output fragments of one pass: `PASS_DIMS / 8` column blocks of `[f32; 4]`.
 const NBLK: usize = (PASS_DIMS / 8) as usize;
 
+/// Calls `f(nd, &mut o[nd])` for every column block, each index a constant after
+/// inlining (the accumulators stay in registers, not local memory).
+#[inline(always)]
+fn each_blk(o: &mut [[f32; 4]; NBLK], mut f: impl FnMut(u32, &mut [f32; 4])) {
+    let [a, b, c, d, e, g, h, i] = o;
+    f(0, a);
+    f(1, b);
+    f(2, c);
+    f(3, d);
+    f(4, e);
+    f(5, g);
+    f(6, h);
+    f(7, i);
+}
+
 fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
     let b = ctx.block_idx();
     let (kvh, tile, s) = (b.x, b.y, b.z);
@@ -71,9 +86,11 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
         } else {
             [0; 4]
         };
-        for (i, x) in v.into_iter().enumerate() {
-            ctx.smem_st_u32(word + i as u32, x);
-        }
+        let [v0, v1, v2, v3] = v;
+        ctx.smem_st_u32(word, v0);
+        ctx.smem_st_u32(word + 1, v1);
+        ctx.smem_st_u32(word + 2, v2);
+        ctx.smem_st_u32(word + 3, v3);
         c += 32;
     }
 
@@ -126,12 +143,13 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
             while ks < d / 16 {
                 let a_row = lr + 8 * lh;
                 let a = ctx.ldmatrix_x4::<false>(a_row * dw + 8 * ks + 4 * (lane / 16));
-                let mut nb = 0;
-                while nb < 2 {
+                let k_tile = |nb: u32, sa: &mut [f32; 4]| {
                     let bk = ctx.ldmatrix_x2::<false>(kw + (8 * nb + lr) * dw + 8 * ks + 4 * lh);
-                    sacc[nb as usize] = T::mma(ctx, a, bk, sacc[nb as usize]);
-                    nb += 1;
-                }
+                    *sa = T::mma(ctx, a, bk, *sa);
+                };
+                let [s0, s1] = &mut sacc;
+                k_tile(0, s0);
+                k_tile(1, s1);
                 ks += 1;
             }
             // Online softmax per row (the 4 lanes of a group share a row).
@@ -172,18 +190,15 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
                 pa[2 * nb + 1] = T::pack2(pr[2], pr[3]);
             }
             // O = alpha O + P V.
-            let mut nd = 0;
-            while nd < NBLK as u32 {
+            each_blk(&mut o, |nd, f| {
                 if nd < nblk {
-                    let f = &mut o[nd as usize];
                     for (i, x) in f.iter_mut().enumerate() {
                         *x *= alpha[i / 2];
                     }
                     let bv = ctx.ldmatrix_x2::<true>(vw + (8 * lh + lr) * (width / 2) + 4 * nd);
                     *f = T::mma(ctx, pa, bv, *f);
                 }
-                nd += 1;
-            }
+            });
             // Everyone is done with the tile before the next one is staged.
             ctx.sync_threads();
             kv += KV_TILE;
@@ -193,10 +208,9 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
             *x += ctx.shfl_xor_f32(*x, 1);
             *x += ctx.shfl_xor_f32(*x, 2);
         }
-        let mut nd = 0;
-        while nd < NBLK as u32 {
+        each_blk(&mut o, |nd, f| {
             if nd < nblk {
-                for (i, x) in o[nd as usize].iter().enumerate() {
+                for (i, x) in f.iter().enumerate() {
                     let r = &row[i / 2];
                     if r.valid {
                         let dim = pass * PASS_DIMS + 8 * nd + 2 * t + (i % 2) as u32;
@@ -204,8 +218,7 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
                     }
                 }
             }
-            nd += 1;
-        }
+        });
         pass += 1;
     }
 }

@@ -21,6 +21,46 @@ impl Kernel for PagedPrefillSimt<f32> {
 /// 16-byte chunks (4 `f32`) of one pass.
 const CHUNKS: usize = (PASS_DIMS / 4) as usize;
 
+/// Calls `f(c, &mut acc[c])` for every chunk, each index a constant after inlining
+/// (the accumulators stay in registers, not local memory).
+#[inline(always)]
+fn each_chunk(acc: &mut [[f32; 4]; CHUNKS], mut f: impl FnMut(u32, &mut [f32; 4])) {
+    let [
+        a0,
+        a1,
+        a2,
+        a3,
+        a4,
+        a5,
+        a6,
+        a7,
+        a8,
+        a9,
+        a10,
+        a11,
+        a12,
+        a13,
+        a14,
+        a15,
+    ] = acc;
+    f(0, a0);
+    f(1, a1);
+    f(2, a2);
+    f(3, a3);
+    f(4, a4);
+    f(5, a5);
+    f(6, a6);
+    f(7, a7);
+    f(8, a8);
+    f(9, a9);
+    f(10, a10);
+    f(11, a11);
+    f(12, a12);
+    f(13, a13);
+    f(14, a14);
+    f(15, a15);
+}
+
 fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
     let b = ctx.block_idx();
     let (kvh, s) = (b.x, b.z);
@@ -61,27 +101,22 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
             let pe = weight(ctx, sc, m_new);
             l = ctx.fma(l, alpha, pe);
             m = m_new;
-            let mut c = 0;
-            while c < CHUNKS as u32 {
+            each_chunk(&mut acc, |c, a| {
                 if c < nchunks {
                     let v = ctx.ld_nc_v4(&p.value_cache, base + (pass * PASS_DIMS + 4 * c) as u64);
-                    for (e, x) in acc[c as usize].iter_mut().enumerate() {
+                    for (e, x) in a.iter_mut().enumerate() {
                         *x = ctx.fma(pe, f32::from_bits(v[e]), *x * alpha);
                     }
                 }
-                c += 1;
-            }
+            });
             kpos += 1;
         }
-        let mut c = 0;
-        while c < CHUNKS as u32 {
+        each_chunk(&mut acc, |c, a| {
             if c < nchunks {
-                let a = &acc[c as usize];
                 let out = [a[0] / l, a[1] / l, a[2] / l, a[3] / l].map(f32::to_bits);
                 ctx.st_v4(&p.out, q_at + (pass * PASS_DIMS + 4 * c) as u64, out);
             }
-            c += 1;
-        }
+        });
         pass += 1;
     }
 }
