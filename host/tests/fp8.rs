@@ -425,16 +425,25 @@ fn sweep_of_f32_matches_reference() {
     }
 }
 
-/// All 2^32 f32 inputs: the software encoder against the hardware model (slow in debug;
-/// run in release with `--ignored`).
+/// All 2^32 f32 inputs: the software encoder against the hardware model, on every core
+/// (slow in debug; run in release with `--ignored`).
 #[test]
 #[ignore]
 fn fp8_every_f32_soft_matches_hardware_model() {
-    for bits in 0..=u32::MAX {
-        let x = f32::from_bits(bits);
-        let s = soft::f32_to_e4m3(x) as u16 | (soft::f32_to_e5m2(x) as u16) << 8;
-        let h = hw::cvt_rn_satfinite_e4m3x2_f32(0.0, x) & 0xff
-            | (hw::cvt_rn_satfinite_e5m2x2_f32(0.0, x) & 0xff) << 8;
-        assert_eq!(s, h, "{bits:#010x}");
-    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let chunk = (1u64 << 32).div_ceil(threads);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            s.spawn(move || {
+                let end = ((t + 1) * chunk).min(1 << 32);
+                for bits in t * chunk..end {
+                    let x = f32::from_bits(bits as u32);
+                    let s = soft::f32_to_e4m3(x) as u16 | (soft::f32_to_e5m2(x) as u16) << 8;
+                    let h = hw::cvt_rn_satfinite_e4m3x2_f32(0.0, x) & 0xff
+                        | (hw::cvt_rn_satfinite_e5m2x2_f32(0.0, x) & 0xff) << 8;
+                    assert_eq!(s, h, "{bits:#010x}");
+                }
+            });
+        }
+    });
 }
