@@ -13,7 +13,9 @@
 //! greater than the format's largest finite value, infinity included, gives that
 //! largest finite value with the input's sign. So a finite input never becomes NaN or
 //! infinity, and infinity saturates too. f32 subnormals round to ±0 (they are far below
-//! half the smallest fp8 subnormal); the sign of zero is kept.
+//! half the smallest fp8 subnormal); the sign of zero is kept. (The infinity and NaN
+//! cases are also what NVIDIA's `cuda_fp8.hpp` computes in its software fallback for
+//! `__NV_SATFINITE`, the mode whose `sm_89`+ path is this instruction.)
 //!
 //! NaN bit patterns: encoding gives `0x7f` for every NaN input (the canonical NaN of
 //! both formats); decoding gives the canonical f16 NaN `0x7fff` (f32 `0x7fff_e000`)
