@@ -66,12 +66,15 @@
 //!   shuffles (the divergence errors);
 //! * `ctx`: [`EmuCtx`], the kernels' view of the machine: indices, shared and global
 //!   memory with their checks, `cp.async`;
-//! * `math`: [`MathMode`] and the approximate-math error model.
+//! * `math`: [`MathMode`] and the approximate-math error model;
+//! * [`fp8`]: a model of the GPU's FP8 `cvt` instructions, written from the PTX ISA,
+//!   that the tests hold the device layer's software FP8 conversion to.
 //!
 //! [`GlobalSlice`]: pagedkv_kernels::GlobalSlice
 
 mod block;
 mod ctx;
+pub mod fp8;
 mod math;
 mod warp;
 

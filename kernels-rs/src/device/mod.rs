@@ -18,6 +18,7 @@
 //! `ld.global.v4.u32` needs, and the emulator checks it too.
 
 pub mod convert;
+pub mod fp8;
 #[cfg(target_arch = "nvptx64")]
 mod nvptx;
 
@@ -25,6 +26,10 @@ mod nvptx;
 pub use nvptx::{Gpu, trap};
 
 pub use convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use fp8::{
+    e4m3_to_f32, e4m3x2_to_f16x2, e5m2_to_f32, e5m2x2_to_f16x2, f32_to_e4m3, f32_to_e5m2,
+    f32x2_to_e4m3x2, f32x2_to_e5m2x2,
+};
 
 /// Threads in a warp on every NVIDIA GPU pagedkv supports.
 pub const WARP_SIZE: u32 = 32;

@@ -81,6 +81,75 @@ pub(super) fn cvt_rn_bf16_f32(f: f32) -> u16 {
     h
 }
 
+/// The hardware FP8 conversions behind [`super::fp8`]'s functions, with the same
+/// names and operand order as [`super::fp8::soft`]: `sm_90`+, or `sm_89` with PTX ISA
+/// 8.1 (the gate is in `fp8.rs`).
+///
+/// ISA operand order: `cvt.rn.satfinite.e4m3x2.f32 d, a, b` puts `a` in `d[15:8]` and
+/// `b` in `d[7:0]`, so element 0 (`lo`) is `b`; `cvt.rn.f16x2.e4m3x2 d, a` widens
+/// `a[7:0]` into `d[15:0]` and `a[15:8]` into `d[31:16]`.
+#[cfg(any(
+    target_feature = "sm_90",
+    all(target_feature = "sm_89", target_feature = "ptx81")
+))]
+pub(super) mod fp8 {
+    use core::arch::asm;
+
+    macro_rules! fp8_cvt {
+        ($pack:ident, $pack_insn:literal, $unpack:ident, $unpack_insn:literal,
+         $enc:ident, $dec:ident) => {
+            #[inline(always)]
+            pub fn $pack(lo: f32, hi: f32) -> u16 {
+                let d: u16;
+                // SAFETY: register-only conversion.
+                unsafe {
+                    asm!(concat!($pack_insn, " {d}, {a}, {b};"), d = out(reg16) d,
+                         a = in(reg32) hi, b = in(reg32) lo, options(pure, nomem, nostack));
+                }
+                d
+            }
+
+            #[inline(always)]
+            pub fn $unpack(a: u16) -> u32 {
+                let d: u32;
+                // SAFETY: register-only conversion.
+                unsafe {
+                    asm!(concat!($unpack_insn, " {d}, {a};"), d = out(reg32) d,
+                         a = in(reg16) a, options(pure, nomem, nostack));
+                }
+                d
+            }
+
+            #[inline(always)]
+            pub fn $enc(f: f32) -> u8 {
+                $pack(f, 0.0) as u8
+            }
+
+            #[inline(always)]
+            pub fn $dec(b: u8) -> f32 {
+                super::cvt_f32_f16($unpack(b as u16) as u16)
+            }
+        };
+    }
+
+    fp8_cvt!(
+        f32x2_to_e4m3x2,
+        "cvt.rn.satfinite.e4m3x2.f32",
+        e4m3x2_to_f16x2,
+        "cvt.rn.f16x2.e4m3x2",
+        f32_to_e4m3,
+        e4m3_to_f32
+    );
+    fp8_cvt!(
+        f32x2_to_e5m2x2,
+        "cvt.rn.satfinite.e5m2x2.f32",
+        e5m2x2_to_f16x2,
+        "cvt.rn.f16x2.e5m2x2",
+        f32_to_e5m2,
+        e5m2_to_f32
+    );
+}
+
 impl Ctx for Gpu {
     #[inline(always)]
     fn thread_idx(&self) -> Dim3 {
