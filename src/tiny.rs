@@ -9,17 +9,16 @@
 //! 2. per layer, Q/K/V of the step's new tokens are computed on the CPU, `kv_append`
 //!    writes K and V into the layer's paged cache through `slot_mapping`, and
 //!    `paged_decode_attention` attends each decoding sequence's query over its cache
-//!    through its block table; a prefill's tokens attend causally over the cache with
-//!    the CPU reference;
+//!    through its block table; `paged_prefill_attention` attends each prefilling
+//!    sequence's new tokens causally over its cache (tensor cores for f16/bf16);
 //! 3. the last hidden state of each sequence picks its next token.
 //!
 //! The layer loop is written once, over [`AttentionBackend`]: `Backend::Cpu` runs it on
 //! [`CpuBackend`] (the real kernel bodies in the SIMT emulator), `Backend::Cuda` on
-//! [`CudaAttention`] (a GPU). The cache stays in the backend's memory; a layer's cache
-//! comes back to the host only when the step has a prefill (whose attention is the CPU
-//! reference until a prefill kernel exists) or is checked. After every step a sample of
-//! decoding sequences is checked against dense attention over their gathered cache
-//! (layer 0); the report gives the worst error.
+//! [`CudaAttention`] (a GPU). The cache stays in the backend's memory; only layer 0's
+//! comes back to the host, for the check: after every step a sample of decoding
+//! sequences and the first and last new token of a prefilling one are checked against
+//! dense attention over their gathered cache; the report gives the worst error.
 
 use std::fmt;
 use std::time::Instant;
@@ -28,7 +27,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use pagedkv_host::backend::{
-    AppendArgs, AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, SplitPolicy, decode_rows,
+    AppendArgs, AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, PrefillArgs, SplitPolicy,
+    decode_rows, prefill_rows,
 };
 use pagedkv_host::cuda::CudaAttention;
 use pagedkv_host::ops::attention::{DecodeOptions, DecodeShape};
@@ -373,7 +373,6 @@ fn run_on<B: AttentionBackend>(
             }
         }
         let decode: Vec<usize> = decode_rows(&batch).collect();
-        let has_prefill = decode.len() < batch.seqs.len();
         let w = batch.max_blocks_per_seq as usize;
         for (li, layer) in layers.iter().enumerate() {
             let q = matmul(&x, &layer.wq, hidden, hidden);
@@ -415,23 +414,46 @@ fn run_on<B: AttentionBackend>(
                     }
                 }
             }
-            let verify = li == 0 && !decode.is_empty();
-            if !(has_prefill || verify) {
-                finish_layer(&mut x, &attn, &layer.wo, hidden);
-                continue;
+            // Prefilling sequences: the paged prefill kernel, each new token over its
+            // sequence's cache up to itself.
+            let prefill: Vec<usize> = prefill_rows(&batch).collect();
+            let mut pq: Vec<f32> = Vec::new();
+            let mut pout = Vec::new();
+            if !prefill.is_empty() {
+                for &i in &prefill {
+                    let sq = &batch.seqs[i];
+                    let o = sq.token_offset as usize * hidden;
+                    pq.extend_from_slice(&q[o..o + sq.num_new_tokens as usize * hidden]);
+                }
+                let n = pq.len() / hidden;
+                let qd = be.upload(&to_host(cfg.dtype, &[n, qh, d], &pq)?)?;
+                let nan = HostTensor::full(cfg.dtype, &[n, qh, d], f64::NAN);
+                let mut out = be.upload(&nan)?;
+                be.prefill(PrefillArgs {
+                    opts: &opts,
+                    q: &qd,
+                    cache: lc,
+                    out: &mut out,
+                })?;
+                pout = be.download(&out)?.to_f64();
+                let mut j = 0;
+                for &i in &prefill {
+                    let sq = &batch.seqs[i];
+                    let o = sq.token_offset as usize * hidden;
+                    let len = sq.num_new_tokens as usize * hidden;
+                    for e in 0..len {
+                        attn[o + e] = pout[j + e] as f32;
+                    }
+                    j += len;
+                }
             }
-            // A host copy of the layer's cache: the CPU reference reads it for the
-            // prefill tokens (no prefill kernel yet) and for verification.
-            let (kc, vc) = (be.download(&lc.key)?, be.download(&lc.value)?);
-            if verify {
-                // Check a sample against dense attention over the gathered cache.
-                for (j, &i) in decode.iter().enumerate().take(cfg.verify_per_step) {
-                    let row = &batch.block_tables[i * w..(i + 1) * w];
-                    let ctx = batch.context_lens[i] as usize;
-                    let (kg, vg) = gather(&shape_for(w), &kc, &vc, row, ctx, 0);
-                    let qs: Vec<f64> = (0..hidden).map(|e| qt.get(j * hidden + e)).collect();
-                    let want = dense_decode_attention(&qs, &kg, &vg, qh, kvh, d, &opts);
-                    let got = &outv[j * hidden..(j + 1) * hidden];
+            if li == 0 && !batch.seqs.is_empty() {
+                // Check a sample of layer 0's outputs against dense attention over the
+                // gathered cache (the only copy of the cache to the host).
+                let (kc, vc) = (be.download(&lc.key)?, be.download(&lc.value)?);
+                let mut check = |qs: &[f64], got: &[f64], row: &[i32], upto: usize| {
+                    let (kg, vg) = gather(&shape_for(w), &kc, &vc, row, upto, 0);
+                    let want = dense_decode_attention(qs, &kg, &vg, qh, kvh, d, &opts);
                     let num: f64 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
                     let den: f64 = want.iter().map(|b| b * b).sum();
                     let e = (num / den.max(f64::MIN_POSITIVE)).sqrt();
@@ -441,24 +463,23 @@ fn run_on<B: AttentionBackend>(
                         max_error.max(e)
                     };
                     verified += 1;
+                };
+                for (j, &i) in decode.iter().enumerate().take(cfg.verify_per_step) {
+                    let qs: Vec<f64> = (0..hidden).map(|e| qt.get(j * hidden + e)).collect();
+                    let row = &batch.block_tables[i * w..(i + 1) * w];
+                    let got = &outv[j * hidden..(j + 1) * hidden];
+                    check(&qs, got, row, batch.context_lens[i] as usize);
                 }
-            }
-            // Prefills: each new token attends causally over the cache (CPU reference).
-            for (si, sq) in batch.seqs.iter().enumerate() {
-                if !sq.is_prefill {
-                    continue;
-                }
-                let row = &batch.block_tables[si * w..(si + 1) * w];
-                let (kg, vg) = gather(&shape_for(w), &kc, &vc, row, sq.context_len as usize, 0);
-                for k in 0..sq.num_new_tokens as usize {
-                    let pos = sq.start_pos as usize + k;
-                    let o = (sq.token_offset as usize + k) * hidden;
-                    let qs: Vec<f64> = q[o..o + hidden].iter().map(|&a| a as f64).collect();
-                    let upto = (pos + 1) * kvh * d;
-                    let a =
-                        dense_decode_attention(&qs, &kg[..upto], &vg[..upto], qh, kvh, d, &opts);
-                    for e in 0..hidden {
-                        attn[o + e] = a[e] as f32;
+                // The first and the last new token of the first prefilling sequence.
+                if let Some(&i) = prefill.first() {
+                    let sq = &batch.seqs[i];
+                    let row = &batch.block_tables[i * w..(i + 1) * w];
+                    let n = sq.num_new_tokens as usize;
+                    for t in [0, n - 1] {
+                        let (a, b) = (t * hidden, (t + 1) * hidden);
+                        // The query as the kernel saw it (rounded to the dtype).
+                        let qs = to_host(cfg.dtype, &[hidden], &pq[a..b])?.to_f64();
+                        check(&qs, &pout[a..b], row, sq.start_pos as usize + t + 1);
                     }
                 }
             }

@@ -20,6 +20,11 @@ fn the_cpu_backend_serves_a_batch_through_swaps_and_prefix_hits() {
         // The run must exercise what it claims to.
         assert!(s.checked > 100, "{} outputs checked", s.checked);
         assert!(
+            s.prefill_checked > 100,
+            "{} prefill outputs",
+            s.prefill_checked
+        );
+        assert!(
             s.preempted > 0 && s.swapped_out > 0 && s.swapped_in > 0,
             "no swap"
         );

@@ -10,7 +10,8 @@
 
 use super::{rel_l2, tolerance};
 use pagedkv::host::backend::{
-    AppendArgs, AttentionBackend, BackendConfig, DecodeArgs, SplitPolicy, decode_rows,
+    AppendArgs, AttentionBackend, BackendConfig, DecodeArgs, PrefillArgs, SplitPolicy, decode_rows,
+    prefill_rows,
 };
 use pagedkv::host::ops::attention::DecodeOptions;
 use pagedkv::host::reference::dense_decode_attention;
@@ -69,6 +70,8 @@ pub struct Served {
     pub swapped_out: usize,
     pub swapped_in: usize,
     pub preempted: usize,
+    /// Prefill outputs checked (every new token of every prefilling row).
+    pub prefill_checked: usize,
     /// Steps whose decode launch used split-K.
     pub split_steps: usize,
 }
@@ -128,6 +131,7 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
         swapped_in: 0,
         preempted: 0,
         split_steps: 0,
+        prefill_checked: 0,
     };
     let mut steps = 0;
     while !sched.is_idle() {
@@ -168,6 +172,49 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
                 cache: layer,
             })
             .unwrap();
+            // Prefilling rows: every new token against attention over its prefix.
+            let pre: Vec<usize> = prefill_rows(&batch).collect();
+            if !pre.is_empty() {
+                // (sequence, position) of every new token of the prefilling rows.
+                let owners: Vec<_> = pre
+                    .iter()
+                    .flat_map(|&i| {
+                        let q = &batch.seqs[i];
+                        (q.start_pos..q.start_pos + q.num_new_tokens).map(move |p| (q.seq, p))
+                    })
+                    .collect();
+                let pq: Vec<(u32, u32)> = owners
+                    .iter()
+                    .map(|&(seq, p)| (sched.tokens(seq).unwrap()[p as usize], p))
+                    .collect();
+                let qt = rows(dtype, qh * d, &pq, salt + 3);
+                let q = be.upload(&qt).unwrap();
+                let nan = HostTensor::full(dtype, &[pq.len(), qh, d], f64::NAN);
+                let mut out = be.upload(&nan).unwrap();
+                be.prefill(PrefillArgs {
+                    opts: &opts,
+                    q: &q,
+                    cache: layer,
+                    out: &mut out,
+                })
+                .unwrap();
+                let got = be.download(&out).unwrap().to_f64();
+                for (j, &(seq, pos)) in owners.iter().enumerate() {
+                    let toks = sched.tokens(seq).unwrap();
+                    let hist: Vec<(u32, u32)> = (0..=pos).map(|p| (toks[p as usize], p)).collect();
+                    let k = rows(dtype, kvh * d, &hist, salt + 1).to_f64();
+                    let v = rows(dtype, kvh * d, &hist, salt + 2).to_f64();
+                    let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
+                    let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, &opts);
+                    let e = rel_l2(&got[j * qh * d..(j + 1) * qh * d], &want);
+                    assert!(
+                        e <= tolerance(dtype),
+                        "{} step {steps} layer {li} prefill token {j} (pos {pos}): rel L2 {e:e}",
+                        be.name()
+                    );
+                    s.prefill_checked += 1;
+                }
+            }
             if dec.is_empty() {
                 continue;
             }

@@ -2,11 +2,12 @@
 //! [`StepRunner`] over the backend's [`StepDevice`], the batch-to-metadata step, and
 //! the per-layer calls on views of the backend's tensors.
 
-use super::{AppendArgs, BackendConfig, DecodeArgs, PagedCache, SplitPolicy};
+use super::{AppendArgs, BackendConfig, DecodeArgs, PagedCache, PrefillArgs, SplitPolicy};
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
 use crate::step::{
-    AppendIo, DecodeIo, Planned, StepDevice, StepMeta, StepRunner, TensorView, TensorViewMut,
+    AppendIo, DecodeIo, Planned, PrefillIo, PrefillMeta, StepDevice, StepMeta, StepRunner,
+    TensorView, TensorViewMut,
 };
 use crate::tensor::{HostTensor, TensorDesc};
 
@@ -35,6 +36,10 @@ pub(crate) struct StepCore<D: StepDevice> {
     /// The decoding rows' block tables and context lengths.
     tables: Vec<i32>,
     lens: Vec<i32>,
+    /// The prefilling rows' block tables, query offsets and context lengths.
+    ptables: Vec<i32>,
+    pindptr: Vec<i32>,
+    plens: Vec<i32>,
 }
 
 impl<D: StepDevice> StepCore<D> {
@@ -54,6 +59,9 @@ impl<D: StepDevice> StepCore<D> {
             config,
             tables: Vec::with_capacity(cap.max_seqs as usize * cap.max_blocks_per_seq as usize),
             lens: Vec::with_capacity(cap.max_seqs as usize),
+            ptables: Vec::with_capacity(cap.max_seqs as usize * cap.max_blocks_per_seq as usize),
+            pindptr: Vec::with_capacity(cap.max_seqs as usize + 1),
+            plens: Vec::with_capacity(cap.max_seqs as usize),
         })
     }
 
@@ -86,7 +94,51 @@ impl<D: StepDevice> StepCore<D> {
             context_lens: &self.lens,
             slot_mapping: &batch.slot_mapping,
         };
-        self.runner.plan(&meta).copied()
+        let planned = self.runner.plan(&meta).copied()?;
+        // The prefilling rows: one prefill launch over their new tokens.
+        self.ptables.clear();
+        self.plens.clear();
+        self.pindptr.clear();
+        self.pindptr.push(0);
+        for i in super::prefill_rows(batch) {
+            let sq = &batch.seqs[i];
+            self.ptables
+                .extend_from_slice(&batch.block_tables[i * w..(i + 1) * w]);
+            self.plens.push(batch.context_lens[i]);
+            let end = self.pindptr[self.pindptr.len() - 1] + sq.num_new_tokens as i32;
+            self.pindptr.push(end);
+        }
+        if !self.plens.is_empty() {
+            self.runner.plan_prefill(&PrefillMeta {
+                block_tables: &self.ptables,
+                max_blocks_per_seq: w as u32,
+                qo_indptr: &self.pindptr,
+                context_lens: &self.plens,
+            })?;
+        }
+        Ok(planned)
+    }
+
+    pub(crate) fn prefill<T: AsView>(&mut self, args: PrefillArgs<'_, T>) -> Result<()> {
+        self.sync_slopes(args.opts)?;
+        self.runner.prefill(
+            args.opts,
+            PrefillIo {
+                q: args.q.view(),
+                key_cache: args.cache.key.view(),
+                value_cache: args.cache.value.view(),
+                out: args.out.view_mut(),
+            },
+        )
+    }
+
+    /// Uploads `opts`' ALiBi slopes when they differ from the runner's (once, in the
+    /// first layer of the first step that uses them).
+    fn sync_slopes(&mut self, opts: &crate::ops::attention::DecodeOptions) -> Result<()> {
+        if self.runner.alibi_slopes() != opts.alibi_slopes.as_deref() {
+            self.runner.set_alibi_slopes(opts.alibi_slopes.as_deref())?;
+        }
+        Ok(())
     }
 
     /// `cache` is one `alloc_cache` made for this config: its fields are public, so a
@@ -119,10 +171,7 @@ impl<D: StepDevice> StepCore<D> {
     }
 
     pub(crate) fn decode<T: AsView>(&mut self, args: DecodeArgs<'_, T>) -> Result<()> {
-        if self.runner.alibi_slopes() != args.opts.alibi_slopes.as_deref() {
-            self.runner
-                .set_alibi_slopes(args.opts.alibi_slopes.as_deref())?;
-        }
+        self.sync_slopes(args.opts)?;
         self.runner.decode(
             args.opts,
             DecodeIo {

@@ -2,7 +2,8 @@
 //! host tensors: the real kernel bodies, with no GPU.
 
 use super::{
-    AppendArgs, AttentionBackend, BackendConfig, DecodeArgs, PagedCache, StepCore, check_pairs,
+    AppendArgs, AttentionBackend, BackendConfig, DecodeArgs, PagedCache, PrefillArgs, StepCore,
+    check_pairs,
 };
 use crate::buffer::AlignedBuf;
 use crate::emulator::Emulator;
@@ -100,6 +101,10 @@ impl AttentionBackend for CpuBackend {
 
     fn decode(&mut self, args: DecodeArgs<'_, HostTensor>) -> Result<()> {
         self.core.decode(args)
+    }
+
+    fn prefill(&mut self, args: PrefillArgs<'_, HostTensor>) -> Result<()> {
+        self.core.prefill(args)
     }
 
     fn copy_blocks(

@@ -22,8 +22,10 @@
 //! A batch mixes prefills and decodes. `kv_append` writes every new token of the batch
 //! (`batch.slot_mapping`, sequence by sequence). `decode` computes one query per
 //! *decoding* sequence: its `q` and `out` hold one row for each batch row `i` with
-//! `!batch.seqs[i].is_prefill`, in batch order ([`decode_rows`] lists them). Prefill
-//! tokens need a multi-query kernel, which this API does not have yet.
+//! `!batch.seqs[i].is_prefill`, in batch order ([`decode_rows`] lists them).
+//! [`prefill`](AttentionBackend::prefill) computes the prefilling rows' new tokens
+//! ([`prefill_rows`]), each attending causally to its sequence's cache (the tensor-core
+//! prefill kernel).
 //!
 //! ## Options
 //! [`DecodeOptions`] are defined once for every backend (scale, sliding window,
@@ -237,6 +239,31 @@ pub struct DecodeArgs<'a, T> {
     pub out: &'a mut T,
 }
 
+/// The inputs of [`AttentionBackend::prefill`] for one layer.
+#[derive(Debug)]
+pub struct PrefillArgs<'a, T> {
+    /// Scale, window, soft-cap, ALiBi (as for decode).
+    pub opts: &'a DecodeOptions,
+    /// `[num_prefill_tokens, num_q_heads, head_dim]`: the new tokens of the prefilling
+    /// rows ([`prefill_rows`]), row after row, each row's tokens in order.
+    pub q: &'a T,
+    /// The layer's cache (this step's tokens appended first).
+    pub cache: &'a LayerCache<T>,
+    /// `[num_prefill_tokens, num_q_heads, head_dim]`: written.
+    pub out: &'a mut T,
+}
+
+/// The rows of `batch` that prefill (a prompt or a chunk of one), in batch order: their
+/// new tokens are the rows of [`PrefillArgs::q`] and [`PrefillArgs::out`].
+pub fn prefill_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
+    batch
+        .seqs
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.is_prefill)
+        .map(|(i, _)| i)
+}
+
 /// The rows of `batch` that decode (one query token each), in batch order: the rows
 /// of [`DecodeArgs::q`] and [`DecodeArgs::out`].
 pub fn decode_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
@@ -300,6 +327,10 @@ pub trait AttentionBackend {
     /// Decode attention of the step's decoding sequences over one layer's cache:
     /// launches only (the ALiBi slopes are uploaded the first time they change).
     fn decode(&mut self, args: DecodeArgs<'_, Self::Tensor>) -> Result<()>;
+
+    /// Prefill attention of the step's prefilling rows over one layer's cache: each
+    /// new token attends causally to its sequence's cache up to itself (launches only).
+    fn prefill(&mut self, args: PrefillArgs<'_, Self::Tensor>) -> Result<()>;
 
     /// Copies blocks `src -> dst` in every pool of `cache` (copy-on-write).
     fn copy_blocks(

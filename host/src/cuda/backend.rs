@@ -3,7 +3,8 @@
 
 use super::{CudaBackend, CudaStepDevice, DeviceTensor, HostSwapPool, LayerCache, PagedCache};
 use crate::backend::{
-    AppendArgs, AsView, AttentionBackend, BackendConfig, DecodeArgs, StepCore, check_pairs,
+    AppendArgs, AsView, AttentionBackend, BackendConfig, DecodeArgs, PrefillArgs, StepCore,
+    check_pairs,
 };
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
@@ -131,6 +132,10 @@ impl AttentionBackend for CudaAttention<'_> {
 
     fn decode(&mut self, args: DecodeArgs<'_, DeviceTensor>) -> Result<()> {
         self.core.decode(args)
+    }
+
+    fn prefill(&mut self, args: PrefillArgs<'_, DeviceTensor>) -> Result<()> {
+        self.core.prefill(args)
     }
 
     fn copy_blocks(&mut self, cache: &mut PagedCache, pairs: &[(u32, u32)]) -> Result<()> {

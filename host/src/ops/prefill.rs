@@ -93,25 +93,55 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
         ));
     }
     validate_options(inputs.opts, sh.num_q_heads)?;
+    let max_rows = validate_metadata(
+        sh,
+        inputs.opts.window,
+        inputs.block_tables,
+        inputs.qo_indptr,
+        inputs.context_lens,
+    )?;
+    let n = sh.num_seqs as usize;
+    let total = inputs.qo_indptr[n] as u64;
+    let qn = total * sh.row_elems();
+    let dtype = inputs.key_cache.dtype();
+    check_tensor("key_cache", inputs.key_cache, dtype, l.pool_elems())?;
+    check_tensor("value_cache", inputs.value_cache, dtype, l.pool_elems())?;
+    check_tensor("q", inputs.q, dtype, qn)?;
+    check_tensor("out", out, dtype, qn)?;
+    Ok(max_rows)
+}
+
+/// Checks a prefill's metadata against the shapes and returns the most query rows of
+/// one sequence's KV head (`qo_len * group`): `qo_indptr` is `[num_seqs + 1]` from 0,
+/// non-decreasing; each context holds at least its new tokens (and one token) and fits
+/// its table row; every block a sequence reads (from its first new token's `window`
+/// start, or from 0) is inside the pool.
+pub fn validate_metadata(
+    sh: &DecodeShape,
+    window: Option<u32>,
+    block_tables: &[i32],
+    qo_indptr: &[i32],
+    context_lens: &[i32],
+) -> Result<u32> {
     let n = sh.num_seqs as usize;
     let width = sh.max_blocks_per_seq as usize;
-    if inputs.qo_indptr.len() != n + 1 || inputs.qo_indptr[0] != 0 {
+    if qo_indptr.len() != n + 1 || qo_indptr[0] != 0 {
         return Err(Error::invalid(
             "qo_indptr",
             format!(
                 "{} entries (expected {}), starting at 0",
-                inputs.qo_indptr.len(),
+                qo_indptr.len(),
                 n + 1
             ),
         ));
     }
-    if inputs.context_lens.len() != n || inputs.block_tables.len() != n * width {
+    if context_lens.len() != n || block_tables.len() != n * width {
         return Err(Error::invalid(
             "context_lens",
             format!(
                 "{} lengths and {} table entries for {n} sequences of {width} blocks",
-                inputs.context_lens.len(),
-                inputs.block_tables.len()
+                context_lens.len(),
+                block_tables.len()
             ),
         ));
     }
@@ -119,8 +149,8 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
     let group = sh.num_q_heads / sh.num_kv_heads;
     let mut max_rows = 0u64;
     for s in 0..n {
-        let qo = inputs.qo_indptr[s + 1] as i64 - inputs.qo_indptr[s] as i64;
-        let ctx = inputs.context_lens[s] as i64;
+        let qo = qo_indptr[s + 1] as i64 - qo_indptr[s] as i64;
+        let ctx = context_lens[s] as i64;
         if qo < 0 {
             return Err(Error::invalid(
                 "qo_indptr",
@@ -142,11 +172,11 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
         }
         // The positions the first new token sees start the blocks read.
         let first = (ctx - qo + 1) as u64;
-        let first = match inputs.opts.window {
+        let first = match window {
             Some(w) if first > w as u64 => first - w as u64,
             _ => 0,
         };
-        let row = &inputs.block_tables[s * width..(s + 1) * width];
+        let row = &block_tables[s * width..(s + 1) * width];
         for lb in first / sh.block_size as u64..(ctx as u64).div_ceil(sh.block_size as u64) {
             let id = row[lb as usize];
             if id < 0 || id as u32 >= sh.num_blocks {
@@ -166,13 +196,6 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
             format!("{max_rows} query rows in one sequence's KV head: too many for one launch"),
         ));
     }
-    let total = inputs.qo_indptr[n] as u64;
-    let qn = total * sh.row_elems();
-    let dtype = inputs.key_cache.dtype();
-    check_tensor("key_cache", inputs.key_cache, dtype, l.pool_elems())?;
-    check_tensor("value_cache", inputs.value_cache, dtype, l.pool_elems())?;
-    check_tensor("q", inputs.q, dtype, qn)?;
-    check_tensor("out", out, dtype, qn)?;
     Ok(max_rows as u32)
 }
 

@@ -57,9 +57,11 @@
 
 mod device;
 mod emu;
+mod prefill;
 mod run;
 mod runner;
 
 pub use device::{DeviceOp, Recorder, Space, StepDevice, TensorView, TensorViewMut};
 pub use emu::EmuDevice;
+pub use prefill::{PlannedPrefill, PrefillIo, PrefillMeta};
 pub use runner::{AppendIo, DecodeIo, Planned, StepCapacity, StepMeta, StepRunner, StepShape};

@@ -24,7 +24,7 @@ impl<D: StepDevice> StepRunner<D> {
     /// Checks a view: its memory space, dtype, 16-byte alignment, and element count
     /// (`rows` rows of `row` elements, `stride` apart, for row-strided views; exactly
     /// `elems` for dense ones). Returns the row stride (dense: `row`).
-    fn check_view(
+    pub(super) fn check_view(
         &self,
         arg: &'static str,
         v: &RawView,

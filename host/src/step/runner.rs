@@ -125,6 +125,10 @@ pub struct StepRunner<D: StepDevice> {
     pub(super) slopes_host: Option<Vec<f32>>,
     pub(super) staging: Vec<u8>,
     pub(super) planned: Option<Planned>,
+    /// `[tables | qo_indptr | lens]` of the step's prefill, 16-byte aligned sections.
+    pub(super) pmeta: u64,
+    /// What `plan_prefill` decided, and its sections' byte offsets in `pmeta`.
+    pub(super) planned_prefill: Option<(super::PlannedPrefill, [u64; 3])>,
 }
 
 impl<D: StepDevice> std::fmt::Debug for StepRunner<D> {
@@ -220,8 +224,19 @@ impl<D: StepDevice> StepRunner<D> {
             .checked_mul(shape.head_dim as u64 * 4)
             .and_then(|b| usize::try_from(b).ok())
             .ok_or_else(|| too_large("capacity"))?;
-        dev.reserve_upload(meta_bytes.max(4 * shape.num_q_heads as usize))?;
+        dev.reserve_upload(
+            meta_bytes.max(4 * shape.num_q_heads as usize).max(
+                super::prefill::meta_bytes(cap.max_seqs as u64, cap.max_blocks_per_seq as u64)
+                    .unwrap_or(u64::MAX)
+                    .min(usize::MAX as u64) as usize,
+            ),
+        )?;
         let meta = dev.alloc(meta_bytes)?;
+        let pmeta_bytes =
+            super::prefill::meta_bytes(cap.max_seqs as u64, cap.max_blocks_per_seq as u64)
+                .and_then(|b| usize::try_from(b).ok())
+                .ok_or_else(|| too_large("capacity"))?;
+        let pmeta = dev.alloc(pmeta_bytes)?;
         let part_out = (dev.alloc(out_bytes.max(16))?, rows * shape.head_dim as u64);
         let part_ml = (dev.alloc((rows as usize * 8).max(16))?, rows * 2);
         let slopes = dev.alloc(4 * shape.num_q_heads as usize)?;
@@ -238,6 +253,8 @@ impl<D: StepDevice> StepRunner<D> {
             slopes_host: None,
             staging: Vec::with_capacity(meta_bytes),
             planned: None,
+            pmeta,
+            planned_prefill: None,
         })
     }
 
@@ -293,6 +310,7 @@ impl<D: StepDevice> StepRunner<D> {
     /// one asynchronous copy into the runner's persistent buffer. No allocation.
     pub fn plan(&mut self, meta: &StepMeta<'_>) -> Result<&Planned> {
         self.planned = None;
+        self.planned_prefill = None;
         let n = meta.context_lens.len();
         let width = meta.max_blocks_per_seq;
         let tokens = meta.slot_mapping.len();

@@ -1,0 +1,225 @@
+//! Prefill on the step path: [`StepRunner::plan_prefill`] once per step (validate and
+//! upload the prefill rows' metadata into a persistent buffer), then
+//! [`StepRunner::prefill`] per layer, which only checks views and launches.
+
+use pagedkv_kernels::kernels::prefill::{PagedPrefill, PagedPrefillSimt, PrefillParams};
+use pagedkv_kernels::{Bf16, F16, GlobalSlice, GlobalSliceMut, Kernel};
+
+use super::device::{StepDevice, TensorView, TensorViewMut};
+use super::runner::StepRunner;
+use crate::emulator::LaunchConfig;
+use crate::error::{Error, Result};
+use crate::ops::attention::{DecodeOptions, DecodeShape, validate_options};
+use crate::ops::{checked_pool_elems, prefill};
+use crate::tensor::DType;
+
+/// One step's prefill metadata: the sequences whose new tokens the prefill kernel
+/// computes (named fields: the `&[i32]`s cannot be swapped by position).
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillMeta<'a> {
+    /// `[num_seqs, max_blocks_per_seq]`.
+    pub block_tables: &'a [i32],
+    /// Row length of `block_tables`.
+    pub max_blocks_per_seq: u32,
+    /// `[num_seqs + 1]`: sequence `s`'s query rows are `qo_indptr[s]..qo_indptr[s + 1]`.
+    pub qo_indptr: &'a [i32],
+    /// `[num_seqs]`: tokens in each sequence's cache, its new ones included.
+    pub context_lens: &'a [i32],
+}
+
+/// The tensors of one layer's prefill.
+#[derive(Debug)]
+pub struct PrefillIo<'a> {
+    /// `[qo_indptr[num_seqs], num_q_heads, head_dim]`, dense.
+    pub q: TensorView<'a>,
+    /// The layer's key cache (this step's tokens appended).
+    pub key_cache: TensorView<'a>,
+    /// The layer's value cache.
+    pub value_cache: TensorView<'a>,
+    /// `[qo_indptr[num_seqs], num_q_heads, head_dim]`, dense: written.
+    pub out: TensorViewMut<'a>,
+}
+
+/// What [`StepRunner::plan_prefill`] decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlannedPrefill {
+    /// The prefill's shapes (`num_seqs` prefilling sequences).
+    pub shape: DecodeShape,
+    /// Query rows in all (`qo_indptr[num_seqs]`).
+    pub num_tokens: u32,
+    /// The most query rows of one sequence's KV head (sizes the grid).
+    pub max_rows: u32,
+}
+
+/// Bytes of the prefill metadata buffer for `max_seqs` rows of `width` blocks:
+/// `[tables | qo_indptr | lens]`, 16-byte aligned sections.
+pub(super) fn meta_bytes(max_seqs: u64, width: u64) -> Option<u64> {
+    let tables = (4 * max_seqs).checked_mul(width)?;
+    Some(tables.next_multiple_of(16) + (4 * (max_seqs + 1)).next_multiple_of(16) + 4 * max_seqs)
+}
+
+impl<D: StepDevice> StepRunner<D> {
+    /// Plans this step's prefill: validates `meta` (as `ops::prefill` does, without a
+    /// window: every block up to each context must be in the pool) and uploads it with
+    /// one asynchronous copy into the runner's prefill buffer. Call it after
+    /// [`plan`](Self::plan) (which forgets the previous step's prefill).
+    pub fn plan_prefill(&mut self, meta: &PrefillMeta<'_>) -> Result<PlannedPrefill> {
+        self.planned_prefill = None;
+        let n = meta.context_lens.len();
+        let width = meta.max_blocks_per_seq;
+        if n == 0 || n > self.cap.max_seqs as usize || width > self.cap.max_blocks_per_seq {
+            return Err(Error::invalid(
+                "meta",
+                format!(
+                    "{n} prefilling sequences of {width} blocks (the runner holds 1..={} of {})",
+                    self.cap.max_seqs, self.cap.max_blocks_per_seq
+                ),
+            ));
+        }
+        let shape = DecodeShape {
+            num_seqs: n as u32,
+            num_q_heads: self.shape.num_q_heads,
+            num_kv_heads: self.shape.num_kv_heads,
+            head_dim: self.shape.head_dim,
+            block_size: self.shape.block_size,
+            num_blocks: self.shape.num_blocks,
+            max_blocks_per_seq: width,
+        };
+        let max_rows = prefill::validate_metadata(
+            &shape,
+            None,
+            meta.block_tables,
+            meta.qo_indptr,
+            meta.context_lens,
+        )?;
+        let num_tokens = meta.qo_indptr[n] as u32;
+        if num_tokens > self.cap.max_tokens {
+            return Err(Error::invalid(
+                "qo_indptr",
+                format!(
+                    "{num_tokens} tokens exceed the runner's capacity of {}",
+                    self.cap.max_tokens
+                ),
+            ));
+        }
+        let t_bytes = (4 * meta.block_tables.len()).next_multiple_of(16);
+        let i_bytes = (4 * (n + 1)).next_multiple_of(16);
+        self.staging.clear();
+        self.staging.resize(t_bytes + i_bytes + 4 * n, 0);
+        let words = meta
+            .block_tables
+            .iter()
+            .map(|&x| (0, x))
+            .chain(meta.qo_indptr.iter().map(|&x| (t_bytes, x)))
+            .chain(meta.context_lens.iter().map(|&x| (t_bytes + i_bytes, x)));
+        let (mut at, mut section) = (0, 0);
+        for (start, x) in words {
+            if start != section {
+                (at, section) = (start, start);
+            }
+            self.staging[at..at + 4].copy_from_slice(&x.to_le_bytes());
+            at += 4;
+        }
+        self.dev.upload(self.pmeta, &self.staging)?;
+        let planned = PlannedPrefill {
+            shape,
+            num_tokens,
+            max_rows,
+        };
+        self.planned_prefill = Some((planned, [0, t_bytes as u64, (t_bytes + i_bytes) as u64]));
+        Ok(planned)
+    }
+
+    /// Prefill attention for one layer: one launch, with the options `opts` (ALiBi
+    /// slopes as uploaded with `set_alibi_slopes`).
+    pub fn prefill(&self, opts: &DecodeOptions, io: PrefillIo<'_>) -> Result<()> {
+        let (pp, offsets) = self
+            .planned_prefill
+            .ok_or_else(|| Error::InvalidState("no prefill planned: call plan_prefill()".into()))?;
+        validate_options(opts, pp.shape.num_q_heads)?;
+        if opts.alibi_slopes != self.slopes_host {
+            return Err(Error::invalid(
+                "alibi_slopes",
+                "differ from the slopes uploaded with set_alibi_slopes",
+            ));
+        }
+        let l = self.shape.layout();
+        let pool = checked_pool_elems(&l)?;
+        let (rows, row) = (pp.num_tokens as u64, pp.shape.row_elems());
+        self.check_view("q", &io.q.raw, rows, row, false)?;
+        self.check_view("out", &io.out.raw, rows, row, false)?;
+        self.check_view("key_cache", &io.key_cache.raw, 1, pool, false)?;
+        self.check_view("value_cache", &io.value_cache.raw, 1, pool, false)?;
+        if pp.max_rows == 0 {
+            return Ok(());
+        }
+        let n = pp.shape.num_seqs as u64;
+        let at = |i: usize| self.pmeta + offsets[i];
+        let cfg = prefill::launch_config(&pp.shape, self.shape.dtype, pp.max_rows);
+        // SAFETY: checked views of this device's space; the metadata `plan_prefill`
+        // validated and uploaded into the runner's buffer; the slopes buffer it owns.
+        macro_rules! params {
+            ($t:ty) => {
+                unsafe {
+                    PrefillParams::<$t> {
+                        q: GlobalSlice::from_raw_parts(io.q.raw.addr as *const $t, rows * row),
+                        key_cache: GlobalSlice::from_raw_parts(
+                            io.key_cache.raw.addr as *const $t,
+                            pool,
+                        ),
+                        value_cache: GlobalSlice::from_raw_parts(
+                            io.value_cache.raw.addr as *const $t,
+                            pool,
+                        ),
+                        block_tables: GlobalSlice::from_raw_parts(
+                            at(0) as *const i32,
+                            n * pp.shape.max_blocks_per_seq as u64,
+                        ),
+                        qo_indptr: GlobalSlice::from_raw_parts(at(1) as *const i32, n + 1),
+                        context_lens: GlobalSlice::from_raw_parts(at(2) as *const i32, n),
+                        alibi_slopes: if opts.alibi_slopes.is_some() {
+                            GlobalSlice::from_raw_parts(
+                                self.slopes as *const f32,
+                                pp.shape.num_q_heads as u64,
+                            )
+                        } else {
+                            GlobalSlice::empty()
+                        },
+                        out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut $t, rows * row),
+                        layout: l,
+                        num_q_heads: pp.shape.num_q_heads,
+                        max_blocks_per_seq: pp.shape.max_blocks_per_seq,
+                        scale: opts.scale,
+                        softcap: opts.softcap.unwrap_or(0.0),
+                        inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
+                        window: opts.window.unwrap_or(0),
+                    }
+                }
+            };
+        }
+        // SAFETY (each launch): (1)-(2) above and `plan_prefill`'s validation; (3) `out`
+        // borrowed mutably, the caches shared, all on the device's one queue; (4) the
+        // kernel's own configuration.
+        match self.shape.dtype {
+            DType::F16 => {
+                let p = params!(F16);
+                unsafe { self.launch_prefill::<PagedPrefill<F16>>(cfg, p) }
+            }
+            DType::Bf16 => {
+                let p = params!(Bf16);
+                unsafe { self.launch_prefill::<PagedPrefill<Bf16>>(cfg, p) }
+            }
+            DType::F32 => {
+                let p = params!(f32);
+                unsafe { self.launch_prefill::<PagedPrefillSimt<f32>>(cfg, p) }
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`StepDevice::launch`].
+    unsafe fn launch_prefill<K: Kernel>(&self, cfg: LaunchConfig, p: K::Params) -> Result<()> {
+        // SAFETY: the caller's.
+        unsafe { self.dev.launch::<K>(cfg, p) }
+    }
+}
