@@ -1,7 +1,9 @@
 #![allow(missing_docs)] // criterion's macros and this bench's helpers.
 //! Kernel throughput: `cargo bench --bench kernels`.
 //!
-//! On a machine with an NVIDIA GPU: `paged_decode_attention` and `kv_append` over the
+//! On a machine with an NVIDIA GPU: `paged_prefill_attention` (batch x new tokens x
+//! cached prefix, TFLOP/s and % of the datasheet tensor-core peak), and
+//! `paged_decode_attention` and `kv_append` over the
 //! shape table (batch 1/8/64/256 × context 512/4096/32768, GQA 32/8 and MHA 32/32,
 //! head_dim 128, f16 and bf16, block_size 16), timed with CUDA events after warm-up on
 //! random (never zero) data, rotating between cache regions so the inputs of successive
@@ -28,7 +30,9 @@ use pagedkv::cuda::{CudaBackend, CudaStepDevice, DeviceTensor, backend};
 use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape, decode_bytes};
 use pagedkv::host::ops::kv_append::KvAppendIo;
 use pagedkv::host::reference::paged_decode_attention;
-use pagedkv::host::step::{DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
+use pagedkv::host::step::{
+    DecodeIo, PrefillIo, PrefillMeta, StepCapacity, StepMeta, StepRunner, StepShape,
+};
 use pagedkv::host::{DType, HostTensor};
 use pagedkv::kernels::PagedLayout;
 use rand::rngs::SmallRng;
@@ -109,6 +113,117 @@ fn spec_gbs(name: &str) -> Option<f64> {
     .iter()
     .find(|(k, _)| n.contains(k))
     .map(|&(_, v)| v)
+}
+
+/// The datasheet dense f16/bf16 tensor-core peak of known GPUs, TFLOP/s (f32
+/// accumulate, no sparsity), by device name.
+fn spec_tflops(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    [
+        ("H200", 989.0),
+        ("H100 PCIE", 756.0),
+        ("H100", 989.0),
+        ("A100", 312.0),
+        ("L40S", 362.0),
+    ]
+    .iter()
+    .find(|(k, _)| n.contains(k))
+    .map(|&(_, v)| v)
+}
+
+/// Prefill on the step path (metadata planned once): batch x new tokens x cached prefix,
+/// GQA 32/8, head_dim 128, block 16; FLOPs `4 * head_dim * q_heads * Σ pairs`, where a
+/// new token at position `p` attends to `p + 1` positions. Returns a markdown table.
+fn prefill_benches(gpu: &CudaBackend, r: &mut SmallRng) -> String {
+    let peak = spec_tflops(gpu.device_name());
+    let mut md = format!(
+        "| prefill shape (batch x new x cached) | dtype | GFLOP | median GPU time (ms) | TFLOP/s | % of tensor-core peak ({}) |\n|---|---|---|---|---|---|\n",
+        peak.map_or("unknown GPU".to_string(), |v| format!(
+            "{v:.0} TFLOP/s, datasheet"
+        ))
+    );
+    let (qh, kvh, d) = (32u32, 8u32, 128u32);
+    for dtype in [DType::F16, DType::Bf16] {
+        for (batch, new, cached) in [
+            (1u32, 2048u32, 0u32),
+            (4, 512, 0),
+            (8, 256, 1024),
+            (1, 512, 8192),
+        ] {
+            let ctx = new + cached;
+            let width = ctx.div_ceil(16);
+            let num_blocks = batch * width + 1;
+            let layout_elems = num_blocks as u64 * kvh as u64 * 16 * d as u64;
+            let mut kc = DeviceTensor::zeros(gpu, dtype, &[layout_elems as usize]).unwrap();
+            let mut vc = DeviceTensor::zeros(gpu, dtype, &[layout_elems as usize]).unwrap();
+            fill_random(gpu, &mut kc, r);
+            fill_random(gpu, &mut vc, r);
+            let mut ids: Vec<i32> = (1..num_blocks as i32).collect();
+            ids.shuffle(r);
+            let tables = &ids[..(batch * width) as usize];
+            let lens = vec![ctx as i32; batch as usize];
+            let indptr: Vec<i32> = (0..=batch).map(|i| (i * new) as i32).collect();
+            let tokens = (batch * new) as usize;
+            let qn = tokens * (qh * d) as usize;
+            let qv: Vec<f64> = (0..qn).map(|_| r.random_range(-1.0..1.0)).collect();
+            let q = DeviceTensor::from_host(gpu, &HostTensor::from_f64(dtype, &[qn], &qv).unwrap())
+                .unwrap();
+            let mut out = DeviceTensor::zeros(gpu, dtype, &[qn]).unwrap();
+            let shape = StepShape {
+                num_q_heads: qh,
+                num_kv_heads: kvh,
+                head_dim: d,
+                block_size: 16,
+                num_blocks,
+                dtype,
+            };
+            let cap = StepCapacity {
+                max_seqs: batch,
+                max_blocks_per_seq: width,
+                max_tokens: tokens as u32,
+                max_partitions: 1,
+            };
+            let mut run =
+                StepRunner::new(CudaStepDevice::new(gpu), shape, cap, gpu.sm_count()).unwrap();
+            run.plan(&StepMeta {
+                block_tables: &[],
+                max_blocks_per_seq: 0,
+                context_lens: &[],
+                slot_mapping: &[],
+            })
+            .unwrap();
+            run.plan_prefill(&PrefillMeta {
+                block_tables: tables,
+                max_blocks_per_seq: width,
+                qo_indptr: &indptr,
+                context_lens: &lens,
+            })
+            .unwrap();
+            let opts = DecodeOptions::new(d);
+            let pairs: u64 =
+                (0..new as u64).map(|i| cached as u64 + i + 1).sum::<u64>() * batch as u64;
+            let flops = 4.0 * d as f64 * qh as f64 * pairs as f64;
+            let ms = median_ms(gpu, 10, |_| {
+                run.prefill(
+                    &opts,
+                    PrefillIo {
+                        q: q.view(),
+                        key_cache: kc.view(),
+                        value_cache: vc.view(),
+                        out: out.view_mut(),
+                    },
+                )
+                .unwrap()
+            });
+            let tflops = flops / (ms * 1e-3) / 1e12;
+            md.push_str(&format!(
+                "| {batch} x {new} x {cached} | {dtype} | {:.1} | {ms:.3} | {tflops:.1} | {} |\n",
+                flops / 1e9,
+                peak.map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * tflops / v))
+            ));
+        }
+    }
+    md
 }
 
 fn median_ms(gpu: &CudaBackend, reps: usize, mut f: impl FnMut(usize)) -> f64 {
@@ -393,6 +508,8 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
     for s in &skipped {
         md.push_str(&format!("| {s}: skipped | | | | | | |\n"));
     }
+    md.push('\n');
+    md.push_str(&prefill_benches(gpu, &mut r));
     println!("\n{md}");
     let path =
         std::env::var("PAGEDKV_BENCH_REPORT").unwrap_or_else(|_| "target/pagedkv-bench.md".into());
