@@ -90,6 +90,13 @@ struct RunArgs {
     /// Random seed (weights and prompts).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also serve the same requests without a KV cache (every step recomputes every
+    /// token's K/V: the O(n²) way) and print both times and their ratio.
+    #[arg(long)]
+    no_cache: bool,
+    /// With --no-cache: write an SVG of time per step against sequence length, both ways.
+    #[arg(long, requires = "no_cache")]
+    plot: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -129,6 +136,31 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     println!("{report}");
     if !report.verified() {
         return Err("verification against dense attention failed".into());
+    }
+    if a.no_cache {
+        eprintln!("the same requests without a KV cache (every step recomputes every token):");
+        let slow = pagedkv::tiny::run_without_cache(&cfg, &mut |line| eprintln!("{line}"))?;
+        println!("without a cache: {slow}");
+        if !slow.verified() {
+            return Err("verification of the run without a cache failed".into());
+        }
+        let same = report
+            .outputs
+            .iter()
+            .filter(|(id, t)| slow.outputs.get(id) == Some(t))
+            .count();
+        println!(
+            "with the cache {:.3} s, without {:.3} s: {:.1}x faster with the cache; {same} of {} requests generated the same tokens both ways",
+            report.seconds,
+            slow.seconds,
+            slow.seconds / report.seconds.max(1e-9),
+            report.outputs.len()
+        );
+        if let Some(p) = &a.plot {
+            let svg = pagedkv::tiny::render_step_times(&report, &slow)?;
+            pagedkv::output::write_all(&[(p.clone(), svg.into_bytes())])?;
+            println!("wrote {}", p.display());
+        }
     }
     Ok(())
 }

@@ -310,3 +310,41 @@ fn run_on_cuda_either_verifies_or_says_there_is_no_gpu() {
         );
     }
 }
+
+#[test]
+fn run_without_a_cache_generates_the_same_tokens_and_plots_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("steps.svg");
+    let out = bin()
+        .args([
+            "run",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "5",
+            "--no-cache",
+            "--plot",
+        ])
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("without a cache: generated 15 tokens"),
+        "{text}"
+    );
+    assert!(
+        text.contains("faster with the cache; 3 of 3 requests generated the same tokens"),
+        "{text}"
+    );
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.contains("with the paged KV cache") && svg.contains("without a cache"));
+    // --plot needs --no-cache.
+    let out = bin().args(["run", "--plot", "x.svg"]).output().unwrap();
+    assert!(!out.status.success());
+}

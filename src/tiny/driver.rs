@@ -1,0 +1,193 @@
+//! The serving loop both runs share: the scheduler over the run's requests, the
+//! backend's step, greedy sampling, the checks against dense attention, and the report.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use rand::Rng;
+
+use pagedkv_host::backend::{AttentionBackend, PagedCache};
+use pagedkv_host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv_host::reference::{dense_decode_attention, gather};
+use pagedkv_host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
+use pagedkv_host::{DType, HostTensor};
+
+use super::model::Model;
+use super::{MAX_MODEL_LEN, MAX_PROMPT_LEN, MAX_TOKENS_PER_STEP, RunConfig, RunReport};
+
+/// Checks of attention outputs against dense attention over the gathered cache.
+pub(super) struct Check {
+    pub(super) verified: usize,
+    pub(super) max_error: f64,
+}
+
+impl Check {
+    /// Checks `got` (one query's `[num_q_heads, head_dim]` output) for query `q` of a
+    /// sequence with block-table row `row`, over its first `upto` positions of the host
+    /// copies `kc`, `vc` of the cache.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn one(
+        &mut self,
+        cfg: &RunConfig,
+        opts: &DecodeOptions,
+        (kc, vc): (&HostTensor, &HostTensor),
+        row: &[i32],
+        upto: usize,
+        q: &[f64],
+        got: &[f64],
+    ) {
+        let shape = DecodeShape {
+            num_seqs: 1,
+            num_q_heads: cfg.num_q_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: cfg.block_size,
+            num_blocks: cfg.num_blocks,
+            max_blocks_per_seq: row.len() as u32,
+        };
+        let (kg, vg) = gather(&shape, kc, vc, row, upto, 0);
+        let (qh, kvh, d) = (
+            cfg.num_q_heads as usize,
+            cfg.num_kv_heads as usize,
+            cfg.head_dim as usize,
+        );
+        let want = dense_decode_attention(q, &kg, &vg, qh, kvh, d, opts);
+        let num: f64 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
+        let den: f64 = want.iter().map(|b| b * b).sum();
+        let e = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+        self.max_error = if e.is_nan() {
+            f64::INFINITY
+        } else {
+            self.max_error.max(e)
+        };
+        self.verified += 1;
+    }
+}
+
+/// What a step function sees.
+pub(super) struct StepCtx<'a> {
+    pub(super) cfg: &'a RunConfig,
+    pub(super) model: &'a Model,
+    pub(super) sched: &'a Scheduler,
+    pub(super) opts: &'a DecodeOptions,
+    pub(super) check: &'a mut Check,
+}
+
+/// `v` as a host tensor of `dtype`.
+pub(super) fn to_host(
+    dtype: DType,
+    shape: &[usize],
+    v: &[f32],
+) -> pagedkv_host::Result<HostTensor> {
+    HostTensor::from_f64(
+        dtype,
+        shape,
+        &v.iter().map(|&a| a as f64).collect::<Vec<_>>(),
+    )
+}
+
+/// Serves the run's requests on `be`: `step` computes one batch on the backend and
+/// returns each scheduled sequence's last hidden state (`[seqs, hidden]`).
+pub(super) fn serve<B: AttentionBackend>(
+    be: &mut B,
+    cfg: &RunConfig,
+    progress: &mut dyn FnMut(String),
+    mut step: impl FnMut(
+        &mut B,
+        &mut PagedCache<B::Tensor>,
+        &Batch,
+        StepCtx<'_>,
+    ) -> Result<Vec<f32>, Box<dyn std::error::Error>>,
+) -> Result<RunReport, Box<dyn std::error::Error>> {
+    let mut model = Model::new(cfg);
+    // Unused slots hold NaN: a kernel that read one would poison the output.
+    let mut cache = be.alloc_cache()?;
+    let mut sched = Scheduler::new(SchedulerConfig {
+        num_blocks: cfg.num_blocks,
+        block_size: cfg.block_size,
+        max_num_seqs: cfg.num_requests,
+        max_tokens_per_step: MAX_TOKENS_PER_STEP,
+        max_model_len: MAX_MODEL_LEN,
+        ..SchedulerConfig::default()
+    })?;
+    for i in 0..cfg.num_requests {
+        let r = &mut model.rng;
+        let len = r.random_range(4..=MAX_PROMPT_LEN as usize);
+        let prompt: Vec<u32> = (0..len)
+            .map(|_| r.random_range(0..cfg.vocab as u32))
+            .collect();
+        sched.add_request(Request::new(i as u64, prompt, cfg.max_tokens))?;
+    }
+    let opts = DecodeOptions::new(cfg.head_dim);
+    let mut check = Check {
+        verified: 0,
+        max_error: 0.0,
+    };
+    let (mut steps, mut tokens, mut util_sum) = (0u64, 0u64, 0.0f64);
+    let mut step_times = Vec::new();
+    let mut outputs: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let start = Instant::now();
+    let hidden = model.hidden;
+    while !sched.is_idle() {
+        let t0 = Instant::now();
+        let batch = sched.step()?.clone();
+        if batch.seqs.is_empty() {
+            return Err("the scheduler made an empty step with requests left".into());
+        }
+        let last = step(
+            be,
+            &mut cache,
+            &batch,
+            StepCtx {
+                cfg,
+                model: &model,
+                sched: &sched,
+                opts: &opts,
+                check: &mut check,
+            },
+        )?;
+        // Greedy sampling from each sequence's last hidden state.
+        let sampled: Vec<_> = batch
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                let t = model.greedy(&last[i * hidden..(i + 1) * hidden], cfg.vocab);
+                outputs.entry(q.request).or_default().push(t);
+                (q.seq, t)
+            })
+            .collect();
+        tokens += sampled.len() as u64;
+        steps += 1;
+        util_sum += sched.metrics().kv_utilization;
+        sched.on_step_done(&sampled)?;
+        let mean_len = batch.context_lens.iter().map(|&c| c as f64).sum::<f64>()
+            / batch.context_lens.len() as f64;
+        step_times.push((mean_len, t0.elapsed().as_secs_f64()));
+        if steps.is_multiple_of(8) {
+            progress(format!(
+                "step {steps}: {} running, {} waiting, {} tokens, KV blocks used {}",
+                sched.metrics().running,
+                sched.metrics().waiting,
+                tokens,
+                sched.metrics().blocks_used
+            ));
+        }
+    }
+    let m = sched.metrics();
+    Ok(RunReport {
+        steps,
+        tokens,
+        seconds: start.elapsed().as_secs_f64(),
+        mean_kv_utilization: util_sum / steps.max(1) as f64,
+        preemptions: m.preempted_recompute + m.preempted_swap,
+        verified: check.verified,
+        max_error: check.max_error,
+        tolerance: match cfg.dtype {
+            DType::F32 => 1e-5,
+            _ => 1e-2,
+        },
+        step_times,
+        outputs,
+    })
+}

@@ -1,0 +1,289 @@
+//! `pagedkv run`: real decode through pagedkv's kernels over the paged cache, for a
+//! small synthetic transformer.
+//!
+//! The model is a few layers of random Q/K/V/O projections with residual connections
+//! and RMS normalisation, a random embedding shared with the output layer, and greedy
+//! sampling: the point is the cache and the kernels, not the text. Every step:
+//!
+//! 1. the scheduler plans the batch (admissions, block allocations, slots);
+//! 2. per layer, Q/K/V of the step's new tokens are computed on the CPU, `kv_append`
+//!    writes K and V into the layer's paged cache through `slot_mapping`, and
+//!    `paged_decode_attention` attends each decoding sequence's query over its cache
+//!    through its block table; `paged_prefill_attention` attends each prefilling
+//!    sequence's new tokens causally over its cache (tensor cores for f16/bf16);
+//! 3. the last hidden state of each sequence picks its next token.
+//!
+//! The layer loop is written once, over `AttentionBackend`: `Backend::Cpu` runs it on
+//! [`CpuBackend`] (the real kernel bodies in the SIMT emulator), `Backend::Cuda` on
+//! [`CudaAttention`] (a GPU). [`run_without_cache`] serves the same requests without a
+//! KV cache (every step recomputes every token's K/V: the O(n²) way) for comparison. The cache stays in the backend's memory; only layer 0's
+//! comes back to the host, for the check: after every step a sample of decoding
+//! sequences and the first and last new token of a prefilling one are checked against
+//! dense attention over their gathered cache; the report gives the worst error.
+
+mod cached;
+mod driver;
+mod model;
+mod plot;
+mod recompute;
+
+pub use plot::render_step_times;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use pagedkv_host::DType;
+use pagedkv_host::backend::{BackendConfig, CpuBackend, SplitPolicy};
+use pagedkv_host::cuda::CudaAttention;
+use pagedkv_host::step::{StepCapacity, StepShape};
+
+/// Where the kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The SIMT emulator on the CPU (the real kernel bodies).
+    Cpu,
+    /// An NVIDIA GPU through the CUDA backend.
+    Cuda,
+}
+
+/// Longest sequence (prompt + output) of a run's model.
+pub const MAX_MODEL_LEN: u32 = 256;
+/// Prompts are drawn with 4 to `MAX_PROMPT_LEN` tokens.
+pub const MAX_PROMPT_LEN: u32 = 39;
+/// Most tokens a request may generate: every request fits the model with any prompt.
+pub const MAX_TOKENS: u32 = MAX_MODEL_LEN - MAX_PROMPT_LEN;
+/// Fewest tokens a request may generate: the first comes from the prefill, so only
+/// from the second on does a decode step run (and get verified).
+pub const MIN_TOKENS: u32 = 2;
+/// Most requests in one run.
+pub const MAX_REQUESTS: usize = 4096;
+
+/// The run's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    /// Where the kernels run.
+    pub backend: Backend,
+    /// Requests to decode.
+    pub num_requests: usize,
+    /// Tokens each request generates.
+    pub max_tokens: u32,
+    /// Seed of weights and prompts.
+    pub seed: u64,
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_q_heads: u32,
+    /// KV heads.
+    pub num_kv_heads: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Tokens per cache block.
+    pub block_size: u32,
+    /// Blocks in the cache pool.
+    pub num_blocks: u32,
+    /// Cache, query and output element type.
+    pub dtype: DType,
+    /// Decoding sequences checked against dense attention per step.
+    pub verify_per_step: usize,
+}
+
+impl RunConfig {
+    /// Checks every setting; an error names the `pagedkv run` flag or the field.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=MAX_REQUESTS).contains(&self.num_requests) {
+            return Err(format!(
+                "--requests: {} is outside 1 to {MAX_REQUESTS}",
+                self.num_requests
+            ));
+        }
+        if !(MIN_TOKENS..=MAX_TOKENS).contains(&self.max_tokens) {
+            return Err(format!(
+                "--max-tokens: {} is outside {MIN_TOKENS} to {MAX_TOKENS} (the first token comes from the prefill, and prompt + output must fit the model's {MAX_MODEL_LEN} tokens with prompts of up to {MAX_PROMPT_LEN})",
+                self.max_tokens
+            ));
+        }
+        for (field, v, max) in [
+            ("num_layers", self.num_layers, 64),
+            ("vocab", self.vocab, 1 << 16),
+            ("num_q_heads", self.num_q_heads as usize, 64),
+            ("verify_per_step", self.verify_per_step, 1 << 16),
+        ] {
+            if !(1..=max).contains(&v) {
+                return Err(format!("{field}: {v} is outside 1 to {max}"));
+            }
+        }
+        if self.num_kv_heads == 0 || !self.num_q_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(format!(
+                "num_kv_heads: {} does not divide num_q_heads {}",
+                self.num_kv_heads, self.num_q_heads
+            ));
+        }
+        if self.num_blocks > 1 << 16 {
+            return Err(format!(
+                "num_blocks: {} is more than {}",
+                self.num_blocks,
+                1 << 16
+            ));
+        }
+        pagedkv_host::ops::check_layout(&pagedkv_kernels::PagedLayout {
+            num_blocks: self.num_blocks,
+            num_kv_heads: self.num_kv_heads,
+            block_size: self.block_size,
+            head_dim: self.head_dim,
+        })
+        .map_err(|e| e.to_string())
+    }
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            backend: Backend::Cpu,
+            num_requests: 12,
+            max_tokens: 24,
+            seed: 0,
+            num_layers: 2,
+            num_q_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 64,
+            vocab: 512,
+            block_size: 16,
+            num_blocks: 64,
+            dtype: DType::F16,
+            verify_per_step: 2,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunReport {
+    /// Decode steps.
+    pub steps: u64,
+    /// Tokens generated.
+    pub tokens: u64,
+    /// Wall-clock seconds.
+    pub seconds: f64,
+    /// Mean KV utilisation (tokens stored / slots of held blocks) over the steps.
+    pub mean_kv_utilization: f64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Attention outputs checked against dense attention.
+    pub verified: usize,
+    /// The worst relative L2 error among them.
+    pub max_error: f64,
+    /// The error allowed for the dtype.
+    pub tolerance: f64,
+    /// Per step: the scheduled sequences' mean context length and the step's wall-clock
+    /// seconds (scheduler, model and kernels).
+    pub step_times: Vec<(f64, f64)>,
+    /// The tokens each request generated, by request id.
+    pub outputs: BTreeMap<u64, Vec<u32>>,
+}
+
+impl RunReport {
+    /// Whether every check passed (and there was at least one).
+    pub fn verified(&self) -> bool {
+        self.verified > 0 && self.max_error <= self.tolerance
+    }
+}
+
+impl fmt::Display for RunReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "generated {} tokens in {} steps, {:.3} s wall clock: {:.1} tokens/s",
+            self.tokens,
+            self.steps,
+            self.seconds,
+            self.tokens as f64 / self.seconds.max(1e-9)
+        )?;
+        writeln!(
+            f,
+            "mean KV utilisation {:.1}% (tokens stored / slots of held blocks), {} preemptions",
+            100.0 * self.mean_kv_utilization,
+            self.preemptions
+        )?;
+        write!(
+            f,
+            "verification: {} attention outputs vs dense attention over the gathered cache, max relative L2 error {:.2e} (tolerance {:.0e}): {}",
+            self.verified,
+            self.max_error,
+            self.tolerance,
+            if self.verified() { "PASS" } else { "FAIL" }
+        )
+    }
+}
+
+/// Runs the model with its KV cache; `progress` receives a line every few steps.
+pub fn run(
+    cfg: &RunConfig,
+    progress: &mut dyn FnMut(String),
+) -> Result<RunReport, Box<dyn std::error::Error>> {
+    run_mode(cfg, false, progress)
+}
+
+/// Runs the same requests without a KV cache: every step recomputes every token's K and
+/// V through every layer (the O(n²) way), for the comparison `pagedkv run --no-cache`
+/// prints.
+pub fn run_without_cache(
+    cfg: &RunConfig,
+    progress: &mut dyn FnMut(String),
+) -> Result<RunReport, Box<dyn std::error::Error>> {
+    run_mode(cfg, true, progress)
+}
+
+fn run_mode(
+    cfg: &RunConfig,
+    recompute: bool,
+    progress: &mut dyn FnMut(String),
+) -> Result<RunReport, Box<dyn std::error::Error>> {
+    cfg.check()?;
+    let max_seqs = cfg.num_requests as u32;
+    let backend = BackendConfig {
+        shape: StepShape {
+            num_q_heads: cfg.num_q_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: cfg.block_size,
+            num_blocks: cfg.num_blocks,
+            dtype: cfg.dtype,
+        },
+        num_layers: cfg.num_layers,
+        capacity: StepCapacity {
+            max_seqs,
+            max_blocks_per_seq: MAX_MODEL_LEN.div_ceil(cfg.block_size),
+            // Without a cache a step holds every scheduled sequence's whole history.
+            max_tokens: if recompute {
+                max_seqs * MAX_MODEL_LEN
+            } else {
+                MAX_TOKENS_PER_STEP as u32
+            },
+            max_partitions: 64,
+        },
+        num_host_blocks: 0,
+        split: SplitPolicy::Auto,
+    };
+    // One layer loop per mode for every backend: only the backend differs.
+    macro_rules! on {
+        ($be:expr) => {
+            if recompute {
+                driver::serve($be, cfg, progress, recompute::step)
+            } else {
+                driver::serve($be, cfg, progress, cached::step)
+            }
+        };
+    }
+    match cfg.backend {
+        Backend::Cpu => on!(&mut CpuBackend::new(backend)?),
+        Backend::Cuda => {
+            let gpu = crate::cuda::backend(0)?;
+            on!(&mut CudaAttention::new(&gpu, backend)?)
+        }
+    }
+}
+
+/// Tokens the scheduler may put in one step.
+const MAX_TOKENS_PER_STEP: usize = 2048;

@@ -1,0 +1,107 @@
+//! The run without a KV cache: every step recomputes every token of every scheduled
+//! sequence through every layer (K and V of the whole history, the O(n²) way) and
+//! attends over all of it with the prefill kernel. The paged cache is only scratch space
+//! here: each step rewrites the positions it reads.
+
+use pagedkv_host::HostTensor;
+use pagedkv_host::backend::{AppendArgs, AttentionBackend, PagedCache, PrefillArgs};
+use pagedkv_host::scheduler::Batch;
+
+use super::driver::{StepCtx, to_host};
+use super::model::{finish_layer, matmul};
+
+/// `batch` with every sequence's whole history as its new tokens: one prefill from
+/// position 0, every position's slot in its block table.
+fn whole_history(batch: &Batch, block_size: u32) -> Batch {
+    let mut full = batch.clone();
+    let w = batch.max_blocks_per_seq as usize;
+    full.slot_mapping.clear();
+    let mut offset = 0;
+    for (i, s) in full.seqs.iter_mut().enumerate() {
+        s.is_prefill = true;
+        s.start_pos = 0;
+        s.num_new_tokens = s.context_len;
+        s.token_offset = offset;
+        offset += s.context_len;
+        let row = &batch.block_tables[i * w..(i + 1) * w];
+        full.slot_mapping.extend((0..s.context_len).map(|p| {
+            row[(p / block_size) as usize] as i64 * block_size as i64 + (p % block_size) as i64
+        }));
+    }
+    full
+}
+
+/// One step without a cache; returns each sequence's last hidden state.
+pub(super) fn step<B: AttentionBackend>(
+    be: &mut B,
+    cache: &mut PagedCache<B::Tensor>,
+    batch: &Batch,
+    c: StepCtx<'_>,
+) -> Result<Vec<f32>, Box<dyn std::error::Error>> {
+    let cfg = c.cfg;
+    let (qh, kvh, d) = (
+        cfg.num_q_heads as usize,
+        cfg.num_kv_heads as usize,
+        cfg.head_dim as usize,
+    );
+    let hidden = c.model.hidden;
+    let full = whole_history(batch, cfg.block_size);
+    be.begin_step(&full, cache)?;
+    let n = full.slot_mapping.len();
+    let mut x = Vec::with_capacity(n * hidden);
+    for q in &full.seqs {
+        let toks = c.sched.tokens(q.seq)?;
+        c.model
+            .embed(toks[..q.context_len as usize].iter().copied(), &mut x);
+    }
+    let w = batch.max_blocks_per_seq as usize;
+    for (li, layer) in c.model.layers.iter().enumerate() {
+        let q = matmul(&x, &layer.wq, hidden, hidden);
+        let k = matmul(&x, &layer.wk, hidden, kvh * d);
+        let v = matmul(&x, &layer.wv, hidden, kvh * d);
+        let key = be.upload(&to_host(cfg.dtype, &[n, kvh, d], &k)?)?;
+        let value = be.upload(&to_host(cfg.dtype, &[n, kvh, d], &v)?)?;
+        let lc = &mut cache.layers[li];
+        be.kv_append(AppendArgs {
+            key: &key,
+            value: &value,
+            cache: lc,
+        })?;
+        let qt = to_host(cfg.dtype, &[n, qh, d], &q)?;
+        let qd = be.upload(&qt)?;
+        let mut out = be.upload(&HostTensor::full(cfg.dtype, &[n, qh, d], f64::NAN))?;
+        be.prefill(PrefillArgs {
+            opts: c.opts,
+            q: &qd,
+            cache: lc,
+            out: &mut out,
+        })?;
+        let outv = be.download(&out)?.to_f64();
+        if li == 0 {
+            // The first sequence's last token against dense attention.
+            let (kc, vc) = (be.download(&lc.key)?, be.download(&lc.value)?);
+            let s = &full.seqs[0];
+            let t = (s.context_len - 1) as usize;
+            let qs: Vec<f64> = (0..hidden).map(|e| qt.get(t * hidden + e)).collect();
+            let got = &outv[t * hidden..(t + 1) * hidden];
+            let row = &batch.block_tables[..w];
+            c.check.one(
+                cfg,
+                c.opts,
+                (&kc, &vc),
+                row,
+                s.context_len as usize,
+                &qs,
+                got,
+            );
+        }
+        let attn: Vec<f32> = outv.iter().map(|&a| a as f32).collect();
+        finish_layer(&mut x, &attn, &layer.wo, hidden);
+    }
+    let mut last = Vec::with_capacity(batch.seqs.len() * hidden);
+    for q in &full.seqs {
+        let t = (q.token_offset + q.num_new_tokens - 1) as usize;
+        last.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+    }
+    Ok(last)
+}
