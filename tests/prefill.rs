@@ -240,3 +240,61 @@ fn bad_prefill_inputs_are_errors_naming_the_argument() {
     // The output untouched by every rejected call.
     assert!(out.to_f64().iter().all(|&x| x == -1.0));
 }
+
+/// Chunks of 1, 7, 64 and 300 new tokens after prefixes that end mid-block (339, 333,
+/// 276 and 40 cached tokens, block 16), every dtype, GQA 4 over 2 KV heads, a window
+/// that crosses the longest chunk's start, soft-cap and ALiBi.
+#[test]
+fn chunks_of_1_7_64_and_300_tokens_after_prefixes_that_end_mid_block() {
+    for (dtype, head_dim) in [(DType::F16, 128), (DType::Bf16, 64), (DType::F32, 32)] {
+        for window in [None, Some(100)] {
+            let p = Params {
+                dtype,
+                head_dim,
+                block_size: 16,
+                num_kv_heads: 2,
+                group: 2,
+                batch: 4,
+                max_len: 340,
+                window,
+                softcap: Some(20.0),
+                alibi: true,
+                partition: None,
+                narrow_heads: false,
+                seed: 11,
+                full_length: true,
+            };
+            // Built without a window (nothing poisoned for its own random chunks), then
+            // given the window and these chunks.
+            let mut pc = prefill_case(&Params {
+                window: None,
+                ..p.clone()
+            });
+            pc.c.opts.window = window;
+            pc.qo_indptr = vec![0, 1, 8, 72, 372];
+            let total = 372;
+            let (qh, d) = (pc.c.shape.num_q_heads as usize, head_dim as usize);
+            let mut r = rng(5);
+            pc.q = HostTensor::from_f64(dtype, &[total, qh, d], &uniform(&mut r, total * qh * d))
+                .unwrap();
+            // The blocks wholly before each first new token's window: freed.
+            let w = pc.c.shape.max_blocks_per_seq as usize;
+            if let Some(win) = window {
+                for s in 0..4 {
+                    let qo = (pc.qo_indptr[s + 1] - pc.qo_indptr[s]) as u32;
+                    let first = 340 - qo + 1;
+                    for lb in 0..first.saturating_sub(win) / 16 {
+                        pc.c.tables[s * w + lb as usize] = -3;
+                    }
+                }
+            }
+            let want = paged_prefill_attention(&pc.inputs());
+            let got = pc.run(MathMode::Exact).unwrap();
+            let e = rel_l2(&got, &want);
+            assert!(
+                e <= tolerance(dtype),
+                "{dtype} window {window:?}: rel L2 {e:e}"
+            );
+        }
+    }
+}
