@@ -11,26 +11,29 @@ use crate::step::{Space, StepDevice, TensorView, TensorViewMut};
 use crate::tensor::TensorDesc;
 
 /// A [`StepDevice`] on a [`CudaBackend`]'s stream: allocations are stream-ordered
-/// device buffers kept for the device's life, uploads go through one pinned staging
-/// buffer with an asynchronous copy, launches are the backend's.
+/// device buffers kept for the device's life, uploads go through two pinned staging
+/// buffers in turn with asynchronous copies (a step's decode and prefill metadata never
+/// wait for each other), launches are the backend's.
 ///
 /// Everything runs on the backend's stream (an engine's own, with
 /// [`CudaBackend::with_stream`]), so a step orders with the engine's work.
 pub struct CudaStepDevice<'a> {
     gpu: &'a CudaBackend,
     bufs: Vec<CudaSlice<u8>>,
-    staging: Option<PinnedHostSlice<u8>>,
+    staging: [Option<PinnedHostSlice<u8>>; 2],
     staging_len: usize,
-    /// Recorded after the last upload: the staging buffer is reused only after it.
-    uploaded: Option<CudaEvent>,
+    /// Recorded after each staging buffer's last upload: it is reused only after it.
+    uploaded: [Option<CudaEvent>; 2],
+    /// The staging buffer the next upload uses.
+    next: usize,
 }
 
 impl Drop for CudaStepDevice<'_> {
     fn drop(&mut self) {
-        // The last upload may still read the pinned staging buffer: wait for it before
-        // the buffer is freed. (The device buffers are freed in stream order by cudarc,
-        // after the launches that use them.)
-        if let Some(e) = self.uploaded.take() {
+        // The last uploads may still read the pinned staging buffers: wait for them
+        // before the buffers are freed. (The device buffers are freed in stream order by
+        // cudarc, after the launches that use them.)
+        for e in self.uploaded.iter_mut().filter_map(Option::take) {
             let _ = e.synchronize();
         }
     }
@@ -59,9 +62,10 @@ impl<'a> CudaStepDevice<'a> {
         Self {
             gpu,
             bufs: Vec::new(),
-            staging: None,
+            staging: [None, None],
             staging_len: 0,
-            uploaded: None,
+            uploaded: [None, None],
+            next: 0,
         }
     }
 
@@ -121,10 +125,16 @@ impl StepDevice for CudaStepDevice<'_> {
 
     fn reserve_upload(&mut self, bytes: usize) -> Result<()> {
         if bytes > self.staging_len {
-            // SAFETY: the memory is written before any copy reads it (`upload`).
-            let p = unsafe { self.gpu.stream.context().alloc_pinned::<u8>(bytes) }
-                .map_err(cuda("cuMemHostAlloc"))?;
-            self.staging = Some(p);
+            for (slot, e) in self.staging.iter_mut().zip(&mut self.uploaded) {
+                // A copy may still read the old buffer: wait before it is freed.
+                if let Some(e) = e.take() {
+                    e.synchronize().map_err(cuda("cuEventSynchronize"))?;
+                }
+                // SAFETY: the memory is written before any copy reads it (`upload`).
+                let p = unsafe { self.gpu.stream.context().alloc_pinned::<u8>(bytes) }
+                    .map_err(cuda("cuMemHostAlloc"))?;
+                *slot = Some(p);
+            }
             self.staging_len = bytes;
         }
         Ok(())
@@ -138,13 +148,14 @@ impl StepDevice for CudaStepDevice<'_> {
                 self.staging_len
             )));
         }
-        // The previous upload read the staging buffer asynchronously: wait for it (it
-        // was issued a step ago, so this rarely waits at all).
-        if let Some(e) = self.uploaded.take() {
+        let i = self.next;
+        self.next = 1 - i;
+        // This buffer's previous upload read it asynchronously: wait for it (issued two
+        // uploads ago, a step ago with one or two uploads a step, so this rarely waits).
+        if let Some(e) = self.uploaded[i].take() {
             e.synchronize().map_err(cuda("cuEventSynchronize"))?;
         }
-        let staging = self
-            .staging
+        let staging = self.staging[i]
             .as_mut()
             .ok_or_else(|| Error::InvalidState("no staging buffer reserved".into()))?;
         let base = staging.as_mut_ptr().map_err(cuda("pinned memory"))?;
@@ -160,7 +171,7 @@ impl StepDevice for CudaStepDevice<'_> {
             cudarc::driver::result::memcpy_htod_async(dst, host, self.gpu.stream.cu_stream())
         }
         .map_err(cuda("cuMemcpyHtoDAsync"))?;
-        self.uploaded = Some(
+        self.uploaded[i] = Some(
             self.gpu
                 .stream
                 .record_event(None)
