@@ -10,9 +10,6 @@ use pagedkv::cuda::{CudaStepDevice, DeviceTensor};
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::step::{DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use pagedkv::host::{DType, HostTensor};
-// The step path on a GPU: the runner against the CPU reference, and a whole step
-// captured in a CUDA graph whose replays, after the next plan updates the metadata in
-// place, give the same outputs as direct launches.
 
 fn step_case(dtype: DType, batch: u32, len: u32, seed: u64) -> common::case::Case {
     build(&Params {
@@ -200,5 +197,100 @@ fn attention_backend_serves_a_batch_through_swaps_and_prefix_hits() {
         .unwrap();
         let s = common::serve::serve_and_check(&mut be, 4);
         assert!(s.checked > 100 && s.swapped_in > 0);
+    }
+}
+
+/// Prefill on the GPU through the step path, small enough for compute-sanitizer
+/// (gpu-check runs every `sanitizer_small_*` test under memcheck, racecheck and
+/// synccheck): 3 sequences of 200 tokens whose last 1, 36 and 200 are new, GQA 4/2 over
+/// head_dim 128 (two 64-column passes), window, soft-cap and ALiBi, every dtype.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn sanitizer_small_prefill() {
+    use pagedkv::host::ops::prefill::PrefillInputs;
+    use pagedkv::host::reference::paged_prefill_attention;
+    use pagedkv::host::step::{PrefillIo, PrefillMeta};
+    let g = gpu();
+    for dtype in [DType::F16, DType::Bf16, DType::F32] {
+        let mut c = build(&Params {
+            dtype,
+            head_dim: 128,
+            block_size: 16,
+            num_kv_heads: 2,
+            group: 2,
+            batch: 3,
+            max_len: 200,
+            window: None,
+            softcap: Some(20.0),
+            alibi: true,
+            partition: None,
+            narrow_heads: false,
+            seed: 3,
+            full_length: true,
+        });
+        c.opts.window = Some(150);
+        let indptr = [0, 1, 37, 237];
+        let (qh, d) = (c.shape.num_q_heads as usize, 128);
+        let mut r = common::rng(9);
+        let q = HostTensor::from_f64(dtype, &[237, qh, d], &common::uniform(&mut r, 237 * qh * d))
+            .unwrap();
+        let want = paged_prefill_attention(&PrefillInputs {
+            shape: &c.shape,
+            opts: &c.opts,
+            q: &q,
+            key_cache: &c.kc,
+            value_cache: &c.vc,
+            block_tables: &c.tables,
+            qo_indptr: &indptr,
+            context_lens: &c.lens,
+        });
+        let cap = StepCapacity {
+            max_seqs: 3,
+            max_blocks_per_seq: c.shape.max_blocks_per_seq,
+            max_tokens: 237,
+            max_partitions: 1,
+        };
+        let mut run = StepRunner::new(
+            CudaStepDevice::new(&g),
+            shape_of(&c, dtype),
+            cap,
+            g.sm_count(),
+        )
+        .unwrap();
+        run.set_alibi_slopes(c.opts.alibi_slopes.as_deref())
+            .unwrap();
+        run.plan(&StepMeta {
+            block_tables: &[],
+            max_blocks_per_seq: 0,
+            context_lens: &[],
+            slot_mapping: &[],
+        })
+        .unwrap();
+        run.plan_prefill(&PrefillMeta {
+            block_tables: &c.tables,
+            max_blocks_per_seq: c.shape.max_blocks_per_seq,
+            qo_indptr: &indptr,
+            context_lens: &c.lens,
+        })
+        .unwrap();
+        let (kc, vc) = (
+            DeviceTensor::from_host(&g, &c.kc).unwrap(),
+            DeviceTensor::from_host(&g, &c.vc).unwrap(),
+        );
+        let qd = DeviceTensor::from_host(&g, &q).unwrap();
+        let mut out =
+            DeviceTensor::from_host(&g, &HostTensor::full(dtype, &[237, qh, d], f64::NAN)).unwrap();
+        run.prefill(
+            &c.opts,
+            PrefillIo {
+                q: qd.view(),
+                key_cache: kc.view(),
+                value_cache: vc.view(),
+                out: out.view_mut(),
+            },
+        )
+        .unwrap();
+        let e = rel_l2(&out.to_host(&g).unwrap().to_f64(), &want);
+        assert!(e <= tolerance(dtype), "{dtype}: rel L2 {e:e}");
     }
 }
