@@ -276,6 +276,8 @@ pub struct Scheduler {
     next_arrival: u64,
     in_step: bool,
     generation: u64,
+    /// Chunked prefill (see the module docs); fixed at construction.
+    chunked: bool,
     /// Steps planned so far (`step()` numbers the sequences it schedules with it).
     step_gen: u64,
     finished: Vec<(RequestId, SeqId, FinishReason, Vec<u32>)>,
@@ -284,8 +286,19 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler with this configuration (validated).
+    /// A scheduler with this configuration (validated), chunked prefill off: a prompt
+    /// is prefilled in one step, so `max_tokens_per_step` must be at least
+    /// `max_model_len`.
     pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        Self::with_chunked_prefill(cfg, false)
+    }
+
+    /// A scheduler with this configuration (validated) and chunked prefill on or off
+    /// (see the module docs on chunked prefill). With it on, `max_tokens_per_step` need
+    /// not hold a whole prompt, but must be at least `max_num_seqs`: every running
+    /// sequence takes at least one token a step. `new(cfg)` is
+    /// `with_chunked_prefill(cfg, false)`.
+    pub fn with_chunked_prefill(cfg: SchedulerConfig, chunked_prefill: bool) -> Result<Self> {
         if !SUPPORTED_BLOCK_SIZES.contains(&cfg.block_size) {
             return Err(Error::invalid(
                 "block_size",
@@ -315,7 +328,16 @@ impl Scheduler {
                 ),
             ));
         }
-        if cfg.max_tokens_per_step < cfg.max_model_len as usize {
+        if chunked_prefill && cfg.max_tokens_per_step < cfg.max_num_seqs {
+            return Err(Error::invalid(
+                "max_tokens_per_step",
+                format!(
+                    "{} is below max_num_seqs {}: with chunked prefill every running sequence takes a token each step",
+                    cfg.max_tokens_per_step, cfg.max_num_seqs
+                ),
+            ));
+        }
+        if !chunked_prefill && cfg.max_tokens_per_step < cfg.max_model_len as usize {
             return Err(Error::invalid(
                 "max_tokens_per_step",
                 format!(
@@ -368,6 +390,7 @@ impl Scheduler {
             next_arrival: 0,
             in_step: false,
             generation: 0,
+            chunked: chunked_prefill,
             step_gen: 0,
             finished: Vec::new(),
             metrics: Metrics::default(),
@@ -379,6 +402,25 @@ impl Scheduler {
     /// The configuration.
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
+    }
+
+    /// Whether chunked prefill is on.
+    pub fn chunked_prefill(&self) -> bool {
+        self.chunked
+    }
+
+    /// Whether live sequence `seq` is mid-prefill: its group runs or is swapped out
+    /// with only some of its prefill's tokens computed (chunked prefill). Such a
+    /// sequence cannot be forked, and the token sampled after one of its non-final
+    /// chunks is ignored.
+    pub fn is_prefilling(&self, seq: SeqId) -> Result<bool> {
+        self.seqs
+            .get(&seq)
+            .map(|s| s.is_prefilling())
+            .ok_or(Error::Unknown {
+                what: "sequence",
+                id: seq,
+            })
     }
 
     /// The KV-cache manager (pools and counts), read-only.
