@@ -182,6 +182,8 @@ impl Scheduler {
             let (mut tokens_needed, mut blocks_needed) = (0usize, 0u32);
             // How many leading tokens of each sequence's tokens this step gives slots.
             let mut ends: Vec<u32> = Vec::with_capacity(seqs.len());
+            // Some sequence would get no token (chunked prefill, budget spent).
+            let mut starved = false;
             for (i, s) in seqs.iter().enumerate() {
                 let t = &self.seqs[s].tokens;
                 if seqs.len() == 1 {
@@ -194,6 +196,7 @@ impl Scheduler {
                     // `count_prefix_hits` of the prefix finds the same hits: it keeps
                     // at least one token to compute, and `take >= 1` is past them.
                     let end = cached + take;
+                    starved |= take == 0;
                     tokens_needed += take;
                     blocks_needed += self.kv.prefill_cost(&t[..end], salt);
                     ends.push(end as u32);
@@ -207,12 +210,13 @@ impl Scheduler {
                         end = end.min(budget.saturating_sub(tokens_needed + left));
                     }
                     let n = end as u32;
+                    starved |= n == 0;
                     tokens_needed += end;
                     blocks_needed += self.kv.blocks_for(n) - self.kv.dead_blocks(n);
                     ends.push(n);
                 }
             }
-            if ends.contains(&0)
+            if starved
                 || tokens_needed > budget
                 || blocks_needed + self.watermark_now() > self.kv.device().num_free()
             {

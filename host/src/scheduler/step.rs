@@ -228,12 +228,15 @@ impl Scheduler {
         let offset = self.batch.slot_mapping.len() as u32;
         let seq = self.seqs.get_mut(&id).unwrap();
         for _ in 0..take {
-            let slot = self
-                .kv
-                .append_slot(&mut seq.table, &mut self.batch.copies)?;
-            self.batch.slot_mapping.push(slot);
+            self.kv.append_slot(&mut seq.table, &mut self.batch.copies)?;
         }
         let end = seq.table.num_tokens();
+        // Looked up after the whole chunk: a sliding window may have released the
+        // blocks of its first tokens (their K/V is not stored: `PAD_SLOT`, as in a
+        // whole prefill), and another sequence may take them this step.
+        for pos in start..end {
+            self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
+        }
         let (request, samples) = (seq.request, end == seq.prefill_end);
         // Several entries may change (new blocks, a copy, a window's releases): the
         // whole row is rewritten (chunks are few).
