@@ -78,17 +78,20 @@ fn a_swapped_out_forked_group_comes_back_into_the_whole_pool(chunked: bool) {
     // one free block per sequence (5 > 4): B never came back, even with A finished and
     // the pool empty. B's last blocks are partial and its own: its next decodes take
     // no block, so it needs 3.
-    let mut s = sched(chunked, SchedulerConfig {
-        num_blocks: 5,
-        block_size: 16,
-        num_host_blocks: 8,
-        max_num_seqs: 4,
-        max_tokens_per_step: 64,
-        watermark: 0.0,
-        preemption: PreemptionMode::Swap,
-        max_model_len: 32,
-        ..SchedulerConfig::default()
-    })
+    let mut s = sched(
+        chunked,
+        SchedulerConfig {
+            num_blocks: 5,
+            block_size: 16,
+            num_host_blocks: 8,
+            max_num_seqs: 4,
+            max_tokens_per_step: 64,
+            watermark: 0.0,
+            preemption: PreemptionMode::Swap,
+            max_model_len: 32,
+            ..SchedulerConfig::default()
+        },
+    )
     .unwrap();
     s.add_request(Request::new(1, (0..10).collect(), 20))
         .unwrap();
@@ -114,16 +117,19 @@ fn forks_sharing_a_partial_block_are_not_preempted_for_a_copy_they_do_not_need(c
     // block (the first writer copies, the second then holds the original alone), and
     // one is free. Counting a copy per sharer (2 > 1) made the group preempt itself
     // when another request arrived, and then it could not swap back in.
-    let mut s = sched(chunked, SchedulerConfig {
-        num_blocks: 3,
-        block_size: 16,
-        num_host_blocks: 3,
-        max_num_seqs: 2,
-        max_tokens_per_step: 22,
-        watermark: 0.0,
-        max_model_len: 16,
-        ..SchedulerConfig::default()
-    })
+    let mut s = sched(
+        chunked,
+        SchedulerConfig {
+            num_blocks: 3,
+            block_size: 16,
+            num_host_blocks: 3,
+            max_num_seqs: 2,
+            max_tokens_per_step: 22,
+            watermark: 0.0,
+            max_model_len: 16,
+            ..SchedulerConfig::default()
+        },
+    )
     .unwrap();
     let mut r = Request::new(0, vec![1], 2);
     r.preemption = Some(PreemptionMode::Swap);
@@ -139,13 +145,16 @@ fn forks_sharing_a_partial_block_are_not_preempted_for_a_copy_they_do_not_need(c
 fn a_request_that_fits_the_pool_but_not_the_watermark_runs_alone(chunked: bool) {
     // Watermark 0.5 of 11 blocks keeps 5 free; the request needs 8 of the 10 usable.
     // Admission used to demand 8 + 5 free blocks: accepted, never admitted.
-    let mut s = sched(chunked, SchedulerConfig {
-        num_blocks: 11,
-        block_size: 16,
-        watermark: 0.5,
-        max_model_len: 256,
-        ..SchedulerConfig::default()
-    })
+    let mut s = sched(
+        chunked,
+        SchedulerConfig {
+            num_blocks: 11,
+            block_size: 16,
+            watermark: 0.5,
+            max_model_len: 256,
+            ..SchedulerConfig::default()
+        },
+    )
     .unwrap();
     s.add_request(Request::new(1, (0..120).collect(), 8))
         .unwrap();
@@ -157,11 +166,14 @@ fn the_default_watermark_does_not_strand_a_request_of_the_whole_pool(chunked: bo
     // 200 blocks, 199 usable, the default watermark 0.01 keeps 2: a request of 199
     // blocks (3183 + 1 tokens) used to wait forever. The simulator's paged policy with
     // a budget of exactly one maximal request hit the same.
-    let mut s = sched(chunked, SchedulerConfig {
-        num_blocks: 200,
-        block_size: 16,
-        ..SchedulerConfig::default()
-    })
+    let mut s = sched(
+        chunked,
+        SchedulerConfig {
+            num_blocks: 200,
+            block_size: 16,
+            ..SchedulerConfig::default()
+        },
+    )
     .unwrap();
     s.add_request(Request::new(1, (0..3183).collect(), 1))
         .unwrap();
@@ -172,13 +184,16 @@ fn the_default_watermark_does_not_strand_a_request_of_the_whole_pool(chunked: bo
 fn the_watermark_still_applies_while_others_run(chunked: bool) {
     // 10 usable blocks, watermark 5. A holds 1 block for a while; B (6 blocks) would
     // leave 3 free < 5, so it waits for A, then runs alone.
-    let mut s = sched(chunked, SchedulerConfig {
-        num_blocks: 11,
-        block_size: 16,
-        watermark: 0.5,
-        max_model_len: 256,
-        ..SchedulerConfig::default()
-    })
+    let mut s = sched(
+        chunked,
+        SchedulerConfig {
+            num_blocks: 11,
+            block_size: 16,
+            watermark: 0.5,
+            max_model_len: 256,
+            ..SchedulerConfig::default()
+        },
+    )
     .unwrap();
     s.add_request(Request::new(1, vec![1], 10)).unwrap();
     step(&mut s);
@@ -217,10 +232,13 @@ fn a_request_that_grows_past_the_pool_is_refused_up_front(chunked: bool) {
     assert_eq!(finished_of(&s, 2), vec![(112, FinishReason::MaxTokens)]);
     // With a sliding window of 32 tokens a sequence holds at most 3 blocks: a long
     // request fits.
-    let mut s = sched(chunked, SchedulerConfig {
-        sliding_window: Some(32),
-        ..cfg
-    })
+    let mut s = sched(
+        chunked,
+        SchedulerConfig {
+            sliding_window: Some(32),
+            ..cfg
+        },
+    )
     .unwrap();
     s.add_request(Request::new(3, vec![1; 10], 400)).unwrap();
     drive(&mut s, 500);
@@ -230,12 +248,15 @@ fn a_request_that_grows_past_the_pool_is_refused_up_front(chunked: bool) {
 fn a_fork_that_could_not_come_back_whole_is_refused(chunked: bool) {
     // 7 usable blocks; each sequence may grow to 4 blocks: two fit only by sharing,
     // which recompute would not preserve, so the fork is refused.
-    let mut s = sched(chunked, SchedulerConfig {
-        num_blocks: 8,
-        block_size: 16,
-        max_model_len: 512,
-        ..SchedulerConfig::default()
-    })
+    let mut s = sched(
+        chunked,
+        SchedulerConfig {
+            num_blocks: 8,
+            block_size: 16,
+            max_model_len: 512,
+            ..SchedulerConfig::default()
+        },
+    )
     .unwrap();
     let a = s.add_request(Request::new(1, vec![1; 40], 20)).unwrap();
     step(&mut s);

@@ -318,7 +318,12 @@ impl Model {
             prop_assert_eq!(q.context_len, q.start_pos + q.num_new_tokens);
             let prior = self.ctx.get(&q.seq).copied().unwrap_or(0);
             prop_assert!(q.num_cached_tokens == 0 || prior == 0);
-            prop_assert_eq!(q.start_pos, prior + q.num_cached_tokens, "a gap before {:?}", q);
+            prop_assert_eq!(
+                q.start_pos,
+                prior + q.num_cached_tokens,
+                "a gap before {:?}",
+                q
+            );
             let len = self.s.tokens(q.seq).unwrap().len() as u32;
             prop_assert!(q.context_len <= len);
             prop_assert_eq!(q.samples, q.context_len == len, "{:?}", q);

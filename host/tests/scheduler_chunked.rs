@@ -79,12 +79,18 @@ fn the_budget_may_be_below_max_model_len_only_with_chunked_prefill() {
 #[test]
 fn a_long_prompt_is_split_across_steps_mid_block_and_only_its_last_chunk_samples() {
     let mut s = Scheduler::with_chunked_prefill(cfg(10), true).unwrap();
-    let a = s.add_request(Request::new(1, (0..25).collect(), 2)).unwrap();
+    let a = s
+        .add_request(Request::new(1, (0..25).collect(), 2))
+        .unwrap();
     // 25 tokens in chunks of 10, 10, 5: the boundaries fall mid-block (16).
     let (e, _) = step(&mut s);
     assert_eq!(e, vec![(a, true, 0, 10, 0, false)]);
     assert!(s.is_prefilling(a).unwrap());
-    assert_eq!(s.tokens(a).unwrap().len(), 25, "a non-final chunk's token is ignored");
+    assert_eq!(
+        s.tokens(a).unwrap().len(),
+        25,
+        "a non-final chunk's token is ignored"
+    );
     assert_eq!(s.num_computed(a).unwrap(), 10);
     assert_eq!(s.block_table(a).unwrap().blocks().len(), 1);
     let (e, _) = step(&mut s);
@@ -93,7 +99,11 @@ fn a_long_prompt_is_split_across_steps_mid_block_and_only_its_last_chunk_samples
     let (e, _) = step(&mut s);
     assert_eq!(e, vec![(a, true, 20, 5, 0, true)]);
     assert!(!s.is_prefilling(a).unwrap());
-    assert_eq!(s.tokens(a).unwrap().len(), 26, "the last chunk's token is kept");
+    assert_eq!(
+        s.tokens(a).unwrap().len(),
+        26,
+        "the last chunk's token is kept"
+    );
     let (e, _) = step(&mut s);
     assert_eq!(e, vec![(a, false, 25, 1, 0, true)]);
     assert!(s.is_idle());
@@ -104,13 +114,18 @@ fn a_long_prompt_is_split_across_steps_mid_block_and_only_its_last_chunk_samples
 #[test]
 fn the_slots_of_every_chunk_cover_the_prompt_once_inside_its_blocks() {
     let mut s = Scheduler::with_chunked_prefill(cfg(7), true).unwrap();
-    let a = s.add_request(Request::new(1, (0..40).collect(), 1)).unwrap();
+    let a = s
+        .add_request(Request::new(1, (0..40).collect(), 1))
+        .unwrap();
     let mut slots = Vec::new();
     while !s.is_idle() {
         let b = s.step().unwrap();
         let q = b.seqs[0];
         for k in 0..q.num_new_tokens {
-            slots.push((q.start_pos + k, b.slot_mapping[(q.token_offset + k) as usize]));
+            slots.push((
+                q.start_pos + k,
+                b.slot_mapping[(q.token_offset + k) as usize],
+            ));
         }
         assert_eq!(b.context_lens[0] as u32, q.context_len);
         // The slots are in the blocks the batch's table row names.
@@ -129,8 +144,12 @@ fn the_slots_of_every_chunk_cover_the_prompt_once_inside_its_blocks() {
 #[test]
 fn decodes_are_scheduled_first_and_the_chunks_take_what_they_leave() {
     let mut s = Scheduler::with_chunked_prefill(cfg(8), true).unwrap();
-    let a = s.add_request(Request::new(1, (0..4).collect(), 20)).unwrap();
-    let b = s.add_request(Request::new(2, (0..30).collect(), 1)).unwrap();
+    let a = s
+        .add_request(Request::new(1, (0..4).collect(), 20))
+        .unwrap();
+    let b = s
+        .add_request(Request::new(2, (0..30).collect(), 1))
+        .unwrap();
     // Step 1: A's whole prompt, and B's first chunk in the 4 tokens left.
     let (e, _) = step(&mut s);
     assert_eq!(e, vec![(a, true, 0, 4, 0, true), (b, true, 0, 4, 0, false)]);
@@ -151,18 +170,27 @@ fn a_prefix_hit_is_skipped_and_the_remainder_is_chunked() {
     let mut c = cfg(12);
     c.enable_prefix_caching = true;
     let mut s = Scheduler::with_chunked_prefill(c, true).unwrap();
-    s.add_request(Request::new(1, (0..40).collect(), 1)).unwrap();
+    s.add_request(Request::new(1, (0..40).collect(), 1))
+        .unwrap();
     while !s.is_idle() {
         step(&mut s);
     }
     // Two full blocks (32 tokens) of the next prompt are cached.
     let hits = s.metrics().prefix_hit_tokens;
-    let b = s.add_request(Request::new(2, (0..50).collect(), 1)).unwrap();
+    let b = s
+        .add_request(Request::new(2, (0..50).collect(), 1))
+        .unwrap();
     let batch = s.step().unwrap();
     assert_eq!(batch.num_cached_tokens, 32);
     let q = batch.seqs[0];
     assert_eq!(
-        (q.start_pos, q.num_new_tokens, q.context_len, q.num_cached_tokens, q.samples),
+        (
+            q.start_pos,
+            q.num_new_tokens,
+            q.context_len,
+            q.num_cached_tokens,
+            q.samples
+        ),
         (32, 12, 44, 32, false)
     );
     assert_eq!(batch.slot_mapping.len(), 12);
@@ -176,20 +204,27 @@ fn a_prefix_hit_is_skipped_and_the_remainder_is_chunked() {
 #[test]
 fn a_mid_prefill_sequence_cannot_fork_until_its_last_chunk() {
     let mut s = Scheduler::with_chunked_prefill(cfg(10), true).unwrap();
-    let a = s.add_request(Request::new(1, (0..15).collect(), 3)).unwrap();
+    let a = s
+        .add_request(Request::new(1, (0..15).collect(), 3))
+        .unwrap();
     step(&mut s);
     assert!(matches!(s.fork(a), Err(Error::InvalidState(_))));
     step(&mut s);
     let child = s.fork(a).unwrap();
     assert_eq!(s.tokens(child).unwrap(), s.tokens(a).unwrap());
     let (e, _) = step(&mut s);
-    assert_eq!(e, vec![(a, false, 15, 1, 0, true), (child, false, 15, 1, 0, true)]);
+    assert_eq!(
+        e,
+        vec![(a, false, 15, 1, 0, true), (child, false, 15, 1, 0, true)]
+    );
 }
 
 #[test]
 fn every_scheduled_sequence_must_be_passed_back_even_a_non_final_chunk() {
     let mut s = Scheduler::with_chunked_prefill(cfg(10), true).unwrap();
-    let a = s.add_request(Request::new(1, (0..25).collect(), 3)).unwrap();
+    let a = s
+        .add_request(Request::new(1, (0..25).collect(), 3))
+        .unwrap();
     s.step().unwrap();
     assert!(matches!(
         s.on_step_done(&[]),
@@ -220,9 +255,12 @@ fn preempted_mid_prefill(mode: PreemptionMode) {
     .unwrap();
     // A fills its first block on its first decode and takes a second on the next,
     // while B's chunks take the other two: B's fourth block does not fit.
-    s.add_request(Request::new(1, (0..15).collect(), 40)).unwrap();
+    s.add_request(Request::new(1, (0..15).collect(), 40))
+        .unwrap();
     step(&mut s);
-    let b = s.add_request(Request::new(2, (100..148).collect(), 2)).unwrap();
+    let b = s
+        .add_request(Request::new(2, (100..148).collect(), 2))
+        .unwrap();
     let mut preempted_mid = false;
     for _ in 0..500 {
         if s.is_idle() {

@@ -32,10 +32,43 @@
 //!    fills, copying a shared partial block on write);
 //! 4. admits waiting groups while free blocks stay above the watermark (while other
 //!    sequences run), the running sequences stay within `max_num_seqs`, and the step's
-//!    tokens within `max_tokens_per_step` (a prefill counts its uncached prompt tokens).
+//!    tokens within `max_tokens_per_step` (a prefill counts its uncached prompt tokens;
+//!    with chunked prefill, step 3 also schedules the next chunk of every mid-prefill
+//!    sequence, and step 4 may admit a prompt with its first chunk: see below).
 //!
 //! The watermark keeps headroom for running sequences to grow into; with nothing
 //! running there is nobody to keep it for, so a group alone may take the whole pool.
+
+//! # Chunked prefill
+//! Off by default ([`Scheduler::new`]); [`Scheduler::with_chunked_prefill`] turns it
+//! on. Then `max_tokens_per_step` need not hold a whole prompt (it must hold
+//! `max_num_seqs` tokens), and a prefill runs in chunks over several steps:
+//! * Step 4 admits a group when each of its sequences gets at least one token of the
+//!   step's remaining budget: its first chunk is its prefix-cache hits (not computed:
+//!   [`ScheduledSeq::num_cached_tokens`], `start_pos` past them) and then as many
+//!   uncached tokens as the budget leaves; the chunk's blocks (not the whole
+//!   prompt's) must fit above the watermark.
+//! * A sequence whose prefill is incomplete is *mid-prefill*
+//!   ([`Scheduler::is_prefilling`]). It keeps its row, and every step schedules its
+//!   next chunk (`is_prefill`, `start_pos` where the last chunk ended, `context_len =
+//!   start_pos + num_new_tokens`): in step 3, after the decodes have taken one token
+//!   each, as many of its remaining tokens as the budget leaves (keeping one token for
+//!   each later chunk) and as fit the free blocks (keeping the next token's block of
+//!   every later row, and the watermark while others run), at least one token. Step 1
+//!   reserves that one token's block like a decode's, so a mid-prefill sequence is
+//!   preempted (whole group, recompute or swap) exactly like a decoding one; a
+//!   recomputed one starts its prefill again, a swapped one resumes it.
+//! * Only the last chunk samples ([`ScheduledSeq::samples`]): the engine passes every
+//!   scheduled sequence to [`Scheduler::on_step_done`] as before, and the token of a
+//!   non-final chunk is ignored (its computed full blocks are still committed to the
+//!   prefix cache). The sequence decodes from the next step on.
+//! * A mid-prefill sequence cannot be forked (an error): fork after its last chunk.
+//! * With a sliding window, a chunk's slots are those of a whole prefill ending where
+//!   the chunk ends: the positions wholly before the window get `PAD_SLOT`.
+//!
+//! A step's [`Batch`] lists its sequences in row order (decodes and chunks may
+//! interleave; `is_prefill` tells them apart), with [`Batch::qo_indptr`] for the
+//! prefill kernel and [`Batch::num_cached_tokens`].
 //!
 //! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
 //! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites
@@ -55,7 +88,10 @@
 //! calling `step` and `on_step_done`: while any request is live, every step schedules
 //! at least one sequence, and every scheduled sequence keeps the token it gets (a
 //! recomputed sequence keeps its generated tokens), so the steps until idle are at most
-//! the tokens the live sequences may still generate. It holds by construction:
+//! the tokens the live sequences may still generate. (With chunked prefill, a step
+//! gives every running sequence at least one token, a mid-prefill one a token of its
+//! prompt; the oldest group, never preempted, finishes its prefill and then its
+//! decodes.) It holds by construction:
 //! * *A group fits the pool alone.* `add_request` refuses a request whose sequence
 //!   would outgrow the usable pool (`prompt + max_tokens` tokens, at most
 //!   `max_model_len`; with a sliding window, the window's blocks plus one), and

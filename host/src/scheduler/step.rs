@@ -228,7 +228,8 @@ impl Scheduler {
         let offset = self.batch.slot_mapping.len() as u32;
         let seq = self.seqs.get_mut(&id).unwrap();
         for _ in 0..take {
-            self.kv.append_slot(&mut seq.table, &mut self.batch.copies)?;
+            self.kv
+                .append_slot(&mut seq.table, &mut self.batch.copies)?;
         }
         let end = seq.table.num_tokens();
         // Looked up after the whole chunk: a sliding window may have released the
