@@ -311,6 +311,13 @@ impl Model {
             prop_assert_eq!(batch.qo_indptr.len(), batch.seqs.len() + 1);
             prop_assert_eq!(*batch.qo_indptr.last().unwrap() as usize, new);
         }
+        // Decodes first, then the prefills (chunks, then admissions).
+        let decodes = batch.seqs.iter().take_while(|q| !q.is_prefill).count();
+        prop_assert_eq!(batch.num_decodes as usize, decodes);
+        prop_assert!(
+            batch.seqs[decodes..].iter().all(|q| q.is_prefill),
+            "a decode after a prefill"
+        );
         let mut cached = 0;
         for (i, q) in batch.seqs.iter().enumerate() {
             prop_assert_eq!(batch.qo_indptr[i], q.token_offset as i32);

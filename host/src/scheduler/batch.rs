@@ -47,8 +47,13 @@ pub struct ScheduledSeq {
 /// What one step runs: device-ready arrays for the kernels.
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
-    /// The scheduled sequences; `seqs[i]` owns row `i` of the block tables.
+    /// The scheduled sequences; `seqs[i]` owns row `i` of the block tables. The
+    /// decodes come first (`seqs[..num_decodes]`), then the prefills: with chunked
+    /// prefill the continuing chunks, then the prompts admitted this step.
     pub seqs: Vec<ScheduledSeq>,
+    /// How many leading entries of `seqs` are decodes (one new token each, `is_prefill`
+    /// false); the rest are prefills or prefill chunks.
+    pub num_decodes: u32,
     /// `[seqs.len(), max_blocks_per_seq]`, padded with `NULL_BLOCK`.
     pub block_tables: Vec<i32>,
     /// Row length of `block_tables`.
@@ -143,6 +148,21 @@ impl Scheduler {
         self.batch.context_lens.resize(row + 1, 0);
         self.seqs.get_mut(&seq).unwrap().row = row;
         self.write_row(row, seq);
+    }
+
+    /// Exchanges batch rows `a` and `b` (both dirty whole).
+    pub(super) fn swap_rows(&mut self, a: usize, b: usize) {
+        let w = self.batch.max_blocks_per_seq as usize;
+        let (lo, hi) = (a.min(b), a.max(b));
+        let (head, tail) = self.batch.block_tables.split_at_mut(hi * w);
+        head[lo * w..(lo + 1) * w].swap_with_slice(&mut tail[..w]);
+        self.batch.context_lens.swap(lo, hi);
+        self.rows.swap(lo, hi);
+        for r in [lo, hi] {
+            let id = self.rows[r];
+            self.seqs.get_mut(&id).unwrap().row = r;
+            self.batch.mark_dirty(r, 0, w);
+        }
     }
 
     /// Takes sequence `seq` out of the batch rows: the last row moves into its place

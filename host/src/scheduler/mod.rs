@@ -66,9 +66,10 @@
 //! * With a sliding window, a chunk's slots are those of a whole prefill ending where
 //!   the chunk ends: the positions wholly before the window get `PAD_SLOT`.
 //!
-//! A step's [`Batch`] lists its sequences in row order (decodes and chunks may
-//! interleave; `is_prefill` tells them apart), with [`Batch::qo_indptr`] for the
-//! prefill kernel and [`Batch::num_cached_tokens`].
+//! A step's [`Batch`] lists its decodes first ([`Batch::num_decodes`] of them), then the
+//! continuing chunks (their rows are moved after the decoding rows when needed, dirty
+//! whole), then the admitted prefills, with [`Batch::qo_indptr`] for the prefill kernel
+//! and [`Batch::num_cached_tokens`].
 //!
 //! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
 //! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites

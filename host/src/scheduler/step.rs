@@ -1,8 +1,10 @@
 //! [`Scheduler::step`]: one step's plan, in the four stages the scheduler's module docs
 //! list, and stage 3 itself, the decode slots of the running sequences.
 //!
-//! A step lists the sequences in row order: the decodes in row order first, then the
-//! admitted prefills in the order their rows were pushed. The common decode (a free
+//! A step lists the sequences in row order: the decodes in row order first, then (with
+//! chunked prefill) the continuing chunks of the mid-prefill sequences, whose rows
+//! `plan_chunks` moves after the decoding ones, then the admitted prefills in the
+//! order their rows were pushed. The common decode (a free
 //! slot in a partial last block this sequence holds alone) changes no block-table
 //! entry; any other marks only the entries it changed dirty.
 
@@ -53,6 +55,7 @@ impl Scheduler {
         b.slot_mapping.clear();
         b.qo_indptr.clear();
         b.num_cached_tokens = 0;
+        b.num_decodes = 0;
         b.copies.clear();
         b.swap_out.clear();
         b.swap_in.clear();
@@ -154,6 +157,7 @@ impl Scheduler {
                     self.batch.mark_dirty(row, live_before, live);
                 }
             }
+            self.batch.num_decodes += 1;
             self.batch.context_lens[row] = (start + 1) as i32;
             self.batch.seqs.push(ScheduledSeq {
                 seq: id,
@@ -171,18 +175,21 @@ impl Scheduler {
     }
 
     /// The budgets of this step's continuing chunks (chunked prefill only): `None`
-    /// when no running sequence is mid-prefill.
-    fn plan_chunks(&self) -> Result<Option<ChunkPlan>> {
-        let (mut decodes, mut chunks, mut reserve) = (0usize, 0usize, 0u32);
-        for id in &self.rows {
-            let s = &self.seqs[id];
-            if s.is_prefilling() {
-                chunks += 1;
-            } else {
+    /// when no running sequence is mid-prefill. Moves the mid-prefill rows after the
+    /// others first (decodes keep their order), so the batch lists the decodes first.
+    fn plan_chunks(&mut self) -> Result<Option<ChunkPlan>> {
+        let (mut decodes, mut reserve) = (0usize, 0u32);
+        for i in 0..self.rows.len() {
+            let s = &self.seqs[&self.rows[i]];
+            reserve += self.kv.append_cost(&s.table)?;
+            if !s.is_prefilling() {
+                if i != decodes {
+                    self.swap_rows(i, decodes);
+                }
                 decodes += 1;
             }
-            reserve += self.kv.append_cost(&s.table)?;
         }
+        let chunks = self.rows.len() - decodes;
         Ok((chunks > 0).then_some(ChunkPlan {
             tokens: self.cfg.max_tokens_per_step.saturating_sub(decodes),
             chunks,
