@@ -4,9 +4,9 @@
 //! A step lists the sequences in row order: the decodes in row order first, then (with
 //! chunked prefill) the continuing chunks of the mid-prefill sequences, whose rows
 //! `plan_chunks` moves after the decoding ones, then the admitted prefills in the
-//! order their rows were pushed. The common decode (a free
-//! slot in a partial last block this sequence holds alone) changes no block-table
-//! entry; any other marks only the entries it changed dirty.
+//! order their rows were pushed. The common decode (a free slot in a partial last
+//! block this sequence holds alone) changes no block-table entry; any other marks only
+//! the entries it changed dirty; a chunk rewrites its row whole.
 
 use super::{Batch, ScheduledSeq, Scheduler};
 use crate::block::NULL_BLOCK;
