@@ -7,7 +7,13 @@
 //! every sequence is read back through its block table and must equal its tokens. The
 //! invariants are checked after every operation.
 //!
-//! Hand-made cases of single behaviours are in `tests/scheduler_examples.rs`.
+//! Half the cases run with chunked prefill, often with a step budget far below the
+//! longest prompt: each step's token accounting is checked too (`qo_indptr`, the
+//! budget, each sequence's new tokens starting where its last step ended, prefix hits
+//! reported, non-final chunks' sampled tokens ignored, no fork mid-prefill).
+//!
+//! Hand-made cases of single behaviours are in `tests/scheduler_examples.rs` and
+//! `tests/scheduler_chunked.rs`.
 
 use std::collections::{HashMap, HashSet};
 
@@ -41,8 +47,12 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn config() -> impl Strategy<Value = SchedulerConfig> {
+/// A configuration, and whether chunked prefill is on (then `max_tokens_per_step` is
+/// often far below `max_model_len`, so long prompts split across steps).
+fn config() -> impl Strategy<Value = (SchedulerConfig, bool)> {
     (
+        any::<bool>(),
+        0usize..24,
         prop::sample::select(vec![8u32, 16, 32]),
         prop_oneof![2u32..8, 8u32..48],
         prop::sample::select(vec![0u32, 3, 8, 40]),
@@ -56,6 +66,8 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
     )
         .prop_map(
             |(
+                chunked,
+                small_budget,
                 block_size,
                 num_blocks,
                 host,
@@ -67,12 +79,16 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                 watermark,
                 (max_model_len, extra_tokens),
             )| {
-                SchedulerConfig {
+                let cfg = SchedulerConfig {
                     num_blocks,
                     block_size,
                     num_host_blocks: host,
                     max_num_seqs: max_seqs,
-                    max_tokens_per_step: max_model_len as usize + extra_tokens,
+                    max_tokens_per_step: if chunked && extra_tokens % 2 == 0 {
+                        max_seqs + small_budget
+                    } else {
+                        max_model_len as usize + extra_tokens
+                    },
                     watermark,
                     preemption: if swap {
                         PreemptionMode::Swap
@@ -87,7 +103,8 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                     enable_prefix_caching: prefix,
                     sliding_window: window,
                     max_model_len,
-                }
+                };
+                (cfg, chunked)
             },
         )
 }
@@ -102,15 +119,19 @@ struct Model {
     accepted: HashMap<u64, (usize, u32)>,
     /// A device copy of the block tables, updated only through `Batch::dirty`.
     mirror: Vec<i32>,
+    /// Per live sequence, the context length it had when last scheduled (0 after a
+    /// recompute): the next step's new tokens must start there, with no gap.
+    ctx: HashMap<u64, u32>,
 }
 
 impl Model {
-    fn new(cfg: SchedulerConfig) -> Self {
+    fn new(cfg: SchedulerConfig, chunked: bool) -> Self {
         let bs = cfg.block_size as usize;
         let dev = vec![None; cfg.num_blocks as usize * bs];
         let host = vec![None; cfg.num_host_blocks.max(1) as usize * bs];
         Model {
-            s: Scheduler::new(cfg).unwrap(),
+            s: Scheduler::with_chunked_prefill(cfg, chunked).unwrap(),
+            ctx: HashMap::new(),
             dev,
             host,
             next_req: 0,
@@ -133,6 +154,7 @@ impl Model {
     fn step(&mut self, stop_every: u32) -> Result<(), TestCaseError> {
         let bs = self.bs();
         let idle = self.s.is_idle();
+        let hits_before = self.s.metrics().prefix_hit_tokens;
         let batch = self.s.step().unwrap().clone();
         // Liveness: a scheduler with live requests always schedules something (every
         // step then gives some sequence a token it keeps, so it finishes).
@@ -141,6 +163,7 @@ impl Model {
             "stalled: live requests but an empty batch: {:?}",
             self.s.metrics()
         );
+        self.check_chunks(&batch, hits_before)?;
         // Swap-outs first, then swap-ins, then copy-on-write copies, then the writes.
         for &(d, h) in &batch.swap_out {
             Self::copy(&self.dev, &mut self.host, d, h, bs);
@@ -239,9 +262,88 @@ impl Model {
                 (q.seq, if stop { 7 } else { self.next_token % 300 + 100 })
             })
             .collect();
+        let lens: Vec<usize> = batch
+            .seqs
+            .iter()
+            .map(|q| self.s.tokens(q.seq).unwrap().len())
+            .collect();
         if !batch.seqs.is_empty() {
             self.s.on_step_done(&sampled).unwrap();
         }
+        // A decode or a prefill's last chunk keeps its sampled token; a non-final
+        // chunk's token is ignored.
+        for (q, len) in batch.seqs.iter().zip(lens) {
+            self.ctx.insert(q.seq, q.context_len);
+            if let Ok(t) = self.s.tokens(q.seq) {
+                prop_assert_eq!(t.len(), len + q.samples as usize, "sequence {}", q.seq);
+                prop_assert_eq!(self.s.num_computed(q.seq).unwrap(), q.context_len);
+                prop_assert_eq!(self.s.is_prefilling(q.seq).unwrap(), !q.samples);
+            }
+        }
+        Ok(())
+    }
+
+    /// The batch's token accounting: `qo_indptr`, the budget, chunks in order with no
+    /// gap from where the sequence's last step ended, prefix hits reported, every
+    /// running sequence scheduled.
+    fn check_chunks(
+        &mut self,
+        batch: &pagedkv_host::scheduler::Batch,
+        hits_before: u64,
+    ) -> Result<(), TestCaseError> {
+        let cfg = self.s.config();
+        for &(req, mode) in &batch.preempted {
+            if mode == PreemptionMode::Recompute {
+                for q in self.s.request_seqs(req).unwrap() {
+                    self.ctx.remove(q);
+                }
+            }
+        }
+        // Every running sequence is in the batch (decodes never starve).
+        let seqs: Vec<u64> = batch.seqs.iter().map(|q| q.seq).collect();
+        prop_assert_eq!(&seqs[..], self.s.running_seqs());
+        let new: usize = batch.seqs.iter().map(|q| q.num_new_tokens as usize).sum();
+        prop_assert_eq!(new, batch.slot_mapping.len());
+        prop_assert!(new <= cfg.max_tokens_per_step, "{} tokens in a step", new);
+        if batch.seqs.is_empty() {
+            prop_assert!(batch.qo_indptr.is_empty());
+        } else {
+            prop_assert_eq!(batch.qo_indptr.len(), batch.seqs.len() + 1);
+            prop_assert_eq!(*batch.qo_indptr.last().unwrap() as usize, new);
+        }
+        // Decodes first, then the prefills (chunks, then admissions).
+        let decodes = batch.seqs.iter().take_while(|q| !q.is_prefill).count();
+        prop_assert_eq!(batch.num_decodes as usize, decodes);
+        prop_assert!(
+            batch.seqs[decodes..].iter().all(|q| q.is_prefill),
+            "a decode after a prefill"
+        );
+        let mut cached = 0;
+        for (i, q) in batch.seqs.iter().enumerate() {
+            prop_assert_eq!(batch.qo_indptr[i], q.token_offset as i32);
+            prop_assert!(q.num_new_tokens >= 1);
+            prop_assert_eq!(q.context_len, q.start_pos + q.num_new_tokens);
+            let prior = self.ctx.get(&q.seq).copied().unwrap_or(0);
+            prop_assert!(q.num_cached_tokens == 0 || prior == 0);
+            prop_assert_eq!(
+                q.start_pos,
+                prior + q.num_cached_tokens,
+                "a gap before {:?}",
+                q
+            );
+            let len = self.s.tokens(q.seq).unwrap().len() as u32;
+            prop_assert!(q.context_len <= len);
+            prop_assert_eq!(q.samples, q.context_len == len, "{:?}", q);
+            if !q.is_prefill {
+                prop_assert!(q.num_new_tokens == 1 && q.samples && q.num_cached_tokens == 0);
+            }
+            cached += q.num_cached_tokens;
+        }
+        prop_assert_eq!(cached, batch.num_cached_tokens);
+        prop_assert_eq!(
+            self.s.metrics().prefix_hit_tokens - hits_before,
+            cached as u64
+        );
         Ok(())
     }
 
@@ -387,8 +489,8 @@ proptest! {
     })]
 
     #[test]
-    fn random_interleavings_keep_every_invariant(cfg in config(), ops in prop::collection::vec(op(), 1..120)) {
-        let mut m = Model::new(cfg);
+    fn random_interleavings_keep_every_invariant((cfg, chunked) in config(), ops in prop::collection::vec(op(), 1..120)) {
+        let mut m = Model::new(cfg, chunked);
         let prefixes: [Vec<u32>; 3] = [(0..40).collect(), (50..70).collect(), vec![]];
         for op in ops {
             match op {
@@ -409,7 +511,16 @@ proptest! {
                 Op::Fork(i) => {
                     let running = m.s.running_seqs().to_vec();
                     if !running.is_empty() {
-                        let _ = m.s.fork(running[i % running.len()]);
+                        let parent = running[i % running.len()];
+                        let mid = m.s.is_prefilling(parent).unwrap();
+                        let r = m.s.fork(parent);
+                        prop_assert!(!mid || r.is_err(), "forked a sequence mid-prefill");
+                        if let Ok(child) = r {
+                            let c = m.ctx.get(&parent).copied();
+                            if let Some(c) = c {
+                                m.ctx.insert(child, c);
+                            }
+                        }
                     }
                 }
                 Op::Abort(i) => {
@@ -424,8 +535,14 @@ proptest! {
             m.check()?;
         }
         // Liveness: with no new arrivals, every accepted request finishes within as
-        // many steps as its sequences have tokens left to generate.
-        let bound = m.remaining_tokens() + 1;
+        // many steps as its sequences have tokens left to generate (every step gives
+        // some sequence a token it keeps). With chunked prefill a step may only advance
+        // prefills, whose chunks a recompute may throw away: a looser bound.
+        let mut bound = m.remaining_tokens() + 1;
+        if chunked {
+            let prompts: usize = m.s.live_seqs().iter().map(|q| m.s.tokens(*q).unwrap().len()).sum();
+            bound = (bound + prompts) * (m.s.live_seqs().len() + 1);
+        }
         for _ in 0..bound {
             if m.s.is_idle() {
                 break;
@@ -449,6 +566,7 @@ proptest! {
     fn under_fcfs_every_request_that_fits_finishes(
         lens in prop::collection::vec((1usize..60, 1u32..60), 1..25),
         swap in any::<bool>(),
+        chunk_budget in prop::option::of(8usize..40),
     ) {
         // The pool holds the longest request (128 tokens = 8 blocks of 16) and a bit.
         let cfg = SchedulerConfig {
@@ -456,13 +574,13 @@ proptest! {
             block_size: 16,
             num_host_blocks: if swap { 16 } else { 0 },
             max_num_seqs: 8,
-            max_tokens_per_step: 256,
+            max_tokens_per_step: chunk_budget.unwrap_or(256),
             watermark: 0.0,
             preemption: if swap { PreemptionMode::Swap } else { PreemptionMode::Recompute },
             max_model_len: 128,
             ..SchedulerConfig::default()
         };
-        let mut m = Model::new(cfg);
+        let mut m = Model::new(cfg, chunk_budget.is_some());
         for (i, (len, max_tokens)) in lens.iter().enumerate() {
             m.s.add_request(Request::new(i as u64, (0..*len as u32).collect(), *max_tokens)).unwrap();
         }

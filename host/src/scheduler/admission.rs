@@ -66,6 +66,7 @@ impl Scheduler {
                 },
                 table: BlockTable::new(),
                 num_computed: 0,
+                prefill_end: 0,
                 row: usize::MAX,
                 stop_token: req.stop_token,
                 max_len: req.prompt.len() + req.max_tokens as usize,
@@ -112,13 +113,23 @@ impl Scheduler {
                 "sequence {seq} cannot fork now (not running, or max_num_seqs reached)"
             )));
         }
+        // A fork shares the parent's blocks and its tokens; mid-prefill the forks
+        // would compute the same remaining chunks twice: fork after the prefill.
+        if parent.is_prefilling() {
+            return Err(Error::InvalidState(format!(
+                "sequence {seq} is mid-prefill (chunked): fork it after its last chunk"
+            )));
+        }
         // A preempted group is recomputed (or swapped in) whole: refuse a fork that
         // would make it too large to ever come back.
         let size = g.seqs.len() as u64 + 1;
         let blocks = size * self.max_blocks(&g.req) as u64;
         let tokens = size * (g.req.prompt.len() as u64 + g.req.max_tokens as u64);
+        // With chunked prefill a recomputed group's prefills take as many steps as
+        // they need (one token a sequence at least; `max_num_seqs` bounds the group,
+        // and `max_tokens_per_step` is at least that).
         if blocks > self.kv.device().num_usable() as u64
-            || tokens > self.cfg.max_tokens_per_step as u64
+            || (!self.chunked && tokens > self.cfg.max_tokens_per_step as u64)
         {
             return Err(Error::invalid(
                 "seq",
@@ -136,6 +147,7 @@ impl Scheduler {
             tokens: parent.tokens.clone(),
             table,
             num_computed: parent.num_computed,
+            prefill_end: parent.prefill_end,
             row: usize::MAX,
             stop_token: parent.stop_token,
             max_len: parent.max_len,
@@ -150,8 +162,17 @@ impl Scheduler {
     }
 
     /// Step 4: admits waiting groups (prefills), in queue order, while they fit.
+    ///
+    /// The step's token budget is what the decodes and continuing chunks left. Without
+    /// chunked prefill a group is admitted only if all its uncached prompt tokens fit
+    /// it; with chunked prefill each of its sequences takes the first chunk the budget
+    /// allows (at least one token each), the rest following in later steps. Either way
+    /// the chunk's blocks must fit the free pool above the watermark (when others run).
     pub(super) fn admit_waiting(&mut self) -> Result<()> {
-        let mut budget = self.cfg.max_tokens_per_step.saturating_sub(self.rows.len());
+        let mut budget = self
+            .cfg
+            .max_tokens_per_step
+            .saturating_sub(self.batch.slot_mapping.len());
         while let Some((&key, &id)) = self.waiting.first_key_value() {
             let seqs = self.groups[&id].seqs.clone();
             if self.rows.len() + seqs.len() > self.cfg.max_num_seqs {
@@ -159,21 +180,44 @@ impl Scheduler {
             }
             let salt = self.groups[&id].req.cache_salt;
             let (mut tokens_needed, mut blocks_needed) = (0usize, 0u32);
-            for s in &seqs {
+            // How many leading tokens of each sequence's tokens this step gives slots.
+            let mut ends: Vec<u32> = Vec::with_capacity(seqs.len());
+            // Some sequence would get no token (chunked prefill, budget spent).
+            let mut starved = false;
+            for (i, s) in seqs.iter().enumerate() {
                 let t = &self.seqs[s].tokens;
                 if seqs.len() == 1 {
                     let (hits, _) = self.kv.count_prefix_hits(t, salt);
-                    tokens_needed += t.len() - (hits * self.cfg.block_size) as usize;
-                    blocks_needed += self.kv.prefill_cost(t, salt);
+                    let cached = (hits * self.cfg.block_size) as usize;
+                    let mut take = t.len() - cached;
+                    if self.chunked {
+                        take = take.min(budget);
+                    }
+                    // `count_prefix_hits` of the prefix finds the same hits: it keeps
+                    // at least one token to compute, and `take >= 1` is past them.
+                    let end = cached + take;
+                    starved |= take == 0;
+                    tokens_needed += take;
+                    blocks_needed += self.kv.prefill_cost(&t[..end], salt);
+                    ends.push(end as u32);
                 } else {
                     // One fork's allocations may evict the cached blocks another
                     // counted on: assume no hits (an upper bound).
-                    let n = t.len() as u32;
-                    tokens_needed += t.len();
+                    let mut end = t.len();
+                    if self.chunked {
+                        // At least one token for each of the sequences after this one.
+                        let left = seqs.len() - i - 1;
+                        end = end.min(budget.saturating_sub(tokens_needed + left));
+                    }
+                    let n = end as u32;
+                    starved |= n == 0;
+                    tokens_needed += end;
                     blocks_needed += self.kv.blocks_for(n) - self.kv.dead_blocks(n);
+                    ends.push(n);
                 }
             }
-            if tokens_needed > budget
+            if starved
+                || tokens_needed > budget
                 || blocks_needed + self.watermark_now() > self.kv.device().num_free()
             {
                 break;
@@ -183,19 +227,21 @@ impl Scheduler {
             let arrival = self.groups[&id].arrival;
             self.running.insert(arrival, id);
             self.groups.get_mut(&id).unwrap().status = Status::Running;
-            for s in seqs {
+            for (s, end) in seqs.into_iter().zip(ends) {
                 self.seqs.scheduled_in[(s & 0xffff_ffff) as usize] = self.step_gen;
                 let seq = self.seqs.get_mut(&s).unwrap();
-                let cached = self
-                    .kv
-                    .allocate_prefill(&mut seq.table, &seq.tokens, salt)?;
+                let cached =
+                    self.kv
+                        .allocate_prefill(&mut seq.table, &seq.tokens[..end as usize], salt)?;
                 self.metrics.prefix_queried_tokens += seq.tokens.len() as u64;
                 self.metrics.prefix_hit_tokens += cached as u64;
-                let n = seq.tokens.len() as u32;
+                seq.prefill_end = seq.tokens.len() as u32;
+                let samples = end == seq.prefill_end;
                 let offset = self.batch.slot_mapping.len() as u32;
-                for pos in cached..n {
+                for pos in cached..end {
                     self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
                 }
+                self.batch.num_cached_tokens += cached;
                 let request = seq.request;
                 self.push_row(s);
                 self.batch.seqs.push(ScheduledSeq {
@@ -203,9 +249,11 @@ impl Scheduler {
                     request,
                     is_prefill: true,
                     start_pos: cached,
-                    num_new_tokens: n - cached,
-                    context_len: n,
+                    num_new_tokens: end - cached,
+                    context_len: end,
                     token_offset: offset,
+                    num_cached_tokens: cached,
+                    samples,
                 });
             }
         }

@@ -20,23 +20,40 @@ pub struct ScheduledSeq {
     pub seq: SeqId,
     /// Its request.
     pub request: RequestId,
-    /// Whether this is its prefill (several new tokens) or a decode (one).
+    /// Whether this is (a chunk of) its prefill or a decode (one new token, the token
+    /// sampled last step).
     pub is_prefill: bool,
-    /// Position of its first new token.
+    /// Position of its first new token (for a prefill admitted this step, the number
+    /// of its leading tokens served from the prefix cache; for a continuing chunk,
+    /// where the previous chunk ended).
     pub start_pos: u32,
     /// New tokens this step (their slots are consecutive in `slot_mapping`).
     pub num_new_tokens: u32,
     /// Tokens in its cache after this step (the kernels' context length).
     pub context_len: u32,
-    /// Offset of its first new token in `slot_mapping`.
+    /// Offset of its first new token in `slot_mapping` (`Batch::qo_indptr[i]`).
     pub token_offset: u32,
+    /// Leading tokens of a prefill admitted this step whose K/V the prefix cache
+    /// already held (positions `0..num_cached_tokens`, not computed: `start_pos` equals
+    /// it). 0 for decodes and continuing chunks.
+    pub num_cached_tokens: u32,
+    /// Whether the token sampled from its last new token is its next token: true for
+    /// a decode and for the last (or only) chunk of a prefill; false for a non-final
+    /// chunk of a chunked prefill, whose sampled token
+    /// [`Scheduler::on_step_done`] ignores (the engine may skip sampling it).
+    pub samples: bool,
 }
 
 /// What one step runs: device-ready arrays for the kernels.
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
-    /// The scheduled sequences; `seqs[i]` owns row `i` of the block tables.
+    /// The scheduled sequences; `seqs[i]` owns row `i` of the block tables. The
+    /// decodes come first (`seqs[..num_decodes]`), then the prefills: with chunked
+    /// prefill the continuing chunks, then the prompts admitted this step.
     pub seqs: Vec<ScheduledSeq>,
+    /// How many leading entries of `seqs` are decodes (one new token each, `is_prefill`
+    /// false); the rest are prefills or prefill chunks.
+    pub num_decodes: u32,
     /// `[seqs.len(), max_blocks_per_seq]`, padded with `NULL_BLOCK`.
     pub block_tables: Vec<i32>,
     /// Row length of `block_tables`.
@@ -45,6 +62,15 @@ pub struct Batch {
     pub context_lens: Vec<i32>,
     /// `[total new tokens]`: slot of each new token, sequence by sequence.
     pub slot_mapping: Vec<i64>,
+    /// `[seqs.len() + 1]`: prefix sums of `num_new_tokens` in batch order; sequence
+    /// `i`'s new tokens (its query rows, its entries of `slot_mapping`) are
+    /// `qo_indptr[i]..qo_indptr[i + 1]` (the prefill kernel's `qo_indptr`). Empty
+    /// when `seqs` is.
+    pub qo_indptr: Vec<i32>,
+    /// Tokens of this step's admitted prefills served from the prefix cache (the sum
+    /// of `seqs[i].num_cached_tokens`): their K/V is already in the pool, and they are
+    /// neither in `slot_mapping` nor counted in `max_tokens_per_step`.
+    pub num_cached_tokens: u32,
     /// Copy-on-write `(src, dst)` block pairs for `copy_blocks`, to run before the
     /// kernels write.
     pub copies: Vec<(u32, u32)>,
@@ -96,7 +122,7 @@ impl Batch {
 impl Scheduler {
     /// Writes sequence `seq`'s block table and context length into batch row `row`
     /// (the whole row, marked dirty).
-    fn write_row(&mut self, row: usize, seq: SeqId) {
+    pub(super) fn write_row(&mut self, row: usize, seq: SeqId) {
         let w = self.batch.max_blocks_per_seq as usize;
         let s = &self.seqs[&seq];
         let r = &mut self.batch.block_tables[row * w..(row + 1) * w];
@@ -122,6 +148,21 @@ impl Scheduler {
         self.batch.context_lens.resize(row + 1, 0);
         self.seqs.get_mut(&seq).unwrap().row = row;
         self.write_row(row, seq);
+    }
+
+    /// Exchanges batch rows `a` and `b` (both dirty whole).
+    pub(super) fn swap_rows(&mut self, a: usize, b: usize) {
+        let w = self.batch.max_blocks_per_seq as usize;
+        let (lo, hi) = (a.min(b), a.max(b));
+        let (head, tail) = self.batch.block_tables.split_at_mut(hi * w);
+        head[lo * w..(lo + 1) * w].swap_with_slice(&mut tail[..w]);
+        self.batch.context_lens.swap(lo, hi);
+        self.rows.swap(lo, hi);
+        for r in [lo, hi] {
+            let id = self.rows[r];
+            self.seqs.get_mut(&id).unwrap().row = r;
+            self.batch.mark_dirty(r, 0, w);
+        }
     }
 
     /// Takes sequence `seq` out of the batch rows: the last row moves into its place

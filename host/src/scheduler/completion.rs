@@ -16,6 +16,11 @@ impl Scheduler {
     /// Takes the token sampled for every sequence of the last step. Every scheduled
     /// sequence must appear exactly once; otherwise nothing changes and an error says
     /// which. Returns the sequences that finished (their blocks are already free).
+    ///
+    /// With chunked prefill, a sequence scheduled with a non-final chunk of its prefill
+    /// ([`ScheduledSeq::samples`](super::ScheduledSeq::samples) false) must appear too,
+    /// with any token: the token is ignored (the sequence's next token is sampled after
+    /// its last chunk), but its computed blocks are committed to the prefix cache.
     pub fn on_step_done(&mut self, sampled: &[(SeqId, u32)]) -> Result<Vec<(SeqId, FinishReason)>> {
         if !self.in_step {
             return Err(Error::InvalidState("on_step_done() without a step".into()));
@@ -85,6 +90,11 @@ impl Scheduler {
             {
                 result = Err(e);
                 break;
+            }
+            if seq.table.num_tokens() < seq.prefill_end {
+                // A non-final chunk of a chunked prefill: the token sampled from its
+                // last position is not the sequence's next token. Ignored.
+                continue;
             }
             seq.tokens.push(tok);
             let why = if seq.stop_token == Some(tok) {

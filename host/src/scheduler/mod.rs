@@ -32,10 +32,44 @@
 //!    fills, copying a shared partial block on write);
 //! 4. admits waiting groups while free blocks stay above the watermark (while other
 //!    sequences run), the running sequences stay within `max_num_seqs`, and the step's
-//!    tokens within `max_tokens_per_step` (a prefill counts its uncached prompt tokens).
+//!    tokens within `max_tokens_per_step` (a prefill counts its uncached prompt tokens;
+//!    with chunked prefill, step 3 also schedules the next chunk of every mid-prefill
+//!    sequence, and step 4 may admit a prompt with its first chunk: see below).
 //!
 //! The watermark keeps headroom for running sequences to grow into; with nothing
 //! running there is nobody to keep it for, so a group alone may take the whole pool.
+
+//! # Chunked prefill
+//! Off by default ([`Scheduler::new`]); [`Scheduler::with_chunked_prefill`] turns it
+//! on. Then `max_tokens_per_step` need not hold a whole prompt (it must hold
+//! `max_num_seqs` tokens), and a prefill runs in chunks over several steps:
+//! * Step 4 admits a group when each of its sequences gets at least one token of the
+//!   step's remaining budget: its first chunk is its prefix-cache hits (not computed:
+//!   [`ScheduledSeq::num_cached_tokens`], `start_pos` past them) and then as many
+//!   uncached tokens as the budget leaves; the chunk's blocks (not the whole
+//!   prompt's) must fit above the watermark.
+//! * A sequence whose prefill is incomplete is *mid-prefill*
+//!   ([`Scheduler::is_prefilling`]). It keeps its row, and every step schedules its
+//!   next chunk (`is_prefill`, `start_pos` where the last chunk ended, `context_len =
+//!   start_pos + num_new_tokens`): in step 3, after the decodes have taken one token
+//!   each, as many of its remaining tokens as the budget leaves (keeping one token for
+//!   each later chunk) and as fit the free blocks (keeping the next token's block of
+//!   every later row, and the watermark while others run), at least one token. Step 1
+//!   reserves that one token's block like a decode's, so a mid-prefill sequence is
+//!   preempted (whole group, recompute or swap) exactly like a decoding one; a
+//!   recomputed one starts its prefill again, a swapped one resumes it.
+//! * Only the last chunk samples ([`ScheduledSeq::samples`]): the engine passes every
+//!   scheduled sequence to [`Scheduler::on_step_done`] as before, and the token of a
+//!   non-final chunk is ignored (its computed full blocks are still committed to the
+//!   prefix cache). The sequence decodes from the next step on.
+//! * A mid-prefill sequence cannot be forked (an error): fork after its last chunk.
+//! * With a sliding window, a chunk's slots are those of a whole prefill ending where
+//!   the chunk ends: the positions wholly before the window get `PAD_SLOT`.
+//!
+//! A step's [`Batch`] lists its decodes first ([`Batch::num_decodes`] of them), then the
+//! continuing chunks (their rows are moved after the decoding rows when needed, dirty
+//! whole), then the admitted prefills, with [`Batch::qo_indptr`] for the prefill kernel
+//! and [`Batch::num_cached_tokens`].
 //!
 //! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
 //! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites
@@ -55,7 +89,10 @@
 //! calling `step` and `on_step_done`: while any request is live, every step schedules
 //! at least one sequence, and every scheduled sequence keeps the token it gets (a
 //! recomputed sequence keeps its generated tokens), so the steps until idle are at most
-//! the tokens the live sequences may still generate. It holds by construction:
+//! the tokens the live sequences may still generate. (With chunked prefill, a step
+//! gives every running sequence at least one token, a mid-prefill one a token of its
+//! prompt; the oldest group, never preempted, finishes its prefill and then its
+//! decodes.) It holds by construction:
 //! * *A group fits the pool alone.* `add_request` refuses a request whose sequence
 //!   would outgrow the usable pool (`prompt + max_tokens` tokens, at most
 //!   `max_model_len`; with a sliding window, the window's blocks plus one), and
@@ -276,6 +313,8 @@ pub struct Scheduler {
     next_arrival: u64,
     in_step: bool,
     generation: u64,
+    /// Chunked prefill (see the module docs); fixed at construction.
+    chunked: bool,
     /// Steps planned so far (`step()` numbers the sequences it schedules with it).
     step_gen: u64,
     finished: Vec<(RequestId, SeqId, FinishReason, Vec<u32>)>,
@@ -284,8 +323,19 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler with this configuration (validated).
+    /// A scheduler with this configuration (validated), chunked prefill off: a prompt
+    /// is prefilled in one step, so `max_tokens_per_step` must be at least
+    /// `max_model_len`.
     pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        Self::with_chunked_prefill(cfg, false)
+    }
+
+    /// A scheduler with this configuration (validated) and chunked prefill on or off
+    /// (see the module docs on chunked prefill). With it on, `max_tokens_per_step` need
+    /// not hold a whole prompt, but must be at least `max_num_seqs`: every running
+    /// sequence takes at least one token a step. `new(cfg)` is
+    /// `with_chunked_prefill(cfg, false)`.
+    pub fn with_chunked_prefill(cfg: SchedulerConfig, chunked_prefill: bool) -> Result<Self> {
         if !SUPPORTED_BLOCK_SIZES.contains(&cfg.block_size) {
             return Err(Error::invalid(
                 "block_size",
@@ -315,7 +365,16 @@ impl Scheduler {
                 ),
             ));
         }
-        if cfg.max_tokens_per_step < cfg.max_model_len as usize {
+        if chunked_prefill && cfg.max_tokens_per_step < cfg.max_num_seqs {
+            return Err(Error::invalid(
+                "max_tokens_per_step",
+                format!(
+                    "{} is below max_num_seqs {}: with chunked prefill every running sequence takes a token each step",
+                    cfg.max_tokens_per_step, cfg.max_num_seqs
+                ),
+            ));
+        }
+        if !chunked_prefill && cfg.max_tokens_per_step < cfg.max_model_len as usize {
             return Err(Error::invalid(
                 "max_tokens_per_step",
                 format!(
@@ -368,6 +427,7 @@ impl Scheduler {
             next_arrival: 0,
             in_step: false,
             generation: 0,
+            chunked: chunked_prefill,
             step_gen: 0,
             finished: Vec::new(),
             metrics: Metrics::default(),
@@ -379,6 +439,25 @@ impl Scheduler {
     /// The configuration.
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
+    }
+
+    /// Whether chunked prefill is on.
+    pub fn chunked_prefill(&self) -> bool {
+        self.chunked
+    }
+
+    /// Whether live sequence `seq` is mid-prefill: its group runs or is swapped out
+    /// with only some of its prefill's tokens computed (chunked prefill). Such a
+    /// sequence cannot be forked, and the token sampled after one of its non-final
+    /// chunks is ignored.
+    pub fn is_prefilling(&self, seq: SeqId) -> Result<bool> {
+        self.seqs
+            .get(&seq)
+            .map(|s| s.is_prefilling())
+            .ok_or(Error::Unknown {
+                what: "sequence",
+                id: seq,
+            })
     }
 
     /// The KV-cache manager (pools and counts), read-only.

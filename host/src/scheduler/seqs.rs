@@ -26,6 +26,10 @@ pub(super) struct Seq {
     pub(super) table: BlockTable,
     /// Tokens whose KV is computed (`table.num_tokens()` after a step).
     pub(super) num_computed: u32,
+    /// Tokens its current prefill computes (`tokens.len()` when it was last
+    /// admitted); while `table.num_tokens()` is below it (and the table is not empty),
+    /// it is mid-prefill: chunked prefill runs the rest in later steps.
+    pub(super) prefill_end: u32,
     /// Row in the batch while running.
     pub(super) row: usize,
     /// Its request's stop token, token cap (prompt + `max_tokens`) and cache salt,
@@ -33,6 +37,15 @@ pub(super) struct Seq {
     pub(super) stop_token: Option<u32>,
     pub(super) max_len: usize,
     pub(super) salt: Option<u64>,
+}
+
+impl Seq {
+    /// Whether some but not all of its prefill's tokens have slots (chunked prefill).
+    /// A waiting sequence (empty table) is not mid-prefill.
+    pub(super) fn is_prefilling(&self) -> bool {
+        let n = self.table.num_tokens();
+        n > 0 && n < self.prefill_end
+    }
 }
 
 /// A sequence group: a request's sequences (its prompt's and its forks), which are

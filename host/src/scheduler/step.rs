@@ -1,15 +1,28 @@
 //! [`Scheduler::step`]: one step's plan, in the four stages the scheduler's module docs
 //! list, and stage 3 itself, the decode slots of the running sequences.
 //!
-//! A step lists the sequences in row order: the decodes in row order first, then the
-//! admitted prefills in the order their rows were pushed. The common decode (a free
-//! slot in a partial last block this sequence holds alone) changes no block-table
-//! entry; any other marks only the entries it changed dirty.
+//! A step lists the sequences in row order: the decodes in row order first, then (with
+//! chunked prefill) the continuing chunks of the mid-prefill sequences, whose rows
+//! `plan_chunks` moves after the decoding ones, then the admitted prefills in the
+//! order their rows were pushed. The common decode (a free slot in a partial last
+//! block this sequence holds alone) changes no block-table entry; any other marks only
+//! the entries it changed dirty; a chunk rewrites its row whole.
 
 use super::{Batch, ScheduledSeq, Scheduler};
 use crate::block::NULL_BLOCK;
 use crate::block::pool::prefetch;
 use crate::error::{Error, Result};
+
+/// What is left for the continuing chunks of one step (chunked prefill).
+struct ChunkPlan {
+    /// Tokens left in the step's budget after the decodes (each takes one).
+    tokens: usize,
+    /// Mid-prefill rows not yet scheduled.
+    chunks: usize,
+    /// Free blocks the next token of every row not yet scheduled takes (an upper
+    /// bound), which a chunk must leave.
+    reserve: u32,
+}
 
 /// How many sequences ahead the per-sequence loops prefetch.
 const PREFETCH_AHEAD: usize = 16;
@@ -40,6 +53,9 @@ impl Scheduler {
         b.mark_dirty(0, 0, 0); // starts a new list if the last one was handed out
         b.seqs.clear();
         b.slot_mapping.clear();
+        b.qo_indptr.clear();
+        b.num_cached_tokens = 0;
+        b.num_decodes = 0;
         b.copies.clear();
         b.swap_out.clear();
         b.swap_in.clear();
@@ -65,6 +81,14 @@ impl Scheduler {
                 .all(|(q, r)| q.seq == *r)
         );
 
+        let b = &mut self.batch;
+        if !b.seqs.is_empty() {
+            b.qo_indptr.reserve(b.seqs.len() + 1);
+            b.qo_indptr
+                .extend(b.seqs.iter().map(|q| q.token_offset as i32));
+            b.qo_indptr.push(b.slot_mapping.len() as i32);
+        }
+
         let rows = self.rows.len() as u32;
         self.batch.dirty.retain(|r| r.row < rows);
         self.batch.dirty_sent = true;
@@ -76,6 +100,11 @@ impl Scheduler {
     /// Step 3: gives every running sequence its decode slot, allocating only when a
     /// block fills and copying a shared partial block on write.
     fn schedule_decodes(&mut self) -> Result<()> {
+        let mut chunks = if self.chunked {
+            self.plan_chunks()?
+        } else {
+            None
+        };
         let w = self.batch.max_blocks_per_seq as usize;
         let ahead = prefetch_distance(self.rows.len());
         for row in 0..self.rows.len() {
@@ -89,6 +118,15 @@ impl Scheduler {
                 prefetch(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
             }
             self.seqs.scheduled_in[(id & 0xffff_ffff) as usize] = self.step_gen;
+            if let Some(plan) = chunks.as_mut() {
+                let seq = &self.seqs[&id];
+                let cost = self.kv.append_cost(&seq.table)?;
+                plan.reserve -= cost;
+                if seq.is_prefilling() {
+                    self.schedule_chunk(row, id, cost, plan)?;
+                    continue;
+                }
+            }
             let seq = self.seqs.get_mut(&id).unwrap();
             let start = seq.table.num_tokens();
             let offset = self.batch.slot_mapping.len() as u32;
@@ -119,6 +157,7 @@ impl Scheduler {
                     self.batch.mark_dirty(row, live_before, live);
                 }
             }
+            self.batch.num_decodes += 1;
             self.batch.context_lens[row] = (start + 1) as i32;
             self.batch.seqs.push(ScheduledSeq {
                 seq: id,
@@ -128,8 +167,99 @@ impl Scheduler {
                 num_new_tokens: 1,
                 context_len: start + 1,
                 token_offset: offset,
+                num_cached_tokens: 0,
+                samples: true,
             });
         }
+        Ok(())
+    }
+
+    /// The budgets of this step's continuing chunks (chunked prefill only): `None`
+    /// when no running sequence is mid-prefill. Moves the mid-prefill rows after the
+    /// others first (decodes keep their order), so the batch lists the decodes first.
+    fn plan_chunks(&mut self) -> Result<Option<ChunkPlan>> {
+        let (mut decodes, mut reserve) = (0usize, 0u32);
+        for i in 0..self.rows.len() {
+            let s = &self.seqs[&self.rows[i]];
+            reserve += self.kv.append_cost(&s.table)?;
+            if !s.is_prefilling() {
+                if i != decodes {
+                    self.swap_rows(i, decodes);
+                }
+                decodes += 1;
+            }
+        }
+        let chunks = self.rows.len() - decodes;
+        Ok((chunks > 0).then_some(ChunkPlan {
+            tokens: self.cfg.max_tokens_per_step.saturating_sub(decodes),
+            chunks,
+            reserve,
+        }))
+    }
+
+    /// Schedules the next chunk of mid-prefill sequence `id` (batch row `row`): as
+    /// many of its remaining prefill tokens as the step's token budget leaves after
+    /// the decodes and one token for each later chunk, and as fit the free blocks left
+    /// above the watermark (when others run) after the later rows' next tokens; at
+    /// least one token, whose block `make_room` reserved. `cost` is that one token's
+    /// block cost.
+    fn schedule_chunk(
+        &mut self,
+        row: usize,
+        id: u64,
+        cost: u32,
+        plan: &mut ChunkPlan,
+    ) -> Result<()> {
+        plan.chunks -= 1;
+        let bs = self.cfg.block_size;
+        let seq = &self.seqs[&id];
+        let start = seq.table.num_tokens();
+        let mut take = (seq.prefill_end - start) as usize;
+        take = take.min(plan.tokens.saturating_sub(plan.chunks)).max(1);
+        // Tokens `k` more blocks hold: the rest of a partial last block (after a copy,
+        // which the one-token cost counts, when it is shared), then whole blocks.
+        let blocks = self
+            .kv
+            .device()
+            .num_free()
+            .saturating_sub(plan.reserve + self.watermark_now())
+            .max(cost);
+        let room = (bs - start % bs) % bs;
+        let fit = if room > 0 && cost == 1 {
+            room as u64 + (blocks as u64 - 1) * bs as u64
+        } else {
+            room as u64 + blocks as u64 * bs as u64
+        };
+        take = take.min(fit.min(usize::MAX as u64) as usize).max(1);
+        plan.tokens = plan.tokens.saturating_sub(take);
+        let offset = self.batch.slot_mapping.len() as u32;
+        let seq = self.seqs.get_mut(&id).unwrap();
+        for _ in 0..take {
+            self.kv
+                .append_slot(&mut seq.table, &mut self.batch.copies)?;
+        }
+        let end = seq.table.num_tokens();
+        // Looked up after the whole chunk: a sliding window may have released the
+        // blocks of its first tokens (their K/V is not stored: `PAD_SLOT`, as in a
+        // whole prefill), and another sequence may take them this step.
+        for pos in start..end {
+            self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
+        }
+        let (request, samples) = (seq.request, end == seq.prefill_end);
+        // Several entries may change (new blocks, a copy, a window's releases): the
+        // whole row is rewritten (chunks are few).
+        self.write_row(row, id);
+        self.batch.seqs.push(ScheduledSeq {
+            seq: id,
+            request,
+            is_prefill: true,
+            start_pos: start,
+            num_new_tokens: take as u32,
+            context_len: end,
+            token_offset: offset,
+            num_cached_tokens: 0,
+            samples,
+        });
         Ok(())
     }
 
