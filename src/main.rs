@@ -267,10 +267,15 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     );
     if let Some(c) = reports.first().and_then(|r| r.kv_dtype_comparison.as_ref()) {
         println!(
-            "{d} vs {b}: the same scenario with the KV cache at {d} ({} bytes per element) and at {b}; same budget, so more token slots; \
+            "{d} vs {b}: the same scenario with the KV cache at {d} ({} byte{} per element) and at {b}; same budget, so more token slots; \
              a step reads {d}'s fewer KV bytes, the weights unchanged (modelled: step-time roofline and admission, not measured).\n\
              Where arrivals, not memory, bound a policy, {d}'s shorter steps finish requests sooner and its mean batch can be smaller at the same req/s.",
             c.kv_footprint.dtype_bytes,
+            if c.kv_footprint.dtype_bytes == 1 {
+                ""
+            } else {
+                "s"
+            },
             d = c.kv_dtype,
             b = c.baseline_dtype,
         );
