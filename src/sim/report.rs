@@ -185,11 +185,11 @@ impl KvDtypeComparison {
             "  token slots: {b} {}, {d} {} ({:.2}x)",
             base.kv_capacity_tokens, self.kv_capacity_tokens, self.capacity_ratio
         );
-        let _ = writeln!(
-            o,
+        let groups = format!(
             "  {:<20} {:^22} | {:^22} | {:^22}",
             "", "mean batch", "req/s", "tok/s"
         );
+        let _ = writeln!(o, "{}", groups.trim_end());
         let head = format!("{b:>7} {d:>7} {:>6}", "ratio");
         let _ = writeln!(o, "  {:<20} {head} | {head} | {head}", "policy");
         let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}x"));
