@@ -4,7 +4,10 @@
 //!   external fragmentation + free ([`PolicyReport::figure_split`]: shares of the whole
 //!   pool for contiguous policies, of the memory held for paged ones), each segment
 //!   labelled with its share and the paper's token-state share marked on the bar;
-//! * right, the batch size (running requests) over time, per policy.
+//! * right, the batch size (running requests) over time, per policy;
+//! * with a KV-dtype comparison (`--kv-dtype fp8`), a third panel: each policy's mean
+//!   batch with the cache at f16 (solid bar) and at fp8 (light bar, same colour), the
+//!   values written on top; the figure widens by [`CMP_W`] for it.
 //!
 //! One legend band on top serves every row.
 
@@ -12,7 +15,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use crate::sim::{MemorySplit, PolicyReport, ScenarioReport};
+use crate::sim::{KvDtypeComparison, MemorySplit, PolicyReport, ScenarioReport};
 
 /// Policy colours, in [`crate::sim::Policy::ALL`] order.
 const COLORS: [RGBColor; 6] = [
@@ -44,6 +47,8 @@ const LEGEND_H: u32 = 84;
 const ROW_H: u32 = 470;
 /// Width of the bar panel; the batch panel takes the rest.
 const BAR_W: u32 = 800;
+/// Width added for the KV-dtype comparison panel, when a report has one.
+pub const CMP_W: u32 = 560;
 /// Segments thinner than this share (in %) carry no label.
 const MIN_LABELLED: f64 = 4.0;
 /// A label this close (in %) to the paper's mark would be crossed by it.
@@ -99,16 +104,22 @@ pub fn render_svg(reports: &[ScenarioReport]) -> Result<String, Box<dyn std::err
     let mut svg = String::new();
     {
         let rows = reports.len().max(1) as u32;
+        let compare = reports.iter().any(|r| r.kv_dtype_comparison.is_some());
+        let width = WIDTH + if compare { CMP_W } else { 0 };
         let root =
-            SVGBackend::with_string(&mut svg, (WIDTH, LEGEND_H + ROW_H * rows)).into_drawing_area();
+            SVGBackend::with_string(&mut svg, (width, LEGEND_H + ROW_H * rows)).into_drawing_area();
         root.fill(&WHITE)?;
         let (band, body) = root.split_vertically(LEGEND_H);
         legend(&band, &names)?;
         for (rep, row) in reports.iter().zip(body.split_evenly((rows as usize, 1))) {
-            let (left, right) = row.split_horizontally(BAR_W);
+            let (left, rest) = row.split_horizontally(BAR_W);
+            let (right, cmp) = rest.split_horizontally(WIDTH - BAR_W);
             let title = rep.workload.split(" (").next().unwrap_or("").to_string();
             bars(&root, &left, &title, &rep.policies)?;
             batch(&right, &title, &rep.policies)?;
+            if let Some(c) = &rep.kv_dtype_comparison {
+                dtype_batches(&root, &cmp, &title, c)?;
+            }
         }
         root.present()?;
     }
@@ -284,6 +295,75 @@ fn batch(
         let c = COLORS[i % COLORS.len()];
         let tl = &p.result.timeline;
         chart.draw_series(LineSeries::new(tl.iter().map(|x| (x.0, x.2 as f64)), c))?;
+    }
+    Ok(())
+}
+
+/// Each policy's mean batch with the cache at the baseline dtype (solid bar) and the
+/// compared one (light bar, same colour), values on top, names under the pairs; `root`
+/// is the whole figure, for the names (drawn in figure pixels).
+fn dtype_batches(
+    root: &DrawingArea<SVGBackend, Shift>,
+    cell: &DrawingArea<SVGBackend, Shift>,
+    title: &str,
+    c: &KvDtypeComparison,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let n = c.rows.len().max(1) as f64;
+    let b_max = c
+        .rows
+        .iter()
+        .map(|r| r.baseline_mean_batch.max(r.mean_batch))
+        .fold(1.0, f64::max);
+    let mut chart = ChartBuilder::on(cell)
+        .caption(
+            format!(
+                "{title}: mean batch, KV cache {} (solid) vs {} (light)",
+                c.baseline_dtype, c.kv_dtype
+            ),
+            ("sans-serif", 17),
+        )
+        .margin(12)
+        .x_label_area_size(58)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..n, 0.0..b_max * 1.12)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_label_formatter(&|v| format!("{v:.0$}", tick_digits(b_max)))
+        .y_desc("mean running requests")
+        .draw()?;
+    for (i, r) in c.rows.iter().enumerate() {
+        let col = COLORS[i % COLORS.len()];
+        let x = i as f64;
+        for (lo, v, style) in [
+            (x + 0.12, r.baseline_mean_batch, col.filled()),
+            (x + 0.5, r.mean_batch, col.mix(0.35).filled()),
+        ] {
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(lo, 0.0), (lo + 0.38, v)],
+                style,
+            )))?;
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(lo, 0.0), (lo + 0.38, v)],
+                col.stroke_width(1),
+            )))?;
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{v:.0$}", if v < 10.0 { 1 } else { 0 }),
+                (lo + 0.19, v),
+                font(11).pos(Pos::new(HPos::Center, VPos::Bottom)),
+            )))?;
+        }
+        let (px, py) = chart.backend_coord(&(x + 0.5, 0.0));
+        let name = &r.policy;
+        let (first, rest) = name.split_once(' ').unwrap_or((name, ""));
+        for (k, line) in [first, rest].into_iter().enumerate() {
+            root.draw(&Text::new(
+                line.to_string(),
+                (px, py + 8 + 16 * k as i32),
+                font(12).pos(Pos::new(HPos::Center, VPos::Top)),
+            ))?;
+        }
     }
     Ok(())
 }

@@ -348,3 +348,62 @@ fn run_without_a_cache_generates_the_same_tokens_and_plots_both() {
     let out = bin().args(["run", "--plot", "x.svg"]).output().unwrap();
     assert!(!out.status.success());
 }
+
+#[test]
+fn kv_dtype_fp8_prints_and_writes_the_comparison_and_bad_values_are_named() {
+    let json = tmp("fp8.json");
+    let o = bin()
+        .args([
+            "simulate",
+            "--workload",
+            "sharegpt",
+            "--num-requests",
+            "300",
+        ])
+        .args(["--kv-dtype", "fp8", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for want in [
+        "KV cache fp8 vs f16 (same GPU, same 11.79 GiB KV budget",
+        "token slots: f16 15447, fp8 30895 (2.00x)",
+        "fp8 409600 bytes = 400 KiB",
+        "mean batch",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in:\n{out}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let c = &v[0]["kv_dtype_comparison"];
+    assert_eq!(c["kv_dtype"], "fp8");
+    assert_eq!(c["baseline_dtype"], "f16");
+    assert_eq!(c["kv_capacity_tokens"], 30895);
+    assert_eq!(v[0]["kv_capacity_tokens"], 15447);
+    assert_eq!(c["rows"].as_array().unwrap().len(), 6);
+    assert!(c["rows"][0]["batch_ratio"].as_f64().unwrap() > 1.9);
+    // Without the flag: no comparison in the table or the JSON.
+    let plain = tmp("f16.json");
+    let o = bin()
+        .args([
+            "simulate",
+            "--workload",
+            "sharegpt",
+            "--num-requests",
+            "300",
+            "--json",
+        ])
+        .arg(&plain)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("fp8"));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plain).unwrap()).unwrap();
+    assert!(v[0].get("kv_dtype_comparison").is_none());
+    fails_with(
+        &["simulate", "--kv-dtype", "int4"],
+        "--kv-dtype: unknown KV-cache dtype `int4`",
+    );
+}

@@ -2,8 +2,8 @@
 //! step-time model, and paged memory use.
 
 use pagedkv::sim::{
-    GpuSpec, KvFootprint, ModelSpec, Policy, RequestKv, SimConfig, Workload, WorkloadKind,
-    binary_size, simulate,
+    GpuSpec, KvDtype, KvFootprint, ModelSpec, Policy, RequestKv, SimConfig, Workload, WorkloadKind,
+    binary_size, run_scenario, run_scenario_kv_dtypes, simulate,
 };
 
 fn a100_opt13b() -> SimConfig {
@@ -132,4 +132,117 @@ fn binary_sizes_read_as_people_write_them() {
     assert_eq!(binary_size(1600 << 20), "1.56 GiB");
     assert_eq!(binary_size(25 << 28), "6.25 GiB");
     assert_eq!(binary_size(u64::MAX), "16.0 EiB");
+}
+
+fn with_fp8(c: &SimConfig) -> SimConfig {
+    let mut c = c.clone();
+    c.kv_dtype = KvDtype::Fp8;
+    c
+}
+
+#[test]
+fn an_fp8_cache_holds_twice_the_token_slots_of_f16_in_the_same_budget() {
+    // OPT-13B: 2 x 40 layers x 40 KV heads x 128 elements, 2 bytes (f16) or 1 (fp8).
+    let (f16_bytes, fp8_bytes) = (2u64 * 40 * 40 * 128 * 2, 2u64 * 40 * 40 * 128);
+    let mut c = a100_opt13b();
+    c.kv_budget_gib = Some(10.0);
+    let budget = 10u64 << 30;
+    let (f16, fp8) = (budget / f16_bytes, budget / fp8_bytes);
+    assert_eq!((f16, fp8), (13107, 26214));
+    assert_eq!(c.capacity_tokens().unwrap(), f16);
+    assert_eq!(with_fp8(&c).capacity_tokens().unwrap(), fp8);
+    assert_eq!(fp8, 2 * f16);
+    assert_eq!(with_fp8(&c).kv_bytes_per_token(), fp8_bytes);
+    // The default budget (90% of 40 GiB minus 26 GB of weights) is no whole number of
+    // f16 tokens: fp8 gets the floor of twice the fraction, one slot more than 2x here.
+    let c = a100_opt13b();
+    let budget = 0.9 * 40.0 * (1u64 << 30) as f64 - 13e9 * 2.0;
+    let f16 = (budget / f16_bytes as f64).floor() as u64;
+    let fp8 = (budget / fp8_bytes as f64).floor() as u64;
+    assert_eq!((f16, fp8), (15447, 30895));
+    assert_eq!(c.capacity_tokens().unwrap(), f16);
+    assert_eq!(with_fp8(&c).capacity_tokens().unwrap(), fp8);
+    assert!(fp8 == 2 * f16 || fp8 == 2 * f16 + 1);
+}
+
+#[test]
+fn an_fp8_cache_halves_the_kv_bytes_a_step_reads_not_the_weights() {
+    let c = a100_opt13b();
+    let f = with_fp8(&c);
+    let bw = c.gpu.bandwidth_gbs * 1e9 * c.bandwidth_efficiency;
+    // One token, so memory bound: the difference is exactly half the KV bytes' time.
+    let kv = 10_000u64;
+    let saved = c.step_time(1, kv) - f.step_time(1, kv);
+    let want = kv as f64 * (2 * 40 * 40 * 128) as f64 / bw;
+    assert!((saved - want).abs() < 1e-12, "{saved} vs {want}");
+    assert_eq!(c.step_time(1, 0), f.step_time(1, 0));
+}
+
+#[test]
+fn kv_dtype_values_parse_and_unknown_ones_name_the_flag() {
+    assert_eq!(KvDtype::parse("f16").unwrap(), KvDtype::F16);
+    for v in ["fp8", "e4m3", "e5m2"] {
+        assert_eq!(KvDtype::parse(v).unwrap(), KvDtype::Fp8);
+    }
+    for v in ["", "FP8", "bf8", "int8"] {
+        let e = KvDtype::parse(v).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--kv-dtype: ") && e.contains(&format!("`{v}`")),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn the_fp8_comparison_puts_both_dtypes_side_by_side() {
+    let c = a100_opt13b();
+    // The default ShareGPT scenario (2 req/s): arrivals bind the paged policy, so fp8's
+    // shorter steps keep its throughput and shrink its mean batch (requests finish
+    // sooner); the contiguous Max policy, memory bound, doubles its batch.
+    let w = Workload::synthetic(WorkloadKind::ShareGpt, 2.0, 2000, 2048, 0).unwrap();
+    let kr = Some((WorkloadKind::ShareGpt, 2.0));
+    let r = run_scenario_kv_dtypes(&w, kr, &c, &Policy::ALL, KvDtype::Fp8, &mut || {}).unwrap();
+    let cmp = r.kv_dtype_comparison.as_ref().unwrap();
+    assert_eq!(
+        (cmp.baseline_dtype.as_str(), cmp.kv_dtype.as_str()),
+        ("f16", "fp8")
+    );
+    assert_eq!(
+        (r.kv_capacity_tokens, cmp.kv_capacity_tokens),
+        (15447, 30895)
+    );
+    assert_eq!(
+        cmp.kv_footprint.bytes_per_token * 2,
+        r.kv_footprint.bytes_per_token
+    );
+    assert_eq!(cmp.rows.len(), Policy::ALL.len());
+    for (row, p) in cmp.rows.iter().zip(&r.policies) {
+        assert_eq!(row.baseline_mean_batch, p.result.mean_batch);
+        assert_eq!(row.baseline_tokens_per_s, p.result.tokens_per_s);
+        assert!(
+            row.tokens_per_s >= row.baseline_tokens_per_s,
+            "{}: fp8 {} tok/s < f16 {}",
+            row.policy,
+            row.tokens_per_s,
+            row.baseline_tokens_per_s
+        );
+    }
+    let max = &cmp.rows[0];
+    assert_eq!(max.policy, "contiguous Max");
+    assert!(max.batch_ratio.unwrap() > 1.9, "{max:?}");
+    // The same run without the flag's fp8: no comparison, the same main figures.
+    let plain = run_scenario(&w, kr, &c, &Policy::ALL, &mut || {}).unwrap();
+    assert_eq!(plain.kv_dtype_comparison, None);
+    assert_eq!(plain.policies, r.policies);
+    // Memory bound (ShareGPT at 8 req/s): fp8's paged batch is the larger one.
+    let w = Workload::synthetic(WorkloadKind::ShareGpt, 8.0, 1000, 2048, 0).unwrap();
+    let kr = Some((WorkloadKind::ShareGpt, 8.0));
+    let paged = [Policy::Paged(16)];
+    let r = run_scenario_kv_dtypes(&w, kr, &c, &paged, KvDtype::Fp8, &mut || {}).unwrap();
+    let row = &r.kv_dtype_comparison.unwrap().rows[0];
+    assert!(row.mean_batch > 1.5 * row.baseline_mean_batch, "{row:?}");
+    assert!(
+        row.tokens_per_s > 1.5 * row.baseline_tokens_per_s,
+        "{row:?}"
+    );
 }

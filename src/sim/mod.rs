@@ -43,8 +43,11 @@ mod spec;
 mod workload;
 
 pub use policy::{MemorySplit, Policy, PolicyResult, simulate};
-pub use report::{PolicyReport, ScenarioReport, binary_size, paper_batch, run_scenario};
-pub use spec::{GpuSpec, KvFootprint, ModelSpec, RequestKv, SimConfig};
+pub use report::{
+    DtypeRow, KvDtypeComparison, PolicyReport, ScenarioReport, binary_size, paper_batch,
+    run_scenario, run_scenario_kv_dtypes,
+};
+pub use spec::{GpuSpec, KvDtype, KvFootprint, ModelSpec, RequestKv, SimConfig};
 pub use workload::{LENGTH_SIGMA, TraceRequest, Workload, WorkloadKind};
 
 /// An error of the simulator's inputs, with what it is about.

@@ -6,8 +6,8 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use super::{
-    KvFootprint, MemorySplit, Policy, PolicyResult, SimConfig, SimError, Workload, WorkloadKind,
-    err, simulate,
+    KvDtype, KvFootprint, MemorySplit, Policy, PolicyResult, SimConfig, SimError, Workload,
+    WorkloadKind, err, simulate,
 };
 
 /// The paper's Fig. 13 mean batch sizes for OPT-13B on one A100 (vLLM, Orca Oracle,
@@ -46,6 +46,171 @@ pub struct ScenarioReport {
     pub paper_scenario: Option<String>,
     /// One entry per policy.
     pub policies: Vec<PolicyReport>,
+    /// With `--kv-dtype fp8`: the same scenario, GPU and KV budget with an fp8 cache,
+    /// next to the figures above (the model's own dtype). Absent from the JSON otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_dtype_comparison: Option<KvDtypeComparison>,
+}
+
+/// The same scenario run twice, the cache at the model's own dtype (the report's main
+/// figures) and at another (fp8): token slots, batch sizes and throughput side by side.
+/// Every figure comes from the step-time model and the policies' admission decisions.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KvDtypeComparison {
+    /// The dtype of the report's main figures (`f16` for the presets).
+    pub baseline_dtype: String,
+    /// The dtype compared (`fp8`).
+    pub kv_dtype: String,
+    /// KV token slots in the same budget with the compared dtype.
+    pub kv_capacity_tokens: u64,
+    /// `kv_capacity_tokens` over the baseline's.
+    pub capacity_ratio: f64,
+    /// KV bytes of one token and of one request with the compared dtype.
+    pub kv_footprint: KvFootprint,
+    /// Per policy, baseline and compared figures with their ratios.
+    pub rows: Vec<DtypeRow>,
+    /// The compared dtype's full results per policy (same fields as `policies`).
+    pub policies: Vec<PolicyResult>,
+}
+
+/// One policy under the two cache dtypes; a ratio is compared over baseline (`None`
+/// when the baseline figure is 0).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DtypeRow {
+    /// The policy's name.
+    pub policy: String,
+    /// Mean batch size, baseline dtype.
+    pub baseline_mean_batch: f64,
+    /// Mean batch size, compared dtype.
+    pub mean_batch: f64,
+    /// `mean_batch / baseline_mean_batch`.
+    pub batch_ratio: Option<f64>,
+    /// Completed requests per second, baseline dtype.
+    pub baseline_requests_per_s: f64,
+    /// Completed requests per second, compared dtype.
+    pub requests_per_s: f64,
+    /// `requests_per_s / baseline_requests_per_s`.
+    pub requests_ratio: Option<f64>,
+    /// Generated tokens per second, baseline dtype.
+    pub baseline_tokens_per_s: f64,
+    /// Generated tokens per second, compared dtype.
+    pub tokens_per_s: f64,
+    /// `tokens_per_s / baseline_tokens_per_s`.
+    pub tokens_ratio: Option<f64>,
+}
+
+fn ratio(new: f64, base: f64) -> Option<f64> {
+    (base > 0.0).then(|| new / base)
+}
+
+impl KvDtypeComparison {
+    /// The comparison of `base` (the cache at the model's own dtype, named
+    /// `baseline_dtype`) and `other` (the same scenario with the cache at `kv_dtype`); an
+    /// error when their policies differ.
+    pub fn new(
+        base: &ScenarioReport,
+        other: ScenarioReport,
+        baseline_dtype: String,
+        kv_dtype: String,
+    ) -> Result<Self, SimError> {
+        if base.policies.len() != other.policies.len()
+            || base
+                .policies
+                .iter()
+                .zip(&other.policies)
+                .any(|(a, b)| a.result.policy != b.result.policy)
+        {
+            return err("internal error: the two dtypes' runs have different policies");
+        }
+        let rows = base
+            .policies
+            .iter()
+            .zip(&other.policies)
+            .map(|(a, b)| {
+                let (a, b) = (&a.result, &b.result);
+                DtypeRow {
+                    policy: a.policy.clone(),
+                    baseline_mean_batch: a.mean_batch,
+                    mean_batch: b.mean_batch,
+                    batch_ratio: ratio(b.mean_batch, a.mean_batch),
+                    baseline_requests_per_s: a.requests_per_s,
+                    requests_per_s: b.requests_per_s,
+                    requests_ratio: ratio(b.requests_per_s, a.requests_per_s),
+                    baseline_tokens_per_s: a.tokens_per_s,
+                    tokens_per_s: b.tokens_per_s,
+                    tokens_ratio: ratio(b.tokens_per_s, a.tokens_per_s),
+                }
+            })
+            .collect();
+        Ok(Self {
+            baseline_dtype,
+            kv_dtype,
+            kv_capacity_tokens: other.kv_capacity_tokens,
+            capacity_ratio: other.kv_capacity_tokens as f64 / base.kv_capacity_tokens.max(1) as f64,
+            kv_footprint: other.kv_footprint,
+            rows,
+            policies: other.policies.into_iter().map(|p| p.result).collect(),
+        })
+    }
+
+    /// The comparison as a compact text table (printed after the scenario's main one).
+    pub fn to_table(&self, base: &ScenarioReport) -> String {
+        let mut o = String::new();
+        let (b, d) = (&self.baseline_dtype, &self.kv_dtype);
+        let (kb, kd) = (&base.kv_footprint, &self.kv_footprint);
+        let per_request = |k: &KvFootprint| {
+            k.per_request
+                .iter()
+                .map(|r| format!("{} at {}", binary_size(r.bytes), r.tokens))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(
+            o,
+            "KV cache {d} vs {b} (same GPU, same {:.2} GiB KV budget; weights unchanged; modelled):",
+            base.kv_budget_gib
+        );
+        let _ = writeln!(
+            o,
+            "  KV per token: {b} {} bytes = {}, {d} {} bytes = {}; one request ({b} / {d}): {} / {}",
+            kb.bytes_per_token,
+            binary_size(kb.bytes_per_token),
+            kd.bytes_per_token,
+            binary_size(kd.bytes_per_token),
+            per_request(kb),
+            per_request(kd),
+        );
+        let _ = writeln!(
+            o,
+            "  token slots: {b} {}, {d} {} ({:.2}x)",
+            base.kv_capacity_tokens, self.kv_capacity_tokens, self.capacity_ratio
+        );
+        let groups = format!(
+            "  {:<20} {:^22} | {:^22} | {:^22}",
+            "", "mean batch", "req/s", "tok/s"
+        );
+        let _ = writeln!(o, "{}", groups.trim_end());
+        let head = format!("{b:>7} {d:>7} {:>6}", "ratio");
+        let _ = writeln!(o, "  {:<20} {head} | {head} | {head}", "policy");
+        let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}x"));
+        for r in &self.rows {
+            let _ = writeln!(
+                o,
+                "  {:<20} {:>7.2} {:>7.2} {:>6} | {:>7.2} {:>7.2} {:>6} | {:>7.0} {:>7.0} {:>6}",
+                r.policy,
+                r.baseline_mean_batch,
+                r.mean_batch,
+                f(r.batch_ratio),
+                r.baseline_requests_per_s,
+                r.requests_per_s,
+                f(r.requests_ratio),
+                r.baseline_tokens_per_s,
+                r.tokens_per_s,
+                f(r.tokens_ratio),
+            );
+        }
+        o
+    }
 }
 
 /// One policy's results next to the paper's.
@@ -124,6 +289,32 @@ impl ScenarioReport {
                 .any(|&(t, h, _)| !(t.is_finite() && h.is_finite()))
             {
                 return bad("timeline", &r.policy);
+            }
+        }
+        if let Some(c) = &self.kv_dtype_comparison {
+            if !c.capacity_ratio.is_finite() {
+                return bad("capacity_ratio", "the scenario");
+            }
+            for r in &c.rows {
+                for (what, v) in [
+                    ("mean_batch", Some(r.mean_batch)),
+                    ("requests_per_s", Some(r.requests_per_s)),
+                    ("tokens_per_s", Some(r.tokens_per_s)),
+                    ("batch_ratio", r.batch_ratio),
+                    ("requests_ratio", r.requests_ratio),
+                    ("tokens_ratio", r.tokens_ratio),
+                ] {
+                    if v.is_some_and(|v| !v.is_finite()) {
+                        return bad(what, &format!("{} ({})", r.policy, c.kv_dtype));
+                    }
+                }
+            }
+            if c.policies.iter().any(|r| {
+                r.timeline
+                    .iter()
+                    .any(|&(t, h, _)| !(t.is_finite() && h.is_finite()))
+            }) {
+                return bad("timeline", &c.kv_dtype);
             }
         }
         Ok(())
@@ -223,6 +414,9 @@ impl ScenarioReport {
                 r.completed,
             );
         }
+        if let Some(c) = &self.kv_dtype_comparison {
+            o.push_str(&c.to_table(self));
+        }
         o
     }
 }
@@ -264,11 +458,42 @@ pub fn run_scenario(
         model: cfg.model.name.clone(),
         kv_budget_gib: budget / (1u64 << 30) as f64,
         kv_capacity_tokens: cfg.capacity_tokens()?,
-        kv_footprint: KvFootprint::of(&cfg.model)?,
+        kv_footprint: KvFootprint::at(&cfg.model, cfg.kv_dtype.element_bytes(&cfg.model))?,
         paper_scenario,
         policies: out,
+        kv_dtype_comparison: None,
     };
     report.check_finite()?;
+    Ok(report)
+}
+
+/// Runs every policy over a workload with the cache at the model's own dtype and, when
+/// `kv_dtype` is another (fp8), again with the cache at `kv_dtype` on the same GPU and
+/// budget, the second run's figures attached as [`ScenarioReport::kv_dtype_comparison`].
+/// `cfg.kv_dtype` is ignored: the main figures are always the model's own dtype.
+pub fn run_scenario_kv_dtypes(
+    workload: &Workload,
+    kind_rate: Option<(WorkloadKind, f64)>,
+    cfg: &SimConfig,
+    policies: &[Policy],
+    kv_dtype: KvDtype,
+    on_finish: &mut dyn FnMut(),
+) -> Result<ScenarioReport, SimError> {
+    let mut base_cfg = cfg.clone();
+    base_cfg.kv_dtype = KvDtype::F16;
+    let mut report = run_scenario(workload, kind_rate, &base_cfg, policies, on_finish)?;
+    if kv_dtype != KvDtype::F16 {
+        let mut other_cfg = cfg.clone();
+        other_cfg.kv_dtype = kv_dtype;
+        let other = run_scenario(workload, kind_rate, &other_cfg, policies, on_finish)?;
+        report.kv_dtype_comparison = Some(KvDtypeComparison::new(
+            &report,
+            other,
+            KvDtype::F16.label(&cfg.model),
+            kv_dtype.label(&cfg.model),
+        )?);
+        report.check_finite()?;
+    }
     Ok(report)
 }
 

@@ -145,10 +145,16 @@ impl ModelSpec {
 
     /// K and V bytes of one token, all layers, or `None` when that overflows `u64`.
     pub fn checked_kv_bytes_per_token(&self) -> Option<u64> {
+        self.checked_kv_bytes_per_token_at(self.dtype_bytes)
+    }
+
+    /// K and V bytes of one token, all layers, when each cached element takes
+    /// `element_bytes` (an fp8 cache: 1), or `None` when that overflows `u64`.
+    pub fn checked_kv_bytes_per_token_at(&self, element_bytes: u32) -> Option<u64> {
         2u64.checked_mul(self.num_layers as u64)?
             .checked_mul(self.num_kv_heads as u64)?
             .checked_mul(self.head_dim as u64)?
-            .checked_mul(self.dtype_bytes as u64)
+            .checked_mul(element_bytes as u64)
     }
 
     /// K and V bytes of one token, all layers (saturating at `u64::MAX`; a spec that
@@ -160,6 +166,50 @@ impl ModelSpec {
     /// Weight bytes.
     pub fn weight_bytes(&self) -> f64 {
         self.num_params * self.dtype_bytes as f64
+    }
+}
+
+/// The element type of the KV cache (`--kv-dtype`). The weights keep the model's own
+/// dtype either way; only the cache changes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    /// The model's own dtype ([`ModelSpec::dtype_bytes`]: 2 bytes, f16, for the presets).
+    #[default]
+    F16,
+    /// One byte per element (e4m3 or e5m2: the same capacity and bytes read).
+    Fp8,
+}
+
+impl KvDtype {
+    /// Parses a `--kv-dtype` value: `f16`, or `fp8` (`e4m3` and `e5m2` are aliases: both
+    /// take one byte); anything else is an error naming the flag.
+    pub fn parse(s: &str) -> Result<Self, SimError> {
+        match s {
+            "f16" => Ok(Self::F16),
+            "fp8" | "e4m3" | "e5m2" => Ok(Self::Fp8),
+            other => err(format!(
+                "--kv-dtype: unknown KV-cache dtype `{other}` (f16, or fp8; e4m3 and e5m2 mean fp8)"
+            )),
+        }
+    }
+
+    /// Bytes of one cached element of `model` in this dtype.
+    pub fn element_bytes(self, model: &ModelSpec) -> u32 {
+        match self {
+            Self::F16 => model.dtype_bytes,
+            Self::Fp8 => 1,
+        }
+    }
+
+    /// The dtype's name for a report: `fp8`, or for the model's own dtype `f16` when it
+    /// takes 2 bytes and `N-byte` otherwise (a model file may say 4).
+    pub fn label(self, model: &ModelSpec) -> String {
+        match (self, model.dtype_bytes) {
+            (Self::Fp8, _) => "fp8".into(),
+            (Self::F16, 2) => "f16".into(),
+            (Self::F16, n) => format!("{n}-byte"),
+        }
     }
 }
 
@@ -201,6 +251,12 @@ impl KvFootprint {
     /// The footprint of `model`, or an error naming the fields when a figure overflows
     /// 64 bits.
     pub fn of(model: &ModelSpec) -> Result<Self, SimError> {
+        Self::at(model, model.dtype_bytes)
+    }
+
+    /// The footprint of `model`'s cache when each element takes `element_bytes` (an fp8
+    /// cache: 1), or an error naming the fields when a figure overflows 64 bits.
+    pub fn at(model: &ModelSpec, element_bytes: u32) -> Result<Self, SimError> {
         let overflow = |what: String| {
             SimError(format!(
                 "--model {}: num_layers, num_kv_heads, head_dim, dtype_bytes: {what} overflows 64 bits",
@@ -208,7 +264,7 @@ impl KvFootprint {
             ))
         };
         let bytes_per_token = model
-            .checked_kv_bytes_per_token()
+            .checked_kv_bytes_per_token_at(element_bytes)
             .ok_or_else(|| overflow("the KV bytes of one token".into()))?;
         let per_request = Self::REQUEST_TOKENS
             .iter()
@@ -223,7 +279,7 @@ impl KvFootprint {
             num_layers: model.num_layers,
             num_kv_heads: model.num_kv_heads,
             head_dim: model.head_dim,
-            dtype_bytes: model.dtype_bytes,
+            dtype_bytes: element_bytes,
             bytes_per_token,
             max_model_len: model.max_model_len,
             per_request,
@@ -252,6 +308,9 @@ pub struct SimConfig {
     pub max_num_seqs: usize,
     /// Most tokens one step processes.
     pub max_tokens_per_step: usize,
+    /// The KV cache's element type: sets KV bytes per token, hence token slots and the
+    /// KV bytes a step reads; the weights keep the model's dtype.
+    pub kv_dtype: KvDtype,
 }
 
 impl SimConfig {
@@ -267,6 +326,7 @@ impl SimConfig {
             step_overhead_s: 0.005,
             max_num_seqs: 256,
             max_tokens_per_step: 4096,
+            kv_dtype: KvDtype::F16,
         }
     }
 
@@ -307,6 +367,15 @@ impl SimConfig {
         Ok(())
     }
 
+    /// K and V bytes of one token in the cache's dtype ([`SimConfig::kv_dtype`]),
+    /// saturating at `u64::MAX` (a config that passed [`SimConfig::check`] never
+    /// saturates: fp8 takes at most as many bytes as the model's dtype).
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        self.model
+            .checked_kv_bytes_per_token_at(self.kv_dtype.element_bytes(&self.model))
+            .unwrap_or(u64::MAX)
+    }
+
     /// The flag that sets the KV budget, for error messages.
     pub(super) fn budget_flag(&self) -> &'static str {
         if self.kv_budget_gib.is_some() {
@@ -327,7 +396,7 @@ impl SimConfig {
                 self.gpu_memory_utilization * self.gpu.memory_gib * gib - self.model.weight_bytes()
             }
         };
-        let need = self.model.kv_bytes_per_token() as f64 * self.model.max_model_len as f64;
+        let need = self.kv_bytes_per_token() as f64 * self.model.max_model_len as f64;
         if b < need {
             return err(format!(
                 "{}: memory budget too small: {:.2} GiB of KV cache for {} on {} cannot hold even one {}-token request ({:.2} GiB); use a larger --gpu or --kv-budget-gib",
@@ -345,7 +414,7 @@ impl SimConfig {
     /// KV token slots in the budget; an error naming the flag when they are more than
     /// the simulator can hold ([`limits::MAX_TOKEN_SLOTS`]).
     pub fn capacity_tokens(&self) -> Result<u64, SimError> {
-        let slots = (self.kv_budget_bytes()? / self.model.kv_bytes_per_token() as f64).floor();
+        let slots = (self.kv_budget_bytes()? / self.kv_bytes_per_token() as f64).floor();
         if slots > limits::MAX_TOKEN_SLOTS as f64 {
             return err(format!(
                 "{}: a KV budget of {:.4e} token slots for {} is more than the simulator's limit of {} (2^24); use a smaller budget",
@@ -359,10 +428,11 @@ impl SimConfig {
     }
 
     /// Duration of a step that processes `tokens` tokens and reads `kv_tokens` cached
-    /// tokens' K/V (the roofline of the module docs).
+    /// tokens' K/V (the roofline of the module docs). The K/V bytes are those of the
+    /// cache's dtype (an fp8 cache reads half the bytes of an f16 one); the weights are
+    /// read at the model's dtype either way.
     pub fn step_time(&self, tokens: u64, kv_tokens: u64) -> f64 {
-        let bytes =
-            self.model.weight_bytes() + kv_tokens as f64 * self.model.kv_bytes_per_token() as f64;
+        let bytes = self.model.weight_bytes() + kv_tokens as f64 * self.kv_bytes_per_token() as f64;
         let t_mem = bytes / (self.gpu.bandwidth_gbs * 1e9 * self.bandwidth_efficiency);
         let t_compute = 2.0 * self.model.num_params * tokens as f64
             / (self.gpu.tflops * 1e12 * self.flops_efficiency);
