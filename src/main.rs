@@ -96,6 +96,10 @@ struct RunArgs {
     /// Random seed (weights and prompts).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Tokens the scheduler may put in one step (at least --requests); a prompt longer
+    /// than what a step has left is prefilled in chunks.
+    #[arg(long, default_value_t = 2048)]
+    step_tokens: u32,
     /// Also serve the same requests without a KV cache (every step recomputes every
     /// token's K/V: the O(n²) way) and print both times and their ratio.
     #[arg(long)]
@@ -137,6 +141,7 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         num_requests: a.requests,
         max_tokens: a.max_tokens,
         seed: a.seed,
+        step_tokens: a.step_tokens,
         ..RunConfig::default()
     };
     let report = pagedkv::tiny::run(&cfg, &mut |line| eprintln!("{line}"))?;

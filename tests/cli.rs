@@ -407,3 +407,37 @@ fn kv_dtype_fp8_prints_and_writes_the_comparison_and_bad_values_are_named() {
         "--kv-dtype: unknown KV-cache dtype `int4`",
     );
 }
+
+#[test]
+fn run_with_a_small_step_budget_prefills_in_chunks_and_hits_the_prefix_cache() {
+    let o = bin()
+        .args([
+            "run",
+            "--requests",
+            "6",
+            "--max-tokens",
+            "4",
+            "--step-tokens",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("generated 24 tokens"), "{out}");
+    assert!(out.contains("PASS"), "{out}");
+    // The shared 16-token system prompt is one block: later prompts find it cached.
+    let served: u64 = out
+        .split(" prompt tokens served from the prefix cache")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(served >= 16, "{out}");
+    let o = bin()
+        .args(["run", "--requests", "6", "--step-tokens", "5"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--step-tokens"), "{}", stderr(&o));
+}

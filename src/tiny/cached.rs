@@ -16,7 +16,7 @@ pub(super) fn step<B: AttentionBackend>(
     cache: &mut PagedCache<B::Tensor>,
     batch: &Batch,
     c: StepCtx<'_>,
-) -> Result<Vec<f32>, Box<dyn std::error::Error>> {
+) -> Result<(Vec<f32>, u64), Box<dyn std::error::Error>> {
     let cfg = c.cfg;
     let (qh, kvh, d) = (
         cfg.num_q_heads as usize,
@@ -144,5 +144,5 @@ pub(super) fn step<B: AttentionBackend>(
         let t = (q.token_offset + q.num_new_tokens - 1) as usize;
         last.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
     }
-    Ok(last)
+    Ok((last, n_new as u64))
 }

@@ -13,7 +13,7 @@ use pagedkv_host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
 use pagedkv_host::{DType, HostTensor};
 
 use super::model::Model;
-use super::{MAX_MODEL_LEN, MAX_PROMPT_LEN, MAX_TOKENS_PER_STEP, RunConfig, RunReport};
+use super::{MAX_MODEL_LEN, MAX_PROMPT_LEN, RunConfig, RunReport, SHARED_PREFIX};
 
 /// Checks of attention outputs against dense attention over the gathered cache.
 pub(super) struct Check {
@@ -87,7 +87,8 @@ pub(super) fn to_host(
 }
 
 /// Serves the run's requests on `be`: `step` computes one batch on the backend and
-/// returns each scheduled sequence's last hidden state (`[seqs, hidden]`).
+/// returns each scheduled sequence's last hidden state (`[seqs, hidden]`) and the
+/// tokens whose K/V it computed.
 pub(super) fn serve<B: AttentionBackend>(
     be: &mut B,
     cfg: &RunConfig,
@@ -97,24 +98,38 @@ pub(super) fn serve<B: AttentionBackend>(
         &mut PagedCache<B::Tensor>,
         &Batch,
         StepCtx<'_>,
-    ) -> Result<Vec<f32>, Box<dyn std::error::Error>>,
+    ) -> Result<(Vec<f32>, u64), Box<dyn std::error::Error>>,
 ) -> Result<RunReport, Box<dyn std::error::Error>> {
     let mut model = Model::new(cfg);
     // Unused slots hold NaN: a kernel that read one would poison the output.
     let mut cache = be.alloc_cache()?;
-    let mut sched = Scheduler::new(SchedulerConfig {
-        num_blocks: cfg.num_blocks,
-        block_size: cfg.block_size,
-        max_num_seqs: cfg.num_requests,
-        max_tokens_per_step: MAX_TOKENS_PER_STEP,
-        max_model_len: MAX_MODEL_LEN,
-        ..SchedulerConfig::default()
-    })?;
+    // Prefix caching on, and chunked prefill: a prompt longer than the step's token
+    // budget is prefilled over several steps.
+    let mut sched = Scheduler::with_chunked_prefill(
+        SchedulerConfig {
+            num_blocks: cfg.num_blocks,
+            block_size: cfg.block_size,
+            max_num_seqs: cfg.num_requests,
+            max_tokens_per_step: cfg.step_tokens as usize,
+            max_model_len: MAX_MODEL_LEN,
+            enable_prefix_caching: true,
+            ..SchedulerConfig::default()
+        },
+        true,
+    )?;
+    // Every prompt starts with the same "system prompt" of SHARED_PREFIX tokens, so a
+    // prompt that holds a whole block of it finds that block in the prefix cache.
+    let shared: Vec<u32> = (0..SHARED_PREFIX)
+        .map(|_| model.rng.random_range(0..cfg.vocab as u32))
+        .collect();
     for i in 0..cfg.num_requests {
         let r = &mut model.rng;
         let len = r.random_range(4..=MAX_PROMPT_LEN as usize);
         let prompt: Vec<u32> = (0..len)
-            .map(|_| r.random_range(0..cfg.vocab as u32))
+            .map(|p| match shared.get(p) {
+                Some(&t) => t,
+                None => r.random_range(0..cfg.vocab as u32),
+            })
             .collect();
         sched.add_request(Request::new(i as u64, prompt, cfg.max_tokens))?;
     }
@@ -124,6 +139,7 @@ pub(super) fn serve<B: AttentionBackend>(
         max_error: 0.0,
     };
     let (mut steps, mut tokens, mut util_sum) = (0u64, 0u64, 0.0f64);
+    let (mut computed, mut cached_tokens) = (0u64, 0u64);
     let mut step_times = Vec::new();
     let mut outputs: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
     let start = Instant::now();
@@ -134,7 +150,7 @@ pub(super) fn serve<B: AttentionBackend>(
         if batch.seqs.is_empty() {
             return Err("the scheduler made an empty step with requests left".into());
         }
-        let last = step(
+        let (last, computed_now) = step(
             be,
             &mut cache,
             &batch,
@@ -146,18 +162,23 @@ pub(super) fn serve<B: AttentionBackend>(
                 check: &mut check,
             },
         )?;
-        // Greedy sampling from each sequence's last hidden state.
+        computed += computed_now;
+        cached_tokens += batch.num_cached_tokens as u64;
+        // Greedy sampling from each sequence's last hidden state (a non-final chunk of a
+        // prefill samples nothing: the scheduler ignores its token).
         let sampled: Vec<_> = batch
             .seqs
             .iter()
             .enumerate()
             .map(|(i, q)| {
                 let t = model.greedy(&last[i * hidden..(i + 1) * hidden], cfg.vocab);
-                outputs.entry(q.request).or_default().push(t);
+                if q.samples {
+                    outputs.entry(q.request).or_default().push(t);
+                }
                 (q.seq, t)
             })
             .collect();
-        tokens += sampled.len() as u64;
+        tokens += batch.seqs.iter().filter(|q| q.samples).count() as u64;
         steps += 1;
         util_sum += sched.metrics().kv_utilization;
         sched.on_step_done(&sampled)?;
@@ -189,5 +210,7 @@ pub(super) fn serve<B: AttentionBackend>(
         },
         step_times,
         outputs,
+        computed_tokens: computed,
+        cached_tokens,
     })
 }

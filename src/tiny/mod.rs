@@ -87,6 +87,9 @@ pub struct RunConfig {
     pub dtype: DType,
     /// Decoding sequences checked against dense attention per step.
     pub verify_per_step: usize,
+    /// Tokens the scheduler may put in one step (at least the number of requests); a
+    /// prompt longer than what a step has left is prefilled in chunks.
+    pub step_tokens: u32,
 }
 
 impl RunConfig {
@@ -96,6 +99,14 @@ impl RunConfig {
             return Err(format!(
                 "--requests: {} is outside 1 to {MAX_REQUESTS}",
                 self.num_requests
+            ));
+        }
+        if self.step_tokens < self.num_requests as u32 || self.step_tokens > 1 << 20 {
+            return Err(format!(
+                "--step-tokens: {} is outside {} (the number of requests: every running one takes a token a step) to {}",
+                self.step_tokens,
+                self.num_requests,
+                1 << 20
             ));
         }
         if !(MIN_TOKENS..=MAX_TOKENS).contains(&self.max_tokens) {
@@ -153,6 +164,7 @@ impl Default for RunConfig {
             num_blocks: 64,
             dtype: DType::F16,
             verify_per_step: 2,
+            step_tokens: 2048,
         }
     }
 }
@@ -181,6 +193,11 @@ pub struct RunReport {
     pub step_times: Vec<(f64, f64)>,
     /// The tokens each request generated, by request id.
     pub outputs: BTreeMap<u64, Vec<u32>>,
+    /// Tokens whose K/V the run computed (prompt and generated, every chunk).
+    pub computed_tokens: u64,
+    /// Prompt tokens served from the prefix cache instead (their K/V already in the
+    /// pool).
+    pub cached_tokens: u64,
 }
 
 impl RunReport {
@@ -205,6 +222,11 @@ impl fmt::Display for RunReport {
             "mean KV utilisation {:.1}% (tokens stored / slots of held blocks), {} preemptions",
             100.0 * self.mean_kv_utilization,
             self.preemptions
+        )?;
+        writeln!(
+            f,
+            "K/V computed for {} tokens, {} prompt tokens served from the prefix cache",
+            self.computed_tokens, self.cached_tokens
         )?;
         write!(
             f,
@@ -259,7 +281,7 @@ fn run_mode(
             max_tokens: if recompute {
                 max_seqs * MAX_MODEL_LEN
             } else {
-                MAX_TOKENS_PER_STEP as u32
+                cfg.step_tokens
             },
             max_partitions: 64,
         },
@@ -285,5 +307,6 @@ fn run_mode(
     }
 }
 
-/// Tokens the scheduler may put in one step.
-const MAX_TOKENS_PER_STEP: usize = 2048;
+/// Tokens every prompt starts with (a shared "system prompt"): a prompt that holds a
+/// whole block of them gets it from the prefix cache.
+pub const SHARED_PREFIX: usize = 16;

@@ -11,11 +11,13 @@ use super::driver::{StepCtx, to_host};
 use super::model::{finish_layer, matmul};
 
 /// `batch` with every sequence's whole history as its new tokens: one prefill from
-/// position 0, every position's slot in its block table.
+/// position 0, every position's slot in its block table. A slot two sequences share
+/// (a prefix-cache block) is written once: both compute the same K/V for it.
 fn whole_history(batch: &Batch, block_size: u32) -> Batch {
     let mut full = batch.clone();
     let w = batch.max_blocks_per_seq as usize;
     full.slot_mapping.clear();
+    let mut written = std::collections::HashSet::new();
     let mut offset = 0;
     for (i, s) in full.seqs.iter_mut().enumerate() {
         s.is_prefill = true;
@@ -25,7 +27,9 @@ fn whole_history(batch: &Batch, block_size: u32) -> Batch {
         offset += s.context_len;
         let row = &batch.block_tables[i * w..(i + 1) * w];
         full.slot_mapping.extend((0..s.context_len).map(|p| {
-            row[(p / block_size) as usize] as i64 * block_size as i64 + (p % block_size) as i64
+            let slot =
+                row[(p / block_size) as usize] as i64 * block_size as i64 + (p % block_size) as i64;
+            if written.insert(slot) { slot } else { -1 }
         }));
     }
     full
@@ -37,7 +41,7 @@ pub(super) fn step<B: AttentionBackend>(
     cache: &mut PagedCache<B::Tensor>,
     batch: &Batch,
     c: StepCtx<'_>,
-) -> Result<Vec<f32>, Box<dyn std::error::Error>> {
+) -> Result<(Vec<f32>, u64), Box<dyn std::error::Error>> {
     let cfg = c.cfg;
     let (qh, kvh, d) = (
         cfg.num_q_heads as usize,
@@ -103,5 +107,5 @@ pub(super) fn step<B: AttentionBackend>(
         let t = (q.token_offset + q.num_new_tokens - 1) as usize;
         last.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
     }
-    Ok(last)
+    Ok((last, n as u64))
 }
