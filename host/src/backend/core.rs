@@ -2,7 +2,7 @@
 //! [`StepRunner`] over the backend's [`StepDevice`], the batch-to-metadata step, and
 //! the per-layer calls on views of the backend's tensors.
 
-use super::{AppendArgs, BackendConfig, DecodeArgs, SplitPolicy};
+use super::{AppendArgs, AppendViews, BackendConfig, DecodeArgs, DecodeViews, SplitPolicy};
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
 use crate::step::{
@@ -90,16 +90,33 @@ impl<D: StepDevice> StepCore<D> {
     }
 
     pub(crate) fn kv_append<T: AsView>(&self, args: AppendArgs<'_, T>) -> Result<()> {
-        let cache = args.cache;
-        self.runner.kv_append(AppendIo {
+        self.kv_append_views(AppendViews {
             key: args.key.view(),
             value: args.value.view(),
+            cache: args.cache,
+        })
+    }
+
+    pub(crate) fn kv_append_views<T: AsView>(&self, args: AppendViews<'_, T>) -> Result<()> {
+        let cache = args.cache;
+        self.runner.kv_append(AppendIo {
+            key: args.key,
+            value: args.value,
             key_cache: cache.key.view_mut(),
             value_cache: cache.value.view_mut(),
         })
     }
 
     pub(crate) fn decode<T: AsView>(&mut self, args: DecodeArgs<'_, T>) -> Result<()> {
+        self.decode_views(DecodeViews {
+            opts: args.opts,
+            q: args.q.view(),
+            cache: args.cache,
+            out: args.out.view_mut(),
+        })
+    }
+
+    pub(crate) fn decode_views<T: AsView>(&mut self, args: DecodeViews<'_, T>) -> Result<()> {
         if self.runner.alibi_slopes() != args.opts.alibi_slopes.as_deref() {
             self.runner
                 .set_alibi_slopes(args.opts.alibi_slopes.as_deref())?;
@@ -107,10 +124,10 @@ impl<D: StepDevice> StepCore<D> {
         self.runner.decode(
             args.opts,
             DecodeIo {
-                q: args.q.view(),
+                q: args.q,
                 key_cache: args.cache.key.view(),
                 value_cache: args.cache.value.view(),
-                out: args.out.view_mut(),
+                out: args.out,
             },
         )?;
         Ok(())

@@ -60,6 +60,6 @@ mod emu;
 mod run;
 mod runner;
 
-pub use device::{DeviceOp, Recorder, Space, StepDevice, TensorView, TensorViewMut};
+pub use device::{DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut};
 pub use emu::EmuDevice;
 pub use runner::{AppendIo, DecodeIo, Planned, StepCapacity, StepMeta, StepRunner, StepShape};
