@@ -19,13 +19,16 @@ use pagedkv::host::{DType, HostTensor};
 
 use crate::Result;
 
-/// How the tensors handed to the backend got there.
+/// How the tensors handed to the backend got there, and the time its kernels took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Copies {
     /// Tensors passed as views of candle's own storage.
     pub borrowed: u64,
     /// Tensors copied once (their storage was not 16-byte aligned).
     pub copied: u64,
+    /// Wall time inside the backend's `kv_append` and `decode` (the emulated kernels on
+    /// the CPU backend).
+    pub kernel_time: std::time::Duration,
 }
 
 /// A backend candle tensors can be handed to: the layer loop of [`crate::PagedLlama`]
@@ -109,7 +112,9 @@ impl CandleBackend for CpuBackend {
         let (mut kc, mut vc) = (None, None);
         let key = host_view(cpu_f32(&ks, kl)?, &mut kc, copies)?;
         let value = host_view(cpu_f32(&vs, vl)?, &mut vc, copies)?;
+        let t = std::time::Instant::now();
         self.kv_append_views(AppendViews { key, value, cache })?;
+        copies.kernel_time += t.elapsed();
         Ok(())
     }
 
@@ -124,6 +129,7 @@ impl CandleBackend for CpuBackend {
         let mut qc = None;
         let qv = host_view(cpu_f32(&qs, ql)?, &mut qc, copies)?;
         let mut out = vec![0f32; q.elem_count()];
+        let t = std::time::Instant::now();
         if aligned(&out) {
             copies.borrowed += 1;
             self.decode_views(DecodeViews {
@@ -143,6 +149,7 @@ impl CandleBackend for CpuBackend {
             })?;
             out.copy_from_slice(bytemuck::cast_slice(t.buf().as_bytes()));
         }
+        copies.kernel_time += t.elapsed();
         Ok(Tensor::from_vec(out, q.shape(), &Device::Cpu)?)
     }
 

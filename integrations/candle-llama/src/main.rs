@@ -74,6 +74,10 @@ fn main() -> Result<()> {
         total as f64 / paged
     );
     println!(
+        "         of which pagedkv's kv_append and decode (emulated): {:.2} s",
+        engine.copies.kernel_time.as_secs_f64()
+    );
+    println!(
         "candle  (its own Llama and KV cache, one request at a time):        {total} tokens in {own:.2} s = {:.0} tokens/s",
         total as f64 / own
     );
