@@ -10,7 +10,8 @@
 //!   the device layer.
 //! * [`host`] (`pagedkv-host`): the host API of each kernel (validation, CPU reference),
 //!   the SIMT emulator that runs the kernel bodies on the CPU.
-//! * [`cuda`]: the CUDA backend (cudarc, dynamic loading) with the embedded PTX.
+//! * [`cuda`]: the CUDA backend (cudarc; dynamic loading unless a `cuda-*` feature
+//!   picks another linking mode) with the embedded PTX.
 //! * [`ptx`]: the committed, validated PTX per architecture, as typed constants.
 //! * [`sim`]: the serving simulator behind `pagedkv simulate` (paged vs contiguous KV
 //!   memory), [`plot`], its SVG figure, and [`output`], how the command writes files.

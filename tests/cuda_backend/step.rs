@@ -294,3 +294,70 @@ fn sanitizer_small_prefill() {
         assert!(e <= tolerance(dtype), "{dtype}: rel L2 {e:e}");
     }
 }
+
+/// An engine's own `CudaSlice`s (a candle tensor's storage and its layout offset) run
+/// the step path through safe views with no copy; a slice on another stream, or a
+/// range past its end, is refused.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn views_of_an_engines_cuda_slices_match_the_reference() {
+    use pagedkv::host::step::{TensorView, TensorViewMut};
+    let g = gpu();
+    let dtype = DType::F32;
+    let c = step_case(dtype, 4, 300, 5);
+    let want = paged_decode_attention(&c.inputs());
+    let cap = StepCapacity {
+        max_seqs: 4,
+        max_blocks_per_seq: c.shape.max_blocks_per_seq,
+        max_tokens: 4,
+        max_partitions: 64,
+    };
+    let mut r = StepRunner::new(
+        CudaStepDevice::new(&g),
+        shape_of(&c, dtype),
+        cap,
+        g.sm_count(),
+    )
+    .unwrap();
+    r.plan(&StepMeta {
+        block_tables: &c.tables,
+        max_blocks_per_seq: c.shape.max_blocks_per_seq,
+        context_lens: &c.lens,
+        slot_mapping: &[],
+    })
+    .unwrap();
+    // Four elements (16 bytes) of padding before q and out: the views start at an offset.
+    let f32s = |t: &HostTensor, pad: usize| -> Vec<f32> {
+        let mut v = vec![0.0f32; pad];
+        v.extend(t.to_f64().iter().map(|&x| x as f32));
+        v
+    };
+    let s = g.stream();
+    let q = s.clone_htod(&f32s(&c.q, 4)).unwrap();
+    let kc = s.clone_htod(&f32s(&c.kc, 0)).unwrap();
+    let vc = s.clone_htod(&f32s(&c.vc, 0)).unwrap();
+    let n = c.q.len();
+    let mut out = s.clone_htod(&vec![f32::NAN; n + 4]).unwrap();
+    r.decode(
+        &c.opts,
+        DecodeIo {
+            q: TensorView::of_cuda_slice(&g, &q, 4, n, dtype).unwrap(),
+            key_cache: TensorView::of_cuda_slice(&g, &kc, 0, kc.len(), dtype).unwrap(),
+            value_cache: TensorView::of_cuda_slice(&g, &vc, 0, vc.len(), dtype).unwrap(),
+            out: TensorViewMut::of_cuda_slice_mut(&g, &mut out, 4, n, dtype).unwrap(),
+        },
+    )
+    .unwrap();
+    let got: Vec<f64> = s.clone_dtoh(&out).unwrap()[4..]
+        .iter()
+        .map(|&x| x as f64)
+        .collect();
+    let e = rel_l2(&got, &want);
+    assert!(e <= tolerance(dtype), "rel L2 {e:e}");
+
+    assert!(TensorView::of_cuda_slice(&g, &q, 5, n, dtype).is_err());
+    assert!(TensorView::of_cuda_slice(&g, &q, 0, n, DType::F16).is_err());
+    let other = s.context().new_stream().unwrap();
+    let elsewhere = other.clone_htod(&[0.0f32; 16]).unwrap();
+    assert!(TensorView::of_cuda_slice(&g, &elsewhere, 0, 16, dtype).is_err());
+}

@@ -2,7 +2,10 @@
 //! [`StepRunner`] over the backend's [`StepDevice`], the batch-to-metadata step, and
 //! the per-layer calls on views of the backend's tensors.
 
-use super::{AppendArgs, BackendConfig, DecodeArgs, PagedCache, PrefillArgs, SplitPolicy};
+use super::{
+    AppendArgs, AppendViews, BackendConfig, DecodeArgs, DecodeViews, PagedCache, PrefillArgs,
+    SplitPolicy,
+};
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
 use crate::step::{
@@ -161,24 +164,41 @@ impl<D: StepDevice> StepCore<D> {
     }
 
     pub(crate) fn kv_append<T: AsView>(&self, args: AppendArgs<'_, T>) -> Result<()> {
-        let cache = args.cache;
-        self.runner.kv_append(AppendIo {
+        self.kv_append_views(AppendViews {
             key: args.key.view(),
             value: args.value.view(),
+            cache: args.cache,
+        })
+    }
+
+    pub(crate) fn kv_append_views<T: AsView>(&self, args: AppendViews<'_, T>) -> Result<()> {
+        let cache = args.cache;
+        self.runner.kv_append(AppendIo {
+            key: args.key,
+            value: args.value,
             key_cache: cache.key.view_mut(),
             value_cache: cache.value.view_mut(),
         })
     }
 
     pub(crate) fn decode<T: AsView>(&mut self, args: DecodeArgs<'_, T>) -> Result<()> {
+        self.decode_views(DecodeViews {
+            opts: args.opts,
+            q: args.q.view(),
+            cache: args.cache,
+            out: args.out.view_mut(),
+        })
+    }
+
+    pub(crate) fn decode_views<T: AsView>(&mut self, args: DecodeViews<'_, T>) -> Result<()> {
         self.sync_slopes(args.opts)?;
         self.runner.decode(
             args.opts,
             DecodeIo {
-                q: args.q.view(),
+                q: args.q,
                 key_cache: args.cache.key.view(),
                 value_cache: args.cache.value.view(),
-                out: args.out.view_mut(),
+                out: args.out,
             },
         )?;
         Ok(())

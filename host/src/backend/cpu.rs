@@ -2,8 +2,8 @@
 //! host tensors: the real kernel bodies, with no GPU.
 
 use super::{
-    AppendArgs, AttentionBackend, BackendConfig, DecodeArgs, PagedCache, PrefillArgs, StepCore,
-    check_pairs,
+    AppendArgs, AppendViews, AttentionBackend, BackendConfig, DecodeArgs, DecodeViews, PagedCache,
+    PrefillArgs, StepCore, check_pairs,
 };
 use crate::buffer::AlignedBuf;
 use crate::emulator::Emulator;
@@ -107,6 +107,14 @@ impl AttentionBackend for CpuBackend {
         self.core.prefill(args)
     }
 
+    fn kv_append_views(&mut self, args: AppendViews<'_, HostTensor>) -> Result<()> {
+        self.core.kv_append_views(args)
+    }
+
+    fn decode_views(&mut self, args: DecodeViews<'_, HostTensor>) -> Result<()> {
+        self.core.decode_views(args)
+    }
+
     fn copy_blocks(
         &mut self,
         cache: &mut PagedCache<HostTensor>,
@@ -161,5 +169,104 @@ impl AttentionBackend for CpuBackend {
 
     fn synchronize(&mut self) -> Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{AppendArgs, AppendViews, DecodeArgs, DecodeViews, decode_rows};
+    use crate::ops::attention::DecodeOptions;
+    use crate::scheduler::{Request, Scheduler, SchedulerConfig};
+    use crate::step::{StepShape, TensorView, TensorViewMut};
+    use crate::tensor::DType;
+
+    /// The trait's view entry points (an engine's own buffers, no copy) write the same
+    /// cache and decode the same outputs as its tensor entry points.
+    #[test]
+    fn views_match_tensors_through_the_trait() {
+        let shape = StepShape {
+            num_q_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 64,
+            block_size: 16,
+            num_blocks: 16,
+            dtype: DType::F32,
+        };
+        let opts = DecodeOptions::new(64);
+        let mut results = Vec::new();
+        for by_view in [false, true] {
+            let mut be = CpuBackend::new(BackendConfig::new(shape, 1, 4, 4)).unwrap();
+            let mut cache = be.alloc_cache().unwrap();
+            let mut sched = Scheduler::new(SchedulerConfig {
+                num_blocks: 16,
+                block_size: 16,
+                max_model_len: 64,
+                ..SchedulerConfig::default()
+            })
+            .unwrap();
+            sched
+                .add_request(Request::new(1, vec![1, 2, 3], 3))
+                .unwrap();
+            sched.add_request(Request::new(2, vec![4; 20], 3)).unwrap();
+            let mut outs = Vec::new();
+            let mut step = 0.0;
+            while !sched.is_idle() {
+                step += 1.0;
+                let batch = sched.step().unwrap().clone();
+                be.begin_step(&batch, &mut cache).unwrap();
+                let n = batch.slot_mapping.len();
+                let rows = decode_rows(&batch).count();
+                let vals = |len: usize, f: f64| {
+                    let v: Vec<f64> = (0..len).map(|i| ((i % 29) as f64 - 14.0) * f).collect();
+                    HostTensor::from_f64(DType::F32, &[len], &v).unwrap()
+                };
+                let (k, v) = (vals(n * 128, 0.01 * step), vals(n * 128, 0.02));
+                let q = vals(rows * 256, 0.03);
+                let mut out = HostTensor::full(DType::F32, &[rows * 256], f64::NAN);
+                let layer = &mut cache.layers[0];
+                if by_view {
+                    let f = |t: &HostTensor| -> Vec<f32> {
+                        t.to_f64().iter().map(|&x| x as f32).collect()
+                    };
+                    let (kf, vf) = (f(&k), f(&v));
+                    be.kv_append_views(AppendViews {
+                        key: TensorView::from_slice(&kf),
+                        value: TensorView::from_slice(&vf),
+                        cache: layer,
+                    })
+                    .unwrap();
+                    let bytes = out.buf_mut().as_bytes_mut();
+                    let qb = q.buf().as_bytes();
+                    be.decode_views(DecodeViews {
+                        opts: &opts,
+                        q: TensorView::from_host_bytes(qb, DType::F32).unwrap(),
+                        cache: &cache.layers[0],
+                        out: TensorViewMut::from_host_bytes_mut(bytes, DType::F32).unwrap(),
+                    })
+                    .unwrap();
+                } else {
+                    be.kv_append(AppendArgs {
+                        key: &k,
+                        value: &v,
+                        cache: layer,
+                    })
+                    .unwrap();
+                    be.decode(DecodeArgs {
+                        opts: &opts,
+                        q: &q,
+                        cache: &cache.layers[0],
+                        out: &mut out,
+                    })
+                    .unwrap();
+                }
+                outs.extend(out.to_f64().iter().map(|x| x.to_bits()));
+                let sampled: Vec<_> = batch.seqs.iter().map(|s| (s.seq, 5)).collect();
+                sched.on_step_done(&sampled).unwrap();
+            }
+            assert!(!outs.is_empty());
+            results.push(outs);
+        }
+        assert_eq!(results[0], results[1]);
     }
 }

@@ -82,7 +82,7 @@ use pagedkv_kernels::PagedLayout;
 use crate::error::{Error, Result};
 use crate::ops::attention::DecodeOptions;
 use crate::scheduler::Batch;
-use crate::step::{Planned, StepCapacity, StepShape};
+use crate::step::{Planned, StepCapacity, StepShape, TensorView, TensorViewMut};
 use crate::tensor::{DType, TensorDesc};
 
 /// How a backend cuts a decode launch into split-K partitions.
@@ -264,6 +264,33 @@ pub fn prefill_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
         .map(|(i, _)| i)
 }
 
+/// The inputs of [`AttentionBackend::kv_append_views`]: as [`AppendArgs`], with K and V
+/// as views of the engine's own buffers (no copy).
+#[derive(Debug)]
+pub struct AppendViews<'a, T> {
+    /// `[num_new_tokens, num_kv_heads, head_dim]`, in `batch.slot_mapping` order.
+    pub key: TensorView<'a>,
+    /// `[num_new_tokens, num_kv_heads, head_dim]`.
+    pub value: TensorView<'a>,
+    /// The layer's cache.
+    pub cache: &'a mut LayerCache<T>,
+}
+
+/// The inputs of [`AttentionBackend::decode_views`]: as [`DecodeArgs`], with q and out
+/// as views of the engine's own buffers (q may be row-strided: see
+/// [`TensorView::with_row_stride`]).
+#[derive(Debug)]
+pub struct DecodeViews<'a, T> {
+    /// Scale, window, soft-cap, ALiBi.
+    pub opts: &'a DecodeOptions,
+    /// `[num_decode_rows, num_q_heads, head_dim]` (rows may be strided).
+    pub q: TensorView<'a>,
+    /// The layer's cache.
+    pub cache: &'a LayerCache<T>,
+    /// `[num_decode_rows, num_q_heads, head_dim]`: written (rows may be strided).
+    pub out: TensorViewMut<'a>,
+}
+
 /// The rows of `batch` that decode (one query token each), in batch order: the rows
 /// of [`DecodeArgs::q`] and [`DecodeArgs::out`].
 pub fn decode_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
@@ -331,6 +358,17 @@ pub trait AttentionBackend {
     /// Prefill attention of the step's prefilling rows over one layer's cache: each
     /// new token attends causally to its sequence's cache up to itself (launches only).
     fn prefill(&mut self, args: PrefillArgs<'_, Self::Tensor>) -> Result<()>;
+
+    /// [`kv_append`](Self::kv_append) from views of the engine's own buffers, so its
+    /// tensors reach the cache with no copy: a candle CPU tensor's storage through
+    /// [`TensorView::from_slice`] on [`CpuBackend`], a `CudaSlice` through
+    /// `TensorView::of_cuda_slice` on the GPU backend. Views of another memory space
+    /// than the backend's are refused.
+    fn kv_append_views(&mut self, args: AppendViews<'_, Self::Tensor>) -> Result<()>;
+
+    /// [`decode`](Self::decode) reading q from, and writing out to, views of the
+    /// engine's own buffers (see [`kv_append_views`](Self::kv_append_views)).
+    fn decode_views(&mut self, args: DecodeViews<'_, Self::Tensor>) -> Result<()>;
 
     /// Copies blocks `src -> dst` in every pool of `cache` (copy-on-write).
     fn copy_blocks(

@@ -3,8 +3,8 @@
 
 use super::{CudaBackend, CudaStepDevice, DeviceTensor, HostSwapPool, LayerCache, PagedCache};
 use crate::backend::{
-    AppendArgs, AsView, AttentionBackend, BackendConfig, DecodeArgs, PrefillArgs, StepCore,
-    check_pairs,
+    AppendArgs, AppendViews, AsView, AttentionBackend, BackendConfig, DecodeArgs, DecodeViews,
+    PrefillArgs, StepCore, check_pairs,
 };
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
@@ -136,6 +136,14 @@ impl AttentionBackend for CudaAttention<'_> {
 
     fn prefill(&mut self, args: PrefillArgs<'_, DeviceTensor>) -> Result<()> {
         self.core.prefill(args)
+    }
+
+    fn kv_append_views(&mut self, args: AppendViews<'_, DeviceTensor>) -> Result<()> {
+        self.core.kv_append_views(args)
+    }
+
+    fn decode_views(&mut self, args: DecodeViews<'_, DeviceTensor>) -> Result<()> {
+        self.core.decode_views(args)
     }
 
     fn copy_blocks(&mut self, cache: &mut PagedCache, pairs: &[(u32, u32)]) -> Result<()> {

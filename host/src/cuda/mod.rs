@@ -1,7 +1,10 @@
 //! The CUDA backend: loads pagedkv's PTX with cudarc and launches the kernels.
 //!
-//! cudarc is built with dynamic loading, so this module compiles everywhere and finds
-//! the driver (`libcuda`) only at run time. Without a driver or a device,
+//! By default cudarc is built with dynamic loading, so this module compiles everywhere
+//! and finds the driver (`libcuda`) only at run time; the crate's features
+//! `cuda-dynamic-linking` and `cuda-fallback-dynamic-loading` pick cudarc's other modes
+//! (to build next to candle-core's `cuda` feature, which links), and
+//! [`driver_library_present`] works under each. Without a driver or a device,
 //! [`CudaBackend::new`] returns [`Error::NoCudaDriver`] or [`Error::NoCudaDevice`];
 //! it never panics.
 //!
@@ -59,6 +62,58 @@ use crate::ops::attention::{self, DecodeInputs, SplitPlan};
 use crate::ops::kv_append::{self, KvAppendIo};
 use crate::ops::with_elem;
 use crate::tensor::{DType, TensorDesc};
+
+/// Whether the CUDA driver library is there, so that the first driver call cannot
+/// panic (cudarc's dynamic loading panics when it finds no `libcuda`), under each of
+/// this crate's linking-mode features:
+/// * `cuda-dynamic-loading` (the default): cudarc's own check, which tries the very
+///   names cudarc loads;
+/// * `cuda-dynamic-linking`: libcuda is linked, so the process could not have started
+///   without it;
+/// * `cuda-fallback-dynamic-loading`, or no mode of ours (cudarc follows another crate
+///   of the build, e.g. candle-core's `cuda` feature, which links): which mode cudarc
+///   ended up in is not visible here, so this tries to load the driver's standard names
+///   (`libcuda.so`, `libcuda.so.1`, `nvcuda.dll`). Under linking the library is already
+///   loaded and the probe succeeds; under loading it finds what cudarc's loader would,
+///   bar exotic names.
+pub fn driver_library_present() -> bool {
+    #[cfg(feature = "cuda-dynamic-loading")]
+    {
+        // SAFETY: only tries to load the driver library; no CUDA call is made.
+        unsafe { sys::is_culib_present() }
+    }
+    #[cfg(all(
+        feature = "cuda-dynamic-linking",
+        not(feature = "cuda-dynamic-loading")
+    ))]
+    {
+        true
+    }
+    #[cfg(not(any(feature = "cuda-dynamic-loading", feature = "cuda-dynamic-linking")))]
+    {
+        probe_driver_library()
+    }
+}
+
+/// Tries to load the CUDA driver under its standard names (see
+/// [`driver_library_present`]).
+#[cfg_attr(
+    any(feature = "cuda-dynamic-loading", feature = "cuda-dynamic-linking"),
+    allow(dead_code)
+)]
+fn probe_driver_library() -> bool {
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    let names = [
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}"),
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}.1"),
+        format!("{DLL_PREFIX}nvcuda{DLL_SUFFIX}"),
+    ];
+    names.iter().any(|n| {
+        // SAFETY: loading the NVIDIA driver library runs only its own initialisers (what
+        // cudarc's loader and `is_culib_present` do too); the handle is closed at once.
+        unsafe { libloading::Library::new(n) }.is_ok()
+    })
+}
 
 /// One PTX module the backend may load: the `pagedkv` crate embeds one per architecture.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,8 +189,7 @@ impl CudaBackend {
     /// A backend on device `ordinal`'s primary context and default stream, with the
     /// newest of `modules` the device can run (an error below compute capability 8.0).
     pub fn new(ordinal: usize, modules: &[PtxSource]) -> Result<Self> {
-        // SAFETY: only tries to load the driver library; no CUDA call is made.
-        if !unsafe { sys::is_culib_present() } {
+        if !driver_library_present() {
             return Err(Error::NoCudaDriver);
         }
         let n = CudaContext::device_count().map_err(|e| {
@@ -540,5 +594,18 @@ impl CudaBackend {
         self.stream
             .memcpy_dtod(&src.buf, &mut dst.buf)
             .map_err(cuda("cuMemcpyDtoD"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The probe of the modes that cannot ask cudarc agrees with the mode in use (no
+    /// driver on a CI machine: both false; on a GPU machine: both true).
+    #[test]
+    fn driver_probe_agrees_with_the_linking_mode() {
+        assert_eq!(
+            super::driver_library_present(),
+            super::probe_driver_library()
+        );
     }
 }

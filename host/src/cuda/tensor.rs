@@ -1,10 +1,12 @@
-//! [`DeviceTensor`], a typed device allocation, and [`BorrowedDeviceTensor`], a
-//! caller's allocation seen as one for the length of a call.
+//! [`DeviceTensor`], a typed device allocation, [`BorrowedDeviceTensor`], a caller's
+//! allocation seen as one for the length of a call, and safe views of an engine's own
+//! `CudaSlice`s ([`TensorView::of_cuda_slice`]: a candle tensor's storage, no copy).
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
 use super::{CudaBackend, cuda};
 use crate::error::{Error, Result};
+use crate::step::{Space, TensorView, TensorViewMut};
 use crate::tensor::{DType, HostTensor, TensorDesc};
 
 /// A tensor in device memory: bytes, an element type and a shape.
@@ -192,5 +194,94 @@ impl Drop for BorrowedDeviceTensor {
         if let Some(t) = self.0.take() {
             let _ = t.buf.leak();
         }
+    }
+}
+
+/// Checks that a `CudaSlice<E>` holds `offset + len` elements of `dtype` on `gpu`'s
+/// stream, and returns the device address of element `offset`.
+fn cuda_slice_addr<E: DeviceRepr>(
+    gpu: &CudaBackend,
+    slice: &CudaSlice<E>,
+    offset: usize,
+    len: usize,
+    dtype: DType,
+) -> Result<u64> {
+    if size_of::<E>() != dtype.size() {
+        return Err(Error::invalid(
+            "slice",
+            format!(
+                "elements of {} bytes seen as {dtype} ({} bytes)",
+                size_of::<E>(),
+                dtype.size()
+            ),
+        ));
+    }
+    if offset.checked_add(len).is_none_or(|end| end > slice.len()) {
+        return Err(Error::invalid(
+            "slice",
+            format!(
+                "elements {offset}..{offset}+{len} of a slice of {}",
+                slice.len()
+            ),
+        ));
+    }
+    // The launches that read or write through the view run on `gpu`'s stream, after
+    // the view is made and its guard gone: that orders them after the slice's earlier
+    // work and before its later work (a free included) only on the slice's own stream.
+    if slice.stream().cu_stream() != gpu.stream.cu_stream() {
+        return Err(Error::invalid(
+            "slice",
+            "the slice lives on another stream than the backend's: build the backend on \
+             the engine's stream (CudaBackend::with_stream)",
+        ));
+    }
+    let (base, _guard) = slice.device_ptr(&gpu.stream);
+    Ok(base + (offset * size_of::<E>()) as u64)
+}
+
+impl<'a> TensorView<'a> {
+    /// A view of `len` elements of an engine's `CudaSlice`, from element `offset`, with
+    /// no copy: e.g. a candle tensor's `CudaStorage` slice
+    /// (`storage.as_cuda_slice::<f32>()`) and its layout's `start_offset()`. The
+    /// elements are read as `dtype` (same size as `E`). The slice must be on `gpu`'s
+    /// stream (the backend built with [`CudaBackend::with_stream`] on the engine's
+    /// stream), so a launch through the view is ordered between the slice's earlier and
+    /// later work; the borrow keeps the slice alive and unwritten until the view is
+    /// gone. The runs check the length and 16-byte alignment.
+    pub fn of_cuda_slice<E: DeviceRepr>(
+        gpu: &CudaBackend,
+        slice: &'a CudaSlice<E>,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<Self> {
+        let addr = cuda_slice_addr(gpu, slice, offset, len, dtype)?;
+        Ok(Self::borrowed(
+            addr,
+            len as u64,
+            dtype,
+            Space::Cuda(gpu.stream.context().cu_ctx() as u64),
+        ))
+    }
+}
+
+impl<'a> TensorViewMut<'a> {
+    /// A writable view of `len` elements of an engine's `CudaSlice` from element
+    /// `offset` (see [`TensorView::of_cuda_slice`]; `as_cuda_slice_mut` on a candle
+    /// `CudaStorage`).
+    pub fn of_cuda_slice_mut<E: DeviceRepr>(
+        gpu: &CudaBackend,
+        slice: &'a mut CudaSlice<E>,
+        offset: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<Self> {
+        let addr = cuda_slice_addr(gpu, slice, offset, len, dtype)?;
+        Ok(Self::borrowed(
+            addr,
+            len as u64,
+            dtype,
+            Space::Cuda(gpu.stream.context().cu_ctx() as u64),
+        ))
     }
 }

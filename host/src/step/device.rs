@@ -83,6 +83,43 @@ impl RawView {
     }
 }
 
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for pagedkv_kernels::F16 {}
+    impl Sealed for pagedkv_kernels::Bf16 {}
+}
+
+/// An element type whose host slices can be viewed directly
+/// ([`TensorView::from_slice`]): `f32` and the kernels' [`F16`](pagedkv_kernels::F16)
+/// and [`Bf16`](pagedkv_kernels::Bf16) bit patterns. (Slices of another crate's half
+/// types go through [`TensorView::from_host_bytes`].)
+pub trait HostElement: sealed::Sealed + Copy {
+    /// The element's dtype.
+    const DTYPE: DType;
+}
+
+impl HostElement for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl HostElement for pagedkv_kernels::F16 {
+    const DTYPE: DType = DType::F16;
+}
+impl HostElement for pagedkv_kernels::Bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+
+/// The element count of `bytes` bytes of `dtype`, or an error naming `arg`.
+fn host_elems(arg: &'static str, bytes: usize, dtype: DType) -> Result<u64> {
+    if !bytes.is_multiple_of(dtype.size()) {
+        return Err(Error::invalid(
+            arg,
+            format!("{bytes} bytes is not a whole number of {dtype} elements"),
+        ));
+    }
+    Ok((bytes / dtype.size()) as u64)
+}
+
 /// A read-only view of a tensor a run reads: an address in some [`Space`], its dtype
 /// and element count, and for q-like inputs a row stride. The lifetime ties it to the
 /// borrow it was made from.
@@ -113,6 +150,42 @@ impl<'a> TensorView<'a> {
     pub fn of_host(t: &'a HostTensor) -> Self {
         let addr = t.buf().as_bytes().as_ptr() as u64;
         Self::borrowed(addr, t.len() as u64, t.dtype(), Space::Host)
+    }
+
+    /// A view of an engine's own host memory, with no copy: e.g. a candle CPU tensor's
+    /// storage from its layout's start offset. Usable on host devices (the emulator);
+    /// a GPU runner refuses it (its [`Space`] is [`Space::Host`]). The runs check its
+    /// length and its 16-byte alignment.
+    pub fn from_slice<E: HostElement>(s: &'a [E]) -> Self {
+        Self::borrowed(s.as_ptr() as u64, s.len() as u64, E::DTYPE, Space::Host)
+    }
+
+    /// A view of host bytes holding elements of `dtype` (a slice of another crate's
+    /// `f16`, cast to bytes), with no copy; an error when the length is not a whole
+    /// number of elements.
+    pub fn from_host_bytes(bytes: &'a [u8], dtype: DType) -> Result<Self> {
+        let elems = host_elems("bytes", bytes.len(), dtype)?;
+        Ok(Self::borrowed(
+            bytes.as_ptr() as u64,
+            elems,
+            dtype,
+            Space::Host,
+        ))
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.raw.dtype
+    }
+
+    /// The number of elements the view covers.
+    pub fn elems(&self) -> u64 {
+        self.raw.elems
+    }
+
+    /// The memory it is in.
+    pub fn space(&self) -> Space {
+        self.raw.space
     }
 
     /// A view of `elems` elements of `dtype` at `addr` in `space`.
@@ -146,6 +219,39 @@ impl<'a> TensorViewMut<'a> {
         let (dtype, elems) = (t.dtype(), t.len() as u64);
         let addr = t.buf_mut().as_bytes_mut().as_mut_ptr() as u64;
         Self::borrowed(addr, elems, dtype, Space::Host)
+    }
+
+    /// A writable view of an engine's own host memory, with no copy (see
+    /// [`TensorView::from_slice`]): a run writes its results straight into it.
+    pub fn from_slice_mut<E: HostElement>(s: &'a mut [E]) -> Self {
+        Self::borrowed(s.as_mut_ptr() as u64, s.len() as u64, E::DTYPE, Space::Host)
+    }
+
+    /// A writable view of host bytes holding elements of `dtype` (see
+    /// [`TensorView::from_host_bytes`]).
+    pub fn from_host_bytes_mut(bytes: &'a mut [u8], dtype: DType) -> Result<Self> {
+        let elems = host_elems("bytes", bytes.len(), dtype)?;
+        Ok(Self::borrowed(
+            bytes.as_mut_ptr() as u64,
+            elems,
+            dtype,
+            Space::Host,
+        ))
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.raw.dtype
+    }
+
+    /// The number of elements the view covers.
+    pub fn elems(&self) -> u64 {
+        self.raw.elems
+    }
+
+    /// The memory it is in.
+    pub fn space(&self) -> Space {
+        self.raw.space
     }
 
     /// A writable view of `elems` elements of `dtype` at `addr` in `space`.
@@ -244,5 +350,167 @@ impl StepDevice for Recorder {
     unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, _params: K::Params) -> Result<()> {
         self.ops.borrow_mut().push(DeviceOp::Launch(K::NAME, cfg));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::emulator::Emulator;
+    use crate::ops::attention::DecodeOptions;
+    use crate::step::{
+        AppendIo, DecodeIo, EmuDevice, StepCapacity, StepMeta, StepRunner, StepShape,
+    };
+
+    const SHAPE: StepShape = StepShape {
+        num_q_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        block_size: 16,
+        num_blocks: 4,
+        dtype: DType::F32,
+    };
+    const POOL: usize = 4 * 2 * 16 * 64;
+
+    fn runner<D: StepDevice>(dev: D) -> StepRunner<D> {
+        let cap = StepCapacity {
+            max_seqs: 2,
+            max_blocks_per_seq: 2,
+            max_tokens: 8,
+            max_partitions: 4,
+        };
+        let mut r = StepRunner::with_split(dev, SHAPE, cap, None).unwrap();
+        // One sequence of 3 tokens in block 2.
+        r.plan(&StepMeta {
+            block_tables: &[2],
+            max_blocks_per_seq: 1,
+            context_lens: &[3],
+            slot_mapping: &[32, 33, 34],
+        })
+        .unwrap();
+        r
+    }
+
+    /// Aligned f32 storage seen as a slice, as an engine's own buffer would be.
+    fn values(n: usize, f: impl Fn(usize) -> f64) -> HostTensor {
+        let v: Vec<f64> = (0..n).map(f).collect();
+        HostTensor::from_f64(DType::F32, &[n], &v).unwrap()
+    }
+
+    fn f32s(t: &HostTensor) -> &[f32] {
+        bytemuck::cast_slice(t.buf().as_bytes())
+    }
+
+    /// Views of plain slices run the same kernels as views of host tensors: the
+    /// outputs are bit for bit the same.
+    #[test]
+    fn slice_views_match_host_tensor_views() {
+        let k = values(3 * 128, |i| ((i * 7) % 13) as f64 / 13.0 - 0.5);
+        let v = values(3 * 128, |i| ((i * 5) % 11) as f64 / 11.0);
+        let q = values(256, |i| ((i * 3) % 17) as f64 / 17.0 - 0.3);
+        let opts = DecodeOptions::new(64);
+        let mut outs = Vec::new();
+        for by_slice in [false, true] {
+            let r = runner(EmuDevice::new(Emulator::new()));
+            let mut kc = HostTensor::full(DType::F32, &[POOL], f64::NAN);
+            let mut vc = HostTensor::full(DType::F32, &[POOL], f64::NAN);
+            let mut out = HostTensor::full(DType::F32, &[256], f64::NAN);
+            let mut kcv = TensorViewMut::of_host(&mut kc);
+            let mut vcv = TensorViewMut::of_host(&mut vc);
+            let (key, value, qv) = if by_slice {
+                (
+                    TensorView::from_slice(f32s(&k)),
+                    TensorView::from_host_bytes(v.buf().as_bytes(), DType::F32).unwrap(),
+                    TensorView::from_slice(f32s(&q)),
+                )
+            } else {
+                (
+                    TensorView::of_host(&k),
+                    TensorView::of_host(&v),
+                    TensorView::of_host(&q),
+                )
+            };
+            r.kv_append(AppendIo {
+                key,
+                value,
+                key_cache: kcv.reborrow(),
+                value_cache: vcv.reborrow(),
+            })
+            .unwrap();
+            let out_view = if by_slice {
+                let bytes = out.buf_mut().as_bytes_mut();
+                TensorViewMut::from_slice_mut(bytemuck::cast_slice_mut::<u8, f32>(bytes))
+            } else {
+                TensorViewMut::of_host(&mut out)
+            };
+            r.decode(
+                &opts,
+                DecodeIo {
+                    q: qv,
+                    key_cache: kcv.as_view(),
+                    value_cache: vcv.as_view(),
+                    out: out_view,
+                },
+            )
+            .unwrap();
+            let bits: Vec<u64> = out.to_f64().iter().map(|x| x.to_bits()).collect();
+            assert!(out.to_f64().iter().all(|x| x.is_finite()));
+            outs.push(bits);
+        }
+        assert_eq!(outs[0], outs[1]);
+    }
+
+    /// A slice that does not start on 16 bytes, a byte count that is not whole
+    /// elements, and a host slice handed to a device of another memory space are
+    /// errors, never a launch.
+    #[test]
+    fn slice_views_are_checked() {
+        let k = values(3 * 128 + 1, |_| 0.5);
+        let mut kc = HostTensor::full(DType::F32, &[POOL], 0.0);
+        let mut vc = HostTensor::full(DType::F32, &[POOL], 0.0);
+        let r = runner(EmuDevice::new(Emulator::new()));
+        let mut kcv = TensorViewMut::of_host(&mut kc);
+        let mut vcv = TensorViewMut::of_host(&mut vc);
+        let off = &f32s(&k)[1..];
+        let e = r
+            .kv_append(AppendIo {
+                key: TensorView::from_slice(off),
+                value: TensorView::from_slice(off),
+                key_cache: kcv.reborrow(),
+                value_cache: vcv.reborrow(),
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("16-byte aligned"), "{e}");
+
+        assert!(TensorView::from_host_bytes(&[0u8; 6], DType::F32).is_err());
+        assert_eq!(
+            TensorView::from_host_bytes(&[0u8; 6], DType::F16)
+                .unwrap()
+                .elems(),
+            3
+        );
+
+        let mut rec = Recorder::new();
+        let (kr, vr) = (
+            rec.view(POOL as u64, DType::F32),
+            rec.view(POOL as u64, DType::F32),
+        );
+        let r = runner(rec);
+        let whole = &f32s(&k)[..3 * 128];
+        let e = r
+            .kv_append(AppendIo {
+                key: TensorView::from_slice(whole),
+                value: TensorView::from_slice(whole),
+                key_cache: kr,
+                value_cache: vr,
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("memory of Host"), "{e}");
+        assert!(
+            r.device()
+                .take()
+                .iter()
+                .all(|op| !matches!(op, DeviceOp::Launch(..)))
+        );
     }
 }

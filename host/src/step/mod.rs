@@ -61,7 +61,7 @@ mod prefill;
 mod run;
 mod runner;
 
-pub use device::{DeviceOp, Recorder, Space, StepDevice, TensorView, TensorViewMut};
+pub use device::{DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut};
 pub use emu::EmuDevice;
 pub use prefill::{PlannedPrefill, PrefillIo, PrefillMeta};
 pub use runner::{AppendIo, DecodeIo, Planned, StepCapacity, StepMeta, StepRunner, StepShape};
