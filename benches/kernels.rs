@@ -468,6 +468,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                         slot_mapping: &mappings[i % mappings.len()],
                         key_cache: &mut kc,
                         value_cache: &mut vc,
+                        scales: None,
                     })
                     .unwrap();
                 };

@@ -3,8 +3,12 @@
 
     sass-check.py ARCH FILE.sass      prints table rows; exit 1 if a check fails
 
-For every `paged_prefill_attention_{f16,bf16}` entry point (tensor cores): HMMA and
-LDSM (ldmatrix) instructions exist and K/V are staged with LDGSTS.
+For every tensor-core `paged_prefill_attention_*` entry point (all but f32): HMMA and
+LDSM (ldmatrix) instructions exist; K/V are staged with LDGSTS (an f16/bf16 cache) or,
+for an fp8 cache (`*_e4m3`, `*_e5m2`), with 16-byte loads (LDG.128) decoded in registers.
+
+For every fp8 entry point on sm_90: the conversions are the hardware's (an F2FP
+instruction on E4M3/E5M2 operands), not the software path.
 
 For every `paged_decode_attention*` entry point:
   * K and V are staged with cp.async: LDGSTS (16-byte, L1-bypassing) instructions exist;
@@ -18,6 +22,19 @@ import sys
 HEADER = re.compile(r"^//-+ \.text\.(\S+)\s+-+$", re.M)
 OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
 MAX_Q_LOADS = 2
+DECODE_KERNELS = 14  # 3 types x (plain, split) + 2 x 2 fp8 pairs x (plain, split)
+PREFILL_KERNELS = 6  # f16, bf16 + 2 x 2 fp8 pairs
+
+
+def is_fp8(name):
+    return name.endswith("_e4m3") or name.endswith("_e5m2")
+
+
+def fp8_verdict(arch, name, ops):
+    if arch == "sm_90" and is_fp8(name):
+        if not any(o.startswith("F2FP") and ("E4M3" in o or "E5M2" in o) for o in ops):
+            return ["no hardware fp8 conversion (F2FP)"]
+    return []
 
 
 def sections(text):
@@ -51,8 +68,12 @@ def main():
                 verdict.append("no HMMA")
             if ldsm == 0:
                 verdict.append("no LDSM")
-            if ldgsts == 0:
+            if is_fp8(name):
+                if ldg128 == 0:
+                    verdict.append("no LDG.128 (fp8 K/V loads)")
+            elif ldgsts == 0:
                 verdict.append("no LDGSTS")
+            verdict += fp8_verdict(arch, name, ops)
             status = f"ok (HMMA {hmma}, LDSM {ldsm})" if not verdict else "FAIL: " + ", ".join(verdict)
             ok = ok and not verdict
             print(f"| {arch} | {name} | {ldgsts} | {ldg128} | {depbar} | {ffma} | {ex2} | {status} |")
@@ -74,14 +95,15 @@ def main():
             verdict.append("no FFMA")
         if depbar == 0:
             verdict.append("no DEPBAR (cp.async wait)")
+        verdict += fp8_verdict(arch, name, ops)
         status = "ok" if not verdict else "FAIL: " + ", ".join(verdict)
         ok = ok and not verdict
         print(f"| {arch} | {name} | {ldgsts} | {ldg128} | {depbar} | {ffma} | {ex2} | {status} |")
-    if seen != 6:
-        print(f"sass-check: {seen} decode kernels in {path}, expected 6", file=sys.stderr)
+    if seen != DECODE_KERNELS:
+        print(f"sass-check: {seen} decode kernels in {path}, expected {DECODE_KERNELS}", file=sys.stderr)
         ok = False
-    if prefill != 2:
-        print(f"sass-check: {prefill} tensor-core prefill kernels in {path}, expected 2", file=sys.stderr)
+    if prefill != PREFILL_KERNELS:
+        print(f"sass-check: {prefill} tensor-core prefill kernels in {path}, expected {PREFILL_KERNELS}", file=sys.stderr)
         ok = False
     return 0 if ok else 1
 

@@ -48,6 +48,7 @@ proptest! {
             slot_mapping: &mapping,
             key_cache: &mut kr,
             value_cache: &mut vr,
+            scales: None,
         }).unwrap();
         let emu = Emulator::new().with_order(BlockOrder::Shuffled(seed));
         kv_append_emulated(&emu, KvAppendIo {
@@ -57,6 +58,7 @@ proptest! {
             slot_mapping: &mapping,
             key_cache: &mut kc,
             value_cache: &mut vc,
+            scales: None,
         }).unwrap();
         prop_assert_eq!(kc.buf().as_bytes(), kr.buf().as_bytes());
         prop_assert_eq!(vc.buf().as_bytes(), vr.buf().as_bytes());
@@ -98,7 +100,7 @@ fn bad_arguments_are_rejected_before_any_launch() {
             f16,
             "384 elements, expected 256",
         ),
-        (l, tok(2, DType::F32), vec![0, 1], f16, "dtype f32"),
+        (l, tok(2, DType::F32), vec![0, 1], f16, "are f32"),
         (
             PagedLayout { head_dim: 72, ..l },
             tok(2, f16),
@@ -130,6 +132,7 @@ fn bad_arguments_are_rejected_before_any_launch() {
                 slot_mapping: &mapping,
                 key_cache: &mut kc,
                 value_cache: &mut vc,
+                scales: None,
             },
         ) {
             Err(Error::InvalidArgument { reason, .. }) => {

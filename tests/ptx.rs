@@ -4,7 +4,7 @@
 use pagedkv::kernels::kernels::{
     CopyBlocks, DecodeReduce, KvAppend, PagedDecode, PagedPrefill, PagedPrefillSimt,
 };
-use pagedkv::kernels::{Bf16, F16, Kernel};
+use pagedkv::kernels::{Bf16, E4m3, E5m2, F16, Kernel};
 use pagedkv::ptx;
 
 fn names() -> Vec<&'static str> {
@@ -27,6 +27,21 @@ fn names() -> Vec<&'static str> {
         <PagedPrefill<Bf16> as Kernel>::NAME,
         <PagedPrefillSimt<f32> as Kernel>::NAME,
     ]);
+    // fp8 caches under f16 / bf16 queries.
+    macro_rules! fp8 {
+        ($t:ty, $k:ty) => {
+            [
+                <KvAppend<$t, $k> as Kernel>::NAME,
+                <PagedDecode<$t, false, $k> as Kernel>::NAME,
+                <PagedDecode<$t, true, $k> as Kernel>::NAME,
+                <PagedPrefill<$t, $k> as Kernel>::NAME,
+            ]
+        };
+    }
+    v.extend(fp8!(F16, E4m3));
+    v.extend(fp8!(F16, E5m2));
+    v.extend(fp8!(Bf16, E4m3));
+    v.extend(fp8!(Bf16, E5m2));
     v
 }
 
@@ -129,7 +144,7 @@ fn prefill_runs_on_tensor_cores_with_k_and_v_through_cp_async() {
 
 #[test]
 fn the_planners_register_count_bounds_every_decode_kernel() {
-    use pagedkv::host::ops::attention::DECODE_REGISTERS;
+    use pagedkv::host::ops::attention::{DECODE_REGISTERS, DECODE_REGISTERS_FP8};
     let report = include_str!("../ptx/resources.md");
     // The ptxas table comes first; the SASS and occupancy tables follow it.
     let ptxas = report.split("\n## ").next().unwrap();
@@ -140,13 +155,19 @@ fn the_planners_register_count_bounds_every_decode_kernel() {
     {
         let cols: Vec<&str> = line.split('|').map(str::trim).collect();
         let regs: u32 = cols[3].parse().unwrap();
+        let fp8 = cols[2].ends_with("_e4m3") || cols[2].ends_with("_e5m2");
+        let bound = if fp8 {
+            DECODE_REGISTERS_FP8
+        } else {
+            DECODE_REGISTERS
+        };
         assert!(
-            regs <= DECODE_REGISTERS,
-            "{} {}: {regs} registers > DECODE_REGISTERS {DECODE_REGISTERS}: occupancy would be overestimated",
+            regs <= bound,
+            "{} {}: {regs} registers > the planner's bound {bound}: occupancy would be overestimated",
             cols[1],
             cols[2]
         );
         seen += 1;
     }
-    assert_eq!(seen, 12, "decode rows in ptx/resources.md");
+    assert_eq!(seen, 28, "decode rows in ptx/resources.md");
 }

@@ -119,6 +119,7 @@ pub unsafe extern "C" fn pagedkv_cuda_kv_append(
             slot_mapping: sm,
             key_cache: &mut kc,
             value_cache: &mut vc,
+            scales: None,
         })
         .map_err(|e| from_error(&e))
     })

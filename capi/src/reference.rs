@@ -203,6 +203,7 @@ pub unsafe extern "C" fn pagedkv_reference_kv_append(
                 slot_mapping: sm,
                 key_cache: &mut kct,
                 value_cache: &mut vct,
+                scales: None,
             })
             .map_err(|e| from_error(&e))?;
             kc.copy_from_slice(kct.buf().as_slice::<f32>());

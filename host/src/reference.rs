@@ -13,6 +13,7 @@
 //! separate their results from these.
 
 use crate::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
+use crate::ops::scales::KvScales;
 use crate::tensor::HostTensor;
 use pagedkv_kernels::PagedLayout;
 
@@ -82,7 +83,8 @@ fn layout(shape: &DecodeShape) -> PagedLayout {
 }
 
 /// Sequence `seq`'s K and V rows gathered from the paged cache: `[ctx, num_kv_heads,
-/// head_dim]` each, token by token through the block table.
+/// head_dim]` each, token by token through the block table (the stored values: an
+/// fp8 cache's are before its scales).
 pub fn gather(
     shape: &DecodeShape,
     key_cache: &HostTensor,
@@ -91,19 +93,27 @@ pub fn gather(
     ctx: usize,
     seq: usize,
 ) -> (Vec<f64>, Vec<f64>) {
-    gather_from(shape, key_cache, value_cache, block_tables, seq, 0, ctx)
+    gather_from(
+        shape,
+        (key_cache, value_cache),
+        None,
+        block_tables,
+        seq,
+        (0, ctx),
+    )
 }
 
 /// As [`gather`], for tokens `first..ctx` only; rows before `first` are zero (their
-/// blocks may have been freed by a sliding window and are never read).
+/// blocks may have been freed by a sliding window and are never read). With `scales`
+/// (an fp8 cache) each value is the stored one times its KV head's scale: the values
+/// the kernels compute with.
 fn gather_from(
     shape: &DecodeShape,
-    key_cache: &HostTensor,
-    value_cache: &HostTensor,
+    (key_cache, value_cache): (&HostTensor, &HostTensor),
+    scales: Option<&KvScales>,
     block_tables: &[i32],
     seq: usize,
-    first: usize,
-    ctx: usize,
+    (first, ctx): (usize, usize),
 ) -> (Vec<f64>, Vec<f64>) {
     let l = layout(shape);
     let (kvh, d) = (shape.num_kv_heads as usize, shape.head_dim as usize);
@@ -113,9 +123,10 @@ fn gather_from(
         let phys = block_of(block_tables, shape, seq, t);
         for h in 0..kvh {
             let src = l.offset(phys, h as u32, t as u32 % shape.block_size) as usize;
+            let (ks, vs) = scales.map_or((1.0, 1.0), |s| (s.k[h] as f64, s.v[h] as f64));
             for e in 0..d {
-                k[(t * kvh + h) * d + e] = key_cache.get(src + e);
-                v[(t * kvh + h) * d + e] = value_cache.get(src + e);
+                k[(t * kvh + h) * d + e] = key_cache.get(src + e) * ks;
+                v[(t * kvh + h) * d + e] = value_cache.get(src + e) * vs;
             }
         }
     }
@@ -152,24 +163,36 @@ pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64>
             Some(w) if (w as usize) < ctx => ctx - w as usize,
             _ => 0,
         };
-        let (k, v) = gather_from(shape, key_cache, value_cache, block_tables, seq, first, ctx);
+        let (k, v) = gather_from(
+            shape,
+            (key_cache, value_cache),
+            opts.kv_scales.as_ref(),
+            block_tables,
+            seq,
+            (first, ctx),
+        );
         let qs: Vec<f64> = (0..qh * d).map(|i| q.get(seq * qh * d + i)).collect();
         out.extend(dense_decode_attention(&qs, &k, &v, qh, kvh, d, opts));
     }
     out
 }
 
-/// Writes token `i`'s K and V rows (`[num_tokens, num_kv_heads, head_dim]`) into slot
-/// `slot_mapping[i]` of the caches; negative slots are skipped.
+/// Writes token `i`'s K and V rows (`(key, value)`, `[num_tokens, num_kv_heads,
+/// head_dim]` each) into slot `slot_mapping[i]` of `(key_cache, value_cache)`; negative
+/// slots are skipped. With `scales` (an fp8 cache) each element is stored as `x /
+/// scale` of its KV head, the division in `f32` as the kernel does it.
 pub fn kv_append(
     layout: &PagedLayout,
-    key: &HostTensor,
-    value: &HostTensor,
+    (key, value): (&HostTensor, &HostTensor),
     slot_mapping: &[i64],
-    key_cache: &mut HostTensor,
-    value_cache: &mut HostTensor,
+    (key_cache, value_cache): (&mut HostTensor, &mut HostTensor),
+    scales: Option<&KvScales>,
 ) {
     let (kvh, d) = (layout.num_kv_heads as usize, layout.head_dim as usize);
+    let scaled = |x: f64, s: Option<&Vec<f32>>, h: usize| match s {
+        Some(s) => ((x as f32) / s[h]) as f64,
+        None => x,
+    };
     for (i, &slot) in slot_mapping.iter().enumerate() {
         if slot < 0 {
             continue;
@@ -177,8 +200,9 @@ pub fn kv_append(
         for h in 0..kvh {
             let dst = layout.slot_offset(slot as u64, h as u32) as usize;
             for e in 0..d {
-                key_cache.set(dst + e, key.get((i * kvh + h) * d + e));
-                value_cache.set(dst + e, value.get((i * kvh + h) * d + e));
+                let src = (i * kvh + h) * d + e;
+                key_cache.set(dst + e, scaled(key.get(src), scales.map(|s| &s.k), h));
+                value_cache.set(dst + e, scaled(value.get(src), scales.map(|s| &s.v), h));
             }
         }
     }
@@ -211,12 +235,11 @@ pub fn paged_prefill_attention(
         };
         let (k, v) = gather_from(
             sh,
-            inputs.key_cache,
-            inputs.value_cache,
+            (inputs.key_cache, inputs.value_cache),
+            inputs.opts.kv_scales.as_ref(),
             inputs.block_tables,
             s,
-            first,
-            ctx,
+            (first, ctx),
         );
         for (i, tok) in (q0..q1).enumerate() {
             let end = (ctx - (q1 - q0) + i + 1) * kvh * d;

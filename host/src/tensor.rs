@@ -3,12 +3,18 @@
 //! A `HostTensor` is an [`AlignedBuf`] with an element type and a shape (row-major).
 //! It is the emulator's stand-in for a device tensor, and what the CPU references read.
 
+use pagedkv_kernels::device::fp8::{e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2};
 use pagedkv_kernels::device::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 use crate::buffer::AlignedBuf;
 use crate::error::{Error, Result};
 
 /// Element type of the cache, the queries and the outputs.
+///
+/// `F16`, `Bf16` and `F32` ([`DType::ALL`]) serve everywhere. `E4m3` and `E5m2`
+/// ([`DType::FP8`]) are cache types only: a cache of them serves queries of `F16` or
+/// `Bf16`, and holds each value divided by its KV head's scale
+/// ([`KvScales`](crate::ops::scales::KvScales)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     /// IEEE half precision.
@@ -17,17 +23,40 @@ pub enum DType {
     Bf16,
     /// IEEE single precision.
     F32,
+    /// OCP fp8 `e4m3` (finite to ±448, no infinity): a cache type only.
+    E4m3,
+    /// OCP fp8 `e5m2` (finite to ±57344): a cache type only.
+    E5m2,
 }
 
 impl DType {
-    /// Every supported type.
+    /// Every type queries, outputs and caches may have.
     pub const ALL: [DType; 3] = [DType::F16, DType::Bf16, DType::F32];
+    /// The fp8 cache types.
+    pub const FP8: [DType; 2] = [DType::E4m3, DType::E5m2];
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
+            DType::E4m3 | DType::E5m2 => 1,
             DType::F16 | DType::Bf16 => 2,
             DType::F32 => 4,
+        }
+    }
+
+    /// Whether this is an fp8 type (a scaled cache type, never a query's).
+    pub const fn is_fp8(self) -> bool {
+        matches!(self, DType::E4m3 | DType::E5m2)
+    }
+
+    /// The largest finite value of the type (what a scale maps a head's largest
+    /// magnitude to when calibrating an fp8 cache).
+    pub const fn max_finite(self) -> f32 {
+        match self {
+            DType::F16 => 65504.0,
+            DType::Bf16 | DType::F32 => f32::MAX,
+            DType::E4m3 => pagedkv_kernels::device::fp8::E4M3_MAX,
+            DType::E5m2 => pagedkv_kernels::device::fp8::E5M2_MAX,
         }
     }
 
@@ -36,12 +65,14 @@ impl DType {
         16 / self.size() as u32
     }
 
-    /// The short name (`"f16"`, `"bf16"`, `"f32"`).
+    /// The short name (`"f16"`, `"bf16"`, `"f32"`, `"e4m3"`, `"e5m2"`).
     pub const fn name(self) -> &'static str {
         match self {
             DType::F16 => "f16",
             DType::Bf16 => "bf16",
             DType::F32 => "f32",
+            DType::E4m3 => "e4m3",
+            DType::E5m2 => "e5m2",
         }
     }
 }
@@ -187,21 +218,28 @@ impl HostTensor {
         &mut self.buf
     }
 
-    /// Element `i` (flat index), widened to `f64` exactly.
+    /// Element `i` (flat index), widened to `f64` exactly. For fp8 this is the stored
+    /// value itself, before any scale.
     pub fn get(&self, i: usize) -> f64 {
         match self.dtype {
             DType::F16 => f16_to_f32(self.buf.as_slice::<u16>()[i]) as f64,
             DType::Bf16 => bf16_to_f32(self.buf.as_slice::<u16>()[i]) as f64,
             DType::F32 => self.buf.as_slice::<f32>()[i] as f64,
+            DType::E4m3 => e4m3_to_f32(self.buf.as_bytes()[i]) as f64,
+            DType::E5m2 => e5m2_to_f32(self.buf.as_bytes()[i]) as f64,
         }
     }
 
-    /// Sets element `i` (flat index) to `v` rounded to the tensor's type.
+    /// Sets element `i` (flat index) to `v` rounded to the tensor's type (through
+    /// `f32`; fp8 rounds to nearest even and saturates as `kv_append` does, NaN stays
+    /// NaN). No scale is applied: store `x / scale` into an fp8 cache.
     pub fn set(&mut self, i: usize, v: f64) {
         match self.dtype {
             DType::F16 => self.buf.as_mut_slice::<u16>()[i] = f32_to_f16(v as f32),
             DType::Bf16 => self.buf.as_mut_slice::<u16>()[i] = f32_to_bf16(v as f32),
             DType::F32 => self.buf.as_mut_slice::<f32>()[i] = v as f32,
+            DType::E4m3 => self.buf.as_bytes_mut()[i] = f32_to_e4m3(v as f32),
+            DType::E5m2 => self.buf.as_bytes_mut()[i] = f32_to_e5m2(v as f32),
         }
     }
 

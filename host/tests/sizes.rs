@@ -54,6 +54,7 @@ fn kv_append_with_a_wrapping_layout_is_an_error_not_a_panic() {
         slot_mapping: &[],
         key_cache: &mut kc,
         value_cache: &mut vc,
+        scales: None,
     })
     .unwrap_err();
     names(e, "num_blocks");

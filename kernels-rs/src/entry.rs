@@ -5,7 +5,7 @@
 //! kernels' `Kernel::NAME`s (a test in the root crate checks they match the PTX).
 
 use crate::device::{Gpu, Kernel};
-use crate::elem::{Bf16, F16};
+use crate::elem::{Bf16, E4m3, E5m2, F16};
 use crate::kernels::{
     CopyBlocks, CopyBlocksParams, DecodeParams, DecodeReduce, KvAppend, KvAppendParams,
     PagedDecode, PagedPrefill, PagedPrefillSimt, PrefillParams, ReduceParams,
@@ -81,3 +81,61 @@ pub unsafe extern "ptx-kernel" fn paged_prefill_attention_bf16(p: PrefillParams<
 pub unsafe extern "ptx-kernel" fn paged_prefill_attention_f32(p: PrefillParams<f32>) {
     PagedPrefillSimt::<f32>::run(&Gpu, &p)
 }
+
+macro_rules! fp8_entries {
+    ($t:ty, $k:ty, $append:ident, $decode:ident, $split:ident, $prefill:ident) => {
+        /// `kv_append` into an fp8 cache (quantising with the scales), see [`KvAppend`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $append(p: KvAppendParams<$t, $k>) {
+            KvAppend::<$t, $k>::run(&Gpu, &p)
+        }
+        /// Paged decode attention (no split) over an fp8 cache, see [`PagedDecode`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $decode(p: DecodeParams<$t, $k>) {
+            PagedDecode::<$t, false, $k>::run(&Gpu, &p)
+        }
+        /// Paged decode attention, split-K partials, over an fp8 cache.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $split(p: DecodeParams<$t, $k>) {
+            PagedDecode::<$t, true, $k>::run(&Gpu, &p)
+        }
+        /// Paged prefill attention over an fp8 cache, on tensor cores: see [`PagedPrefill`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $prefill(p: PrefillParams<$t, $k>) {
+            PagedPrefill::<$t, $k>::run(&Gpu, &p)
+        }
+    };
+}
+
+fp8_entries!(
+    F16,
+    E4m3,
+    kv_append_f16_e4m3,
+    paged_decode_attention_f16_e4m3,
+    paged_decode_attention_split_f16_e4m3,
+    paged_prefill_attention_f16_e4m3
+);
+fp8_entries!(
+    F16,
+    E5m2,
+    kv_append_f16_e5m2,
+    paged_decode_attention_f16_e5m2,
+    paged_decode_attention_split_f16_e5m2,
+    paged_prefill_attention_f16_e5m2
+);
+fp8_entries!(
+    Bf16,
+    E4m3,
+    kv_append_bf16_e4m3,
+    paged_decode_attention_bf16_e4m3,
+    paged_decode_attention_split_bf16_e4m3,
+    paged_prefill_attention_bf16_e4m3
+);
+fp8_entries!(
+    Bf16,
+    E5m2,
+    kv_append_bf16_e5m2,
+    paged_decode_attention_bf16_e5m2,
+    paged_decode_attention_split_bf16_e5m2,
+    paged_prefill_attention_bf16_e5m2
+);

@@ -44,7 +44,7 @@ pub mod softmax;
 mod entry;
 
 pub use device::{Ctx, Dim3, GlobalSlice, GlobalSliceMut, Kernel};
-pub use elem::{Bf16, Elem, F16};
+pub use elem::{Bf16, E4m3, E5m2, Elem, F16, KvElem};
 pub use layout::PagedLayout;
 pub use softmax::SoftmaxState;
 

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod case;
+pub mod fp8;
 pub mod serve;
 
 use pagedkv::host::DType;
@@ -31,6 +32,9 @@ pub fn tolerance(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => 1e-5,
         DType::F16 | DType::Bf16 => 1e-2,
+        DType::E4m3 | DType::E5m2 => {
+            panic!("{dtype} is a cache type: tolerances are by output type")
+        }
     }
 }
 
@@ -55,6 +59,9 @@ pub fn split_tolerance(dtype: DType) -> f64 {
         DType::F32 => 1e-5,
         DType::F16 => 2e-3,
         DType::Bf16 => 1e-2,
+        DType::E4m3 | DType::E5m2 => {
+            panic!("{dtype} is a cache type: tolerances are by output type")
+        }
     }
 }
 

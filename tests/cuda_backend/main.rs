@@ -206,6 +206,7 @@ fn kv_append_matches_the_reference_every_dtype() {
             slot_mapping: &mapping,
             key_cache: &mut kr,
             value_cache: &mut vr,
+            scales: None,
         })
         .unwrap();
         let (kd, vd) = (
@@ -219,6 +220,7 @@ fn kv_append_matches_the_reference_every_dtype() {
             slot_mapping: &mapping,
             key_cache: &mut kc,
             value_cache: &mut vc,
+            scales: None,
         })
         .unwrap();
         assert_eq!(
@@ -402,6 +404,7 @@ fn sanitizer_small_append() {
         slot_mapping: &mapping,
         key_cache: &mut kr,
         value_cache: &mut vr,
+        scales: None,
     })
     .unwrap();
     let (kd, vd) = (
@@ -415,6 +418,7 @@ fn sanitizer_small_append() {
         slot_mapping: &mapping,
         key_cache: &mut kc,
         value_cache: &mut vc,
+        scales: None,
     })
     .unwrap();
     assert_eq!(

@@ -60,7 +60,7 @@ use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::ops::attention::{self, DecodeInputs, SplitPlan};
 use crate::ops::kv_append::{self, KvAppendIo};
-use crate::ops::with_elem;
+use crate::ops::scales::{KvScales, with_kv};
 use crate::tensor::{DType, TensorDesc};
 
 /// Whether the CUDA driver library is there, so that the first driver call cannot
@@ -414,11 +414,17 @@ impl CudaBackend {
             slot_mapping,
             key_cache,
             value_cache,
+            scales,
         } = io;
         if slot_mapping.is_empty() {
             return Ok(());
         }
         let slots = self.upload("upload slot_mapping", slot_mapping)?;
+        let scales = self.upload_scales(scales)?;
+        let scale_views = scales
+            .as_ref()
+            .map(|(k, v)| (k.device_ptr(&self.stream), v.device_ptr(&self.stream)));
+        let heads = layout.num_kv_heads as u64;
         let s = &self.stream;
         let (kp, _gk) = key.buf.device_ptr(s);
         let (vp, _gv) = value.buf.device_ptr(s);
@@ -428,23 +434,26 @@ impl CudaBackend {
         let n = TensorDesc::len(key) as u64;
         let pool = layout.pool_elems();
         let cfg = kv_append::launch_config(slot_mapping.len());
-        with_elem!(key_cache.dtype, T => {
-            // SAFETY: device addresses of buffers borrowed for this call, with their
-            // validated lengths in elements of the validated dtype.
+        with_kv!(key.dtype, key_cache.dtype, T, K => {
+            // SAFETY: device addresses of buffers borrowed for this call (the scales
+            // owned), with their validated lengths in elements of the validated dtypes.
             let params = unsafe {
-                KvAppendParams::<T> {
+                let (k_scales, v_scales) = scale_slices(&scale_views, heads);
+                KvAppendParams::<T, K> {
                     key: GlobalSlice::from_raw_parts(kp as *const T, n),
                     value: GlobalSlice::from_raw_parts(vp as *const T, n),
                     slot_mapping: GlobalSlice::from_raw_parts(sp as *const i64, slot_mapping.len() as u64),
-                    key_cache: GlobalSliceMut::from_raw_parts(kcp as *mut T, pool),
-                    value_cache: GlobalSliceMut::from_raw_parts(vcp as *mut T, pool),
+                    key_cache: GlobalSliceMut::from_raw_parts(kcp as *mut K, pool),
+                    value_cache: GlobalSliceMut::from_raw_parts(vcp as *mut K, pool),
+                    k_scales,
+                    v_scales,
                     layout: *layout,
                 }
             };
             // SAFETY: (1) above; (2) validated; (3) the buffers are borrowed (caches
             // mutably) until return and `slots` lives until the stream's next sync point
             // through cudarc's stream-ordered free; (4) kv_append's own config.
-            unsafe { self.launch::<KvAppend<T>>(cfg, params)? };
+            unsafe { self.launch::<KvAppend<T, K>>(cfg, params)? };
         });
         Ok(())
     }
@@ -471,8 +480,13 @@ impl CudaBackend {
             context_lens,
             plan: _,
         } = inputs;
-        let dtype = key_cache.dtype;
+        let (dtype, qd) = (key_cache.dtype, q.dtype);
         let tables = self.upload("upload block_tables", block_tables)?;
+        let scales = self.upload_scales(opts.kv_scales.as_ref())?;
+        let scale_views = scales
+            .as_ref()
+            .map(|(k, v)| (k.device_ptr(&self.stream), v.device_ptr(&self.stream)));
+        let kv_heads = shape.num_kv_heads as u64;
         let lens = self.upload("upload context_lens", context_lens)?;
         let slopes: Option<CudaSlice<f32>> = match &opts.alibi_slopes {
             Some(v) => Some(self.upload("upload alibi_slopes", v)?),
@@ -508,14 +522,17 @@ impl CudaBackend {
         let (op, _go) = out.buf.device_ptr_mut(s);
         let pool = shape.layout().pool_elems();
         let qn = TensorDesc::len(q) as u64;
-        with_elem!(dtype, T => {
+        with_kv!(qd, dtype, T, K => {
             // SAFETY: device addresses of buffers borrowed or owned for this call, with
-            // their validated lengths in elements of the validated dtype.
+            // their validated lengths in elements of the validated dtypes.
             let params = unsafe {
-                DecodeParams::<T> {
+                let (k_scales, v_scales) = scale_slices(&scale_views, kv_heads);
+                DecodeParams::<T, K> {
                     q: GlobalSlice::from_raw_parts(qp as *const T, qn),
-                    key_cache: GlobalSlice::from_raw_parts(kp as *const T, pool),
-                    value_cache: GlobalSlice::from_raw_parts(vp as *const T, pool),
+                    key_cache: GlobalSlice::from_raw_parts(kp as *const K, pool),
+                    value_cache: GlobalSlice::from_raw_parts(vp as *const K, pool),
+                    k_scales,
+                    v_scales,
                     block_tables: GlobalSlice::from_raw_parts(tp as *const i32, block_tables.len() as u64),
                     context_lens: GlobalSlice::from_raw_parts(lp as *const i32, context_lens.len() as u64),
                     alibi_slopes: match &slope_ptr {
@@ -549,7 +566,7 @@ impl CudaBackend {
             if p.is_split() {
                 // SAFETY: (1) above; (2) validated shapes and plan; (3) inputs borrowed,
                 // `out` borrowed mutably, partials owned until return; (4) own config.
-                unsafe { self.launch::<PagedDecode<T, true>>(cfg, params)? };
+                unsafe { self.launch::<PagedDecode<T, true, K>>(cfg, params)? };
                 // SAFETY: as above; the reduce reads the partials the decode wrote
                 // (ordered on the same stream) and writes `out`.
                 let rp = unsafe {
@@ -564,13 +581,27 @@ impl CudaBackend {
                     }
                 };
                 // SAFETY: as above.
-                unsafe { self.launch::<DecodeReduce<T>>(attention::reduce_launch_config(shape, dtype), rp)? };
+                unsafe { self.launch::<DecodeReduce<T>>(attention::reduce_launch_config(shape, qd), rp)? };
             } else {
                 // SAFETY: as for the split launch.
-                unsafe { self.launch::<PagedDecode<T, false>>(cfg, params)? };
+                unsafe { self.launch::<PagedDecode<T, false, K>>(cfg, params)? };
             }
         });
         Ok(p)
+    }
+
+    /// Uploads an fp8 cache's scales (K, then V), or nothing.
+    fn upload_scales(
+        &self,
+        s: Option<&KvScales>,
+    ) -> Result<Option<(CudaSlice<f32>, CudaSlice<f32>)>> {
+        s.map(|s| {
+            Ok((
+                self.upload("upload kv_scales.k", &s.k)?,
+                self.upload("upload kv_scales.v", &s.v)?,
+            ))
+        })
+        .transpose()
     }
 
     /// Times `f` on the stream with CUDA events, in milliseconds (for benchmarks).
@@ -594,6 +625,31 @@ impl CudaBackend {
         self.stream
             .memcpy_dtod(&src.buf, &mut dst.buf)
             .map_err(cuda("cuMemcpyDtoD"))
+    }
+}
+
+/// A device address with the guard that orders its use on the stream.
+type GuardedPtr<G> = (sys::CUdeviceptr, G);
+
+/// Kernel views of an fp8 cache's uploaded scales (`heads` each), or empty views when
+/// the cache is unscaled.
+///
+/// # Safety
+/// Each pointer is the device address of `heads` f32 that stay allocated (and are not
+/// written) while a launch uses the views.
+unsafe fn scale_slices<G>(
+    s: &Option<(GuardedPtr<G>, GuardedPtr<G>)>,
+    heads: u64,
+) -> (GlobalSlice<f32>, GlobalSlice<f32>) {
+    match s {
+        // SAFETY: the caller's contract.
+        Some(((k, _), (v, _))) => unsafe {
+            (
+                GlobalSlice::from_raw_parts(*k as *const f32, heads),
+                GlobalSlice::from_raw_parts(*v as *const f32, heads),
+            )
+        },
+        None => (GlobalSlice::empty(), GlobalSlice::empty()),
     }
 }
 

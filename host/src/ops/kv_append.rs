@@ -3,6 +3,7 @@
 //! ```
 //! use pagedkv_host::{DType, HostTensor, emulator::Emulator};
 //! use pagedkv_host::ops::kv_append::{KvAppendIo, kv_append_emulated};
+//! use pagedkv_host::ops::scales::KvScales;
 //! use pagedkv_kernels::PagedLayout;
 //!
 //! let layout = PagedLayout { num_blocks: 4, num_kv_heads: 2, block_size: 8, head_dim: 64 };
@@ -12,9 +13,19 @@
 //! let v = HostTensor::full(DType::F16, &[3, 2, 64], -2.0);
 //! // Token 1 is padding (slot -1).
 //! kv_append_emulated(&Emulator::new(), KvAppendIo { layout: &layout, key: &k, value: &v,
-//!     slot_mapping: &[9, -1, 30], key_cache: &mut kc, value_cache: &mut vc }).unwrap();
+//!     slot_mapping: &[9, -1, 30], key_cache: &mut kc, value_cache: &mut vc,
+//!     scales: None }).unwrap();
 //! assert_eq!(kc.get(layout.slot_offset(9, 1) as usize), 1.5);
 //! assert!(kc.get(layout.slot_offset(10, 0) as usize).is_nan());
+//!
+//! // An fp8 cache stores x / scale: 1.5 / 0.25 = 6 and -2 / 0.5 = -4 are exact in e4m3.
+//! let (mut kc, mut vc) = (HostTensor::full(DType::E4m3, &pool, f64::NAN), HostTensor::full(DType::E4m3, &pool, f64::NAN));
+//! let scales = KvScales::per_tensor(2, 0.25, 0.5);
+//! kv_append_emulated(&Emulator::new(), KvAppendIo { layout: &layout, key: &k, value: &v,
+//!     slot_mapping: &[9, -1, 30], key_cache: &mut kc, value_cache: &mut vc,
+//!     scales: Some(&scales) }).unwrap();
+//! assert_eq!(kc.get(layout.slot_offset(30, 0) as usize), 6.0);
+//! assert_eq!(vc.get(layout.slot_offset(30, 0) as usize), -4.0);
 //! ```
 
 use std::collections::HashSet;
@@ -23,7 +34,8 @@ use pagedkv_kernels::kernels::kv_append::THREADS;
 use pagedkv_kernels::kernels::{KvAppend, KvAppendParams};
 use pagedkv_kernels::{Dim3, PagedLayout};
 
-use super::{check_layout, check_tensor, slice_view, view, view_mut, with_elem};
+use super::scales::{KvScales, check_cache_types, with_kv};
+use super::{check_layout, check_tensor, slice_view, view, view_mut};
 use crate::emulator::{Emulator, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::reference;
@@ -48,13 +60,17 @@ pub struct KvAppendIo<'a, T> {
     pub key_cache: &'a mut T,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`: written at the slots.
     pub value_cache: &'a mut T,
+    /// The per-KV-head scales of an fp8 cache (required for one, refused otherwise):
+    /// K is stored as `encode(x / scales.k[h])`, V likewise.
+    pub scales: Option<&'a KvScales>,
 }
 
 /// Checks every argument of a `kv_append` launch.
 ///
 /// `key`, `value`: `[num_tokens, num_kv_heads, head_dim]`; `slot_mapping`: `[num_tokens]`
-/// (negative: skip); caches: `[num_blocks, num_kv_heads, block_size, head_dim]`, all
-/// of one dtype. Every non-negative slot must be inside the pool and appear once.
+/// (negative: skip); caches: `[num_blocks, num_kv_heads, block_size, head_dim]`, of
+/// the keys' dtype, or fp8 with `scales` (see [`check_cache_types`]). Every non-negative
+/// slot must be inside the pool and appear once.
 pub fn validate<T: TensorDesc>(io: &KvAppendIo<'_, T>) -> Result<()> {
     let KvAppendIo {
         layout,
@@ -63,6 +79,7 @@ pub fn validate<T: TensorDesc>(io: &KvAppendIo<'_, T>) -> Result<()> {
         slot_mapping,
         ref key_cache,
         ref value_cache,
+        scales,
     } = *io;
     let (key_cache, value_cache): (&T, &T) = (key_cache, value_cache);
     check_layout(layout)?;
@@ -77,8 +94,9 @@ pub fn validate<T: TensorDesc>(io: &KvAppendIo<'_, T>) -> Result<()> {
     check_tensor("key_cache", key_cache, dtype, layout.pool_elems())?;
     check_tensor("value_cache", value_cache, dtype, layout.pool_elems())?;
     let row = layout.num_kv_heads as u64 * layout.head_dim as u64;
-    check_tensor("key", key, dtype, n as u64 * row)?;
-    check_tensor("value", value, dtype, n as u64 * row)?;
+    check_cache_types(key.dtype(), dtype, scales, layout.num_kv_heads)?;
+    check_tensor("key", key, key.dtype(), n as u64 * row)?;
+    check_tensor("value", value, key.dtype(), n as u64 * row)?;
     validate_slots(layout, slot_mapping)
 }
 
@@ -127,8 +145,15 @@ pub fn kv_append_reference(io: KvAppendIo<'_, HostTensor>) -> Result<()> {
         slot_mapping,
         key_cache,
         value_cache,
+        scales,
     } = io;
-    reference::kv_append(layout, key, value, slot_mapping, key_cache, value_cache);
+    reference::kv_append(
+        layout,
+        (key, value),
+        slot_mapping,
+        (key_cache, value_cache),
+        scales,
+    );
     Ok(())
 }
 
@@ -142,28 +167,35 @@ pub fn kv_append_emulated(emu: &Emulator, io: KvAppendIo<'_, HostTensor>) -> Res
         slot_mapping,
         key_cache,
         value_cache,
+        scales,
     } = io;
     if slot_mapping.is_empty() {
         return Ok(());
     }
     let cfg = launch_config(slot_mapping.len());
-    with_elem!(key_cache.dtype(), T => {
+    let (k_scales, v_scales): (&[f32], &[f32]) = match scales {
+        Some(s) => (&s.k, &s.v),
+        None => (&[], &[]),
+    };
+    with_kv!(key.dtype(), key_cache.dtype(), T, K => {
         // SAFETY: every view covers a tensor or slice borrowed for this whole function,
         // of the element type its dtype names (checked by `validate`).
         let params = unsafe {
-            KvAppendParams::<T> {
+            KvAppendParams::<T, K> {
                 key: view(key),
                 value: view(value),
                 slot_mapping: slice_view(slot_mapping),
                 key_cache: view_mut(key_cache),
                 value_cache: view_mut(value_cache),
+                k_scales: slice_view(k_scales),
+                v_scales: slice_view(v_scales),
                 layout: *layout,
             }
         };
         // SAFETY: (1) views valid for the launch (above); (2) the caches are borrowed
         // mutably and the inputs immutably, so nothing else touches them; (3) slots are
         // unique (validated), so each cache element is written by one thread.
-        unsafe { emu.launch::<KvAppend<T>>(cfg, params)? };
+        unsafe { emu.launch::<KvAppend<T, K>>(cfg, params)? };
     });
     Ok(())
 }

@@ -8,6 +8,7 @@ pub mod attention;
 pub mod copy_blocks;
 pub mod kv_append;
 pub mod prefill;
+pub mod scales;
 
 use pagedkv_kernels::{GlobalSlice, GlobalSliceMut, PagedLayout};
 
@@ -86,7 +87,7 @@ pub(crate) fn check_tensor(
     if t.dtype() != dtype {
         return Err(Error::invalid(
             arg,
-            format!("dtype {} but the cache is {dtype}", t.dtype()),
+            format!("dtype {}, expected {dtype}", t.dtype()),
         ));
     }
     if t.len() as u64 != elems {
@@ -147,6 +148,12 @@ macro_rules! with_elem {
             $crate::tensor::DType::F32 => {
                 type $t = f32;
                 $body
+            }
+            d @ ($crate::tensor::DType::E4m3 | $crate::tensor::DType::E5m2) => {
+                return Err($crate::error::Error::invalid(
+                    "dtype",
+                    format!("{d} is a cache type only"),
+                ))
             }
         }
     };

@@ -32,9 +32,10 @@ use pagedkv_kernels::kernels::prefill::{
     MMA_THREADS, PagedPrefill, PagedPrefillSimt, PrefillParams, ROWS, SIMT_THREADS,
     mma_shared_bytes,
 };
-use pagedkv_kernels::{Bf16, Dim3, F16};
+use pagedkv_kernels::{Bf16, Dim3, E4m3, E5m2, F16};
 
 use super::attention::{DecodeOptions, DecodeShape, validate_options};
+use super::scales::check_cache_types;
 use super::{MAX_GRID_YZ, check_layout, check_tensor, slice_view, view, view_mut};
 use crate::emulator::{Emulator, LaunchConfig};
 use crate::error::{Error, Result};
@@ -103,11 +104,12 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
     let n = sh.num_seqs as usize;
     let total = inputs.qo_indptr[n] as u64;
     let qn = total * sh.row_elems();
-    let dtype = inputs.key_cache.dtype();
+    let (dtype, qd) = (inputs.key_cache.dtype(), inputs.q.dtype());
     check_tensor("key_cache", inputs.key_cache, dtype, l.pool_elems())?;
     check_tensor("value_cache", inputs.value_cache, dtype, l.pool_elems())?;
-    check_tensor("q", inputs.q, dtype, qn)?;
-    check_tensor("out", out, dtype, qn)?;
+    check_cache_types(qd, dtype, inputs.opts.kv_scales.as_ref(), sh.num_kv_heads)?;
+    check_tensor("q", inputs.q, qd, qn)?;
+    check_tensor("out", out, qd, qn)?;
     Ok(max_rows)
 }
 
@@ -199,11 +201,12 @@ pub fn validate_metadata(
     Ok(max_rows as u32)
 }
 
-/// Launch configuration for the sequences' most rows `max_rows`: the tensor-core kernel
-/// (16 rows a block, one warp) for 16-bit types, the f32 kernel (a row a thread) else.
-pub fn launch_config(shape: &DecodeShape, dtype: DType, max_rows: u32) -> LaunchConfig {
-    match dtype {
-        DType::F32 => LaunchConfig {
+/// Launch configuration for the sequences' most rows `max_rows` and queries of `q_dtype`:
+/// the tensor-core kernel (16 rows a block, one warp) for 16-bit queries (whatever the
+/// cache: an fp8 one is decoded into 16-bit tiles), the f32 kernel (a row a thread) else.
+pub fn launch_config(shape: &DecodeShape, q_dtype: DType, max_rows: u32) -> LaunchConfig {
+    match q_dtype {
+        DType::F32 | DType::E4m3 | DType::E5m2 => LaunchConfig {
             grid: Dim3::new(
                 shape.num_kv_heads,
                 max_rows.div_ceil(SIMT_THREADS).max(1),
@@ -234,36 +237,57 @@ pub fn prefill_emulated(
     if max_rows == 0 {
         return Ok(());
     }
-    let dtype = inputs.key_cache.dtype();
-    let cfg = launch_config(inputs.shape, dtype, max_rows);
-    // SAFETY: (1) every view covers a tensor or slice borrowed for this call, of the
-    // element type its dtype names; (2) `out` is borrowed mutably; (3) each output
-    // element belongs to one (row, column) of one block's thread (validated shapes).
-    unsafe {
-        match dtype {
-            DType::F16 => emu.launch::<PagedPrefill<F16>>(cfg, params(&inputs, out)),
-            DType::Bf16 => emu.launch::<PagedPrefill<Bf16>>(cfg, params(&inputs, out)),
-            DType::F32 => emu.launch::<PagedPrefillSimt<f32>>(cfg, params(&inputs, out)),
-        }?
-    };
-    Ok(())
+    let (qd, cache) = (inputs.q.dtype(), inputs.key_cache.dtype());
+    let cfg = launch_config(inputs.shape, qd, max_rows);
+    macro_rules! launch {
+        ($kernel:ty) => {
+            // SAFETY: (1) every view covers a tensor or slice borrowed for this call, of
+            // the element type its dtype names (the match below is over the validated
+            // dtypes); (2) `out` is borrowed mutably; (3) each output element belongs to
+            // one (row, column) of one block's thread (validated shapes).
+            unsafe {
+                emu.launch::<$kernel>(cfg, params(&inputs, out))
+                    .map_err(Into::into)
+            }
+        };
+    }
+    use DType as D;
+    match (qd, cache) {
+        (D::F32, D::F32) => launch!(PagedPrefillSimt<f32>),
+        (D::F16, D::F16) => launch!(PagedPrefill<F16>),
+        (D::Bf16, D::Bf16) => launch!(PagedPrefill<Bf16>),
+        (D::F16, D::E4m3) => launch!(PagedPrefill<F16, E4m3>),
+        (D::F16, D::E5m2) => launch!(PagedPrefill<F16, E5m2>),
+        (D::Bf16, D::E4m3) => launch!(PagedPrefill<Bf16, E4m3>),
+        (D::Bf16, D::E5m2) => launch!(PagedPrefill<Bf16, E5m2>),
+        (q, c) => Err(Error::invalid(
+            "dtype",
+            format!("no prefill kernel for {q} queries over a {c} cache"),
+        )),
+    }
 }
 
 /// The kernel parameters over host tensors.
 ///
 /// # Safety
 /// `T` is the element type of the tensors' dtype; the views must not outlive them.
-unsafe fn params<T: Copy>(
+unsafe fn params<T: Copy, K: Copy>(
     i: &PrefillInputs<'_, HostTensor>,
     out: &mut HostTensor,
-) -> PrefillParams<T> {
+) -> PrefillParams<T, K> {
     let o = i.opts;
+    let (k_scales, v_scales): (&[f32], &[f32]) = match &o.kv_scales {
+        Some(s) => (&s.k, &s.v),
+        None => (&[], &[]),
+    };
     // SAFETY: the caller's contract.
     unsafe {
         PrefillParams {
             q: view(i.q),
             key_cache: view(i.key_cache),
             value_cache: view(i.value_cache),
+            k_scales: slice_view(k_scales),
+            v_scales: slice_view(v_scales),
             block_tables: slice_view(i.block_tables),
             qo_indptr: slice_view(i.qo_indptr),
             context_lens: slice_view(i.context_lens),

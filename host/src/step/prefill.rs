@@ -171,6 +171,8 @@ impl<D: StepDevice> StepRunner<D> {
                             io.value_cache.raw.addr as *const $t,
                             pool,
                         ),
+                        k_scales: GlobalSlice::empty(),
+                        v_scales: GlobalSlice::empty(),
                         block_tables: GlobalSlice::from_raw_parts(
                             at(0) as *const i32,
                             n * pp.shape.max_blocks_per_seq as u64,
@@ -213,6 +215,10 @@ impl<D: StepDevice> StepRunner<D> {
                 let p = params!(f32);
                 unsafe { self.launch_prefill::<PagedPrefillSimt<f32>>(cfg, p) }
             }
+            d @ (DType::E4m3 | DType::E5m2) => Err(Error::invalid(
+                "dtype",
+                format!("{d} caches are served by the per-call ops, not the step path yet"),
+            )),
         }
     }
 

@@ -127,6 +127,8 @@ impl<D: StepDevice> StepRunner<D> {
                     slot_mapping: GlobalSlice::from_raw_parts(slots as *const i64, n),
                     key_cache: GlobalSliceMut::from_raw_parts(io.key_cache.raw.addr as *mut T, pool),
                     value_cache: GlobalSliceMut::from_raw_parts(io.value_cache.raw.addr as *mut T, pool),
+                    k_scales: GlobalSlice::empty(),
+                    v_scales: GlobalSlice::empty(),
                     layout: l,
                 }
             };
@@ -174,6 +176,8 @@ impl<D: StepDevice> StepRunner<D> {
                     q: GlobalSlice::from_raw_parts(io.q.raw.addr as *const T, io.q.raw.elems),
                     key_cache: GlobalSlice::from_raw_parts(io.key_cache.raw.addr as *const T, pool),
                     value_cache: GlobalSlice::from_raw_parts(io.value_cache.raw.addr as *const T, pool),
+                    k_scales: GlobalSlice::empty(),
+                    v_scales: GlobalSlice::empty(),
                     block_tables: GlobalSlice::from_raw_parts(tables as *const i32, rows * ds.max_blocks_per_seq as u64),
                     context_lens: GlobalSlice::from_raw_parts(lens as *const i32, rows),
                     alibi_slopes: if opts.alibi_slopes.is_some() {

@@ -166,6 +166,15 @@ impl<D: StepDevice> StepRunner<D> {
         sm_count: Option<u32>,
     ) -> Result<Self> {
         check_layout(&shape.layout())?;
+        if shape.dtype.is_fp8() {
+            return Err(Error::invalid(
+                "dtype",
+                format!(
+                    "{}: the step path serves f16, bf16 and f32 caches; fp8 caches run through the per-call ops (ops::kv_append, ops::attention, ops::prefill)",
+                    shape.dtype
+                ),
+            ));
+        }
         if shape.num_q_heads == 0 || !shape.num_q_heads.is_multiple_of(shape.num_kv_heads) {
             return Err(Error::invalid(
                 "num_q_heads",

@@ -7,7 +7,8 @@ use pagedkv_kernels::{GlobalSlice, GlobalSliceMut};
 use super::{DecodeInputs, SplitPlan, decode_launch_config, reduce_launch_config, validate_launch};
 use crate::emulator::Emulator;
 use crate::error::Result;
-use crate::ops::{slice_view, view, view_mut, with_elem};
+use crate::ops::scales::with_kv;
+use crate::ops::{slice_view, view, view_mut};
 use crate::tensor::HostTensor;
 
 /// Runs the real decode kernel (and, for a split plan, the reduce kernel) in the
@@ -42,14 +43,20 @@ pub fn decode_emulated(
         (Vec::new(), Vec::new())
     };
     let slopes: &[f32] = opts.alibi_slopes.as_deref().unwrap_or(&[]);
-    with_elem!(dtype, T => {
+    let (k_scales, v_scales): (&[f32], &[f32]) = match &opts.kv_scales {
+        Some(s) => (&s.k, &s.v),
+        None => (&[], &[]),
+    };
+    with_kv!(q.dtype(), dtype, T, K => {
         // SAFETY: every view covers a tensor, slice or vector that lives (borrowed or
         // owned here) until this function returns, of the element type its dtype names.
         let params = unsafe {
-            DecodeParams::<T> {
+            DecodeParams::<T, K> {
                 q: view(q),
                 key_cache: view(key_cache),
                 value_cache: view(value_cache),
+                k_scales: slice_view(k_scales),
+                v_scales: slice_view(v_scales),
                 block_tables: slice_view(block_tables),
                 context_lens: slice_view(context_lens),
                 alibi_slopes: slice_view(slopes),
@@ -75,7 +82,7 @@ pub fn decode_emulated(
         // and the partials are owned here; (3) each (sequence, query head, chunk) output
         // element and each partial is written by one thread (validated shapes and plan).
         if plan.is_split() {
-            unsafe { emu.launch::<PagedDecode<T, true>>(cfg, params)? };
+            unsafe { emu.launch::<PagedDecode<T, true, K>>(cfg, params)? };
             // SAFETY: as above; the partials are now only read.
             let rp = unsafe {
                 ReduceParams::<T> {
@@ -89,9 +96,10 @@ pub fn decode_emulated(
                 }
             };
             // SAFETY: as above: one thread per output chunk.
-            unsafe { emu.launch::<DecodeReduce<T>>(reduce_launch_config(shape, dtype), rp)? };
+            let rcfg = reduce_launch_config(shape, q.dtype());
+            unsafe { emu.launch::<DecodeReduce<T>>(rcfg, rp)? };
         } else {
-            unsafe { emu.launch::<PagedDecode<T, false>>(cfg, params)? };
+            unsafe { emu.launch::<PagedDecode<T, false, K>>(cfg, params)? };
         }
     });
     Ok(*plan)

@@ -46,14 +46,16 @@ mod plan;
 pub use emulated::decode_emulated;
 pub use pagedkv_kernels::kernels::attention::TILE_TOKENS;
 pub use plan::{
-    DECODE_REGISTERS, MIN_PARTITION_TOKENS, SmLimits, SplitPlan, TARGET_BYTES_IN_FLIGHT_PER_SM,
-    decode_blocks_per_sm, decode_blocks_per_sm_at, decode_blocks_wanted_per_sm,
-    decode_bytes_in_flight, decode_bytes_in_flight_per_sm, decode_launch_config, geometry,
-    max_heads_per_block, plan, plan_unsplit, reduce_launch_config, validate_plan,
+    DECODE_REGISTERS, DECODE_REGISTERS_FP8, MIN_PARTITION_TOKENS, SmLimits, SplitPlan,
+    TARGET_BYTES_IN_FLIGHT_PER_SM, decode_blocks_per_sm, decode_blocks_per_sm_at,
+    decode_blocks_wanted_per_sm, decode_bytes_in_flight, decode_bytes_in_flight_per_sm,
+    decode_launch_config, decode_registers, geometry, max_heads_per_block, plan, plan_unsplit,
+    reduce_launch_config, validate_plan,
 };
 
 use pagedkv_kernels::PagedLayout;
 
+use super::scales::{KvScales, check_cache_types};
 use super::{MAX_GRID_YZ, check_layout, check_tensor};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorDesc};
@@ -110,6 +112,9 @@ pub struct DecodeOptions {
     pub window: Option<u32>,
     /// ALiBi: one slope per query head; the bias is `slope * (t - (ctx - 1))`.
     pub alibi_slopes: Option<Vec<f32>>,
+    /// The per-KV-head scales of an fp8 cache (required for one, refused otherwise):
+    /// the kernels read K as `decode(b) * kv_scales.k[h]`, V likewise.
+    pub kv_scales: Option<KvScales>,
 }
 
 impl DecodeOptions {
@@ -120,6 +125,7 @@ impl DecodeOptions {
             softcap: None,
             window: None,
             alibi_slopes: None,
+            kv_scales: None,
         }
     }
 }
@@ -158,8 +164,9 @@ impl<T> Clone for DecodeInputs<'_, T> {
 impl<T> Copy for DecodeInputs<'_, T> {}
 
 ///
-/// `q`, `out`: `[num_seqs, num_q_heads, head_dim]`; caches: `[num_blocks, num_kv_heads,
-/// block_size, head_dim]`, one dtype for all; `block_tables`: `[num_seqs,
+/// `q`, `out`: `[num_seqs, num_q_heads, head_dim]`, one dtype; caches: `[num_blocks,
+/// num_kv_heads, block_size, head_dim]`, of q's dtype or fp8 with `opts.kv_scales` (see
+/// [`check_cache_types`]); `block_tables`: `[num_seqs,
 /// max_blocks_per_seq]`; `context_lens`: `[num_seqs]`, each in `1..=max_blocks_per_seq *
 /// block_size`. Every block id a sequence reads (those covering its window) must be
 /// inside the pool.
@@ -198,8 +205,14 @@ pub fn validate<T: TensorDesc>(inputs: &DecodeInputs<'_, T>, out: &T) -> Result<
     let qn = shape.num_seqs as u64 * shape.num_q_heads as u64 * shape.head_dim as u64;
     check_tensor("key_cache", key_cache, dtype, l.pool_elems())?;
     check_tensor("value_cache", value_cache, dtype, l.pool_elems())?;
-    check_tensor("q", q, dtype, qn)?;
-    check_tensor("out", out, dtype, qn)?;
+    check_cache_types(
+        q.dtype(),
+        dtype,
+        opts.kv_scales.as_ref(),
+        shape.num_kv_heads,
+    )?;
+    check_tensor("q", q, q.dtype(), qn)?;
+    check_tensor("out", out, q.dtype(), qn)?;
     validate_options(opts, shape.num_q_heads)?;
     validate_metadata(shape, opts.window, block_tables, context_lens)
 }

@@ -58,6 +58,18 @@ pub fn max_heads_per_block(head_dim: u32, dtype: DType) -> u32 {
 /// `tests/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
 /// never optimistic.
 pub const DECODE_REGISTERS: u32 = 80;
+/// As [`DECODE_REGISTERS`], for the decode kernels over an fp8 cache (16 q and 16
+/// accumulator registers a thread, and the conversions).
+pub const DECODE_REGISTERS_FP8: u32 = 128;
+
+/// The register bound of the decode kernel over a cache of `dtype`.
+pub const fn decode_registers(dtype: DType) -> u32 {
+    if dtype.is_fp8() {
+        DECODE_REGISTERS_FP8
+    } else {
+        DECODE_REGISTERS
+    }
+}
 
 /// What bounds how many blocks an SM runs at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,9 +103,9 @@ impl SmLimits {
 }
 
 /// Blocks of the decode kernel one SM runs at once (the least of what registers,
-/// threads, shared memory and the block limit allow), with [`DECODE_REGISTERS`].
+/// threads, shared memory and the block limit allow), with [`decode_registers`].
 pub fn decode_blocks_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
-    decode_blocks_per_sm_at(DECODE_REGISTERS, head_dim, dtype, sm)
+    decode_blocks_per_sm_at(decode_registers(dtype), head_dim, dtype, sm)
 }
 
 /// [`decode_blocks_per_sm`] for a kernel of `registers` registers per thread (what

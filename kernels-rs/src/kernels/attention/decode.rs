@@ -2,15 +2,18 @@
 //! module docs of [`super`]).
 
 use crate::device::{Ctx, Kernel};
-use crate::elem::{Bf16, Elem, F16};
+use crate::elem::{Bf16, E4m3, E5m2, Elem, F16, KvElem};
+use crate::kernels::each16;
 use crate::softmax::{LOG2_E, SoftmaxState};
 
 use super::{
-    DecodeGeometry, DecodeParams, PIECES_PER_THREAD, PagedDecode, STAGES, THREADS, max_vec,
+    ACC_WORDS, DecodeGeometry, DecodeParams, PIECES_PER_THREAD, PagedDecode, STAGES, THREADS,
+    max_vec,
 };
 
-/// Per-thread registers of `max_vec` chunks of 8 `f32` (q, or the accumulator).
-type Vecs = [[f32; 8]; 2];
+/// Per-thread registers (q, or the accumulator): chunk `v`'s element `e` at `v *
+/// K::PER_V4 + e`.
+type Vecs = [f32; ACC_WORDS as usize];
 
 /// One of the thread's 16-byte copies per stage: where it lands and what it reads.
 #[derive(Clone, Copy)]
@@ -40,20 +43,35 @@ fn each_piece(p: &mut [Piece; PIECES_PER_THREAD as usize], mut f: impl FnMut(&mu
     f(d);
 }
 
-/// Calls `f(v, &mut x[v])` for `v < max_vec::<T>()`, each index a constant.
+/// Calls `f(v)` for each chunk `v < max_vec(K::PER_V4)` a thread holds, each a
+/// constant after inlining (so the registers it indexes stay registers).
 #[inline(always)]
-fn each_vec<T: Elem>(x: &mut Vecs, mut f: impl FnMut(u32, &mut [f32; 8])) {
-    let [a, b] = x;
-    f(0, a);
-    if max_vec(T::PER_V4) > 1 {
-        f(1, b);
+fn each_vec<K: KvElem>(mut f: impl FnMut(u32)) {
+    f(0);
+    if max_vec(K::PER_V4) > 1 {
+        f(1);
+    }
+}
+
+/// Calls `f(j)` for each of the `sub = K::PER_V4 / T::PER_V4` (1 or 2) q / out vectors
+/// of one cache chunk, each a constant after inlining.
+#[inline(always)]
+fn each_sub<T: Elem, K: KvElem>(mut f: impl FnMut(u32)) {
+    f(0);
+    if K::PER_V4 / T::PER_V4 > 1 {
+        f(1);
     }
 }
 
 #[inline(always)]
-pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodeParams<T>) {
+pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
+    ctx: &C,
+    p: &DecodeParams<T, K>,
+) {
     let l = &p.layout;
-    let geo = DecodeGeometry::new(l.head_dim, T::PER_V4);
+    let geo = DecodeGeometry::new(l.head_dim, K::PER_V4);
+    // Elements of a chunk (a 16-byte cache vector), and q / out vectors per chunk.
+    let kp = K::PER_V4;
     let (chunks, bdx, st) = (geo.chunks, geo.bdx, geo.stage_tokens);
     let bdy = p.heads_per_block;
     let bdz = geo.token_groups(bdy);
@@ -125,7 +143,7 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
         pc.is_v = i >= half;
         let r = if pc.is_v { i - half } else { i };
         pc.tok = r / chunks;
-        pc.col = (r - pc.tok * chunks) * T::PER_V4;
+        pc.col = (r - pc.tok * chunks) * kp;
         pc.word = 4 * i;
     });
     // Loads the block ids of stage `s`'s tokens (ahead of its copies).
@@ -155,15 +173,27 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
         ctx.cp_async_commit();
     };
 
+    // The cache's scales for this KV head: K's folded into q, V's into the output.
+    let (k_scale, v_scale) = if K::SCALED {
+        (
+            ctx.ld(&p.k_scales, kv_head as u64),
+            ctx.ld(&p.v_scales, kv_head as u64),
+        )
+    } else {
+        (1.0, 1.0)
+    };
+    let q_scale = p.scale * k_scale;
     // q of this thread's head and chunks, scaled, in registers.
-    let mut q: Vecs = [[0.0; 8]; 2];
-    each_vec::<T>(&mut q, |v, qv| {
+    let mut q: Vecs = [0.0; ACC_WORDS as usize];
+    each_vec::<K>(|v| {
         let c = tx + v * bdx;
         if active && c < chunks {
-            let raw = ctx.ld_v4(&p.q, q_at + (c * T::PER_V4) as u64);
-            for e in 0..T::PER_V4 {
-                qv[e as usize] = T::unpack(&raw, e) * p.scale;
-            }
+            each_sub::<T, K>(|j| {
+                let raw = ctx.ld_v4(&p.q, q_at + (c * kp + j * T::PER_V4) as u64);
+                for e in 0..T::PER_V4 {
+                    q[(v * kp + j * T::PER_V4 + e) as usize] = T::unpack(&raw, e) * q_scale;
+                }
+            });
         }
     });
     let slope = if active && !p.alibi_slopes.is_empty() {
@@ -182,7 +212,7 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
     }
 
     let mut state = SoftmaxState::EMPTY;
-    let mut acc: Vecs = [[0.0; 8]; 2];
+    let mut acc: Vecs = [0.0; ACC_WORDS as usize];
     let per_group = st.div_ceil(bdz);
     let mut i = 0;
     while i < num_stages {
@@ -201,13 +231,15 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
             let row = if tok < st { tok } else { 0 };
             // Every lane shuffles (the warp must), valid or not.
             let mut dot = 0.0f32;
-            each_vec::<T>(&mut q, |v, qv| {
+            each_vec::<K>(|v| {
                 let c = tx + v * bdx;
                 if c < chunks {
                     let kk = ctx.smem_ld_v4(base + 4 * (row * chunks + c));
-                    for e in 0..T::PER_V4 {
-                        dot = ctx.fma(qv[e as usize], T::unpack(&kk, e), dot);
-                    }
+                    each16(|e| {
+                        if e < kp {
+                            dot = ctx.fma(q[(v * kp + e) as usize], K::unpack(&kk, e), dot);
+                        }
+                    });
                 }
             });
             let mut m = bdx / 2;
@@ -228,14 +260,16 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
                     m: m_new,
                     l: ctx.fma(state.l, alpha, pe),
                 };
-                each_vec::<T>(&mut acc, |v, av| {
+                each_vec::<K>(|v| {
                     let c = tx + v * bdx;
                     if c < chunks {
                         let vv = ctx.smem_ld_v4(base + 4 * (half + row * chunks + c));
-                        for e in 0..T::PER_V4 {
-                            let x = &mut av[e as usize];
-                            *x = ctx.fma(pe, T::unpack(&vv, e), *x * alpha);
-                        }
+                        each16(|e| {
+                            if e < kp {
+                                let x = &mut acc[(v * kp + e) as usize];
+                                *x = ctx.fma(pe, K::unpack(&vv, e), *x * alpha);
+                            }
+                        });
                     }
                 });
             }
@@ -249,12 +283,13 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
     // flight, so the merge below may reuse the stage memory.
 
     // Merge the token groups: groups tz > 0 publish, group 0 folds them in.
-    let ml_s = THREADS * 8;
+    let ml_s = THREADS * ACC_WORDS;
     let slot = ty + bdy * tz;
     if active && tz > 0 {
-        each_vec::<T>(&mut acc, |v, av| {
-            for e in 0..T::PER_V4 {
-                ctx.smem_st_f32(tid * 8 + v * T::PER_V4 + e, av[e as usize]);
+        each_vec::<K>(|v| {
+            for e in 0..kp {
+                let w = v * kp + e;
+                ctx.smem_st_f32(tid * ACC_WORDS + w, acc[w as usize]);
             }
         });
         if tx == 0 {
@@ -275,10 +310,11 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
         };
         let (merged, fa, fb) = state.merge(other, ctx);
         let other_tid = tx + bdx * other_slot;
-        each_vec::<T>(&mut acc, |v, av| {
-            for e in 0..T::PER_V4 {
-                let o = ctx.smem_ld_f32(other_tid * 8 + v * T::PER_V4 + e);
-                let x = &mut av[e as usize];
+        each_vec::<K>(|v| {
+            for e in 0..kp {
+                let w = v * kp + e;
+                let o = ctx.smem_ld_f32(other_tid * ACC_WORDS + w);
+                let x = &mut acc[w as usize];
                 *x = ctx.fma(o, fb, *x * fa);
             }
         });
@@ -288,32 +324,39 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
 
     // Epilogue: one 16-byte store per chunk (non-split), or the partials.
     let d = l.head_dim as u64;
-    let inv = if SPLIT { 1.0 } else { 1.0 / state.l };
-    each_vec::<T>(&mut acc, |v, av| {
+    let inv = if SPLIT { v_scale } else { v_scale / state.l };
+    each_vec::<K>(|v| {
         let c = tx + v * bdx;
         if c >= chunks {
             return;
         }
         if SPLIT {
-            let base = (head * p.num_partitions as u64 + part as u64) * d + (c * T::PER_V4) as u64;
-            let mut w = 0;
-            while w < T::PER_V4 {
-                let i = w as usize;
-                let bits = [
-                    av[i].to_bits(),
-                    av[i + 1].to_bits(),
-                    av[i + 2].to_bits(),
-                    av[i + 3].to_bits(),
-                ];
-                ctx.st_v4(&p.part_out, base + w as u64, bits);
-                w += 4;
+            let base = (head * p.num_partitions as u64 + part as u64) * d + (c * kp) as u64;
+            for w in 0..4 {
+                if w * 4 < kp {
+                    let i = (v * kp + 4 * w) as usize;
+                    let bits = [
+                        (acc[i] * inv).to_bits(),
+                        (acc[i + 1] * inv).to_bits(),
+                        (acc[i + 2] * inv).to_bits(),
+                        (acc[i + 3] * inv).to_bits(),
+                    ];
+                    ctx.st_v4(&p.part_out, base + (4 * w) as u64, bits);
+                }
             }
         } else {
-            let mut vals = [0.0f32; 8];
-            for (o, x) in vals.iter_mut().zip(av.iter()) {
-                *o = *x * inv;
-            }
-            ctx.st_v4(&p.out, out_at + (c * T::PER_V4) as u64, T::pack(&vals));
+            each_sub::<T, K>(|j| {
+                let first = (v * kp + j * T::PER_V4) as usize;
+                let vals: [f32; 8] = core::array::from_fn(|e| {
+                    if (e as u32) < T::PER_V4 {
+                        acc[first + e] * inv
+                    } else {
+                        0.0
+                    }
+                });
+                let at = out_at + (c * kp + j * T::PER_V4) as u64;
+                ctx.st_v4(&p.out, at, T::pack(&vals));
+            });
         }
     });
     if SPLIT && tx == 0 {
@@ -324,37 +367,64 @@ pub(super) fn decode<T: Elem, C: Ctx, const SPLIT: bool>(ctx: &C, p: &DecodePara
 }
 
 macro_rules! decode_kernels {
-    ($t:ty, $decode:literal, $split:literal) => {
-        impl Kernel for PagedDecode<$t, false> {
-            type Params = DecodeParams<$t>;
+    ($t:ty, $k:ty, $decode:literal, $split:literal) => {
+        impl Kernel for PagedDecode<$t, false, $k> {
+            type Params = DecodeParams<$t, $k>;
             const NAME: &'static str = $decode;
             #[inline(always)]
             fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
-                decode::<$t, C, false>(ctx, p)
+                decode::<$t, $k, C, false>(ctx, p)
             }
         }
-        impl Kernel for PagedDecode<$t, true> {
-            type Params = DecodeParams<$t>;
+        impl Kernel for PagedDecode<$t, true, $k> {
+            type Params = DecodeParams<$t, $k>;
             const NAME: &'static str = $split;
             #[inline(always)]
             fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
-                decode::<$t, C, true>(ctx, p)
+                decode::<$t, $k, C, true>(ctx, p)
             }
         }
     };
 }
 decode_kernels!(
     F16,
+    F16,
     "paged_decode_attention_f16",
     "paged_decode_attention_split_f16"
 );
 decode_kernels!(
+    Bf16,
     Bf16,
     "paged_decode_attention_bf16",
     "paged_decode_attention_split_bf16"
 );
 decode_kernels!(
     f32,
+    f32,
     "paged_decode_attention_f32",
     "paged_decode_attention_split_f32"
+);
+decode_kernels!(
+    F16,
+    E4m3,
+    "paged_decode_attention_f16_e4m3",
+    "paged_decode_attention_split_f16_e4m3"
+);
+decode_kernels!(
+    F16,
+    E5m2,
+    "paged_decode_attention_f16_e5m2",
+    "paged_decode_attention_split_f16_e5m2"
+);
+decode_kernels!(
+    Bf16,
+    E4m3,
+    "paged_decode_attention_bf16_e4m3",
+    "paged_decode_attention_split_bf16_e4m3"
+);
+decode_kernels!(
+    Bf16,
+    E5m2,
+    "paged_decode_attention_bf16_e5m2",
+    "paged_decode_attention_split_bf16_e5m2"
 );

@@ -33,8 +33,16 @@
 //! `(m, l)` per query head, and [`DecodeReduce`] merges the partitions with the same
 //! merge.
 //!
+//! # fp8 caches
+//! With `K` = [`E4m3`](crate::E4m3) or [`E5m2`](crate::E5m2) the same pipeline moves
+//! 16 fp8 elements per 16-byte copy (a stage holds twice the tokens of f16 for the
+//! same bytes); a thread's chunk is 16 elements, so it keeps 16 q and 16 accumulator
+//! registers. The K scale of the block's KV head is folded into q once (`q * scale *
+//! k_scale`), the V scale into the final normalisation (`acc * v_scale / l`), so the
+//! inner loop only decodes.
+//!
 //! # Bytes moved (the benchmark's count)
-//! `num_seqs * num_kv_heads * ctx * head_dim * size_of::<T>() * 2` of K and V (once per
+//! `num_seqs * num_kv_heads * ctx * head_dim * size_of::<K>() * 2` of K and V (once per
 //! group), plus `q` and `out` (`num_seqs * num_q_heads * head_dim * size_of::<T>()` each),
 //! plus the block tables actually read (`4 * ceil(ctx / block_size)` per sequence and
 //! KV head chunk). With split, the partials add `num_seqs * num_q_heads * parts *
@@ -66,8 +74,12 @@ pub const PIECES_PER_THREAD: u32 = STAGE_BYTES / 16 / THREADS;
 pub const REDUCE_THREADS: u32 = 64;
 /// Most 16-byte chunks of one head vector a thread holds (`head_dim <= 256`).
 pub const fn max_vec(per_v4: u32) -> u32 {
-    256 / (per_v4 * WARP_SIZE)
+    let v = 256 / (per_v4 * WARP_SIZE);
+    if v == 0 { 1 } else { v }
 }
+/// `f32` registers a thread keeps for its chunks of q (and as many for its accumulator):
+/// `max_vec(per_v4) * per_v4`, at most 16 (fp8 caches: one chunk of 16 elements).
+pub const ACC_WORDS: u32 = 16;
 
 /// How a decode block's threads and shared memory are laid out for one head_dim and
 /// element type. The kernel and the host compute it from the same function.
@@ -126,28 +138,33 @@ impl DecodeGeometry {
     }
 
     /// Dynamic shared memory of the decode kernel, in bytes: the stages, which the final
-    /// merge of the token groups reuses (`THREADS * 8` accumulator words and two words
-    /// per slot).
+    /// merge of the token groups reuses (`THREADS * ACC_WORDS` accumulator words and two
+    /// words per slot).
     #[inline(always)]
     pub const fn shared_bytes(&self) -> u32 {
         let stages = STAGES * self.stage_words();
-        let merge = THREADS * 8 + 2 * self.slots;
+        let merge = THREADS * ACC_WORDS + 2 * self.slots;
         4 * if stages > merge { stages } else { merge }
     }
 }
 
-/// Parameters of [`PagedDecode`].
+/// Parameters of [`PagedDecode`]: q and out of element type `T`, a cache of `K` (`T`
+/// itself, or fp8 with per-KV-head scales, see [`KvElem`](crate::KvElem)).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct DecodeParams<T> {
+pub struct DecodeParams<T, K = T> {
     /// `[num_seqs, q_row_stride]`: one query token per sequence, its `num_q_heads *
     /// head_dim` elements at the start of each row (an engine's q is often a view into
     /// a fused QKV projection).
     pub q: GlobalSlice<T>,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's key cache.
-    pub key_cache: GlobalSlice<T>,
+    pub key_cache: GlobalSlice<K>,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's value cache.
-    pub value_cache: GlobalSlice<T>,
+    pub value_cache: GlobalSlice<K>,
+    /// `[num_kv_heads]`: K scale of each KV head (`K::SCALED` only; else empty).
+    pub k_scales: GlobalSlice<f32>,
+    /// `[num_kv_heads]`: V scale of each KV head (`K::SCALED` only; else empty).
+    pub v_scales: GlobalSlice<f32>,
     /// `[num_seqs, max_blocks_per_seq]`: physical block of each logical block.
     pub block_tables: GlobalSlice<i32>,
     /// `[num_seqs]`: tokens in each sequence's cache, the new one included (>= 1).
@@ -189,9 +206,10 @@ pub struct DecodeParams<T> {
     pub out_row_stride: u64,
 }
 
-/// The decode kernel; `SPLIT` selects partial outputs for [`DecodeReduce`].
+/// The decode kernel for q / out of `T` and a cache of `K`; `SPLIT` selects partial
+/// outputs for [`DecodeReduce`].
 #[derive(Clone, Copy, Debug)]
-pub struct PagedDecode<T, const SPLIT: bool>(PhantomData<T>);
+pub struct PagedDecode<T, const SPLIT: bool, K = T>(PhantomData<(T, K)>);
 
 /// Parameters of [`DecodeReduce`].
 #[repr(C)]

@@ -6,28 +6,61 @@
 //! and `g + 8` and columns `2 * (lane % 4)` and `+ 1` (the PTX ISA's layouts, see
 //! `Ctx::mma_m16n8k16_f16`).
 
-use super::{KV_TILE, MmaElem, Of, PASS_DIMS, PrefillParams, ROWS, Row, Seq, cache_at, weight};
-use crate::device::{Ctx, Kernel};
-use crate::elem::{Bf16, F16};
+//!
+//! An fp8 cache (`K` = [`E4m3`] / [`E5m2`]) is staged through registers instead of
+//! `cp.async`: each 16-byte load of 16 fp8 values is decoded to `T` (exact: every fp8
+//! value is an f16 and a bf16) into the same tile layout, so the `mma` path is
+//! unchanged; the K scale is folded into the score scale, the V scale into the final
+//! normalisation.
 
-/// The tensor-core prefill kernel for `T` (see the [module docs](super)).
+use super::{
+    KV_TILE, MmaElem, Of, PASS_DIMS, PrefillParams, ROWS, Row, Seq, cache_at, kv_scales, weight,
+};
+use crate::device::{Ctx, GlobalSlice, Kernel};
+use crate::elem::{Bf16, E4m3, E5m2, F16, KvElem};
+use crate::kernels::each16;
+
+/// The tensor-core prefill kernel for q / out of `T` and a cache of `K` (see the
+/// [module docs](super)).
 #[derive(Clone, Copy, Debug)]
-pub struct PagedPrefill<T>(Of<T>);
+pub struct PagedPrefill<T, K = T>(Of<(T, K)>);
 
 macro_rules! kernel {
-    ($t:ty, $name:literal) => {
-        impl Kernel for PagedPrefill<$t> {
-            type Params = PrefillParams<$t>;
+    ($t:ty, $k:ty, $name:literal) => {
+        impl Kernel for PagedPrefill<$t, $k> {
+            type Params = PrefillParams<$t, $k>;
             const NAME: &'static str = $name;
             #[inline(always)]
             fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
-                prefill::<$t, C>(ctx, p)
+                prefill::<$t, $k, C>(ctx, p)
             }
         }
     };
 }
-kernel!(F16, "paged_prefill_attention_f16");
-kernel!(Bf16, "paged_prefill_attention_bf16");
+kernel!(F16, F16, "paged_prefill_attention_f16");
+kernel!(Bf16, Bf16, "paged_prefill_attention_bf16");
+kernel!(F16, E4m3, "paged_prefill_attention_f16_e4m3");
+kernel!(F16, E5m2, "paged_prefill_attention_f16_e5m2");
+kernel!(Bf16, E4m3, "paged_prefill_attention_bf16_e4m3");
+kernel!(Bf16, E5m2, "paged_prefill_attention_bf16_e5m2");
+
+/// Stages one 16-byte cache vector (element `at` of `src`) into the tile at word
+/// `word` as `T`: a `cp.async` when the cache is `T`, else a load decoded to `T`
+/// (`K::PER_V4 / 2` words).
+#[inline(always)]
+fn stage<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, word: u32, src: &GlobalSlice<K>, at: u64) {
+    if K::SCALED {
+        let raw = ctx.ld_nc_v4(src, at);
+        each16(|w| {
+            if w < K::PER_V4 / 2 {
+                let pair = T::pack2(K::unpack(&raw, 2 * w), K::unpack(&raw, 2 * w + 1));
+                ctx.smem_st_u32(word + w, pair);
+            }
+        });
+    } else {
+        ctx.cp_async_16(word, src, at);
+    }
+}
 
 /// Output fragments of one pass: `PASS_DIMS / 8` column blocks of `[f32; 4]`.
 const NBLK: usize = (PASS_DIMS / 8) as usize;
@@ -47,7 +80,7 @@ fn each_blk(o: &mut [[f32; 4]; NBLK], mut f: impl FnMut(u32, &mut [f32; 4])) {
     f(7, i);
 }
 
-fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
+fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
     let b = ctx.block_idx();
     let (kvh, tile, s) = (b.x, b.y, b.z);
     let sq = Seq::load(ctx, p, s);
@@ -72,6 +105,7 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
     } - 1;
     let lo = sq.first_visible(p, row0 / sq.group);
     let hi = sq.pos(last / sq.group) + 1;
+    let v_scale = kv_scales(ctx, p, kvh).1;
 
     // Q tile into shared memory, 16 bytes a copy; rows past the sequence are zeros.
     let (kw, vw) = (ROWS * dw, 2 * ROWS * dw);
@@ -101,7 +135,9 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
         } else {
             PASS_DIMS
         };
-        let (nblk, vchunks) = (width / 8, width / 8);
+        // Cache vectors per K row and per V pass row; tile words per cache vector.
+        let (kchunks, vchunks, vwords) = (d / K::PER_V4, width / K::PER_V4, K::PER_V4 / 2);
+        let nblk = width / 8;
         let mut o = [[0f32; 4]; NBLK];
         let mut m = [f32::NEG_INFINITY; 2];
         let mut l = [0f32; 2];
@@ -110,23 +146,24 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
             // Stage K and this pass's V columns; positions outside [lo, hi) (before
             // the window, whose blocks may be freed, or past the context) are zeros.
             let mut c = lane;
-            while c < KV_TILE * (chunks + vchunks) {
-                let is_k = c < KV_TILE * chunks;
+            while c < KV_TILE * (kchunks + vchunks) {
+                let is_k = c < KV_TILE * kchunks;
                 let (r, k, word) = if is_k {
-                    let (r, k) = (c / chunks, c % chunks);
-                    (r, 8 * k, kw + r * dw + 4 * k)
+                    let (r, k) = (c / kchunks, c % kchunks);
+                    (r, K::PER_V4 * k, kw + r * dw + vwords * k)
                 } else {
-                    let c = c - KV_TILE * chunks;
+                    let c = c - KV_TILE * kchunks;
                     let (r, k) = (c / vchunks, c % vchunks);
-                    (r, pass * PASS_DIMS + 8 * k, vw + r * (width / 2) + 4 * k)
+                    let col = pass * PASS_DIMS + K::PER_V4 * k;
+                    (r, col, vw + r * (width / 2) + vwords * k)
                 };
                 let pos = kv + r;
                 if pos >= lo && pos < hi {
                     let at = cache_at(ctx, p, s, kvh, pos) + k as u64;
                     let src = if is_k { &p.key_cache } else { &p.value_cache };
-                    ctx.cp_async_16(word, src, at);
+                    stage::<T, K, C>(ctx, word, src, at);
                 } else {
-                    for i in 0..4 {
+                    for i in 0..vwords {
                         ctx.smem_st_u32(word + i, 0);
                     }
                 }
@@ -207,6 +244,8 @@ fn prefill<T: MmaElem, C: Ctx>(ctx: &C, p: &PrefillParams<T>) {
         for x in l.iter_mut() {
             *x += ctx.shfl_xor_f32(*x, 1);
             *x += ctx.shfl_xor_f32(*x, 2);
+            // The V scale comes in with the normalisation.
+            *x /= v_scale;
         }
         each_blk(&mut o, |nd, f| {
             if nd < nblk {

@@ -31,7 +31,7 @@ mod simt;
 use core::marker::PhantomData;
 
 use crate::device::{Ctx, GlobalSlice, GlobalSliceMut};
-use crate::elem::{Bf16, Elem, F16};
+use crate::elem::{Bf16, Elem, F16, KvElem};
 use crate::layout::PagedLayout;
 
 pub use mma::PagedPrefill;
@@ -54,17 +54,22 @@ pub const fn mma_shared_bytes(head_dim: u32) -> u32 {
     (2 * ROWS * head_dim + KV_TILE * PASS_DIMS) * 2
 }
 
-/// Parameters of [`PagedPrefill`] and [`PagedPrefillSimt`].
+/// Parameters of [`PagedPrefill`] and [`PagedPrefillSimt`]: q and out of `T`, a cache
+/// of `K` (`T` itself, or fp8 with per-KV-head scales, see [`KvElem`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct PrefillParams<T> {
+pub struct PrefillParams<T, K = T> {
     /// `[total_tokens, num_q_heads, head_dim]`: the new tokens' queries, sequence by
     /// sequence.
     pub q: GlobalSlice<T>,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's key cache.
-    pub key_cache: GlobalSlice<T>,
+    pub key_cache: GlobalSlice<K>,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's value cache.
-    pub value_cache: GlobalSlice<T>,
+    pub value_cache: GlobalSlice<K>,
+    /// `[num_kv_heads]`: K scale of each KV head (`K::SCALED` only; else empty).
+    pub k_scales: GlobalSlice<f32>,
+    /// `[num_kv_heads]`: V scale of each KV head (`K::SCALED` only; else empty).
+    pub v_scales: GlobalSlice<f32>,
     /// `[num_seqs, max_blocks_per_seq]`: physical block of each logical block.
     pub block_tables: GlobalSlice<i32>,
     /// `[num_seqs + 1]`: sequence `s`'s query rows are `qo_indptr[s]..qo_indptr[s + 1]`.
@@ -106,7 +111,7 @@ struct Seq {
 
 impl Seq {
     #[inline(always)]
-    fn load<T, C: Ctx>(ctx: &C, p: &PrefillParams<T>, s: u32) -> Self {
+    fn load<T, K, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>, s: u32) -> Self {
         let q0 = ctx.ld(&p.qo_indptr, s as u64) as u32;
         let q1 = ctx.ld(&p.qo_indptr, s as u64 + 1) as u32;
         Seq {
@@ -125,7 +130,7 @@ impl Seq {
 
     /// The first position new token `i` attends to.
     #[inline(always)]
-    fn first_visible<T>(&self, p: &PrefillParams<T>, i: u32) -> u32 {
+    fn first_visible<T, K>(&self, p: &PrefillParams<T, K>, i: u32) -> u32 {
         let q = self.pos(i);
         if p.window > 0 && q + 1 > p.window {
             q + 1 - p.window
@@ -138,7 +143,7 @@ impl Seq {
 /// The element index of position `pos`'s `(kv_head, dim 0)` in the cache of sequence
 /// `s` (its block looked up in the block table).
 #[inline(always)]
-fn cache_at<T, C: Ctx>(ctx: &C, p: &PrefillParams<T>, s: u32, kvh: u32, pos: u32) -> u64 {
+fn cache_at<T, K, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>, s: u32, kvh: u32, pos: u32) -> u64 {
     let l = &p.layout;
     let lb = pos / l.block_size;
     let block = ctx.ld(
@@ -149,17 +154,12 @@ fn cache_at<T, C: Ctx>(ctx: &C, p: &PrefillParams<T>, s: u32, kvh: u32, pos: u32
 }
 
 /// The score of query position `qpos` (head `h`) against key position `kpos`, from
-/// `dot = q.k`, in base-2 units: decode's definition.
+/// `dot = q.k` (`scale` is the score scale times the cache's K scale), in base-2
+/// units: decode's definition.
 #[inline(always)]
-fn score<T, C: Ctx>(
-    ctx: &C,
-    p: &PrefillParams<T>,
-    dot: f32,
-    slope: f32,
-    kpos: u32,
-    qpos: u32,
-) -> f32 {
-    let mut sc = dot * p.scale;
+fn score<T, K, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>, dot: f32, row: &Row, kpos: u32) -> f32 {
+    let (slope, qpos) = (row.slope, row.qpos);
+    let mut sc = dot * row.scale;
     if p.softcap > 0.0 {
         sc = p.softcap * ctx.tanh(sc * p.inv_softcap);
     }
@@ -167,7 +167,8 @@ fn score<T, C: Ctx>(
 }
 
 /// What a block's rows are: for each of a thread's rows, whether it exists, its token,
-/// query head, position, first visible position and ALiBi slope.
+/// query head, position, first visible position, ALiBi slope and score scale (the
+/// cache's K scale folded in).
 #[derive(Clone, Copy)]
 struct Row {
     valid: bool,
@@ -176,11 +177,31 @@ struct Row {
     qpos: u32,
     first: u32,
     slope: f32,
+    scale: f32,
+}
+
+/// The K and V scales of KV head `kvh` (1 for an unscaled cache).
+#[inline(always)]
+fn kv_scales<T, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>, kvh: u32) -> (f32, f32) {
+    if K::SCALED {
+        (
+            ctx.ld(&p.k_scales, kvh as u64),
+            ctx.ld(&p.v_scales, kvh as u64),
+        )
+    } else {
+        (1.0, 1.0)
+    }
 }
 
 impl Row {
     #[inline(always)]
-    fn new<T, C: Ctx>(ctx: &C, p: &PrefillParams<T>, sq: &Seq, kvh: u32, r: u32) -> Self {
+    fn new<T, K: KvElem, C: Ctx>(
+        ctx: &C,
+        p: &PrefillParams<T, K>,
+        sq: &Seq,
+        kvh: u32,
+        r: u32,
+    ) -> Self {
         let rows = sq.qo_len * sq.group;
         let valid = r < rows;
         let r = if valid { r } else { rows - 1 };
@@ -196,14 +217,15 @@ impl Row {
             } else {
                 ctx.ld(&p.alibi_slopes, head as u64)
             },
+            scale: p.scale * kv_scales(ctx, p, kvh).0,
         }
     }
 
     /// The score against `kpos` from `dot`, or `-inf` where this row may not look.
     #[inline(always)]
-    fn score<T, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T>, dot: f32, kpos: u32) -> f32 {
+    fn score<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, dot: f32, kpos: u32) -> f32 {
         if self.valid && kpos >= self.first && kpos <= self.qpos {
-            score(ctx, p, dot, self.slope, kpos, self.qpos)
+            score(ctx, p, dot, self, kpos)
         } else {
             f32::NEG_INFINITY
         }
@@ -211,7 +233,7 @@ impl Row {
 
     /// Element index of this row's `(token, head, dim)` in `q` / `out`.
     #[inline(always)]
-    fn at<T>(&self, p: &PrefillParams<T>, sq: &Seq, dim: u32) -> u64 {
+    fn at<T, K>(&self, p: &PrefillParams<T, K>, sq: &Seq, dim: u32) -> u64 {
         ((sq.q0 + self.token) as u64 * p.num_q_heads as u64 + self.head as u64)
             * p.layout.head_dim as u64
             + dim as u64
