@@ -176,6 +176,7 @@ fn prefill_benches(gpu: &CudaBackend, r: &mut SmallRng) -> String {
                 block_size: 16,
                 num_blocks,
                 dtype,
+                kv_dtype: dtype,
             };
             let cap = StepCapacity {
                 max_seqs: batch,
@@ -211,6 +212,7 @@ fn prefill_benches(gpu: &CudaBackend, r: &mut SmallRng) -> String {
                         key_cache: kc.view(),
                         value_cache: vc.view(),
                         out: out.view_mut(),
+                        kv_scales: None,
                     },
                 )
                 .unwrap()
@@ -279,10 +281,16 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
     let mut kernels_md = String::from(
         "| kernel | registers (driver) | blocks/SM (driver occupancy, head_dim 128) |\n|---|---|---|\n",
     );
-    for dtype in [DType::F16, DType::Bf16] {
-        let smem = pagedkv::host::ops::attention::geometry(128, dtype).shared_bytes();
+    for (dtype, kv) in [
+        (DType::F16, None),
+        (DType::Bf16, None),
+        (DType::F16, Some(DType::E4m3)),
+    ] {
+        let geo_dtype = kv.unwrap_or(dtype);
+        let smem = pagedkv::host::ops::attention::geometry(128, geo_dtype).shared_bytes();
+        let suffix = kv.map_or(String::new(), |k| format!("_{k}"));
         for split in ["", "split_"] {
-            let name = format!("paged_decode_attention_{split}{dtype}");
+            let name = format!("paged_decode_attention_{split}{dtype}{suffix}");
             let row = match gpu.kernel_info(&name, 128, smem) {
                 Ok(k) => format!("| {name} | {} | {} |\n", k.registers, k.blocks_per_sm),
                 Err(e) => format!("| {name} | {e} | |\n"),
@@ -302,14 +310,25 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(1));
-    for dtype in [DType::F16, DType::Bf16] {
+    // The cache at the queries' type, and f16 queries over an e4m3 cache (half the
+    // K/V bytes; per-KV-head scales).
+    for (dtype, kv_dtype) in [
+        (DType::F16, DType::F16),
+        (DType::Bf16, DType::Bf16),
+        (DType::F16, DType::E4m3),
+    ] {
         for (qh, kvh) in [(32u32, 8u32), (32, 32)] {
             for batch in [1u32, 8, 64, 256] {
                 for ctx in [512u32, 4096, 32768] {
-                    let name = format!("{dtype}/q{qh}kv{kvh}/b{batch}/ctx{ctx}");
+                    let types = if kv_dtype == dtype {
+                        dtype.to_string()
+                    } else {
+                        format!("{dtype}-{kv_dtype}")
+                    };
+                    let name = format!("{types}/q{qh}kv{kvh}/b{batch}/ctx{ctx}");
                     let blocks_per_seq = ctx.div_ceil(16);
                     let needed = batch as u64 * blocks_per_seq as u64;
-                    let block_bytes = kvh as u64 * 16 * 128 * dtype.size() as u64;
+                    let block_bytes = kvh as u64 * 16 * 128 * kv_dtype.size() as u64;
                     let kv_bytes = 2 * needed * block_bytes;
                     if kv_bytes as f64 > max_gib * (1u64 << 30) as f64 {
                         skipped.push(format!(
@@ -331,10 +350,14 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                         max_blocks_per_seq: blocks_per_seq,
                     };
                     let pool = [shape.layout().pool_elems() as usize];
-                    let mut kc = DeviceTensor::zeros(gpu, dtype, &pool).unwrap();
-                    let mut vc = DeviceTensor::zeros(gpu, dtype, &pool).unwrap();
+                    let mut kc = DeviceTensor::zeros(gpu, kv_dtype, &pool).unwrap();
+                    let mut vc = DeviceTensor::zeros(gpu, kv_dtype, &pool).unwrap();
                     fill_random(gpu, &mut kc, &mut r);
                     fill_random(gpu, &mut vc, &mut r);
+                    let scales = kv_dtype.is_fp8().then(|| {
+                        let s = HostTensor::full(DType::F32, &[2, kvh as usize], 1.0 / 64.0);
+                        DeviceTensor::from_host(gpu, &s).unwrap()
+                    });
                     let mut ids: Vec<i32> = (1..num_blocks as i32).collect();
                     ids.shuffle(&mut r);
                     let tables: Vec<Vec<i32>> =
@@ -356,6 +379,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                         block_size: 16,
                         num_blocks,
                         dtype,
+                        kv_dtype,
                     };
                     let cap = StepCapacity {
                         max_seqs: batch,
@@ -385,7 +409,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                         })
                         .collect();
                     let p = runners[0].planned().unwrap().decode.unwrap().1;
-                    let bytes = decode_bytes(&shape, dtype, &lens, &p);
+                    let bytes = decode_bytes(&shape, (dtype, kv_dtype), &lens, &p);
                     let mut launch = |i: usize| {
                         runners[i % runners.len()]
                             .decode(
@@ -395,6 +419,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                                     key_cache: kc.view(),
                                     value_cache: vc.view(),
                                     out: out.view_mut(),
+                                    kv_scales: scales.as_ref().map(|s| s.view()),
                                 },
                             )
                             .unwrap();

@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::serve::{HOST_BLOCKS, LAYERS, NUM_BLOCKS, config, serve_and_check, shape};
+use common::serve::{
+    HOST_BLOCKS, LAYERS, NUM_BLOCKS, config, config_kv, fp8_scales, serve_and_check, shape,
+};
 use pagedkv::host::backend::{
     AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, SplitPolicy, decode_rows,
 };
@@ -31,6 +33,86 @@ fn the_cpu_backend_serves_a_batch_through_swaps_and_prefix_hits() {
         // Split-K fills a GPU's SMs: the CPU backend never splits unless asked.
         assert_eq!(s.split_steps, 0);
     }
+}
+
+/// The same serving loop over fp8 caches (e4m3 under f16 queries, e5m2 under bf16):
+/// every output against f64 attention over what the cache holds (each K/V value
+/// through `encode(x / scale)`, decoded, times the layer's and head's scale), through
+/// swaps and prefix hits (split-K over fp8 is proven in `tests/fp8_cache.rs`: these
+/// contexts are too short to split).
+#[test]
+fn the_cpu_backend_serves_from_fp8_caches() {
+    for (dtype, kv, split) in [
+        (DType::F16, DType::E4m3, SplitPolicy::Auto),
+        (DType::Bf16, DType::E5m2, SplitPolicy::Never),
+    ] {
+        let mut be = CpuBackend::new(config_kv(dtype, kv, split, 1)).unwrap();
+        let s = serve_and_check(&mut be, 1);
+        assert!(s.checked > 100, "{kv}: {} outputs checked", s.checked);
+        assert!(
+            s.prefill_checked > 100,
+            "{kv}: {} prefill",
+            s.prefill_checked
+        );
+        assert!(s.swapped_out > 0 && s.swapped_in > 0, "{kv}: no swap");
+    }
+}
+
+/// An fp8 cache refuses to run before its scales are set, and scales are refused for
+/// other caches, for a layer that does not exist and when they are not valid.
+#[test]
+fn fp8_scales_are_required_and_checked() {
+    let mut be = CpuBackend::new(config_kv(DType::F16, DType::E4m3, SplitPolicy::Auto, 1)).unwrap();
+    let mut cache = be.alloc_cache().unwrap();
+    let mut sched = Scheduler::new(SchedulerConfig {
+        num_blocks: NUM_BLOCKS,
+        block_size: 8,
+        max_model_len: 64,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    sched
+        .add_request(Request::new(0, vec![1, 2, 3], 2))
+        .unwrap();
+    let batch = sched.step().unwrap().clone();
+    be.begin_step(&batch, &mut cache).unwrap();
+    let k = HostTensor::full(DType::F16, &[3, 2, 64], 0.5);
+    let append = |be: &mut CpuBackend,
+                  cache: &mut pagedkv::host::backend::PagedCache<HostTensor>| {
+        be.kv_append(pagedkv::host::backend::AppendArgs {
+            key: &k,
+            value: &k,
+            cache: &mut cache.layers[0],
+        })
+    };
+    assert!(matches!(
+        append(&mut be, &mut cache),
+        Err(Error::InvalidArgument {
+            arg: "kv_scales",
+            ..
+        })
+    ));
+    let mut bad = fp8_scales(DType::E4m3, 0);
+    bad.v[1] = 0.0;
+    assert!(be.set_kv_scales(&mut cache, 0, &bad).is_err());
+    assert!(
+        be.set_kv_scales(&mut cache, LAYERS, &fp8_scales(DType::E4m3, 0))
+            .is_err()
+    );
+    be.set_kv_scales(&mut cache, 0, &fp8_scales(DType::E4m3, 0))
+        .unwrap();
+    append(&mut be, &mut cache).unwrap();
+    // Scales for an f16 cache; fp8 caches under f32 queries.
+    let mut f16 = CpuBackend::new(config(DType::F16, SplitPolicy::Auto, 1)).unwrap();
+    let mut c16 = f16.alloc_cache().unwrap();
+    assert!(matches!(
+        f16.set_kv_scales(&mut c16, 0, &fp8_scales(DType::E4m3, 0)),
+        Err(Error::InvalidArgument {
+            arg: "kv_scales",
+            ..
+        })
+    ));
+    assert!(CpuBackend::new(config_kv(DType::F32, DType::E4m3, SplitPolicy::Auto, 1)).is_err());
 }
 
 #[test]

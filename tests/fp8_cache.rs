@@ -354,7 +354,7 @@ fn bad_cache_types_and_scales_are_errors() {
         ..p.clone()
     });
     bf.q = f16.q.clone();
-    assert!(run(&bf, &bf.opts, &bf.q).starts_with("key_cache"));
+    assert!(run(&bf, &bf.opts, &bf.q).starts_with("q:"));
     // The same checks guard kv_append.
     let l = e4.shape.layout();
     let k = HostTensor::full(DType::F16, &[1, 2 * 64], 1.0);

@@ -100,7 +100,7 @@ fn bad_arguments_are_rejected_before_any_launch() {
             f16,
             "384 elements, expected 256",
         ),
-        (l, tok(2, DType::F32), vec![0, 1], f16, "are f32"),
+        (l, tok(2, DType::F32), vec![0, 1], f16, "dtype f32"),
         (
             PagedLayout { head_dim: 72, ..l },
             tok(2, f16),

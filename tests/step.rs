@@ -25,6 +25,7 @@ fn llama(dtype: DType) -> StepShape {
         block_size: 16,
         num_blocks: 4096,
         dtype,
+        kv_dtype: dtype,
     }
 }
 
@@ -84,6 +85,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
                 value: v.as_view(),
                 key_cache: kc.reborrow(),
                 value_cache: vc.reborrow(),
+                kv_scales: None,
             })
             .unwrap();
             let p = r
@@ -94,6 +96,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
                         key_cache: kc.as_view(),
                         value_cache: vc.as_view(),
                         out: out.reborrow(),
+                        kv_scales: None,
                     },
                 )
                 .unwrap()
@@ -177,6 +180,7 @@ proptest! {
             block_size: c.shape.block_size,
             num_blocks: c.shape.num_blocks,
             dtype: p.dtype,
+            kv_dtype: p.dtype,
         };
         let cap = StepCapacity { max_seqs: 32, max_blocks_per_seq: 64, max_tokens: 64, max_partitions: 4 };
         // sm_count 64: small batches split, so both paths run.
@@ -200,6 +204,7 @@ proptest! {
                 key_cache: TensorView::of_host(&c.kc),
                 value_cache: TensorView::of_host(&c.vc),
                 out: ov,
+                kv_scales: None,
             }).unwrap();
         }
         let stride = row + out_pad as usize * per16;
@@ -222,6 +227,7 @@ fn emu_runner() -> StepRunner<EmuDevice> {
         block_size: 16,
         num_blocks: 8,
         dtype: DType::F16,
+        kv_dtype: DType::F16,
     };
     let cap = StepCapacity {
         max_seqs: 2,
@@ -288,6 +294,7 @@ fn bad_views_and_metadata_are_errors_naming_the_argument() {
                 q,
                 key_cache: kc_view,
                 value_cache: kc_view,
+                kv_scales: None,
                 out,
             },
         )

@@ -304,6 +304,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
             block_size: c.block_size,
             num_blocks: c.num_blocks,
             dtype: dt,
+            kv_dtype: dt,
         };
         let cap = StepCapacity {
             max_seqs: c.num_seqs.max(1),
@@ -340,6 +341,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
                 key_cache: kv,
                 value_cache: vv,
                 out: ov,
+                kv_scales: None,
             },
         )
         .map(|_| ())

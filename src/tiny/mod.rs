@@ -272,6 +272,7 @@ fn run_mode(
             block_size: cfg.block_size,
             num_blocks: cfg.num_blocks,
             dtype: cfg.dtype,
+            kv_dtype: cfg.dtype,
         },
         num_layers: cfg.num_layers,
         capacity: StepCapacity {

@@ -14,6 +14,7 @@ use pagedkv::host::backend::{
     prefill_rows,
 };
 use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::dense_decode_attention;
 use pagedkv::host::scheduler::{PreemptionMode, Request, Scheduler, SchedulerConfig};
 use pagedkv::host::step::StepShape;
@@ -33,14 +34,52 @@ pub fn shape(dtype: DType, scale: u32) -> StepShape {
         block_size: BLOCK,
         num_blocks: NUM_BLOCKS * scale,
         dtype,
+        kv_dtype: dtype,
     }
 }
 
 pub fn config(dtype: DType, split: SplitPolicy, scale: u32) -> BackendConfig {
-    let mut c = BackendConfig::new(shape(dtype, scale), LAYERS, 16, 64 * scale / BLOCK);
+    config_kv(dtype, dtype, split, scale)
+}
+
+/// As [`config`], with a cache of `kv_dtype` (fp8 under 16-bit queries).
+pub fn config_kv(dtype: DType, kv_dtype: DType, split: SplitPolicy, scale: u32) -> BackendConfig {
+    let shape = StepShape {
+        kv_dtype,
+        ..shape(dtype, scale)
+    };
+    let mut c = BackendConfig::new(shape, LAYERS, 16, 64 * scale / BLOCK);
     c.num_host_blocks = HOST_BLOCKS;
     c.split = split;
     c
+}
+
+/// The fp8 scales of layer `li` (distinct per layer and KV head; the data is in
+/// [-1, 1), so it fits with room to spare).
+pub fn fp8_scales(kv_dtype: DType, li: usize) -> KvScales {
+    let m = kv_dtype.max_finite();
+    let s = |base: f32| vec![base / m, (base + 0.5) / m];
+    KvScales {
+        k: s(1.0 + li as f32),
+        v: s(1.25 + li as f32),
+    }
+}
+
+/// What a cache of `kv_dtype` holds for K (or V) rows `x` (`[n, kvh * d]`) of layer
+/// `li`: `x` itself, or for fp8 `decode(encode(x / scale)) * scale` per KV head.
+fn as_cached(x: &HostTensor, kv_dtype: DType, scales: Option<&[f32]>, d: usize) -> Vec<f64> {
+    let v = x.to_f64();
+    let Some(s) = scales else { return v };
+    let mut one = HostTensor::full(kv_dtype, &[1], 0.0);
+    let kvh = s.len();
+    v.iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            let sc = s[i / d % kvh];
+            one.set(0, ((x as f32) / sc) as f64);
+            one.get(0) * sc as f64
+        })
+        .collect()
 }
 
 /// A value in [-1, 1) that depends on every argument.
@@ -85,8 +124,23 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
         c.shape.num_kv_heads as usize,
         c.shape.head_dim as usize,
     );
-    let dtype = c.shape.dtype;
+    let (dtype, kv_dtype) = (c.shape.dtype, c.shape.kv_dtype);
     let mut cache = be.alloc_cache().unwrap();
+    let scales: Vec<Option<KvScales>> = (0..LAYERS)
+        .map(|li| kv_dtype.is_fp8().then(|| fp8_scales(kv_dtype, li)))
+        .collect();
+    for (li, s) in scales.iter().enumerate() {
+        if let Some(s) = s {
+            be.set_kv_scales(&mut cache, li, s).unwrap();
+        }
+    }
+    // The K and V rows a layer's cache holds for `(token, position)` pairs.
+    let cached = |keys: &[(u32, u32)], li: usize, salt: u64, v: bool| {
+        let s = scales[li]
+            .as_ref()
+            .map(|s| if v { &s.v[..] } else { &s.k[..] });
+        as_cached(&rows(dtype, kvh * d, keys, salt), kv_dtype, s, d)
+    };
     let mut sched = Scheduler::new(SchedulerConfig {
         num_blocks: NUM_BLOCKS * scale,
         block_size: BLOCK,
@@ -202,8 +256,8 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
                 for (j, &(seq, pos)) in owners.iter().enumerate() {
                     let toks = sched.tokens(seq).unwrap();
                     let hist: Vec<(u32, u32)> = (0..=pos).map(|p| (toks[p as usize], p)).collect();
-                    let k = rows(dtype, kvh * d, &hist, salt + 1).to_f64();
-                    let v = rows(dtype, kvh * d, &hist, salt + 2).to_f64();
+                    let k = cached(&hist, li, salt + 1, false);
+                    let v = cached(&hist, li, salt + 2, true);
                     let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
                     let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, &opts);
                     let e = rel_l2(&got[j * qh * d..(j + 1) * qh * d], &want);
@@ -235,8 +289,8 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
                 let ctx = batch.context_lens[i] as u32;
                 let toks = sched.tokens(seq).unwrap();
                 let hist: Vec<(u32, u32)> = (0..ctx).map(|p| (toks[p as usize], p)).collect();
-                let k = rows(dtype, kvh * d, &hist, salt + 1).to_f64();
-                let v = rows(dtype, kvh * d, &hist, salt + 2).to_f64();
+                let k = cached(&hist, li, salt + 1, false);
+                let v = cached(&hist, li, salt + 2, true);
                 let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
                 let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, &opts);
                 let e = rel_l2(&got[j * qh * d..(j + 1) * qh * d], &want);

@@ -5,6 +5,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod fp8;
 mod step;
 
 use common::case::{Params, build};

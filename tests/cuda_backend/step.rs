@@ -38,6 +38,7 @@ fn shape_of(c: &common::case::Case, dtype: DType) -> StepShape {
         block_size: c.shape.block_size,
         num_blocks: c.shape.num_blocks,
         dtype,
+        kv_dtype: dtype,
     }
 }
 
@@ -84,6 +85,7 @@ fn the_runner_on_the_gpu_matches_the_reference_split_and_unsplit() {
                     key_cache: kc.view(),
                     value_cache: vc.view(),
                     out: out.view_mut(),
+                    kv_scales: None,
                 },
             )
             .unwrap()
@@ -141,6 +143,7 @@ fn a_captured_step_replays_like_direct_launches_after_the_tables_change() {
                     key_cache: kc.view(),
                     value_cache: vc.view(),
                     out: o.view_mut(),
+                    kv_scales: None,
                 },
             )?;
         }
@@ -197,6 +200,26 @@ fn attention_backend_serves_a_batch_through_swaps_and_prefix_hits() {
         .unwrap();
         let s = common::serve::serve_and_check(&mut be, 4);
         assert!(s.checked > 100 && s.swapped_in > 0);
+    }
+}
+
+/// The shared serving body over fp8 caches on the GPU (the hardware conversions on
+/// sm_90): e4m3 under f16 queries, e5m2 under bf16.
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn attention_backend_serves_from_fp8_caches() {
+    let gpu = gpu();
+    for (dtype, kv) in [(DType::F16, DType::E4m3), (DType::Bf16, DType::E5m2)] {
+        let mut be = pagedkv::cuda::CudaAttention::new(
+            &gpu,
+            common::serve::config_kv(dtype, kv, pagedkv::host::backend::SplitPolicy::Auto, 4),
+        )
+        .unwrap();
+        let s = common::serve::serve_and_check(&mut be, 4);
+        assert!(
+            s.checked > 100 && s.prefill_checked > 100 && s.swapped_in > 0,
+            "{kv}"
+        );
     }
 }
 
@@ -287,6 +310,7 @@ fn sanitizer_small_prefill() {
                 key_cache: kc.view(),
                 value_cache: vc.view(),
                 out: out.view_mut(),
+                kv_scales: None,
             },
         )
         .unwrap();
@@ -345,6 +369,7 @@ fn views_of_an_engines_cuda_slices_match_the_reference() {
             key_cache: TensorView::of_cuda_slice(&g, &kc, 0, kc.len(), dtype).unwrap(),
             value_cache: TensorView::of_cuda_slice(&g, &vc, 0, vc.len(), dtype).unwrap(),
             out: TensorViewMut::of_cuda_slice_mut(&g, &mut out, 4, n, dtype).unwrap(),
+            kv_scales: None,
         },
     )
     .unwrap();

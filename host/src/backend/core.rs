@@ -3,8 +3,8 @@
 //! the per-layer calls on views of the backend's tensors.
 
 use super::{
-    AppendArgs, AppendViews, BackendConfig, DecodeArgs, DecodeViews, PagedCache, PrefillArgs,
-    SplitPolicy,
+    AppendArgs, AppendViews, BackendConfig, DecodeArgs, DecodeViews, LayerCache, PagedCache,
+    PrefillArgs, SplitPolicy,
 };
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
@@ -130,6 +130,7 @@ impl<D: StepDevice> StepCore<D> {
                 q: args.q.view(),
                 key_cache: args.cache.key.view(),
                 value_cache: args.cache.value.view(),
+                kv_scales: args.cache.kv_scales.as_ref().map(|s| s.view()),
                 out: args.out.view_mut(),
             },
         )
@@ -153,7 +154,7 @@ impl<D: StepDevice> StepCore<D> {
             && cache.layers.len() == c.num_layers
             && cache
                 .pools()
-                .all(|t| t.dtype() == c.shape.dtype && t.len() as u64 == elems);
+                .all(|t| t.dtype() == c.shape.kv_dtype && t.len() as u64 == elems);
         if !ok {
             return Err(Error::invalid(
                 "cache",
@@ -173,11 +174,17 @@ impl<D: StepDevice> StepCore<D> {
 
     pub(crate) fn kv_append_views<T: AsView>(&self, args: AppendViews<'_, T>) -> Result<()> {
         let cache = args.cache;
+        let LayerCache {
+            key,
+            value,
+            kv_scales,
+        } = cache;
         self.runner.kv_append(AppendIo {
             key: args.key,
             value: args.value,
-            key_cache: cache.key.view_mut(),
-            value_cache: cache.value.view_mut(),
+            key_cache: key.view_mut(),
+            value_cache: value.view_mut(),
+            kv_scales: kv_scales.as_ref().map(|s| s.view()),
         })
     }
 
@@ -198,6 +205,7 @@ impl<D: StepDevice> StepCore<D> {
                 q: args.q,
                 key_cache: args.cache.key.view(),
                 value_cache: args.cache.value.view(),
+                kv_scales: args.cache.kv_scales.as_ref().map(|s| s.view()),
                 out: args.out,
             },
         )?;

@@ -75,8 +75,9 @@ impl AttentionBackend for CpuBackend {
         let layers = (0..c.num_layers)
             .map(|_| {
                 Ok(super::LayerCache {
-                    key: HostTensor::try_full(c.shape.dtype, &shape, f64::NAN)?,
-                    value: HostTensor::try_full(c.shape.dtype, &shape, f64::NAN)?,
+                    key: HostTensor::try_full(c.shape.kv_dtype, &shape, f64::NAN)?,
+                    value: HostTensor::try_full(c.shape.kv_dtype, &shape, f64::NAN)?,
+                    kv_scales: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -192,6 +193,7 @@ mod tests {
             block_size: 16,
             num_blocks: 16,
             dtype: DType::F32,
+            kv_dtype: DType::F32,
         };
         let opts = DecodeOptions::new(64);
         let mut results = Vec::new();

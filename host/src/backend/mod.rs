@@ -39,7 +39,7 @@
 //! use pagedkv_host::{DType, HostTensor};
 //!
 //! let shape = StepShape { num_q_heads: 4, num_kv_heads: 2, head_dim: 64, block_size: 16,
-//!                         num_blocks: 32, dtype: DType::F32 };
+//!                         num_blocks: 32, dtype: DType::F32, kv_dtype: DType::F32 };
 //! let mut be = CpuBackend::new(BackendConfig::new(shape, 1, 4, 8))?;
 //! let mut cache = be.alloc_cache()?;
 //! let mut sched = Scheduler::new(SchedulerConfig { num_blocks: 32, block_size: 16,
@@ -81,9 +81,10 @@ use pagedkv_kernels::PagedLayout;
 
 use crate::error::{Error, Result};
 use crate::ops::attention::DecodeOptions;
+use crate::ops::scales::{KvScales, check_cache_types};
 use crate::scheduler::Batch;
 use crate::step::{Planned, StepCapacity, StepShape, TensorView, TensorViewMut};
-use crate::tensor::{DType, TensorDesc};
+use crate::tensor::{DType, HostTensor, TensorDesc};
 
 /// How a backend cuts a decode launch into split-K partitions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -150,7 +151,7 @@ impl BackendConfig {
     pub fn block_bytes(&self) -> Result<u64> {
         let l = self.layout();
         l.block_stride()
-            .checked_mul(self.shape.dtype.size() as u64)
+            .checked_mul(self.shape.kv_dtype.size() as u64)
             .ok_or_else(|| Error::invalid("shape", "block size in bytes overflows"))
     }
 
@@ -173,6 +174,10 @@ pub struct LayerCache<T> {
     pub key: T,
     /// The value pool.
     pub value: T,
+    /// `[2, num_kv_heads]` f32, an fp8 cache's K then V scales (see
+    /// [`KvScales`](crate::ops::scales::KvScales)): `None` until
+    /// [`AttentionBackend::set_kv_scales`] sets them, and always for other caches.
+    pub kv_scales: Option<T>,
 }
 
 /// The paged cache of a model: every layer's K and V pools, one layout and dtype.
@@ -347,6 +352,34 @@ pub trait AttentionBackend {
     /// inside the pool and distinct), plans the decode launch of its decoding rows and
     /// uploads the metadata ([`begin_step`](Self::begin_step) without the block moves).
     fn plan(&mut self, batch: &Batch) -> Result<Planned>;
+
+    /// Sets layer `layer`'s fp8 scales (one K and one V scale per KV head, see
+    /// [`KvScales`]): an fp8 cache is written as `encode(x / scale)` and read as
+    /// `decode(b) * scale`. Every layer of an fp8 cache needs its scales before its
+    /// first `kv_append`; other caches refuse them. Uploads `2 * num_kv_heads` floats
+    /// (once per layer, not per step).
+    fn set_kv_scales(
+        &mut self,
+        cache: &mut PagedCache<Self::Tensor>,
+        layer: usize,
+        scales: &KvScales,
+    ) -> Result<()> {
+        let s = self.config().shape;
+        check_cache_types(s.dtype, s.kv_dtype, Some(scales), s.num_kv_heads)?;
+        let n = cache.layers.len();
+        let Some(l) = cache.layers.get_mut(layer) else {
+            return Err(Error::invalid("layer", format!("{layer} of {n} layers")));
+        };
+        let both: Vec<f64> = scales
+            .k
+            .iter()
+            .chain(&scales.v)
+            .map(|&x| x as f64)
+            .collect();
+        let host = HostTensor::from_f64(DType::F32, &[2, s.num_kv_heads as usize], &both)?;
+        l.kv_scales = Some(self.upload(&host)?);
+        Ok(())
+    }
 
     /// Writes this step's new tokens' K and V into one layer's cache: launches only.
     fn kv_append(&mut self, args: AppendArgs<'_, Self::Tensor>) -> Result<()>;

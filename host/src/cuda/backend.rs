@@ -92,7 +92,7 @@ impl AttentionBackend for CudaAttention<'_> {
 
     fn alloc_cache(&mut self) -> Result<PagedCache> {
         let c = self.core.config;
-        let dtype = c.shape.dtype;
+        let dtype = c.shape.kv_dtype;
         let shape = [crate::ops::checked_pool_elems(&c.layout())? as usize];
         // NaN in chunks of up to 1 MiB: one upload, then device-to-device copies.
         let nan = HostTensor::full(dtype, &[shape[0].min((1 << 20) / dtype.size())], f64::NAN);
@@ -106,6 +106,7 @@ impl AttentionBackend for CudaAttention<'_> {
                 Ok(LayerCache {
                     key: pool()?,
                     value: pool()?,
+                    kv_scales: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

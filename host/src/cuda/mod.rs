@@ -361,6 +361,7 @@ impl CudaBackend {
                 Ok(LayerCache {
                     key: DeviceTensor::zeros(self, dtype, &shape)?,
                     value: DeviceTensor::zeros(self, dtype, &shape)?,
+                    kv_scales: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -132,30 +132,3 @@ pub(crate) unsafe fn slice_view<T>(s: &[T]) -> GlobalSlice<T> {
     // SAFETY: pointer and length of a live slice; the caller bounds the lifetime.
     unsafe { GlobalSlice::from_raw_parts(s.as_ptr(), s.len() as u64) }
 }
-
-/// Runs `$body` with `$t` bound to the kernel element type of `$dtype`.
-macro_rules! with_elem {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        match $dtype {
-            $crate::tensor::DType::F16 => {
-                type $t = pagedkv_kernels::F16;
-                $body
-            }
-            $crate::tensor::DType::Bf16 => {
-                type $t = pagedkv_kernels::Bf16;
-                $body
-            }
-            $crate::tensor::DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            d @ ($crate::tensor::DType::E4m3 | $crate::tensor::DType::E5m2) => {
-                return Err($crate::error::Error::invalid(
-                    "dtype",
-                    format!("{d} is a cache type only"),
-                ))
-            }
-        }
-    };
-}
-pub(crate) use with_elem;

@@ -132,28 +132,42 @@ fn scale_for(amax: f64, cache: DType) -> f32 {
 }
 
 /// Checks that queries (and outputs, and new K/V) of type `q` may use a cache of type
-/// `cache` with `scales`: either the cache is `q` itself and unscaled, or it is fp8, `q`
-/// is f16 or bf16, and there is one valid K and V scale per KV head.
-pub fn check_cache_types(
-    q: DType,
-    cache: DType,
-    scales: Option<&KvScales>,
-    num_kv_heads: u32,
-) -> Result<()> {
+/// `cache`: the cache is `q` itself, or fp8 under f16 or bf16 queries.
+pub fn check_cache_pair(q: DType, cache: DType) -> Result<()> {
     if q.is_fp8() {
         return Err(Error::invalid(
             "dtype",
             format!("{q} is a cache type only: queries, outputs and new K/V are f16, bf16 or f32"),
         ));
     }
-    match (cache.is_fp8(), scales) {
-        (false, None) if cache == q => Ok(()),
-        (false, None) => Err(Error::invalid(
-            "key_cache",
+    if cache.is_fp8() && q == DType::F32 {
+        return Err(Error::invalid(
+            "dtype",
+            format!("an fp8 cache serves f16 or bf16 queries, not {q}"),
+        ));
+    }
+    if !cache.is_fp8() && cache != q {
+        return Err(Error::invalid(
+            "q",
             format!(
-                "dtype {cache} but the queries (and new K/V) are {q}: a cache has their type, or is fp8"
+                "dtype {q} but the cache is {cache}: q, out and new K/V have the cache's type unless it is fp8"
             ),
-        )),
+        ));
+    }
+    Ok(())
+}
+
+/// As [`check_cache_pair`], and `scales` are there exactly for an fp8 cache, with one
+/// valid K and V scale per KV head.
+pub fn check_cache_types(
+    q: DType,
+    cache: DType,
+    scales: Option<&KvScales>,
+    num_kv_heads: u32,
+) -> Result<()> {
+    check_cache_pair(q, cache)?;
+    match (cache.is_fp8(), scales) {
+        (false, None) => Ok(()),
         (false, Some(_)) => Err(Error::invalid(
             "kv_scales",
             format!("given for a {cache} cache: only fp8 caches are scaled"),
@@ -161,10 +175,6 @@ pub fn check_cache_types(
         (true, None) => Err(Error::invalid(
             "kv_scales",
             format!("missing: a {cache} cache needs one K and one V scale per KV head"),
-        )),
-        (true, Some(_)) if q == DType::F32 => Err(Error::invalid(
-            "dtype",
-            format!("an fp8 cache serves f16 or bf16 queries, not {q}"),
         )),
         (true, Some(s)) => s.validate(num_kv_heads),
     }

@@ -369,6 +369,7 @@ mod tests {
         block_size: 16,
         num_blocks: 4,
         dtype: DType::F32,
+        kv_dtype: DType::F32,
     };
     const POOL: usize = 4 * 2 * 16 * 64;
 
@@ -435,6 +436,7 @@ mod tests {
                 value,
                 key_cache: kcv.reborrow(),
                 value_cache: vcv.reborrow(),
+                kv_scales: None,
             })
             .unwrap();
             let out_view = if by_slice {
@@ -450,6 +452,7 @@ mod tests {
                     key_cache: kcv.as_view(),
                     value_cache: vcv.as_view(),
                     out: out_view,
+                    kv_scales: None,
                 },
             )
             .unwrap();
@@ -478,6 +481,7 @@ mod tests {
                 value: TensorView::from_slice(off),
                 key_cache: kcv.reborrow(),
                 value_cache: vcv.reborrow(),
+                kv_scales: None,
             })
             .unwrap_err();
         assert!(e.to_string().contains("16-byte aligned"), "{e}");
@@ -503,6 +507,7 @@ mod tests {
                 value: TensorView::from_slice(whole),
                 key_cache: kr,
                 value_cache: vr,
+                kv_scales: None,
             })
             .unwrap_err();
         assert!(e.to_string().contains("memory of Host"), "{e}");

@@ -32,7 +32,7 @@
 //! use pagedkv_host::{DType, HostTensor};
 //!
 //! let shape = StepShape { num_q_heads: 4, num_kv_heads: 2, head_dim: 64, block_size: 16,
-//!                         num_blocks: 8, dtype: DType::F32 };
+//!                         num_blocks: 8, dtype: DType::F32, kv_dtype: DType::F32 };
 //! let cap = StepCapacity { max_seqs: 4, max_blocks_per_seq: 4, max_tokens: 64,
 //!                          max_partitions: 8 };
 //! let mut runner = StepRunner::new(EmuDevice::new(Emulator::new()), shape, cap, 1)?;
@@ -45,11 +45,13 @@
 //! let v = HostTensor::full(DType::F32, &[3, 2, 64], 2.0);
 //! let (mut kv, mut vv) = (TensorViewMut::of_host(&mut kc), TensorViewMut::of_host(&mut vc));
 //! runner.kv_append(AppendIo { key: TensorView::of_host(&k), value: TensorView::of_host(&v),
-//!                             key_cache: kv.reborrow(), value_cache: vv.reborrow() })?;
+//!                             key_cache: kv.reborrow(), value_cache: vv.reborrow(),
+//!                             kv_scales: None })?;
 //! let q = HostTensor::full(DType::F32, &[1, 4, 64], 1.0);
 //! let mut out = HostTensor::full(DType::F32, &[1, 4, 64], f64::NAN);
 //! runner.decode(&DecodeOptions::new(64), DecodeIo { q: TensorView::of_host(&q),
-//!     key_cache: kv.as_view(), value_cache: vv.as_view(), out: TensorViewMut::of_host(&mut out) })?;
+//!     key_cache: kv.as_view(), value_cache: vv.as_view(), kv_scales: None,
+//!     out: TensorViewMut::of_host(&mut out) })?;
 //! drop((kv, vv));
 //! assert!(out.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));
 //! # Ok::<(), pagedkv_host::Error>(())

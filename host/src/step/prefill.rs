@@ -3,14 +3,14 @@
 //! [`StepRunner::prefill`] per layer, which only checks views and launches.
 
 use pagedkv_kernels::kernels::prefill::{PagedPrefill, PagedPrefillSimt, PrefillParams};
-use pagedkv_kernels::{Bf16, F16, GlobalSlice, GlobalSliceMut, Kernel};
+use pagedkv_kernels::{Bf16, E4m3, E5m2, F16, GlobalSlice, GlobalSliceMut, Kernel};
 
 use super::device::{StepDevice, TensorView, TensorViewMut};
 use super::runner::StepRunner;
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::ops::attention::{DecodeOptions, DecodeShape, validate_options};
-use crate::ops::{checked_pool_elems, prefill};
+use crate::ops::prefill;
 use crate::tensor::DType;
 
 /// One step's prefill metadata: the sequences whose new tokens the prefill kernel
@@ -36,6 +36,8 @@ pub struct PrefillIo<'a> {
     pub key_cache: TensorView<'a>,
     /// The layer's value cache.
     pub value_cache: TensorView<'a>,
+    /// The layer's fp8 scales, as [`AppendIo::kv_scales`](super::AppendIo::kv_scales).
+    pub kv_scales: Option<TensorView<'a>>,
     /// `[qo_indptr[num_seqs], num_q_heads, head_dim]`, dense: written.
     pub out: TensorViewMut<'a>,
 }
@@ -144,12 +146,11 @@ impl<D: StepDevice> StepRunner<D> {
             ));
         }
         let l = self.shape.layout();
-        let pool = checked_pool_elems(&l)?;
         let (rows, row) = (pp.num_tokens as u64, pp.shape.row_elems());
         self.check_view("q", &io.q.raw, rows, row, false)?;
         self.check_view("out", &io.out.raw, rows, row, false)?;
-        self.check_view("key_cache", &io.key_cache.raw, 1, pool, false)?;
-        self.check_view("value_cache", &io.value_cache.raw, 1, pool, false)?;
+        let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
+        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref(), Some(opts))?;
         if pp.max_rows == 0 {
             return Ok(());
         }
@@ -159,20 +160,20 @@ impl<D: StepDevice> StepRunner<D> {
         // SAFETY: checked views of this device's space; the metadata `plan_prefill`
         // validated and uploaded into the runner's buffer; the slopes buffer it owns.
         macro_rules! params {
-            ($t:ty) => {
+            ($t:ty, $k:ty) => {
                 unsafe {
-                    PrefillParams::<$t> {
+                    PrefillParams::<$t, $k> {
                         q: GlobalSlice::from_raw_parts(io.q.raw.addr as *const $t, rows * row),
                         key_cache: GlobalSlice::from_raw_parts(
-                            io.key_cache.raw.addr as *const $t,
+                            io.key_cache.raw.addr as *const $k,
                             pool,
                         ),
                         value_cache: GlobalSlice::from_raw_parts(
-                            io.value_cache.raw.addr as *const $t,
+                            io.value_cache.raw.addr as *const $k,
                             pool,
                         ),
-                        k_scales: GlobalSlice::empty(),
-                        v_scales: GlobalSlice::empty(),
+                        k_scales,
+                        v_scales,
                         block_tables: GlobalSlice::from_raw_parts(
                             at(0) as *const i32,
                             n * pp.shape.max_blocks_per_seq as u64,
@@ -202,22 +203,24 @@ impl<D: StepDevice> StepRunner<D> {
         // SAFETY (each launch): (1)-(2) above and `plan_prefill`'s validation; (3) `out`
         // borrowed mutably, the caches shared, all on the device's one queue; (4) the
         // kernel's own configuration.
-        match self.shape.dtype {
-            DType::F16 => {
-                let p = params!(F16);
-                unsafe { self.launch_prefill::<PagedPrefill<F16>>(cfg, p) }
-            }
-            DType::Bf16 => {
-                let p = params!(Bf16);
-                unsafe { self.launch_prefill::<PagedPrefill<Bf16>>(cfg, p) }
-            }
-            DType::F32 => {
-                let p = params!(f32);
-                unsafe { self.launch_prefill::<PagedPrefillSimt<f32>>(cfg, p) }
-            }
-            d @ (DType::E4m3 | DType::E5m2) => Err(Error::invalid(
+        macro_rules! launch {
+            ($kernel:ty, $t:ty, $k:ty) => {{
+                let p = params!($t, $k);
+                unsafe { self.launch_prefill::<$kernel>(cfg, p) }
+            }};
+        }
+        use DType as D;
+        match (self.shape.dtype, self.shape.kv_dtype) {
+            (D::F16, D::F16) => launch!(PagedPrefill<F16>, F16, F16),
+            (D::Bf16, D::Bf16) => launch!(PagedPrefill<Bf16>, Bf16, Bf16),
+            (D::F32, D::F32) => launch!(PagedPrefillSimt<f32>, f32, f32),
+            (D::F16, D::E4m3) => launch!(PagedPrefill<F16, E4m3>, F16, E4m3),
+            (D::F16, D::E5m2) => launch!(PagedPrefill<F16, E5m2>, F16, E5m2),
+            (D::Bf16, D::E4m3) => launch!(PagedPrefill<Bf16, E4m3>, Bf16, E4m3),
+            (D::Bf16, D::E5m2) => launch!(PagedPrefill<Bf16, E5m2>, Bf16, E5m2),
+            (q, c) => Err(Error::invalid(
                 "dtype",
-                format!("{d} caches are served by the per-call ops, not the step path yet"),
+                format!("no prefill kernel for {q} queries over a {c} cache"),
             )),
         }
     }

@@ -12,7 +12,10 @@ use crate::error::{Error, Result};
 use crate::ops::attention::{
     self, DecodeOptions, SplitPlan, decode_launch_config, reduce_launch_config,
 };
-use crate::ops::{checked_pool_elems, kv_append, with_elem};
+use crate::ops::scales::with_kv;
+use crate::ops::{checked_pool_elems, kv_append};
+use crate::step::TensorView;
+use crate::tensor::DType;
 
 impl<D: StepDevice> StepRunner<D> {
     fn current(&self) -> Result<&Planned> {
@@ -21,13 +24,81 @@ impl<D: StepDevice> StepRunner<D> {
             .ok_or_else(|| Error::InvalidState("no step planned: call plan() first".into()))
     }
 
-    /// Checks a view: its memory space, dtype, 16-byte alignment, and element count
-    /// (`rows` rows of `row` elements, `stride` apart, for row-strided views; exactly
-    /// `elems` for dense ones). Returns the row stride (dense: `row`).
+    /// [`check_view_as`](Self::check_view_as) the runner's query dtype.
     pub(super) fn check_view(
         &self,
         arg: &'static str,
         v: &RawView,
+        rows: u64,
+        row: u64,
+        strided: bool,
+    ) -> Result<u64> {
+        self.check_view_as(arg, v, self.shape.dtype, rows, row, strided)
+    }
+
+    /// Checks a layer's K and V cache views (the runner's cache dtype, one pool each).
+    pub(super) fn check_caches(&self, key: &RawView, value: &RawView) -> Result<u64> {
+        let pool = checked_pool_elems(&self.shape.layout())?;
+        let kv = self.shape.kv_dtype;
+        self.check_view_as("key_cache", key, kv, 1, pool, false)?;
+        self.check_view_as("value_cache", value, kv, 1, pool, false)?;
+        Ok(pool)
+    }
+
+    /// Checks a layer's fp8 scales view (`[2, num_kv_heads]` f32, there exactly when
+    /// the cache is fp8) and the options (the step path reads the scales from the
+    /// layer, not from `opts.kv_scales`); returns the K and V scale slices (empty for
+    /// an unscaled cache).
+    pub(super) fn scale_slices(
+        &self,
+        scales: Option<&TensorView<'_>>,
+        opts: Option<&DecodeOptions>,
+    ) -> Result<(GlobalSlice<f32>, GlobalSlice<f32>)> {
+        if opts.is_some_and(|o| o.kv_scales.is_some()) {
+            return Err(Error::invalid(
+                "kv_scales",
+                "set in the options: the step path reads each layer's scales from its io (kv_scales), e.g. set by AttentionBackend::set_kv_scales",
+            ));
+        }
+        let h = self.shape.num_kv_heads as u64;
+        match (self.shape.kv_dtype.is_fp8(), scales) {
+            (false, None) => Ok((GlobalSlice::empty(), GlobalSlice::empty())),
+            (false, Some(_)) => Err(Error::invalid(
+                "kv_scales",
+                format!(
+                    "given for a {} cache: only fp8 caches are scaled",
+                    self.shape.kv_dtype
+                ),
+            )),
+            (true, None) => Err(Error::invalid(
+                "kv_scales",
+                format!(
+                    "missing: a {} cache needs its layer's K and V scales",
+                    self.shape.kv_dtype
+                ),
+            )),
+            (true, Some(v)) => {
+                self.check_view_as("kv_scales", &v.raw, DType::F32, 1, 2 * h, false)?;
+                // SAFETY: a checked view of this device's space of `2 * h` f32: K's `h`
+                // scales, then V's.
+                Ok(unsafe {
+                    (
+                        GlobalSlice::from_raw_parts(v.raw.addr as *const f32, h),
+                        GlobalSlice::from_raw_parts((v.raw.addr + 4 * h) as *const f32, h),
+                    )
+                })
+            }
+        }
+    }
+
+    /// Checks a view: its memory space, dtype, 16-byte alignment, and element count
+    /// (`rows` rows of `row` elements, `stride` apart, for row-strided views; exactly
+    /// `elems` for dense ones). Returns the row stride (dense: `row`).
+    pub(super) fn check_view_as(
+        &self,
+        arg: &'static str,
+        v: &RawView,
+        want: DType,
         rows: u64,
         row: u64,
         strided: bool,
@@ -48,10 +119,10 @@ impl<D: StepDevice> StepRunner<D> {
                 ),
             ));
         }
-        if dtype != self.shape.dtype {
+        if dtype != want {
             return Err(Error::invalid(
                 arg,
-                format!("dtype {dtype} but the runner's is {}", self.shape.dtype),
+                format!("dtype {dtype}, expected {want}"),
             ));
         }
         if addr == 0 || !addr.is_multiple_of(16) {
@@ -106,29 +177,28 @@ impl<D: StepDevice> StepRunner<D> {
         let n = planned.num_tokens as u64;
         let l = self.shape.layout();
         let row = l.num_kv_heads as u64 * l.head_dim as u64;
-        let pool = checked_pool_elems(&l)?;
         self.check_view("key", &io.key.raw, n, row, false)?;
         self.check_view("value", &io.value.raw, n, row, false)?;
-        self.check_view("key_cache", &io.key_cache.raw, 1, pool, false)?;
-        self.check_view("value_cache", &io.value_cache.raw, 1, pool, false)?;
+        let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
+        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref(), None)?;
         if n == 0 {
             return Ok(());
         }
         let slots = self.meta + planned.offsets[2];
         let cfg = kv_append::launch_config(n as usize);
-        with_elem!(self.shape.dtype, T => {
+        with_kv!(self.shape.dtype, self.shape.kv_dtype, T, K => {
             // SAFETY: every address was checked to be of this device's space, aligned
             // and as long as its length here; the slot mapping lives in the runner's
             // metadata buffer, uploaded by `plan` (ordered before this launch).
             let params = unsafe {
-                KvAppendParams::<T> {
+                KvAppendParams::<T, K> {
                     key: GlobalSlice::from_raw_parts(io.key.raw.addr as *const T, n * row),
                     value: GlobalSlice::from_raw_parts(io.value.raw.addr as *const T, n * row),
                     slot_mapping: GlobalSlice::from_raw_parts(slots as *const i64, n),
-                    key_cache: GlobalSliceMut::from_raw_parts(io.key_cache.raw.addr as *mut T, pool),
-                    value_cache: GlobalSliceMut::from_raw_parts(io.value_cache.raw.addr as *mut T, pool),
-                    k_scales: GlobalSlice::empty(),
-                    v_scales: GlobalSlice::empty(),
+                    key_cache: GlobalSliceMut::from_raw_parts(io.key_cache.raw.addr as *mut K, pool),
+                    value_cache: GlobalSliceMut::from_raw_parts(io.value_cache.raw.addr as *mut K, pool),
+                    k_scales,
+                    v_scales,
                     layout: l,
                 }
             };
@@ -136,7 +206,7 @@ impl<D: StepDevice> StepRunner<D> {
             // the views' lengths were checked; (3) the caches are borrowed mutably and
             // the inputs shared for the call, all work on the device's one queue;
             // (4) kv_append's own configuration.
-            unsafe { self.dev.launch::<KvAppend<T>>(cfg, params)? };
+            unsafe { self.dev.launch::<KvAppend<T, K>>(cfg, params)? };
         });
         Ok(())
     }
@@ -157,27 +227,26 @@ impl<D: StepDevice> StepRunner<D> {
             ));
         }
         let l = self.shape.layout();
-        let pool = checked_pool_elems(&l)?;
         let row = ds.row_elems();
         let rows = ds.num_seqs as u64;
         let q_stride = self.check_view("q", &io.q.raw, rows, row, true)?;
         let out_stride = self.check_view("out", &io.out.raw, rows, row, true)?;
-        self.check_view("key_cache", &io.key_cache.raw, 1, pool, false)?;
-        self.check_view("value_cache", &io.value_cache.raw, 1, pool, false)?;
-        let dtype = self.shape.dtype;
+        let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
+        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref(), Some(opts))?;
+        let (dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
         let tables = self.meta + planned.offsets[0];
         let lens = self.meta + planned.offsets[1];
-        with_elem!(dtype, T => {
+        with_kv!(dtype, kv_dtype, T, K => {
             // SAFETY: checked views of this device's space; the tables and lengths in the
             // metadata buffer `plan` uploaded and validated; the workspace and slopes
             // buffers the runner owns, sized for every plan within its capacity.
             let params = unsafe {
-                DecodeParams::<T> {
+                DecodeParams::<T, K> {
                     q: GlobalSlice::from_raw_parts(io.q.raw.addr as *const T, io.q.raw.elems),
-                    key_cache: GlobalSlice::from_raw_parts(io.key_cache.raw.addr as *const T, pool),
-                    value_cache: GlobalSlice::from_raw_parts(io.value_cache.raw.addr as *const T, pool),
-                    k_scales: GlobalSlice::empty(),
-                    v_scales: GlobalSlice::empty(),
+                    key_cache: GlobalSlice::from_raw_parts(io.key_cache.raw.addr as *const K, pool),
+                    value_cache: GlobalSlice::from_raw_parts(io.value_cache.raw.addr as *const K, pool),
+                    k_scales,
+                    v_scales,
                     block_tables: GlobalSlice::from_raw_parts(tables as *const i32, rows * ds.max_blocks_per_seq as u64),
                     context_lens: GlobalSlice::from_raw_parts(lens as *const i32, rows),
                     alibi_slopes: if opts.alibi_slopes.is_some() {
@@ -206,12 +275,12 @@ impl<D: StepDevice> StepRunner<D> {
                     out_row_stride: out_stride,
                 }
             };
-            let cfg = decode_launch_config(&ds, dtype, &p);
+            let cfg = decode_launch_config(&ds, kv_dtype, &p);
             if p.is_split() {
                 // SAFETY: (1)-(2) above and `plan`'s validation; (3) `out` borrowed
                 // mutably, the workspace used by one launch at a time on the device's
                 // one queue; (4) the decode kernel's own configuration.
-                unsafe { self.dev.launch::<PagedDecode<T, true>>(cfg, params)? };
+                unsafe { self.dev.launch::<PagedDecode<T, true, K>>(cfg, params)? };
                 // SAFETY: as above; the reduce reads the partials the decode wrote.
                 let rp = unsafe {
                     ReduceParams::<T> {
@@ -228,7 +297,7 @@ impl<D: StepDevice> StepRunner<D> {
                 unsafe { self.dev.launch::<DecodeReduce<T>>(reduce_launch_config(&ds, dtype), rp)? };
             } else {
                 // SAFETY: as for the split launch.
-                unsafe { self.dev.launch::<PagedDecode<T, false>>(cfg, params)? };
+                unsafe { self.dev.launch::<PagedDecode<T, false, K>>(cfg, params)? };
             }
         });
         Ok(Some(p))

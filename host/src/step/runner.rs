@@ -5,6 +5,7 @@ use pagedkv_kernels::PagedLayout;
 use super::device::{StepDevice, TensorView, TensorViewMut};
 use crate::error::{Error, Result};
 use crate::ops::attention::{self, DecodeShape, SplitPlan};
+use crate::ops::scales::check_cache_pair;
 use crate::ops::{MAX_GRID_YZ, check_layout, kv_append};
 use crate::tensor::DType;
 
@@ -21,8 +22,12 @@ pub struct StepShape {
     pub block_size: u32,
     /// Blocks in each layer's K (and V) pool.
     pub num_blocks: u32,
-    /// Element type of the caches, q, k, v and out.
+    /// Element type of q, out, and the new tokens' k and v.
     pub dtype: DType,
+    /// Element type of the caches: `dtype`, or fp8 ([`DType::E4m3`], [`DType::E5m2`])
+    /// under f16 / bf16 queries, each layer's cache then with its per-KV-head scales
+    /// ([`AppendIo::kv_scales`]).
+    pub kv_dtype: DType,
 }
 
 impl StepShape {
@@ -78,6 +83,10 @@ pub struct AppendIo<'a> {
     pub key_cache: TensorViewMut<'a>,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`: the layer's value cache.
     pub value_cache: TensorViewMut<'a>,
+    /// `[2, num_kv_heads]` f32: the layer's K scales, then its V scales, for an fp8
+    /// cache (required then, refused otherwise). Values must be finite and positive
+    /// (checked where they are set, e.g. `AttentionBackend::set_kv_scales`).
+    pub kv_scales: Option<TensorView<'a>>,
 }
 
 /// The tensors of one layer's decode attention.
@@ -90,6 +99,8 @@ pub struct DecodeIo<'a> {
     pub key_cache: TensorView<'a>,
     /// The layer's value cache.
     pub value_cache: TensorView<'a>,
+    /// The layer's fp8 scales, as [`AppendIo::kv_scales`].
+    pub kv_scales: Option<TensorView<'a>>,
     /// `[num_seqs, row_stride]`: the output rows (row stride as for `q`).
     pub out: TensorViewMut<'a>,
 }
@@ -166,15 +177,7 @@ impl<D: StepDevice> StepRunner<D> {
         sm_count: Option<u32>,
     ) -> Result<Self> {
         check_layout(&shape.layout())?;
-        if shape.dtype.is_fp8() {
-            return Err(Error::invalid(
-                "dtype",
-                format!(
-                    "{}: the step path serves f16, bf16 and f32 caches; fp8 caches run through the per-call ops (ops::kv_append, ops::attention, ops::prefill)",
-                    shape.dtype
-                ),
-            ));
-        }
+        check_cache_pair(shape.dtype, shape.kv_dtype)?;
         if shape.num_q_heads == 0 || !shape.num_q_heads.is_multiple_of(shape.num_kv_heads) {
             return Err(Error::invalid(
                 "num_q_heads",
@@ -219,7 +222,7 @@ impl<D: StepDevice> StepRunner<D> {
         let sms = sm_count.unwrap_or(0);
         for n in (1..=cap.max_seqs).take_while(|_| sm_count.is_some()) {
             let p = clamp_partitions(
-                attention::plan(&decode_shape(n), shape.dtype, longest, sms),
+                attention::plan(&decode_shape(n), shape.kv_dtype, longest, sms),
                 longest,
                 cap.max_partitions,
             );
@@ -365,13 +368,13 @@ impl<D: StepDevice> StepRunner<D> {
                 attention::validate_metadata(&ds, None, meta.block_tables, meta.context_lens)?;
             let p = clamp_partitions(
                 match self.sm_count {
-                    Some(sms) => attention::plan(&ds, self.shape.dtype, max_len, sms),
-                    None => attention::plan_unsplit(&ds, self.shape.dtype, max_len),
+                    Some(sms) => attention::plan(&ds, self.shape.kv_dtype, max_len, sms),
+                    None => attention::plan_unsplit(&ds, self.shape.kv_dtype, max_len),
                 },
                 max_len,
                 self.cap.max_partitions,
             );
-            attention::validate_plan(&ds, self.shape.dtype, &p, max_len)?;
+            attention::validate_plan(&ds, self.shape.kv_dtype, &p, max_len)?;
             Some((ds, p))
         };
         // Pack [tables | lens | slots] and upload it in one copy.

@@ -99,6 +99,7 @@ pub fn backend_config(cfg: &Config, sched: &SchedulerConfig) -> Result<BackendCo
         block_size: sched.block_size,
         num_blocks: sched.num_blocks,
         dtype: DType::F32,
+        kv_dtype: DType::F32,
     };
     let max_blocks = sched.max_model_len.div_ceil(sched.block_size);
     let mut c = BackendConfig::new(

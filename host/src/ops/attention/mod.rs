@@ -312,12 +312,19 @@ pub fn validate_metadata(
 
 /// The bytes a decode launch must move through device memory, the benchmarks' count:
 /// K and V of every attended token once per KV head (`2 * Σ ctx * num_kv_heads *
-/// head_dim * size`), the queries and outputs (`2 * num_seqs * num_q_heads * head_dim *
-/// size`), the block-table entries each thread block reads (`4 * Σ ceil(ctx /
-/// block_size)` per KV head chunk), and with split-K the partials written and read back
-/// (`2 * num_seqs * num_q_heads * partitions * (head_dim + 2) * 4`).
-pub fn decode_bytes(shape: &DecodeShape, dtype: DType, context_lens: &[i32], p: &SplitPlan) -> u64 {
-    let size = dtype.size() as u64;
+/// head_dim * size(kv_dtype)`), the queries and outputs (`2 * num_seqs * num_q_heads *
+/// head_dim * size(dtype)`), the block-table entries each thread block reads (`4 * Σ
+/// ceil(ctx / block_size)` per KV head chunk), an fp8 cache's scales (`8 *
+/// num_kv_heads` per block, ignored: they are cached), and with split-K the partials
+/// written and read back (`2 * num_seqs * num_q_heads * partitions * (head_dim + 2) *
+/// 4`).
+pub fn decode_bytes(
+    shape: &DecodeShape,
+    (dtype, kv_dtype): (DType, DType),
+    context_lens: &[i32],
+    p: &SplitPlan,
+) -> u64 {
+    let (size, kv_size) = (dtype.size() as u64, kv_dtype.size() as u64);
     let d = shape.head_dim as u64;
     let tokens: u64 = context_lens.iter().map(|&c| c.max(0) as u64).sum();
     let blocks: u64 = context_lens
@@ -331,7 +338,7 @@ pub fn decode_bytes(shape: &DecodeShape, dtype: DType, context_lens: &[i32], p: 
     } else {
         0
     };
-    2 * tokens * shape.num_kv_heads as u64 * d * size + qo + 4 * blocks * chunks + partials
+    2 * tokens * shape.num_kv_heads as u64 * d * kv_size + qo + 4 * blocks * chunks + partials
 }
 
 /// Everything a backend checks before a decode launch: [`validate`] the inputs, take
