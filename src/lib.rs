@@ -15,6 +15,8 @@
 //! * [`ptx`]: the committed, validated PTX per architecture, as typed constants.
 //! * [`sim`]: the serving simulator behind `pagedkv simulate` (paged vs contiguous KV
 //!   memory), [`plot`], its SVG figure, and [`output`], how the command writes files.
+//! * [`accuracy`]: end-to-end error of the KV cache types (fp8 vs 16-bit), behind
+//!   `examples/fp8_accuracy.rs` and the README's table.
 //! * [`tiny`]: `pagedkv run`, decode of a small random transformer through the kernels
 //!   over the paged cache.
 //!
@@ -36,6 +38,7 @@
 //! # Ok::<(), pagedkv::host::Error>(())
 //! ```
 
+pub mod accuracy;
 pub mod cuda;
 pub mod output;
 pub mod plot;
