@@ -251,12 +251,40 @@ pagedkv_status pagedkv_reference_kv_append(uint32_t num_blocks, uint32_t num_kv_
 /* CUDA backend on caller-supplied device pointers                                     */
 /* ---------------------------------------------------------------------------------- */
 
-/* Element type of device buffers (passed as int32_t). */
+/* Element type of device buffers (passed as int32_t). E4M3 and E5M2 (OCP fp8, one byte)
+ * are cache types only: a cache of them serves f16 or bf16 queries through the _fp8
+ * functions below, with one K and one V scale per KV head (pagedkv_kv_scales). Any
+ * other value, or an fp8 type where queries, outputs or new K/V are meant, is
+ * PAGEDKV_ERR_INVALID_ARGUMENT. */
 typedef enum pagedkv_dtype {
     PAGEDKV_F16 = 0,
     PAGEDKV_BF16 = 1,
-    PAGEDKV_F32 = 2
+    PAGEDKV_F32 = 2,
+    PAGEDKV_E4M3 = 3, /* fp8 e4m3, finite to +-448, no infinity: cache type only */
+    PAGEDKV_E5M2 = 4  /* fp8 e5m2, finite to +-57344: cache type only */
 } pagedkv_dtype;
+
+/* The per-KV-head scales of an fp8 cache: K element b of KV head h stands for
+ * decode(b) * k[h], V likewise with v[h]; kv_append stores encode(x / k[h]) (rounded to
+ * nearest even, saturated to the format's finite range). Host memory, read during the
+ * call only. */
+typedef struct pagedkv_kv_scales {
+    const float *k; /* [len]: K scale of each KV head, finite and > 0 */
+    const float *v; /* [len]: V scale of each KV head, finite and > 0 */
+    uint64_t len;   /* elements of k and of v: the number of KV heads */
+} pagedkv_kv_scales;
+
+/* Calibrates an fp8 cache's scales on the CPU: per KV head, the largest magnitude of
+ * its elements in keys (values), over num_tokens rows of [num_kv_heads, head_dim] f32,
+ * divided by cache_dtype's largest finite value (448 for E4M3, 57344 for E5M2); 1 for a
+ * head that is all zeros. out_k and out_v receive num_kv_heads floats each, written
+ * only on success (for one scale per tensor, use the largest of them for every head).
+ * A cache_dtype that is not fp8, zero heads or head_dim, a non-finite input, or a size
+ * that overflows is PAGEDKV_ERR_INVALID_ARGUMENT; a null pointer, PAGEDKV_ERR_NULL. */
+pagedkv_status pagedkv_kv_scales_calibrate(int32_t cache_dtype, uint32_t num_kv_heads,
+                                           uint32_t head_dim, const float *keys,
+                                           const float *values, uint64_t num_tokens,
+                                           float *out_k, float *out_v);
 
 /* An opaque CUDA backend: a context on one device, a stream, the loaded kernels. */
 typedef struct pagedkv_cuda_backend pagedkv_cuda_backend;
@@ -288,7 +316,8 @@ pagedkv_status pagedkv_cuda_synchronize(pagedkv_cuda_backend *b);
  * num_kv_heads, head_dim], caches [num_blocks, num_kv_heads, block_size, head_dim], all
  * of `dtype`. slot_mapping is host memory (num_tokens entries, negative: skip),
  * validated before the launch. Asynchronous on the backend's stream: the caller keeps
- * the buffers alive and unused until pagedkv_cuda_synchronize(). */
+ * the buffers alive and unused until pagedkv_cuda_synchronize(). `dtype` is F16, BF16
+ * or F32; an fp8 one is PAGEDKV_ERR_INVALID_ARGUMENT (fp8 caches: the _fp8 functions). */
 pagedkv_status pagedkv_cuda_kv_append(pagedkv_cuda_backend *b, uint32_t num_blocks,
                                       uint32_t num_kv_heads, uint32_t block_size,
                                       uint32_t head_dim, int32_t dtype, uint64_t key,
@@ -301,7 +330,8 @@ pagedkv_status pagedkv_cuda_kv_append(pagedkv_cuda_backend *b, uint32_t num_bloc
  * of `dtype`. block_tables ([num_seqs, max_blocks_per_seq]) and context_lens
  * ([num_seqs]) are host memory, validated before anything is launched (the batch's
  * arrays from pagedkv_step() fit as they are). Split-K is planned from the device.
- * Asynchronous on the backend's stream, like pagedkv_cuda_kv_append(). */
+ * Asynchronous on the backend's stream, like pagedkv_cuda_kv_append(). `dtype` as
+ * there: F16, BF16 or F32. */
 pagedkv_status pagedkv_cuda_decode_attention(pagedkv_cuda_backend *b,
                                              const pagedkv_decode_shape *shape,
                                              int32_t dtype, float scale, uint64_t q,
@@ -311,13 +341,48 @@ pagedkv_status pagedkv_cuda_decode_attention(pagedkv_cuda_backend *b,
                                              const int32_t *context_lens,
                                              uint64_t context_lens_len, uint64_t out);
 
+/* kv_append into a cache of another type than the new K/V: as pagedkv_cuda_kv_append(),
+ * with key and value of `dtype` (f16 or bf16) and the caches of `cache_dtype`. For an
+ * fp8 cache (PAGEDKV_E4M3, PAGEDKV_E5M2), `scales` holds num_kv_heads K and V scales
+ * and each element is stored as encode(x / scale); a cache of `dtype` itself takes
+ * scales NULL (the same as pagedkv_cuda_kv_append()). The types and the scales are
+ * checked first, before the backend handle, and nothing is launched when they fail:
+ * an fp8 `dtype`, an fp8 cache under f32, scales for an unscaled cache, scales->len
+ * other than num_kv_heads (checked before the arrays are read), or a scale that is not
+ * finite and > 0 is PAGEDKV_ERR_INVALID_ARGUMENT; NULL scales (or scales->k, scales->v)
+ * for an fp8 cache is PAGEDKV_ERR_NULL. */
+pagedkv_status pagedkv_cuda_kv_append_fp8(pagedkv_cuda_backend *b, uint32_t num_blocks,
+                                          uint32_t num_kv_heads, uint32_t block_size,
+                                          uint32_t head_dim, int32_t dtype,
+                                          int32_t cache_dtype,
+                                          const pagedkv_kv_scales *scales, uint64_t key,
+                                          uint64_t value, uint64_t num_tokens,
+                                          const int64_t *slot_mapping, uint64_t key_cache,
+                                          uint64_t value_cache);
+
+/* Paged decode attention over a cache of another type than the queries: as
+ * pagedkv_cuda_decode_attention(), with q and out of `dtype` (f16 or bf16) and the
+ * caches of `cache_dtype`. For an fp8 cache, `scales` holds shape->num_kv_heads K and
+ * V scales and the kernels read element b of KV head h as decode(b) * scales->k[h] (V
+ * likewise); a cache of `dtype` itself takes scales NULL. shape, then the types and the
+ * scales are checked first, before the backend handle, as for
+ * pagedkv_cuda_kv_append_fp8(). */
+pagedkv_status pagedkv_cuda_decode_attention_fp8(
+    pagedkv_cuda_backend *b, const pagedkv_decode_shape *shape, int32_t dtype,
+    int32_t cache_dtype, const pagedkv_kv_scales *scales, float scale, uint64_t q,
+    uint64_t key_cache, uint64_t value_cache, const int32_t *block_tables,
+    uint64_t block_tables_len, const int32_t *context_lens, uint64_t context_lens_len,
+    uint64_t out);
+
 /* Decode attention on the GPU like pagedkv_cuda_decode_attention(), with q and out as
  * rows q_row_stride / out_row_stride elements apart (0: dense, num_q_heads * head_dim),
  * so q can be a view into a fused QKV projection: q spans (num_seqs - 1) * q_row_stride
  * + num_q_heads * head_dim elements, out likewise. A stride is at least num_q_heads *
  * head_dim and a multiple of 16 bytes, and every device pointer is 16-byte aligned
  * (the kernels move 16-byte vectors), or the call is PAGEDKV_ERR_INVALID_ARGUMENT
- * naming it: never a misaligned-address fault. Asynchronous on the backend's stream. */
+ * naming it: never a misaligned-address fault. Asynchronous on the backend's stream.
+ * It runs through the step path, which does not serve fp8 caches yet: an fp8 dtype is
+ * PAGEDKV_ERR_INVALID_ARGUMENT (use pagedkv_cuda_decode_attention_fp8()). */
 pagedkv_status pagedkv_cuda_decode_attention_strided(
     pagedkv_cuda_backend *b, const pagedkv_decode_shape *shape, int32_t dtype, float scale,
     uint64_t q, uint64_t q_row_stride, uint64_t key_cache, uint64_t value_cache,

@@ -159,6 +159,27 @@ pub(crate) fn pool_elems(l: &PagedLayout) -> Result<u64, pagedkv_status> {
     )
 }
 
+/// Elements of `num_tokens` rows of `[num_kv_heads, head_dim]` (new K/V, calibration
+/// samples), with checked arithmetic: a product that overflows `u64` or `usize` is an
+/// error naming `num_tokens`.
+pub(crate) fn token_elems(
+    num_tokens: u64,
+    num_kv_heads: u32,
+    head_dim: u32,
+) -> Result<u64, pagedkv_status> {
+    num_tokens
+        .checked_mul(num_kv_heads as u64 * head_dim as u64)
+        .filter(|&n| usize::try_from(n).is_ok())
+        .ok_or_else(|| {
+            fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!(
+                    "invalid argument `num_tokens`: num_tokens * num_kv_heads * head_dim = {num_tokens} * {num_kv_heads} * {head_dim} overflows"
+                ),
+            )
+        })
+}
+
 /// Checks a caller's element count against the one the shapes imply, before any read.
 pub(crate) fn check_len(what: &str, got: u64, want: u64) -> Result<(), pagedkv_status> {
     if got != want {

@@ -23,7 +23,9 @@
 //! queues its work asynchronously on the backend's stream.
 //!
 //! The element type travels as an `int32_t` with the values of [`pagedkv_dtype`];
-//! [`dtype_of`] refuses any other value. The handle lives in the registry of
+//! [`dtype_of`] refuses any other value. Which types may pair (an fp8 cache under f16
+//! or bf16 queries, never fp8 queries) is checked by each function: see
+//! `scales.rs`. The handle lives in the registry of
 //! [`crate::handle`] like the scheduler's, and every call on it goes through
 //! [`with_cuda`], which also turns the `Result` style of the kernel functions into a
 //! status.
@@ -35,7 +37,9 @@ use crate::handle::{Handle, Registry, destroy, enter, register};
 use crate::pagedkv_status::{self, *};
 use crate::status::{fail, from_error};
 
-/// Element type of device buffers.
+/// Element type of device buffers. The fp8 types are cache types only: a cache of them
+/// serves f16 or bf16 queries through the `_fp8` functions, with per-KV-head scales
+/// ([`crate::pagedkv_kv_scales`]).
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum pagedkv_dtype {
@@ -45,6 +49,10 @@ pub enum pagedkv_dtype {
     PAGEDKV_BF16 = 1,
     /// IEEE single precision.
     PAGEDKV_F32 = 2,
+    /// OCP fp8 e4m3 (finite to ±448, no infinity): a cache type only.
+    PAGEDKV_E4M3 = 3,
+    /// OCP fp8 e5m2 (finite to ±57344): a cache type only.
+    PAGEDKV_E5M2 = 4,
 }
 
 /// The crate's element type for a C `dtype` value ([`pagedkv_dtype`]); any other value
@@ -54,9 +62,11 @@ pub(crate) fn dtype_of(d: i32) -> Result<DType, pagedkv_status> {
         0 => Ok(DType::F16),
         1 => Ok(DType::Bf16),
         2 => Ok(DType::F32),
+        3 => Ok(DType::E4m3),
+        4 => Ok(DType::E5m2),
         other => Err(fail(
             PAGEDKV_ERR_INVALID_ARGUMENT,
-            format!("dtype {other} (0 f16, 1 bf16, 2 f32)"),
+            format!("dtype {other} (0 f16, 1 bf16, 2 f32, 3 e4m3, 4 e5m2)"),
         )),
     }
 }

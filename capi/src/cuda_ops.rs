@@ -30,27 +30,41 @@
 //! `CudaStepDevice` plans the batch, then one launch or two, with the views' alignment
 //! and strides checked (`PAGEDKV_ERR_INVALID_ARGUMENT` naming the argument, never a
 //! misaligned-address fault).
+//!
+//! fp8 caches: [`pagedkv_cuda_kv_append_fp8`] and [`pagedkv_cuda_decode_attention_fp8`]
+//! take the cache's type apart from the queries' (f16 or bf16 over `PAGEDKV_E4M3` or
+//! `PAGEDKV_E5M2`) and the per-KV-head scales ([`crate::scales`]). They check those host
+//! arguments first, before the backend handle, then share the body of the plain
+//! functions (`kv_append_on`, `decode_on`), which are the same call with one type and no
+//! scales. An fp8 `dtype` in a function with one type (the plain ones, and the strided
+//! decode, whose step path serves no fp8 cache yet) would be fp8 queries:
+//! `PAGEDKV_ERR_INVALID_ARGUMENT` pointing to the `_fp8` functions.
 
+use pagedkv::cuda::CudaBackend;
 use pagedkv::host::Error;
 use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
 use pagedkv::host::ops::kv_append::KvAppendIo;
 use pagedkv::kernels::PagedLayout;
 
-use crate::args::{check_len, checked_elems, pagedkv_decode_shape, pool_elems, slice};
+use crate::args::{check_len, checked_elems, pagedkv_decode_shape, pool_elems, slice, token_elems};
 use crate::cuda::{dtype_of, pagedkv_cuda_backend, with_cuda};
+use crate::guard::guard;
 use crate::pagedkv_status::{self, *};
+use crate::scales::{KvTypes, kv_types, pagedkv_kv_scales};
 use crate::status::{fail, from_error};
 
 /// `kv_append` on the GPU, on device buffers the caller owns: `key`, `value`:
 /// `[num_tokens, num_kv_heads, head_dim]`; the caches `[num_blocks, num_kv_heads,
 /// block_size, head_dim]`, all of `dtype`. `slot_mapping` is host memory
 /// (`num_tokens` entries; negative: skip), validated before the launch. Asynchronous on
-/// the backend's stream.
+/// the backend's stream. `dtype` is f16, bf16 or f32: an fp8 one is
+/// `PAGEDKV_ERR_INVALID_ARGUMENT` (an fp8 cache: `pagedkv_cuda_kv_append_fp8`).
 ///
 /// # Safety
-/// The device pointers are allocations in the backend's context of at least the sizes
-/// the shapes imply, unused by other work until the launch completes; `slot_mapping` is
-/// null only when `num_tokens` is 0, else valid for `num_tokens` reads.
+/// 1. The device pointers are allocations in the backend's context of at least the
+///    sizes the shapes imply, unused by other work until the launch completes.
+/// 2. `slot_mapping` is null only when `num_tokens` is 0, else valid for `num_tokens`
+///    reads.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn pagedkv_cuda_kv_append(
@@ -67,62 +81,147 @@ pub unsafe extern "C" fn pagedkv_cuda_kv_append(
     key_cache: u64,
     value_cache: u64,
 ) -> pagedkv_status {
+    let layout = PagedLayout {
+        num_blocks,
+        num_kv_heads,
+        block_size,
+        head_dim,
+    };
     with_cuda(b, |g| {
-        let dt = dtype_of(dtype)?;
-        let layout = PagedLayout {
-            num_blocks,
-            num_kv_heads,
-            block_size,
-            head_dim,
+        let t = KvTypes::plain(dtype_of(dtype)?)?;
+        let io = AppendPtrs {
+            key,
+            value,
+            num_tokens,
+            slot_mapping,
+            key_cache,
+            value_cache,
         };
-        pagedkv::host::ops::check_layout(&layout).map_err(|e| from_error(&e))?;
-        // Sizes in checked arithmetic: both fit in `usize` (so do the shapes' products,
-        // every factor being at least 1 past `check_layout` and the early return).
-        let pool = [pool_elems(&layout)? as usize];
-        if num_tokens == 0 {
-            return Ok(());
-        }
-        let rows = usize::try_from(num_tokens)
-            .ok()
-            .filter(|_| {
-                num_tokens
-                    .checked_mul(num_kv_heads as u64 * head_dim as u64)
-                    .is_some_and(|n| usize::try_from(n).is_ok())
-            })
-            .ok_or_else(|| {
-                fail(
-                    PAGEDKV_ERR_INVALID_ARGUMENT,
-                    format!(
-                        "invalid argument `num_tokens`: {num_tokens} * num_kv_heads * head_dim overflows"
-                    ),
-                )
-            })?;
         // SAFETY: the caller's contract.
-        let sm = unsafe { slice(slot_mapping, num_tokens, "slot_mapping")? };
-        let tok = [rows, num_kv_heads as usize, head_dim as usize];
-        // SAFETY: the caller's contract (device allocations of these sizes, unused by
-        // other work until the launch completes).
-        let (k, v, mut kc, mut vc) = unsafe {
-            use pagedkv::cuda::BorrowedDeviceTensor as B;
-            let m = |e: Error| from_error(&e);
-            (
-                B::new(g, key, dt, &tok).map_err(m)?,
-                B::new(g, value, dt, &tok).map_err(m)?,
-                B::new(g, key_cache, dt, &pool).map_err(m)?,
-                B::new(g, value_cache, dt, &pool).map_err(m)?,
-            )
-        };
-        g.kv_append(KvAppendIo {
-            layout: &layout,
-            key: &k,
-            value: &v,
-            slot_mapping: sm,
-            key_cache: &mut kc,
-            value_cache: &mut vc,
-            scales: None,
-        })
-        .map_err(|e| from_error(&e))
+        unsafe { kv_append_on(g, &layout, t, io) }
     })
+}
+
+/// `kv_append` into a cache of another type than the new K/V: as
+/// `pagedkv_cuda_kv_append`, with `key`, `value` of `dtype` (f16 or bf16) and the caches
+/// of `cache_dtype`. For an fp8 cache (`PAGEDKV_E4M3`, `PAGEDKV_E5M2`) `scales` holds
+/// one K and one V scale per KV head (finite, > 0) and each element is stored as
+/// `encode(x / scale)`, rounded to nearest even and saturated to the format's finite
+/// range; a cache of `dtype` itself takes `scales` null (the plain call).
+///
+/// The types and the scales are host arguments, checked first, before the backend:
+/// an fp8 `dtype`, an fp8 cache under f32, scales for an unscaled cache, a `len` other
+/// than `num_kv_heads`, or a scale that is not finite and positive is
+/// `PAGEDKV_ERR_INVALID_ARGUMENT`; null `scales` (or `scales->k`, `scales->v`) for an fp8
+/// cache is `PAGEDKV_ERR_NULL`. Nothing is launched then.
+///
+/// # Safety
+/// 1. As `pagedkv_cuda_kv_append` (the caches hold elements of `cache_dtype`).
+/// 2. `scales` is null or valid for a read, its `k` and `v` null or valid for `len`
+///    reads each (read during the call only).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_cuda_kv_append_fp8(
+    b: *mut pagedkv_cuda_backend,
+    num_blocks: u32,
+    num_kv_heads: u32,
+    block_size: u32,
+    head_dim: u32,
+    dtype: i32,
+    cache_dtype: i32,
+    scales: *const pagedkv_kv_scales,
+    key: u64,
+    value: u64,
+    num_tokens: u64,
+    slot_mapping: *const i64,
+    key_cache: u64,
+    value_cache: u64,
+) -> pagedkv_status {
+    let layout = PagedLayout {
+        num_blocks,
+        num_kv_heads,
+        block_size,
+        head_dim,
+    };
+    let io = AppendPtrs {
+        key,
+        value,
+        num_tokens,
+        slot_mapping,
+        key_cache,
+        value_cache,
+    };
+    guard(|| {
+        // SAFETY: the caller's contract on `scales` (2).
+        let t = match unsafe { kv_types(dtype, cache_dtype, scales, num_kv_heads) } {
+            Ok(t) => t,
+            Err(st) => return st,
+        };
+        // SAFETY: the caller's contract (1).
+        with_cuda(b, |g| unsafe { kv_append_on(g, &layout, t, io) })
+    })
+}
+
+/// The caller's buffers of a `kv_append`: device pointers, and the host slot mapping.
+#[derive(Clone, Copy)]
+struct AppendPtrs {
+    key: u64,
+    value: u64,
+    num_tokens: u64,
+    slot_mapping: *const i64,
+    key_cache: u64,
+    value_cache: u64,
+}
+
+/// `kv_append` on `g` with the types `t` (checked): the body of both C functions.
+///
+/// # Safety
+/// `io`'s device pointers are allocations in `g`'s context of the sizes `layout`,
+/// `num_tokens` and `t` imply, unused by other work until the launch completes;
+/// `slot_mapping` is null or valid for `num_tokens` reads.
+unsafe fn kv_append_on(
+    g: &CudaBackend,
+    layout: &PagedLayout,
+    t: KvTypes,
+    io: AppendPtrs,
+) -> Result<(), pagedkv_status> {
+    let m = |e: Error| from_error(&e);
+    pagedkv::host::ops::check_layout(layout).map_err(m)?;
+    // Sizes in checked arithmetic: both fit in `usize` (so do the shapes' products,
+    // every factor being at least 1 past `check_layout` and the early return).
+    let pool = [pool_elems(layout)? as usize];
+    if io.num_tokens == 0 {
+        return Ok(());
+    }
+    token_elems(io.num_tokens, layout.num_kv_heads, layout.head_dim)?;
+    // SAFETY: the caller's contract.
+    let sm = unsafe { slice(io.slot_mapping, io.num_tokens, "slot_mapping")? };
+    let tok = [
+        io.num_tokens as usize,
+        layout.num_kv_heads as usize,
+        layout.head_dim as usize,
+    ];
+    // SAFETY: the caller's contract (device allocations of these sizes, unused by
+    // other work until the launch completes).
+    let (k, v, mut kc, mut vc) = unsafe {
+        use pagedkv::cuda::BorrowedDeviceTensor as B;
+        (
+            B::new(g, io.key, t.q, &tok).map_err(m)?,
+            B::new(g, io.value, t.q, &tok).map_err(m)?,
+            B::new(g, io.key_cache, t.cache, &pool).map_err(m)?,
+            B::new(g, io.value_cache, t.cache, &pool).map_err(m)?,
+        )
+    };
+    g.kv_append(KvAppendIo {
+        layout,
+        key: &k,
+        value: &v,
+        slot_mapping: sm,
+        key_cache: &mut kc,
+        value_cache: &mut vc,
+        scales: t.scales.as_ref(),
+    })
+    .map_err(m)
 }
 
 /// Paged decode attention on the GPU, on device buffers the caller owns: `q`, `out`:
@@ -130,10 +229,13 @@ pub unsafe extern "C" fn pagedkv_cuda_kv_append(
 /// head_dim]`, all of `dtype`. `block_tables` (`[num_seqs, max_blocks_per_seq]`) and
 /// `context_lens` (`[num_seqs]`) are host memory, validated (ids in the pool, lengths in
 /// the tables) before anything is launched; split-K is planned from the device's SM
-/// count. Asynchronous on the backend's stream.
+/// count. Asynchronous on the backend's stream. `dtype` is f16, bf16 or f32 (an fp8
+/// cache: `pagedkv_cuda_decode_attention_fp8`).
 ///
 /// # Safety
-/// As `pagedkv_cuda_kv_append`; the host arrays are valid for their `*_len` reads.
+/// 1. As `pagedkv_cuda_kv_append` for the device pointers.
+/// 2. `shape` is null or valid for a read; the host arrays are valid for their `*_len`
+///    reads.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
@@ -150,72 +252,179 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention(
     context_lens_len: u64,
     out: u64,
 ) -> pagedkv_status {
+    let io = DecodePtrs {
+        scale,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        block_tables_len,
+        context_lens,
+        context_lens_len,
+        out,
+    };
     with_cuda(b, |g| {
-        let dt = dtype_of(dtype)?;
-        if shape.is_null() {
-            return Err(fail(PAGEDKV_ERR_NULL, "shape is null"));
-        }
-        // SAFETY: non-null, valid for a read.
-        let c = unsafe { shape.read() };
-        let sh = DecodeShape::from(c);
-        pagedkv::host::ops::check_layout(&sh.layout()).map_err(|e| from_error(&e))?;
-        // Sizes in checked arithmetic (each fits in `usize`, so do the shapes' partial
-        // products: head_dim >= 1 past `check_layout`), and the host arrays' lengths
-        // checked against the shape before they are read.
-        let pool = [pool_elems(&sh.layout())? as usize];
-        checked_elems(
-            &[c.num_seqs, c.num_q_heads, c.head_dim],
-            "num_seqs",
-            "num_seqs * num_q_heads * head_dim",
-        )?;
-        let btn = checked_elems(
-            &[c.num_seqs, c.max_blocks_per_seq],
-            "max_blocks_per_seq",
-            "num_seqs * max_blocks_per_seq",
-        )?;
-        check_len("block_tables", block_tables_len, btn)?;
-        check_len("context_lens", context_lens_len, c.num_seqs as u64)?;
+        let t = KvTypes::plain(dtype_of(dtype)?)?;
+        // SAFETY: the caller's contract (2).
+        let c = unsafe { read_shape(shape)? };
         // SAFETY: the caller's contract.
-        let (bt, cl) = unsafe {
-            (
-                slice(block_tables, block_tables_len, "block_tables")?,
-                slice(context_lens, context_lens_len, "context_lens")?,
-            )
-        };
-        let qs = [
-            c.num_seqs as usize,
-            c.num_q_heads as usize,
-            c.head_dim as usize,
-        ];
-        // SAFETY: the caller's contract (device allocations of these sizes).
-        let (qt, kc, vc, mut ot) = unsafe {
-            use pagedkv::cuda::BorrowedDeviceTensor as B;
-            let m = |e: Error| from_error(&e);
-            (
-                B::new(g, q, dt, &qs).map_err(m)?,
-                B::new(g, key_cache, dt, &pool).map_err(m)?,
-                B::new(g, value_cache, dt, &pool).map_err(m)?,
-                B::new(g, out, dt, &qs).map_err(m)?,
-            )
-        };
-        let mut opts = DecodeOptions::new(c.head_dim.max(1));
-        opts.scale = scale;
-        g.paged_decode_attention(
-            DecodeInputs {
-                shape: &sh,
-                opts: &opts,
-                q: &qt,
-                key_cache: &kc,
-                value_cache: &vc,
-                block_tables: bt,
-                context_lens: cl,
-                plan: None,
-            },
-            &mut ot,
-        )
-        .map(|_| ())
-        .map_err(|e| from_error(&e))
+        unsafe { decode_on(g, c, t, io) }
     })
+}
+
+/// Paged decode attention over a cache of another type than the queries: as
+/// `pagedkv_cuda_decode_attention`, with `q`, `out` of `dtype` (f16 or bf16) and the
+/// caches of `cache_dtype`. For an fp8 cache `scales` holds one K and one V scale per KV
+/// head (`len == shape->num_kv_heads`), and the kernels read an element `b` of KV head
+/// `h` as `decode(b) * scales->k[h]` (V likewise); a cache of `dtype` itself takes
+/// `scales` null (the plain call). The types and scales are checked first, before the
+/// backend, as in `pagedkv_cuda_kv_append_fp8`.
+///
+/// # Safety
+/// 1. As `pagedkv_cuda_decode_attention` (the caches hold elements of `cache_dtype`).
+/// 2. `scales` as in `pagedkv_cuda_kv_append_fp8`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_cuda_decode_attention_fp8(
+    b: *mut pagedkv_cuda_backend,
+    shape: *const pagedkv_decode_shape,
+    dtype: i32,
+    cache_dtype: i32,
+    scales: *const pagedkv_kv_scales,
+    scale: f32,
+    q: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: *const i32,
+    block_tables_len: u64,
+    context_lens: *const i32,
+    context_lens_len: u64,
+    out: u64,
+) -> pagedkv_status {
+    let io = DecodePtrs {
+        scale,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        block_tables_len,
+        context_lens,
+        context_lens_len,
+        out,
+    };
+    guard(|| {
+        let run = || -> Result<pagedkv_status, pagedkv_status> {
+            // SAFETY: the caller's contract (1: `shape`).
+            let c = unsafe { read_shape(shape)? };
+            // SAFETY: the caller's contract (2).
+            let t = unsafe { kv_types(dtype, cache_dtype, scales, c.num_kv_heads)? };
+            // SAFETY: the caller's contract (1).
+            Ok(with_cuda(b, |g| unsafe { decode_on(g, c, t, io) }))
+        };
+        run().unwrap_or_else(|st| st)
+    })
+}
+
+/// The softmax scale and the caller's buffers of a decode: device pointers, and the
+/// host tables.
+#[derive(Clone, Copy)]
+struct DecodePtrs {
+    scale: f32,
+    q: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: *const i32,
+    block_tables_len: u64,
+    context_lens: *const i32,
+    context_lens_len: u64,
+    out: u64,
+}
+
+/// `*shape`, or `PAGEDKV_ERR_NULL` when it is null.
+///
+/// # Safety
+/// `shape` is null or valid for a read.
+unsafe fn read_shape(
+    shape: *const pagedkv_decode_shape,
+) -> Result<pagedkv_decode_shape, pagedkv_status> {
+    if shape.is_null() {
+        return Err(fail(PAGEDKV_ERR_NULL, "shape is null"));
+    }
+    // SAFETY: non-null, valid for a read.
+    Ok(unsafe { shape.read() })
+}
+
+/// Decode attention on `g` with the types `t` (checked): the body of both C functions.
+///
+/// # Safety
+/// `io`'s device pointers are allocations in `g`'s context of the sizes `c` and `t`
+/// imply, unused by other work until the launch completes; its host arrays are null or
+/// valid for their `*_len` reads.
+unsafe fn decode_on(
+    g: &CudaBackend,
+    c: pagedkv_decode_shape,
+    t: KvTypes,
+    io: DecodePtrs,
+) -> Result<(), pagedkv_status> {
+    let m = |e: Error| from_error(&e);
+    let sh = DecodeShape::from(c);
+    pagedkv::host::ops::check_layout(&sh.layout()).map_err(m)?;
+    // Sizes in checked arithmetic (each fits in `usize`, so do the shapes' partial
+    // products: head_dim >= 1 past `check_layout`), and the host arrays' lengths
+    // checked against the shape before they are read.
+    let pool = [pool_elems(&sh.layout())? as usize];
+    checked_elems(
+        &[c.num_seqs, c.num_q_heads, c.head_dim],
+        "num_seqs",
+        "num_seqs * num_q_heads * head_dim",
+    )?;
+    let btn = checked_elems(
+        &[c.num_seqs, c.max_blocks_per_seq],
+        "max_blocks_per_seq",
+        "num_seqs * max_blocks_per_seq",
+    )?;
+    check_len("block_tables", io.block_tables_len, btn)?;
+    check_len("context_lens", io.context_lens_len, c.num_seqs as u64)?;
+    // SAFETY: the caller's contract.
+    let (bt, cl) = unsafe {
+        (
+            slice(io.block_tables, io.block_tables_len, "block_tables")?,
+            slice(io.context_lens, io.context_lens_len, "context_lens")?,
+        )
+    };
+    let qs = [
+        c.num_seqs as usize,
+        c.num_q_heads as usize,
+        c.head_dim as usize,
+    ];
+    // SAFETY: the caller's contract (device allocations of these sizes).
+    let (qt, kc, vc, mut ot) = unsafe {
+        use pagedkv::cuda::BorrowedDeviceTensor as B;
+        (
+            B::new(g, io.q, t.q, &qs).map_err(m)?,
+            B::new(g, io.key_cache, t.cache, &pool).map_err(m)?,
+            B::new(g, io.value_cache, t.cache, &pool).map_err(m)?,
+            B::new(g, io.out, t.q, &qs).map_err(m)?,
+        )
+    };
+    let mut opts = DecodeOptions::new(c.head_dim.max(1));
+    opts.scale = io.scale;
+    opts.kv_scales = t.scales;
+    g.paged_decode_attention(
+        DecodeInputs {
+            shape: &sh,
+            opts: &opts,
+            q: &qt,
+            key_cache: &kc,
+            value_cache: &vc,
+            block_tables: bt,
+            context_lens: cl,
+            plan: None,
+        },
+        &mut ot,
+    )
+    .map(|_| ())
+    .map_err(m)
 }
 
 /// Decode attention on the GPU like `pagedkv_cuda_decode_attention`, with `q` and `out`
@@ -252,12 +461,10 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
         TensorViewMut,
     };
     with_cuda(b, |g| {
-        let dt = dtype_of(dtype)?;
-        if shape.is_null() {
-            return Err(fail(PAGEDKV_ERR_NULL, "shape is null"));
-        }
-        // SAFETY: non-null, valid for a read.
-        let c = unsafe { shape.read() };
+        // One type for q, out and the caches: the step path serves no fp8 cache yet.
+        let dt = KvTypes::plain(dtype_of(dtype)?)?.q;
+        // SAFETY: the caller's contract.
+        let c = unsafe { read_shape(shape)? };
         let sh = DecodeShape::from(c);
         let m = |e: Error| from_error(&e);
         pagedkv::host::ops::check_layout(&sh.layout()).map_err(m)?;

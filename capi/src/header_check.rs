@@ -118,6 +118,8 @@ same_layout!(pagedkv_decode_shape {
     reserved,
 });
 
+same_layout!(pagedkv_kv_scales { k, v, len });
+
 macro_rules! same_values {
     ($($v:ident),* $(,)?) => {
         const _: () = {
@@ -133,6 +135,8 @@ const _: () = {
     assert!(c::pagedkv_dtype::PAGEDKV_F16 as i64 == crate::pagedkv_dtype::PAGEDKV_F16 as i64);
     assert!(c::pagedkv_dtype::PAGEDKV_BF16 as i64 == crate::pagedkv_dtype::PAGEDKV_BF16 as i64);
     assert!(c::pagedkv_dtype::PAGEDKV_F32 as i64 == crate::pagedkv_dtype::PAGEDKV_F32 as i64);
+    assert!(c::pagedkv_dtype::PAGEDKV_E4M3 as i64 == crate::pagedkv_dtype::PAGEDKV_E4M3 as i64);
+    assert!(c::pagedkv_dtype::PAGEDKV_E5M2 as i64 == crate::pagedkv_dtype::PAGEDKV_E5M2 as i64);
 };
 
 same_values!(
@@ -208,6 +212,18 @@ pub fn signatures() {
     same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _, _, _, _, _, _) -> _>(
         f::pagedkv_cuda_decode_attention_strided,
         r::pagedkv_cuda_decode_attention_strided,
+    );
+    same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _, _, _, _, _, _) -> _>(
+        f::pagedkv_cuda_kv_append_fp8,
+        r::pagedkv_cuda_kv_append_fp8,
+    );
+    same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _, _, _, _, _, _) -> _>(
+        f::pagedkv_cuda_decode_attention_fp8,
+        r::pagedkv_cuda_decode_attention_fp8,
+    );
+    same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _) -> _>(
+        f::pagedkv_kv_scales_calibrate,
+        r::pagedkv_kv_scales_calibrate,
     );
 }
 

@@ -35,7 +35,8 @@
 //! * `step.rs`: the step cycle, `pagedkv_step` and `pagedkv_on_step_done`.
 //! * `reference.rs`: the CPU reference kernels on host `f32` buffers.
 //! * `cuda.rs`: the CUDA backend handle; `cuda_ops.rs`: its kernels on the caller's
-//!   device pointers.
+//!   device pointers; `scales.rs`: fp8 caches' per-KV-head scales (the check the fp8
+//!   kernel functions run first, and a CPU calibration).
 //! * `tests.rs`: unit tests of the machinery above; `header_check.rs` (feature
 //!   `header-check`): compile-time proof that the header matches these definitions.
 //!
@@ -52,6 +53,7 @@ mod handle;
 #[cfg(feature = "header-check")]
 mod header_check;
 mod reference;
+mod scales;
 mod scheduler;
 mod status;
 mod step;
@@ -64,9 +66,11 @@ pub use cuda::{
     pagedkv_cuda_backend_destroy, pagedkv_cuda_synchronize, pagedkv_dtype,
 };
 pub use cuda_ops::{
-    pagedkv_cuda_decode_attention, pagedkv_cuda_decode_attention_strided, pagedkv_cuda_kv_append,
+    pagedkv_cuda_decode_attention, pagedkv_cuda_decode_attention_fp8,
+    pagedkv_cuda_decode_attention_strided, pagedkv_cuda_kv_append, pagedkv_cuda_kv_append_fp8,
 };
 pub use reference::{pagedkv_reference_decode_attention, pagedkv_reference_kv_append};
+pub use scales::{pagedkv_kv_scales, pagedkv_kv_scales_calibrate};
 #[cfg(feature = "testing")]
 pub use scheduler::pagedkv_testing_panic;
 pub use scheduler::{

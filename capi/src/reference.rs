@@ -34,7 +34,9 @@ use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::{DType, HostTensor};
 use pagedkv::kernels::PagedLayout;
 
-use crate::args::{check_len, checked_elems, pagedkv_decode_shape, pool_elems, slice, slice_mut};
+use crate::args::{
+    check_len, checked_elems, pagedkv_decode_shape, pool_elems, slice, slice_mut, token_elems,
+};
 use crate::guard::guard;
 use crate::pagedkv_status::{self, *};
 use crate::status::{fail, from_error};
@@ -172,18 +174,7 @@ pub unsafe extern "C" fn pagedkv_reference_kv_append(
             // the layout, before any buffer is read.
             pagedkv::host::ops::check_layout(&layout).map_err(|e| from_error(&e))?;
             check_len("cache_len", cache_len, pool_elems(&layout)?)?;
-            let row = num_kv_heads as u64 * head_dim as u64;
-            let n = num_tokens
-                .checked_mul(row)
-                .filter(|&n| usize::try_from(n).is_ok())
-                .ok_or_else(|| {
-                    fail(
-                        PAGEDKV_ERR_INVALID_ARGUMENT,
-                        format!(
-                            "invalid argument `num_tokens`: num_tokens * num_kv_heads * head_dim = {num_tokens} * {num_kv_heads} * {head_dim} overflows"
-                        ),
-                    )
-                })?;
+            let n = token_elems(num_tokens, num_kv_heads, head_dim)?;
             // SAFETY: the caller's contract for each pointer and length.
             let (k, v, sm, kc, vc) = unsafe {
                 (

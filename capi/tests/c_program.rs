@@ -159,6 +159,12 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         ("context_too_long", 2, "sequence 1: 49 tokens"),
         ("wrong_length", 2, "`q`"),
         ("slot_outside", 2, "slot 96 is outside the pool"),
+        // fp8: the _fp8 calls check types and scales before the backend.
+        ("fp8_f32_queries", 2, "not f32"),
+        ("fp8_null_scales", 1, "scales is null"),
+        ("fp8_scales_len", 2, "`scales.len`: 1 elements, expected 2"),
+        ("fp8_zero_scale", 2, "kv_scales.v"),
+        ("fp8_null_backend", 1, "backend is null"),
     ] {
         let l = line(&out, &format!("error {what} "));
         assert!(l.contains(&format!("status={status} ")), "{l}");
@@ -176,6 +182,20 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
     assert!(line(&out, "error cuda_null_backend ").contains("status=1 message=backend is null"));
     assert!(
         line(&out, "error cuda_strided_null_backend ").contains("status=1 message=backend is null")
+    );
+    // fp8: the scales of heads of largest magnitude 319 and 383 (kk[i] = i, vv[i] = -i)
+    // as e4m3 maps them (the calls' checks are in the error table above).
+    let scales: Vec<f32> = line(&out, "fp8 scales ")
+        .split(' ')
+        .skip(2)
+        .map(|x| x.parse().unwrap())
+        .collect();
+    let (k0, k1) = (319.0 / 448.0f64, 383.0 / 448.0f64);
+    assert_eq!(
+        scales,
+        [k0, k1, k0, k1].map(|x| x as f32),
+        "{}",
+        line(&out, "fp8 scales ")
     );
 
     // The attention values, recomputed in Rust from the same formulas.

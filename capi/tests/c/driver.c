@@ -172,6 +172,33 @@ int main(void) {
     report("cuda_strided_null_backend",
            pagedkv_cuda_decode_attention_strided(NULL, NULL, 0, 1.0f, 0, 0, 0, 0, NULL, 0, NULL,
                                                  0, 0, 0));
+    /* fp8 caches: per-KV-head scales calibrated on the CPU (kk, vv: 3 tokens of 2 heads
+     * of 64), and the fp8 calls' checks of types and scales, which come before the
+     * backend's. */
+    float ks[2] = {-1.0f, -1.0f}, vs[2] = {-1.0f, -1.0f};
+    CHECK(pagedkv_kv_scales_calibrate(PAGEDKV_E4M3, 2, 64, kk, vv, 3, ks, vs));
+    printf("fp8 scales %.9g %.9g %.9g %.9g\n", ks[0], ks[1], vs[0], vs[1]);
+    pagedkv_kv_scales sc = {.k = ks, .v = vs, .len = 2};
+    report("fp8_f32_queries", pagedkv_cuda_kv_append_fp8(NULL, 6, 2, 16, 64, PAGEDKV_F32,
+                                                         PAGEDKV_E4M3, &sc, 0, 0, 3, slots,
+                                                         0, 0));
+    report("fp8_null_scales", pagedkv_cuda_kv_append_fp8(NULL, 6, 2, 16, 64, PAGEDKV_BF16,
+                                                         PAGEDKV_E5M2, NULL, 0, 0, 3, slots,
+                                                         0, 0));
+    sc.len = 1;
+    report("fp8_scales_len",
+           pagedkv_cuda_decode_attention_fp8(NULL, &sh, PAGEDKV_F16, PAGEDKV_E4M3, &sc, 0.125f,
+                                             0, 0, 0, tables, 6, lens, 2, 0));
+    sc.len = 2;
+    float zero[2] = {1.0f, 0.0f};
+    sc.v = zero;
+    report("fp8_zero_scale",
+           pagedkv_cuda_decode_attention_fp8(NULL, &sh, PAGEDKV_F16, PAGEDKV_E4M3, &sc, 0.125f,
+                                             0, 0, 0, tables, 6, lens, 2, 0));
+    sc.v = vs;
+    report("fp8_null_backend",
+           pagedkv_cuda_decode_attention_fp8(NULL, &sh, PAGEDKV_F16, PAGEDKV_E4M3, &sc, 0.125f,
+                                             0, 0, 0, tables, 6, lens, 2, 0));
     printf("ok\n");
     return 0;
 }
