@@ -293,7 +293,7 @@ fn the_fp8_cuda_functions_check_types_and_scales_before_the_backend() {
             bf16,
             null(),
             PAGEDKV_ERR_INVALID_ARGUMENT,
-            "dtype bf16 but the queries (and new K/V) are f16",
+            "dtype f16 but the cache is bf16",
         ),
         (
             7,
