@@ -114,18 +114,20 @@ impl KvCacheManager {
     /// first `t.num_tokens()` tokens of `tokens`), and registers them in the prefix cache.
     /// Errors on a table of another manager.
     pub fn commit(&mut self, t: &mut BlockTable, tokens: &[u32], salt: Option<u64>) -> Result<()> {
-        self.commit_deferred(t, tokens, salt)?;
+        self.commit_deferred(t, (tokens, &[]), salt)?;
         self.flush_commits();
         Ok(())
     }
 
     /// [`commit`](Self::commit), except that the prefix-cache registrations wait for
     /// [`flush_commits`](Self::flush_commits), which must run before any block is
-    /// freed or allocated (a registration is of a held block).
+    /// freed or allocated (a registration is of a held block). The tokens come in
+    /// two parts, `head` then `tail` (the scheduler keeps a sequence's last few tokens
+    /// apart from the rest).
     pub(crate) fn commit_deferred(
         &mut self,
         t: &mut BlockTable,
-        tokens: &[u32],
+        (head, tail): (&[u32], &[u32]),
         salt: Option<u64>,
     ) -> Result<()> {
         self.check(t)?;
@@ -133,14 +135,25 @@ impl KvCacheManager {
             return Ok(());
         }
         let bs = self.block_size as usize;
-        let full = (t.num_tokens as usize).min(tokens.len()) / bs;
+        let h = head.len();
+        let full = (t.num_tokens as usize).min(h + tail.len()) / bs;
+        // A block that spans both parts is copied here first (rare: at most one per
+        // flush of the tail).
+        let mut straddle = Vec::new();
         while t.hashes.len() < full {
             let i = t.hashes.len();
-            let h = hash_block(
-                t.hashes.last().copied(),
-                &tokens[i * bs..(i + 1) * bs],
-                salt,
-            );
+            let (lo, hi) = (i * bs, (i + 1) * bs);
+            let block = if hi <= h {
+                &head[lo..hi]
+            } else if lo >= h {
+                &tail[lo - h..hi - h]
+            } else {
+                straddle.clear();
+                straddle.extend_from_slice(&head[lo..]);
+                straddle.extend_from_slice(&tail[..hi - h]);
+                &straddle[..]
+            };
+            let h = hash_block(t.hashes.last().copied(), block, salt);
             if t.blocks[i] != NULL_BLOCK {
                 // Start the map's cache miss now; the flush finds the line in cache.
                 self.device.prefetch_register(t.blocks[i], h);
