@@ -18,8 +18,7 @@ use std::ops::Index;
 
 use crate::block::pool::prefetch_write;
 
-/// Tokens a [`Recent`] buffer holds (a multiple of every block size, so a block's
-/// pending tokens never wrap).
+/// Tokens a [`Recent`] buffer holds.
 pub(super) const RECENT: usize = 64;
 
 /// The pending tokens of one sequence slot, cache-line aligned.
@@ -34,7 +33,7 @@ impl Default for Recent {
 }
 
 /// One sequence's tokens: the flushed ones, and how many more are pending in its
-/// slot's [`Recent`] line (see the module docs).
+/// slot's [`Recent`] buffer (see the module docs).
 #[derive(Clone, Debug, Default)]
 pub(super) struct History {
     flushed: Vec<u32>,
@@ -55,13 +54,13 @@ impl History {
         self.flushed.len() + self.pending as usize
     }
 
-    /// Where the pending tokens start in the `Recent` line.
+    /// Where the pending tokens start in the `Recent` buffer.
     fn start(&self) -> usize {
         self.flushed.len() % RECENT
     }
 
-    /// Appends `tok`, pending in `recent` (this sequence's line); flushes when the
-    /// line's last entry is written.
+    /// Appends `tok`, pending in `recent` (this sequence's buffer); flushes when the
+    /// buffer's last entry is written.
     #[inline]
     pub(super) fn push(&mut self, recent: &mut Recent, tok: u32) {
         let at = self.start() + self.pending as usize;
@@ -83,7 +82,7 @@ impl History {
         }
     }
 
-    /// Moves the pending tokens from `recent` (this sequence's line) to the `Vec`.
+    /// Moves the pending tokens from `recent` (this sequence's buffer) to the `Vec`.
     pub(super) fn flush(&mut self, recent: &Recent) {
         if self.pending > 0 {
             let start = self.start();
@@ -230,9 +229,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pending_tokens_flush_at_line_ends_and_read_back_in_order() {
+    fn pending_tokens_flush_at_buffer_ends_and_read_back_in_order() {
         let mut recent = Recent::default();
-        // A prompt ending mid-line, then enough tokens to flush twice.
+        // A prompt ending mid-buffer, then enough tokens to flush twice.
         let mut h = History::new((0..21).collect());
         for t in 21..140 {
             h.push(&mut recent, t);
