@@ -17,7 +17,8 @@
 //!   every 16th step (the worst step).
 //!
 //! After 32 warm-up steps it times `STEPS` steps and reports the median and the worst
-//! step, and the median per running sequence. It checks the work is real: over every 16
+//! step, the median per running sequence, and the medians of `step()` and of
+//! `on_step_done()` alone (progress goes to stderr). It checks the work is real: over every 16
 //! steps each sequence gained exactly one block, and with prefix caching on the prefix
 //! cache grew by N blocks (by none when off). `SCHED_BENCH_N=256,1024` picks the sizes,
 //! `SCHED_BENCH_STEPS` the measured steps (a multiple of 16, default 512), and
@@ -66,22 +67,32 @@ fn running(n: u32, caching: bool, staggered: bool, steps: u32) -> (Scheduler, Ve
     (s, sampled)
 }
 
-/// One timed cycle: `step()` + `on_step_done()`, building `sampled` untimed.
-fn cycle(s: &mut Scheduler, sampled: &mut Vec<(u64, u32)>) -> Duration {
+/// One timed cycle: the times of `step()` and of `on_step_done()`, building
+/// `sampled` in between untimed.
+fn cycle(s: &mut Scheduler, sampled: &mut Vec<(u64, u32)>) -> (Duration, Duration) {
     let start = Instant::now();
     let b = black_box(s.step().expect("step"));
-    let mut t = start.elapsed();
+    let step = start.elapsed();
     sampled.clear();
     sampled.extend(b.seqs.iter().map(|q| (q.seq, 7)));
     let start = Instant::now();
     black_box(s.on_step_done(sampled).expect("done"));
-    t += start.elapsed();
-    t
+    (step, start.elapsed())
 }
 
 struct Row {
+    /// Of the whole cycle.
     median: Duration,
     worst: Duration,
+    /// Of each half alone (they need not add up to the cycle's median).
+    step_median: Duration,
+    done_median: Duration,
+}
+
+/// The median of `times` (sorted in place).
+fn median(times: &mut [Duration]) -> Duration {
+    times.sort();
+    times[times.len() / 2]
 }
 
 fn measure(n: u32, caching: bool, staggered: bool, steps: u32) -> Row {
@@ -90,6 +101,7 @@ fn measure(n: u32, caching: bool, staggered: bool, steps: u32) -> Row {
         cycle(&mut s, &mut sampled);
     }
     let mut times = Vec::with_capacity(steps as usize);
+    let mut halves = Vec::with_capacity(steps as usize);
     let seqs: Vec<u64> = s.running_seqs().to_vec();
     for _ in 0..steps / BLOCK {
         let blocks: Vec<usize> = seqs
@@ -98,7 +110,9 @@ fn measure(n: u32, caching: bool, staggered: bool, steps: u32) -> Row {
             .collect();
         let cached = s.kv().device().num_cached();
         for _ in 0..BLOCK {
-            times.push(cycle(&mut s, &mut sampled));
+            let (step, done) = cycle(&mut s, &mut sampled);
+            times.push(step + done);
+            halves.push((step, done));
         }
         // The work is real: every sequence gained one block, and each filled a block
         // the prefix cache registered.
@@ -119,10 +133,13 @@ fn measure(n: u32, caching: bool, staggered: bool, steps: u32) -> Row {
             "prefix cache growth"
         );
     }
-    times.sort();
+    let mut step: Vec<Duration> = halves.iter().map(|h| h.0).collect();
+    let mut done: Vec<Duration> = halves.iter().map(|h| h.1).collect();
     Row {
-        median: times[times.len() / 2],
+        median: median(&mut times),
         worst: *times.last().expect("steps"),
+        step_median: median(&mut step),
+        done_median: median(&mut done),
     }
 }
 
@@ -145,8 +162,8 @@ fn decode_cycle() {
         "scheduler decode cycle: step() + on_step_done(), {steps} steps, prompts {PROMPT}, block {BLOCK}"
     );
     println!(
-        "{:>6} {:>7} {:>10} | {:>11} {:>11} {:>10}",
-        "N", "caching", "boundaries", "median µs", "worst µs", "ns/seq"
+        "{:>6} {:>7} {:>10} | {:>11} {:>11} {:>10} | {:>8} {:>8}",
+        "N", "caching", "boundaries", "median µs", "worst µs", "ns/seq", "step µs", "done µs"
     );
     let only = std::env::var("SCHED_BENCH_ONLY").ok();
     for &n in &sizes {
@@ -160,15 +177,18 @@ fn decode_cycle() {
                 if only.as_ref().is_some_and(|o| *o != name) {
                     continue;
                 }
+                eprintln!("  [N = {n}, {name}: admitting {n} prompts, then {steps} steps]");
                 let r = measure(n, caching, staggered, steps);
                 println!(
-                    "{:>6} {:>7} {:>10} | {:>11.1} {:>11.1} {:>10.1}",
+                    "{:>6} {:>7} {:>10} | {:>11.1} {:>11.1} {:>10.1} | {:>8.1} {:>8.1}",
                     n,
                     if caching { "on" } else { "off" },
                     if staggered { "staggered" } else { "lock-step" },
                     us(r.median),
                     us(r.worst),
                     r.median.as_secs_f64() * 1e9 / n as f64,
+                    us(r.step_median),
+                    us(r.done_median),
                 );
             }
         }

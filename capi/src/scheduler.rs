@@ -404,9 +404,17 @@ pub unsafe extern "C" fn pagedkv_seq_tokens(
             Ok(t) => {
                 // A `cap` beyond the address space is as good as unlimited.
                 let n = t.len().min(usize::try_from(cap).unwrap_or(usize::MAX));
-                if n > 0 {
-                    // SAFETY: non-null, valid for `cap >= n` writes.
-                    unsafe { std::ptr::copy_nonoverlapping(t.as_ptr(), out, n) };
+                // The two parts of the history, in order (raw copies: `out` may be
+                // uninitialised memory).
+                let (head, tail) = t.as_slices();
+                let h = n.min(head.len());
+                if h > 0 {
+                    // SAFETY: non-null, valid for `cap >= n >= h` writes.
+                    unsafe { std::ptr::copy_nonoverlapping(head.as_ptr(), out, h) };
+                }
+                if n > h {
+                    // SAFETY: as above; `out + h` is valid for the other `n - h` writes.
+                    unsafe { std::ptr::copy_nonoverlapping(tail.as_ptr(), out.add(h), n - h) };
                 }
                 // SAFETY: non-null, valid for a write.
                 unsafe { out_len.write(t.len() as u64) };

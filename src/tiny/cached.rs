@@ -31,9 +31,10 @@ pub(super) fn step<B: AttentionBackend>(
     for q in &batch.seqs {
         let toks = c.sched.tokens(q.seq)?;
         c.model.embed(
-            toks[q.start_pos as usize..(q.start_pos + q.num_new_tokens) as usize]
-                .iter()
-                .copied(),
+            toks.range(
+                q.start_pos as usize,
+                (q.start_pos + q.num_new_tokens) as usize,
+            ),
             &mut x,
         );
     }

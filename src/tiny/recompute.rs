@@ -55,8 +55,7 @@ pub(super) fn step<B: AttentionBackend>(
     let mut x = Vec::with_capacity(n * hidden);
     for q in &full.seqs {
         let toks = c.sched.tokens(q.seq)?;
-        c.model
-            .embed(toks[..q.context_len as usize].iter().copied(), &mut x);
+        c.model.embed(toks.range(0, q.context_len as usize), &mut x);
     }
     let w = batch.max_blocks_per_seq as usize;
     for (li, layer) in c.model.layers.iter().enumerate() {

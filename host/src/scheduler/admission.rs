@@ -8,6 +8,7 @@
 //! `max_tokens_per_step`, and the free blocks above the watermark (when others run).
 
 use super::seqs::{Group, Seq, Status};
+use super::tokens::History;
 use super::{Request, ScheduledSeq, Scheduler, SeqId};
 use crate::block::BlockTable;
 use crate::error::{Error, Result};
@@ -58,12 +59,12 @@ impl Scheduler {
             Seq {
                 id: seq,
                 request: req.id,
-                tokens: {
-                    // Room for every token it may generate: appends never reallocate.
+                tokens: History::new({
+                    // Room for every token it may generate: flushes never reallocate.
                     let mut t = Vec::with_capacity(total as usize);
                     t.extend_from_slice(&req.prompt);
                     t
-                },
+                }),
                 table: BlockTable::new(),
                 num_computed: 0,
                 prefill_end: 0,
@@ -140,6 +141,7 @@ impl Scheduler {
         }
         let table = self.kv.fork(&mut self.seqs.get_mut(&seq).unwrap().table)?;
         let child_id = self.seqs.alloc_id();
+        self.seqs.flush(&seq);
         let parent = &self.seqs[&seq];
         let child = Seq {
             id: child_id,
@@ -185,7 +187,8 @@ impl Scheduler {
             // Some sequence would get no token (chunked prefill, budget spent).
             let mut starved = false;
             for (i, s) in seqs.iter().enumerate() {
-                let t = &self.seqs[s].tokens;
+                self.seqs.flush(s);
+                let t = self.seqs[s].tokens.flushed();
                 if seqs.len() == 1 {
                     let (hits, _) = self.kv.count_prefix_hits(t, salt);
                     let cached = (hits * self.cfg.block_size) as usize;
@@ -230,9 +233,10 @@ impl Scheduler {
             for (s, end) in seqs.into_iter().zip(ends) {
                 self.seqs.scheduled_in[(s & 0xffff_ffff) as usize] = self.step_gen;
                 let seq = self.seqs.get_mut(&s).unwrap();
+                let tokens = seq.tokens.flushed();
                 let cached =
                     self.kv
-                        .allocate_prefill(&mut seq.table, &seq.tokens[..end as usize], salt)?;
+                        .allocate_prefill(&mut seq.table, &tokens[..end as usize], salt)?;
                 self.metrics.prefix_queried_tokens += seq.tokens.len() as u64;
                 self.metrics.prefix_hit_tokens += cached as u64;
                 seq.prefill_end = seq.tokens.len() as u32;

@@ -9,7 +9,6 @@
 use super::seqs::Status;
 use super::step::prefetch_distance;
 use super::{FinishReason, RequestId, Scheduler, SeqId};
-use crate::block::pool::prefetch_write;
 use crate::error::{Error, Result};
 
 impl Scheduler {
@@ -73,20 +72,27 @@ impl Scheduler {
         let mut result = Ok(());
         let ahead = prefetch_distance(sampled.len());
         for (k, &(s, tok)) in sampled.iter().enumerate() {
-            // The tail of a sequence a few ahead, whose token append would otherwise
-            // wait for a cache miss.
+            // The lines a sequence a few ahead appends its token to, which the
+            // append would otherwise wait for.
             if let Some(ahead) = sampled.get(k.saturating_add(ahead))
-                && let Some(q) = self.seqs.get(&ahead.0)
+                && let Some(slot) = self.seqs.slot(ahead.0)
+                && let Some(q) = &self.seqs.slots[slot]
             {
-                prefetch_write(q.tokens.as_ptr_range().end);
+                q.tokens.prefetch_push(&self.seqs.recent[slot]);
             }
-            let seq = self.seqs.get_mut(&s).unwrap();
+            let slot = (s & 0xffff_ffff) as usize; // validated above
+            let (seq, recent) = (
+                self.seqs.slots[slot].as_mut().unwrap(),
+                &mut self.seqs.recent[slot],
+            );
             seq.num_computed = seq.table.num_tokens();
             // Only a sequence that filled a block has anything to commit (1 in 16).
             if self.kv.has_uncommitted(&seq.table)
-                && let Err(e) = self
-                    .kv
-                    .commit_deferred(&mut seq.table, &seq.tokens, seq.salt)
+                && let Err(e) = self.kv.commit_deferred(
+                    &mut seq.table,
+                    seq.tokens.view(recent).as_slices(),
+                    seq.salt,
+                )
             {
                 result = Err(e);
                 break;
@@ -96,7 +102,7 @@ impl Scheduler {
                 // last position is not the sequence's next token. Ignored.
                 continue;
             }
-            seq.tokens.push(tok);
+            seq.tokens.push(recent, tok);
             let why = if seq.stop_token == Some(tok) {
                 Some(FinishReason::Stop)
             } else if seq.tokens.len() >= seq.max_len {
@@ -144,7 +150,8 @@ impl Scheduler {
         }
         let mut s = self.seqs.remove(&seq).unwrap();
         self.kv.free(&mut s.table)?;
-        self.finished.push((request, seq, why, s.tokens));
+        self.finished
+            .push((request, seq, why, s.tokens.into_flushed()));
         let g = self.groups.get_mut(&request).unwrap();
         g.seqs.retain(|&x| x != seq);
         if g.seqs.is_empty() {

@@ -111,6 +111,8 @@
 //! * this file: the public types, the [`Scheduler`] itself, its constructor and
 //!   read-only accessors;
 //! * `seqs`: the private bookkeeping (sequences by slot id, sequence groups);
+//! * `tokens`: the token histories, whose last few tokens sit in one cache line per
+//!   sequence slot, and the [`Tokens`] view of them;
 //! * `admission`: [`Scheduler::add_request`] and [`Scheduler::fork`], which keep the
 //!   liveness bounds, and step 4 (admitting waiting groups);
 //! * `preemption`: steps 1 and 2 (making room by preemption, swapping back in) and
@@ -126,6 +128,7 @@ mod completion;
 mod preemption;
 mod seqs;
 mod step;
+mod tokens;
 
 use std::collections::BTreeMap;
 
@@ -133,6 +136,7 @@ use rustc_hash::FxHashMap as HashMap;
 
 pub use batch::{Batch, RowRange, ScheduledSeq};
 use seqs::{Group, SeqSlab};
+pub use tokens::Tokens;
 
 use crate::block::{BlockTable, KvCacheManager};
 use crate::error::{Error, Result};
@@ -485,11 +489,12 @@ impl Scheduler {
         self.groups.is_empty()
     }
 
-    /// The tokens of a live sequence.
-    pub fn tokens(&self, seq: SeqId) -> Result<&[u32]> {
-        self.seqs
-            .get(&seq)
-            .map(|s| s.tokens.as_slice())
+    /// The tokens of a live sequence (its prompt, then the tokens sampled for it), as
+    /// a two-part [`Tokens`] view.
+    pub fn tokens(&self, seq: SeqId) -> Result<Tokens<'_>> {
+        let slot = self.seqs.slot(seq);
+        slot.and_then(|i| self.seqs.slots[i].as_ref().map(|s| (i, s)))
+            .map(|(i, s)| s.tokens.view(&self.seqs.recent[i]))
             .ok_or(Error::Unknown {
                 what: "sequence",
                 id: seq,

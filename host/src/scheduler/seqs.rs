@@ -6,6 +6,7 @@
 //! A group lists its live sequences; a sequence's `row` is its block-table row while
 //! its group runs (`usize::MAX` otherwise).
 
+use super::tokens::{History, Recent};
 use super::{QueuePolicy, Request, RequestId, SeqId};
 use crate::block::BlockTable;
 
@@ -22,7 +23,8 @@ pub(super) enum Status {
 pub(super) struct Seq {
     pub(super) id: SeqId,
     pub(super) request: RequestId,
-    pub(super) tokens: Vec<u32>,
+    /// Its tokens; the last few pending in its slot's `SeqSlab::recent` buffer.
+    pub(super) tokens: History,
     pub(super) table: BlockTable,
     /// Tokens whose KV is computed (`table.num_tokens()` after a step).
     pub(super) num_computed: u32,
@@ -81,6 +83,8 @@ pub(super) struct SeqSlab {
     /// scheduled it, and the last `on_step_done` generation that named it.
     pub(super) scheduled_in: Vec<u64>,
     pub(super) stamp: Vec<u64>,
+    /// Per slot, the pending tokens of its sequence's [`History`].
+    pub(super) recent: Vec<Recent>,
 }
 
 impl SeqSlab {
@@ -92,6 +96,7 @@ impl SeqSlab {
                 self.generation.push(0);
                 self.scheduled_in.push(0);
                 self.stamp.push(0);
+                self.recent.push(Recent::default());
                 (self.slots.len() - 1) as u32
             }
         };
@@ -120,12 +125,24 @@ impl SeqSlab {
         self.slots[slot].as_mut()
     }
 
+    /// Takes a live sequence out, with its tokens all flushed.
     pub(super) fn remove(&mut self, id: &SeqId) -> Option<Seq> {
         let slot = self.slot(*id)?;
-        let s = self.slots[slot].take()?;
+        let mut s = self.slots[slot].take()?;
+        s.tokens.flush(&self.recent[slot]);
         self.scheduled_in[slot] = 0;
         self.free.push(slot as u32);
         Some(s)
+    }
+
+    /// Flushes the pending tokens of live sequence `id`, so its
+    /// `tokens.flushed()` is its whole history.
+    pub(super) fn flush(&mut self, id: &SeqId) {
+        if let Some(slot) = self.slot(*id)
+            && let Some(s) = self.slots[slot].as_mut()
+        {
+            s.tokens.flush(&self.recent[slot]);
+        }
     }
 
     pub(super) fn keys(&self) -> impl Iterator<Item = &SeqId> {

@@ -109,10 +109,12 @@ impl Scheduler {
         let ahead = prefetch_distance(self.rows.len());
         for row in 0..self.rows.len() {
             let id = self.rows[row];
-            // The last block entry of a sequence a few rows ahead (a cache miss
-            // otherwise, at large batches).
+            // The last block entry of a sequence a few rows ahead that will take a
+            // new block (a cache miss otherwise, at large batches); the others append
+            // in place, reading no block entry.
             if let Some(ahead) = self.rows.get(row.saturating_add(ahead))
                 && let Some(q) = self.seqs.get(ahead)
+                && q.table.num_tokens().is_multiple_of(self.cfg.block_size)
             {
                 let b = q.table.blocks();
                 prefetch(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
