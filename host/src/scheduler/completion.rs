@@ -72,6 +72,9 @@ impl Scheduler {
         let mut result = Ok(());
         let ahead = prefetch_distance(sampled.len());
         for (k, &(s, tok)) in sampled.iter().enumerate() {
+            if let Some(far) = sampled.get(k.saturating_add(ahead.saturating_mul(2))) {
+                self.seqs.prefetch(far.0);
+            }
             // The lines a sequence a few ahead appends its token to, which the
             // append would otherwise wait for.
             if let Some(ahead) = sampled.get(k.saturating_add(ahead))
@@ -79,6 +82,12 @@ impl Scheduler {
                 && let Some(q) = &self.seqs.slots[slot]
             {
                 q.tokens.prefetch_push(&self.seqs.recent[slot]);
+                if self.kv.has_uncommitted(&q.table) {
+                    self.kv.prefetch_commit(
+                        &q.table,
+                        q.tokens.view(&self.seqs.recent[slot]).as_slices(),
+                    );
+                }
             }
             let slot = (s & 0xffff_ffff) as usize; // validated above
             let (seq, recent) = (

@@ -10,7 +10,7 @@
 
 use super::{Batch, ScheduledSeq, Scheduler};
 use crate::block::NULL_BLOCK;
-use crate::block::pool::prefetch;
+use crate::block::pool::{prefetch, prefetch_write};
 use crate::error::{Error, Result};
 
 /// What is left for the continuing chunks of one step (chunked prefill).
@@ -109,6 +109,11 @@ impl Scheduler {
         let ahead = prefetch_distance(self.rows.len());
         for row in 0..self.rows.len() {
             let id = self.rows[row];
+            // The sequence twice as far ahead: its lines, so that the look-ahead below
+            // reads them from cache.
+            if let Some(&far) = self.rows.get(row.saturating_add(ahead.saturating_mul(2))) {
+                self.seqs.prefetch(far);
+            }
             // The last block entry of a sequence a few rows ahead that will take a
             // new block (a cache miss otherwise, at large batches); the others append
             // in place, reading no block entry.
@@ -118,6 +123,10 @@ impl Scheduler {
             {
                 let b = q.table.blocks();
                 prefetch(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
+                let at = (row + prefetch_distance(self.rows.len())) * w + b.len();
+                if let Some(e) = self.batch.block_tables.get(at) {
+                    prefetch_write(e);
+                }
             }
             self.seqs.scheduled_in[(id & 0xffff_ffff) as usize] = self.step_gen;
             if let Some(plan) = chunks.as_mut() {

@@ -10,7 +10,7 @@
 //!   window has already released.
 
 use super::{BlockTable, KvCacheManager, Location};
-use crate::block::pool::{NULL_BLOCK, hash_block};
+use crate::block::pool::{NULL_BLOCK, hash_block, prefetch};
 use crate::error::{Error, Result};
 
 impl KvCacheManager {
@@ -160,6 +160,23 @@ impl KvCacheManager {
             t.hashes.push(h);
         }
         Ok(())
+    }
+
+    /// Prefetches what [`commit_deferred`](Self::commit_deferred) of `t` reads first:
+    /// its last hash, the entry of the block it commits next, and that block's
+    /// tokens (a hint; a loop a few sequences behind finds them in cache).
+    pub(crate) fn prefetch_commit(&self, t: &BlockTable, (head, tail): (&[u32], &[u32])) {
+        let i = t.hashes.len();
+        prefetch(t.hashes.as_ptr().wrapping_add(i.saturating_sub(1)));
+        prefetch(t.blocks.as_ptr().wrapping_add(i));
+        let bs = self.block_size as usize;
+        let (lo, hi) = (i * bs, (i + 1) * bs);
+        for at in [lo, hi - 1] {
+            match at.checked_sub(head.len()) {
+                None => prefetch(head.as_ptr().wrapping_add(at)),
+                Some(j) => prefetch(tail.as_ptr().wrapping_add(j)),
+            }
+        }
     }
 
     /// Whether [`commit`](Self::commit) of `t` would record anything: prefix caching
