@@ -119,7 +119,8 @@ impl Scheduler {
             // in place, reading no block entry.
             if let Some(ahead) = self.rows.get(row.saturating_add(ahead))
                 && let Some(q) = self.seqs.get(ahead)
-                && q.table.num_tokens().is_multiple_of(self.cfg.block_size)
+                // (block sizes are powers of two: a mask, not a division)
+                && q.table.num_tokens() & (self.cfg.block_size - 1) == 0
             {
                 let b = q.table.blocks();
                 prefetch(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
