@@ -95,7 +95,7 @@ pub(crate) unsafe fn kv_types(
         if cache.is_fp8() {
             return Err(fail(
                 PAGEDKV_ERR_NULL,
-                format!("scales is null: a {cache} cache needs one K and one V scale per KV head"),
+                format!("scales is null: an {cache} cache needs one K and one V scale per KV head"),
             ));
         }
         None

@@ -247,7 +247,7 @@ fn the_fp8_cuda_functions_check_types_and_scales_before_the_backend() {
             e4m3,
             null(),
             PAGEDKV_ERR_NULL,
-            "scales is null: a e4m3 cache needs",
+            "scales is null: an e4m3 cache needs",
         ),
         (f16, e4m3, &null_k, PAGEDKV_ERR_NULL, "scales.k is null"),
         (bf16, e5m2, &null_v, PAGEDKV_ERR_NULL, "scales.v is null"),

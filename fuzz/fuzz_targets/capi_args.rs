@@ -12,12 +12,15 @@
 //! (the buffer holds `min(n, scheduled)` entries), the reference kernels' `*_len`
 //! against the shape.
 //!
-//! The calls live in two modules and the values they are built from in a third, under
-//! `capi_args/`: `scheduler_calls.rs` (the scheduler's handles and calls),
-//! `kernel_calls.rs` (the CPU reference and CUDA entry points) and `generate.rs`
+//! The calls live in three modules and the values they are built from in a fourth,
+//! under `capi_args/`: `scheduler_calls.rs` (the scheduler's handles and calls),
+//! `kernel_calls.rs` (the CPU reference and CUDA entry points), `fp8_calls.rs` (the
+//! fp8 entry points' type and scale checks, and scale calibration) and `generate.rs`
 //! (argument generators).
 #![no_main]
 
+#[path = "capi_args/fp8_calls.rs"]
+mod fp8_calls;
 #[path = "capi_args/generate.rs"]
 mod generate;
 #[path = "capi_args/kernel_calls.rs"]
@@ -63,7 +66,7 @@ fn run(st: &mut State, u: &mut Unstructured) -> Result<()> {
         if u.is_empty() {
             break;
         }
-        match u.int_in_range(0..=15)? {
+        match u.int_in_range(0..=16)? {
             0 | 1 => create(st, u)?,
             2 => destroy(st, u)?,
             3..=5 => add_request(st, u)?,
@@ -73,6 +76,7 @@ fn run(st: &mut State, u: &mut Unstructured) -> Result<()> {
             12 => reference_kv_append(u)?,
             13 => reference_attention(u)?,
             14 => cuda(u)?,
+            15 => fp8_calls::fp8(u)?,
             _ => {
                 // SAFETY: static, NUL-terminated.
                 let v = unsafe { CStr::from_ptr(pagedkv_version()) };

@@ -262,7 +262,7 @@ pub fn prefill_emulated(
         (D::Bf16, D::E5m2) => launch!(PagedPrefill<Bf16, E5m2>),
         (q, c) => Err(Error::invalid(
             "dtype",
-            format!("no prefill kernel for {q} queries over a {c} cache"),
+            format!("no prefill kernel for {q} queries over {c} caches"),
         )),
     }
 }

@@ -170,11 +170,11 @@ pub fn check_cache_types(
         (false, None) => Ok(()),
         (false, Some(_)) => Err(Error::invalid(
             "kv_scales",
-            format!("given for a {cache} cache: only fp8 caches are scaled"),
+            format!("given for {cache} caches: only fp8 caches are scaled"),
         )),
         (true, None) => Err(Error::invalid(
             "kv_scales",
-            format!("missing: a {cache} cache needs one K and one V scale per KV head"),
+            format!("missing: an {cache} cache needs one K and one V scale per KV head"),
         )),
         (true, Some(s)) => s.validate(num_kv_heads),
     }
@@ -225,7 +225,7 @@ macro_rules! with_kv {
             (q, c) => {
                 return Err($crate::error::Error::invalid(
                     "dtype",
-                    format!("no kernel for {q} queries over a {c} cache"),
+                    format!("no kernel for {q} queries over {c} caches"),
                 ));
             }
         }

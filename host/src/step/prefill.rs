@@ -220,7 +220,7 @@ impl<D: StepDevice> StepRunner<D> {
             (D::Bf16, D::E5m2) => launch!(PagedPrefill<Bf16, E5m2>, Bf16, E5m2),
             (q, c) => Err(Error::invalid(
                 "dtype",
-                format!("no prefill kernel for {q} queries over a {c} cache"),
+                format!("no prefill kernel for {q} queries over {c} caches"),
             )),
         }
     }

@@ -66,14 +66,14 @@ impl<D: StepDevice> StepRunner<D> {
             (false, Some(_)) => Err(Error::invalid(
                 "kv_scales",
                 format!(
-                    "given for a {} cache: only fp8 caches are scaled",
+                    "given for {} caches: only fp8 caches are scaled",
                     self.shape.kv_dtype
                 ),
             )),
             (true, None) => Err(Error::invalid(
                 "kv_scales",
                 format!(
-                    "missing: a {} cache needs its layer's K and V scales",
+                    "missing: {} caches need each layer's K and V scales",
                     self.shape.kv_dtype
                 ),
             )),
