@@ -70,14 +70,17 @@ impl Scheduler {
         // blocks' prefix-cache registrations, deferred and batched, come first).
         let mut done = Vec::new();
         let mut result = Ok(());
-        let ahead = prefetch_distance(sampled.len());
+        let dist = prefetch_distance(sampled.len());
         for (k, &(s, tok)) in sampled.iter().enumerate() {
-            if let Some(far) = sampled.get(k.saturating_add(ahead.saturating_mul(2))) {
+            // The sequence twice as far ahead: its lines, so that the look-ahead below
+            // reads them from cache.
+            if let Some(far) = sampled.get(k.saturating_add(dist.saturating_mul(2))) {
                 self.seqs.prefetch(far.0);
             }
-            // The lines a sequence a few ahead appends its token to, which the
-            // append would otherwise wait for.
-            if let Some(ahead) = sampled.get(k.saturating_add(ahead))
+            // The lines a sequence `dist` ahead appends its token to, and those its
+            // commit reads first when it filled a block, which the loop would
+            // otherwise wait for.
+            if let Some(ahead) = sampled.get(k.saturating_add(dist))
                 && let Some(slot) = self.seqs.slot(ahead.0)
                 && let Some(q) = &self.seqs.slots[slot]
             {

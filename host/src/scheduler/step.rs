@@ -106,26 +106,26 @@ impl Scheduler {
             None
         };
         let w = self.batch.max_blocks_per_seq as usize;
-        let ahead = prefetch_distance(self.rows.len());
+        let dist = prefetch_distance(self.rows.len());
         for row in 0..self.rows.len() {
             let id = self.rows[row];
             // The sequence twice as far ahead: its lines, so that the look-ahead below
             // reads them from cache.
-            if let Some(&far) = self.rows.get(row.saturating_add(ahead.saturating_mul(2))) {
+            if let Some(&far) = self.rows.get(row.saturating_add(dist.saturating_mul(2))) {
                 self.seqs.prefetch(far);
             }
-            // The last block entry of a sequence a few rows ahead that will take a
-            // new block (a cache miss otherwise, at large batches); the others append
-            // in place, reading no block entry.
-            if let Some(ahead) = self.rows.get(row.saturating_add(ahead))
-                && let Some(q) = self.seqs.get(ahead)
+            // For a sequence `dist` rows ahead that will take a new block (a cache miss
+            // otherwise, at large batches): its last block entry, and the batch's
+            // block-table entry the new block goes to. The others append in place,
+            // reading no block entry.
+            if let Some(&ahead) = self.rows.get(row.saturating_add(dist))
+                && let Some(q) = self.seqs.get(&ahead)
                 // (block sizes are powers of two: a mask, not a division)
                 && q.table.num_tokens() & (self.cfg.block_size - 1) == 0
             {
                 let b = q.table.blocks();
                 prefetch(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
-                let at = (row + prefetch_distance(self.rows.len())) * w + b.len();
-                if let Some(e) = self.batch.block_tables.get(at) {
+                if let Some(e) = self.batch.block_tables.get((row + dist) * w + b.len()) {
                     prefetch_write(e);
                 }
             }
