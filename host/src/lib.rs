@@ -12,7 +12,7 @@
 //!   the CPU reference, and the emulator entry point.
 //! * [`scheduler`]: the decode scheduler (continuous batching, preemption, swap).
 //! * [`tensor`]: [`DType`] and [`HostTensor`], typed host buffers.
-//! * [`reference`]: the CPU references (f64), the ground truth of the tests.
+//! * [`reference`](mod@reference): the CPU references (f64), the ground truth of the tests.
 //! * [`error`]: the crate's error type.
 //!
 //! The `pagedkv` crate re-exports this crate as `pagedkv::host`: an engine that depends

@@ -175,7 +175,7 @@ pub struct LayerCache<T> {
     /// The value pool.
     pub value: T,
     /// `[2, num_kv_heads]` f32, an fp8 cache's K then V scales (see
-    /// [`KvScales`](crate::ops::scales::KvScales)): `None` until
+    /// [`crate::ops::scales::KvScales`]): `None` until
     /// [`AttentionBackend::set_kv_scales`] sets them, and always for other caches.
     pub kv_scales: Option<T>,
 }

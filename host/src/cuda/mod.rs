@@ -21,7 +21,7 @@
 //!
 //! # Layers
 //! cudarc's safe driver API is the raw layer. This module adds the one `unsafe` launch
-//! ([`CudaBackend::launch`], with its numbered safety conditions) and, above it, a safe
+//! (`CudaBackend::launch`, with its numbered safety conditions) and, above it, a safe
 //! API whose every entry point runs the same validation as the emulator path
 //! (`ops::*::validate`) before it uploads or launches anything.
 //!
@@ -464,7 +464,7 @@ impl CudaBackend {
     ///
     /// A per-call convenience: it uploads the metadata and allocates the split-K
     /// workspace each call. An engine's layer loop uses the step path
-    /// ([`crate::backend::CudaAttention`]), which does that once per step.
+    /// ([`CudaAttention`]), which does that once per step.
     pub fn paged_decode_attention(
         &self,
         inputs: DecodeInputs<'_, DeviceTensor>,

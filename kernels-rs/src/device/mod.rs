@@ -2,7 +2,7 @@
 //!
 //! This is the only module of pagedkv with NVPTX intrinsics and inline assembly
 //! (in its `nvptx` submodule, compiled for `nvptx64-nvidia-cuda` only). Kernel bodies
-//! are generic over [`Ctx`], so the same source runs on the GPU (through [`Gpu`]) and
+//! are generic over [`Ctx`], so the same source runs on the GPU (through `Gpu`) and
 //! in `pagedkv-host`'s SIMT emulator (which implements [`Ctx`] with one coroutine per
 //! thread).
 //!
@@ -185,7 +185,7 @@ impl<T> GlobalSliceMut<T> {
 /// What a kernel body may ask of the machine: indices, barrier, warp shuffle, fast math,
 /// global and shared memory.
 ///
-/// Implemented by [`Gpu`] (nvptx only, zero-sized, every method inlines to one or two
+/// Implemented by `Gpu` (nvptx only, zero-sized, every method inlines to one or two
 /// PTX instructions) and by the emulator's per-thread context in `pagedkv-host`.
 ///
 /// Index arguments of memory accesses are element indices of the view's `T`; vector

@@ -14,7 +14,7 @@
 //! groups. Thread `(tx, ty, tz)` keeps query head `ty`'s chunks `tx, tx + bdx` in
 //! registers and its own online-softmax state over the tokens of group `tz`.
 //!
-//! # The pipeline ([`decode`])
+//! # The pipeline (`decode`)
 //! K and V move from the paged cache into shared memory in *stages* of
 //! [`DecodeGeometry::stage_tokens`] tokens (at most [`STAGE_BYTES`] of K and V), through
 //! `cp.async` with [`STAGES`] stages in flight: every thread issues its
