@@ -28,6 +28,7 @@ pub mod buffer;
 pub mod cuda;
 pub mod emulator;
 pub mod error;
+mod mem;
 pub mod ops;
 pub mod reference;
 pub mod scheduler;

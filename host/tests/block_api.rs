@@ -211,3 +211,58 @@ fn block_tables_and_managers_are_not_clone() {
     <BlockTable as NotClone<_>>::check();
     <KvCacheManager as NotClone<_>>::check();
 }
+
+/// A table reserved for its longest length keeps its entries in place while it grows
+/// to it (so a scheduler's tables never move while they run), and so does its fork;
+/// the slots are those of a table without the reservation.
+#[test]
+fn a_reserved_table_never_moves_while_it_grows_to_its_reservation() {
+    let bs = 16;
+    let mut m = KvCacheManager::new(64, 0, bs, true, None).unwrap();
+    let mut plain = KvCacheManager::new(64, 0, bs, true, None).unwrap();
+    let (mut t, mut u) = (BlockTable::new(), BlockTable::new());
+    t.reserve(24);
+    let prompt: Vec<u32> = (0..40).collect();
+    m.allocate_prefill(&mut t, &prompt, None).unwrap();
+    plain.allocate_prefill(&mut u, &prompt, None).unwrap();
+    let (blocks, hashes) = (t.blocks().as_ptr(), t.hashes().as_ptr());
+    let mut copies = Vec::new();
+    let mut tokens = prompt.clone();
+    while t.num_tokens() < 20 * bs {
+        let a = m.append_slot(&mut t, &mut copies).unwrap();
+        let b = plain.append_slot(&mut u, &mut copies).unwrap();
+        assert_eq!(a, b, "the reservation changed a slot");
+        tokens.push(t.num_tokens());
+        m.commit(&mut t, &tokens, None).unwrap();
+        assert_eq!(
+            t.blocks().as_ptr(),
+            blocks,
+            "moved at {} tokens",
+            t.num_tokens()
+        );
+        assert_eq!(
+            t.hashes().as_ptr(),
+            hashes,
+            "moved at {} tokens",
+            t.num_tokens()
+        );
+    }
+    assert_eq!((t.blocks().len(), t.hashes().len()), (20, 20));
+    let mut f = m.fork(&mut t).unwrap();
+    let at = f.blocks().as_ptr();
+    assert_ne!(at, blocks, "a fork has its own entries");
+    while f.num_tokens() < 24 * bs {
+        m.append_slot(&mut f, &mut copies).unwrap();
+        assert_eq!(
+            f.blocks().as_ptr(),
+            at,
+            "the fork moved at {} tokens",
+            f.num_tokens()
+        );
+    }
+    for x in [&mut t, &mut f] {
+        m.free(x).unwrap();
+    }
+    plain.free(&mut u).unwrap();
+    assert_eq!(m.device().num_free(), m.device().num_usable());
+}

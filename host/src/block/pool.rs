@@ -31,6 +31,7 @@
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::error::{Error, Result};
+use crate::mem::{advise_huge_pages, huge_vec, prefetch};
 
 /// A physical block id.
 pub type BlockId = u32;
@@ -92,58 +93,6 @@ fn hash_block_streaming(parent: Option<BlockHash>, tokens: &[u32], salt: Option<
         h.update(&t.to_le_bytes());
     }
     h.digest()
-}
-
-/// Asks the CPU to bring the cache line at `p` in (a hint: no effect on results).
-#[inline(always)]
-pub(crate) fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
-    unsafe {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_T0>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-/// [`prefetch`] with intent to write: the line comes in owned, so a store to it does
-/// not wait for ownership.
-#[inline(always)]
-pub(crate) fn prefetch_write<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
-    unsafe {
-        use std::arch::x86_64::{_MM_HINT_ET0, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_ET0>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
-/// Asks the kernel to back the 2 MiB-aligned part of `v` with transparent huge pages
-/// (a hint: no effect on results). The prefix map is large (16 bytes per slot, two
-/// slots per block of the pool) and read at random, so with 4 KiB pages nearly every
-/// registration or lookup also missed the TLB; with 2 MiB pages the whole map needs a
-/// few dozen TLB entries. Where THP is off (or not Linux) nothing changes.
-fn advise_huge_pages<T>(v: &[T]) {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
-        let end = (v.as_ptr() as usize + size_of_val(v)) / HUGE * HUGE;
-        if end > start {
-            // SAFETY: `madvise(MADV_HUGEPAGE)` changes only how the kernel backs the
-            // pages of `start..end`, a range inside `v`'s allocation, never their
-            // contents; it reads and writes no memory of this process, and its result
-            // (an error where THP is unavailable) is only advice, so it is ignored.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = v;
 }
 
 /// The prefix-cache map, hash → block: a flat open-addressing table (linear probing,
@@ -274,14 +223,14 @@ impl BlockPool {
         }
         let n = num_blocks as usize;
         let mut p = BlockPool {
-            ref_cnt: vec![0; n],
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
+            ref_cnt: huge_vec(n, 0),
+            prev: huge_vec(n, NIL),
+            next: huge_vec(n, NIL),
             head: NIL,
             tail: NIL,
             num_free: 0,
             reserve_null,
-            hash: vec![None; n],
+            hash: huge_vec(n, None),
             cached: PrefixMap::new(n),
             num_cached_free: 0,
             held_fill: 0,

@@ -233,6 +233,10 @@ impl Scheduler {
             for (s, end) in seqs.into_iter().zip(ends) {
                 self.seqs.scheduled_in[(s & 0xffff_ffff) as usize] = self.step_gen;
                 let seq = self.seqs.get_mut(&s).unwrap();
+                // Room for every block it may hold (`max_len` is at most
+                // `max_model_len`): its table never moves while it runs.
+                seq.table
+                    .reserve(self.kv.blocks_for(seq.max_len as u32) as usize);
                 let tokens = seq.tokens.flushed();
                 let cached =
                     self.kv

@@ -9,7 +9,7 @@
 use super::tokens::{History, Recent};
 use super::{QueuePolicy, Request, RequestId, SeqId};
 use crate::block::BlockTable;
-use crate::block::pool::prefetch;
+use crate::mem::{prefetch, reserve_huge};
 
 /// Where a sequence group is: which of the scheduler's queues holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +89,19 @@ pub(super) struct SeqSlab {
 }
 
 impl SeqSlab {
+    /// An empty slab with room for `n` sequences (when that much memory is there:
+    /// otherwise it grows as sequences come), its per-slot arrays advised to huge pages
+    /// (they are walked every step).
+    pub(super) fn with_capacity(n: usize) -> Self {
+        let mut s = Self::default();
+        reserve_huge(&mut s.slots, n);
+        reserve_huge(&mut s.generation, n);
+        reserve_huge(&mut s.scheduled_in, n);
+        reserve_huge(&mut s.stamp, n);
+        reserve_huge(&mut s.recent, n);
+        s
+    }
+
     pub(super) fn alloc_id(&mut self) -> SeqId {
         let slot = match self.free.pop() {
             Some(s) => s,

@@ -10,8 +10,8 @@
 
 use super::{Batch, ScheduledSeq, Scheduler};
 use crate::block::NULL_BLOCK;
-use crate::block::pool::{prefetch, prefetch_write};
 use crate::error::{Error, Result};
+use crate::mem::{prefetch, prefetch_write};
 
 /// What is left for the continuing chunks of one step (chunked prefill).
 struct ChunkPlan {

@@ -16,7 +16,7 @@
 
 use std::ops::Index;
 
-use crate::block::pool::prefetch_write;
+use crate::mem::prefetch_write;
 
 /// Tokens a [`Recent`] buffer holds.
 pub(super) const RECENT: usize = 64;

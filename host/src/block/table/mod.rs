@@ -98,13 +98,30 @@ impl BlockTable {
         (self.owner != 0).then_some(self.owner)
     }
 
-    /// A second handle on the same blocks; the caller takes the extra references.
+    /// Makes room for `blocks` entries (and their hashes) in all, so that appends up
+    /// to `blocks * block_size` tokens never reallocate: a table reserved for its
+    /// sequence's longest length keeps its entries in one place (beside its hashes)
+    /// for its whole life, instead of moving each time it doubles.
+    pub fn reserve(&mut self, blocks: usize) {
+        self.blocks
+            .reserve_exact(blocks.saturating_sub(self.blocks.len()));
+        self.hashes
+            .reserve_exact(blocks.saturating_sub(self.hashes.len()));
+    }
+
+    /// A second handle on the same blocks, with the same room to grow; the caller
+    /// takes the extra references.
     fn duplicate(&self) -> Self {
+        fn copy<T: Copy>(v: &Vec<T>) -> Vec<T> {
+            let mut c = Vec::with_capacity(v.capacity());
+            c.extend_from_slice(v);
+            c
+        }
         Self {
             owner: self.owner,
-            blocks: self.blocks.clone(),
+            blocks: copy(&self.blocks),
             num_tokens: self.num_tokens,
-            hashes: self.hashes.clone(),
+            hashes: copy(&self.hashes),
             location: self.location,
             first_live: self.first_live,
             last_maybe_shared: self.last_maybe_shared,

@@ -10,8 +10,9 @@
 //!   window has already released.
 
 use super::{BlockTable, KvCacheManager, Location};
-use crate::block::pool::{NULL_BLOCK, hash_block, prefetch};
+use crate::block::pool::{NULL_BLOCK, hash_block};
 use crate::error::{Error, Result};
+use crate::mem::prefetch;
 
 impl KvCacheManager {
     /// `(hit_blocks, hits_that_are_free)` for a prompt: the leading full blocks whose
