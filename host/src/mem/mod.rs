@@ -12,7 +12,12 @@
 //!   miss walks two page tables (guest and host); on the 2-core development VM a
 //!   dependent load at random in 64 MiB costs about 175 ns on 2 MiB pages against
 //!   about 500 ns on 4 KiB ones (C pointer chase; see the README's scheduler section).
-//!   Where THP is off (or not Linux) nothing changes.
+//!   Where THP is off (or not Linux) nothing changes. [`SeqAlloc`] puts the
+//!   sequences' own growing arrays on such pages too.
+
+mod arena;
+
+pub(crate) use arena::{SeqAlloc, same_alloc};
 
 /// Asks the CPU to bring the cache line at `p` in (a hint: no effect on results).
 #[inline(always)]

@@ -59,12 +59,8 @@ impl Scheduler {
             Seq {
                 id: seq,
                 request: req.id,
-                tokens: History::new({
-                    // Room for every token it may generate: flushes never reallocate.
-                    let mut t = Vec::with_capacity(total as usize);
-                    t.extend_from_slice(&req.prompt);
-                    t
-                }),
+                // Room for every token it may generate: flushes never reallocate.
+                tokens: History::new(&req.prompt, total as usize, &self.arena),
                 table: BlockTable::new(),
                 num_computed: 0,
                 prefill_end: 0,
@@ -236,7 +232,7 @@ impl Scheduler {
                 // Room for every block it may hold (`max_len` is at most
                 // `max_model_len`): its table never moves while it runs.
                 seq.table
-                    .reserve(self.kv.blocks_for(seq.max_len as u32) as usize);
+                    .reserve_in(&self.arena, self.kv.blocks_for(seq.max_len as u32) as usize);
                 let tokens = seq.tokens.flushed();
                 let cached =
                     self.kv

@@ -140,7 +140,7 @@ pub use tokens::Tokens;
 
 use crate::block::{BlockTable, KvCacheManager};
 use crate::error::{Error, Result};
-use crate::mem::reserve_huge;
+use crate::mem::{SeqAlloc, reserve_huge};
 use crate::ops::SUPPORTED_BLOCK_SIZES;
 
 /// A request's id, chosen by the caller.
@@ -308,6 +308,8 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     kv: KvCacheManager,
     seqs: SeqSlab,
+    /// Where the sequences' histories and block tables live (see `mem::arena`).
+    arena: SeqAlloc,
     groups: HashMap<RequestId, Group>,
     waiting: BTreeMap<(i64, u64), RequestId>,
     running: BTreeMap<u64, RequestId>,
@@ -421,6 +423,7 @@ impl Scheduler {
         // advised to huge pages (only an optimisation: a reservation that fails is
         // skipped, and they grow as rows come).
         let n = cfg.max_num_seqs;
+        let arena = SeqAlloc::arena();
         let mut batch = Batch {
             max_blocks_per_seq: max_blocks,
             ..Batch::default()
@@ -435,7 +438,8 @@ impl Scheduler {
         Ok(Self {
             batch,
             kv,
-            seqs: SeqSlab::with_capacity(n),
+            seqs: SeqSlab::new(&arena, n),
+            arena,
             groups: HashMap::default(),
             waiting: BTreeMap::new(),
             running: BTreeMap::new(),

@@ -9,7 +9,9 @@
 use super::tokens::{History, Recent};
 use super::{QueuePolicy, Request, RequestId, SeqId};
 use crate::block::BlockTable;
-use crate::mem::{prefetch, reserve_huge};
+use allocator_api2::vec::Vec as AVec;
+
+use crate::mem::{SeqAlloc, prefetch};
 
 /// Where a sequence group is: which of the scheduler's queues holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,32 +76,40 @@ impl Group {
 /// Sequences by id, without hashing: a [`SeqId`] is a slot index (low 32 bits) and
 /// that slot's generation (high 32 bits), so a finished sequence's id never names the
 /// slot's next occupant.
-#[derive(Debug, Default)]
+///
+/// The per-slot arrays are allocated by the scheduler's arena: at thousands of
+/// sequences they lie on 2 MiB pages of their own (every step walks them).
+#[derive(Debug)]
 pub(super) struct SeqSlab {
-    pub(super) slots: Vec<Option<Seq>>,
-    generation: Vec<u32>,
+    pub(super) slots: AVec<Option<Seq>, SeqAlloc>,
+    generation: AVec<u32, SeqAlloc>,
     free: Vec<u32>,
     /// Per slot, beside the (larger, colder) sequences so that `on_step_done`'s
     /// validation pass reads 16 contiguous bytes per sequence: the step that last
     /// scheduled it, and the last `on_step_done` generation that named it.
-    pub(super) scheduled_in: Vec<u64>,
-    pub(super) stamp: Vec<u64>,
+    pub(super) scheduled_in: AVec<u64, SeqAlloc>,
+    pub(super) stamp: AVec<u64, SeqAlloc>,
     /// Per slot, the pending tokens of its sequence's [`History`].
-    pub(super) recent: Vec<Recent>,
+    pub(super) recent: AVec<Recent, SeqAlloc>,
 }
 
 impl SeqSlab {
-    /// An empty slab with room for `n` sequences (when that much memory is there:
-    /// otherwise it grows as sequences come), its per-slot arrays advised to huge pages
-    /// (they are walked every step).
-    pub(super) fn with_capacity(n: usize) -> Self {
-        let mut s = Self::default();
-        reserve_huge(&mut s.slots, n);
-        reserve_huge(&mut s.generation, n);
-        reserve_huge(&mut s.scheduled_in, n);
-        reserve_huge(&mut s.stamp, n);
-        reserve_huge(&mut s.recent, n);
-        s
+    /// An empty slab whose arrays `alloc` allocates, with room for `n` sequences
+    /// (when that much memory is there: otherwise they grow as sequences come).
+    pub(super) fn new(alloc: &SeqAlloc, n: usize) -> Self {
+        fn room<T>(alloc: &SeqAlloc, n: usize) -> AVec<T, SeqAlloc> {
+            let mut v = AVec::new_in(alloc.clone());
+            let _ = v.try_reserve_exact(n); // only an optimisation
+            v
+        }
+        Self {
+            slots: room(alloc, n),
+            generation: room(alloc, n),
+            free: Vec::new(),
+            scheduled_in: room(alloc, n),
+            stamp: room(alloc, n),
+            recent: room(alloc, n),
+        }
     }
 
     pub(super) fn alloc_id(&mut self) -> SeqId {

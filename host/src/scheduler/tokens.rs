@@ -16,7 +16,9 @@
 
 use std::ops::Index;
 
-use crate::mem::prefetch_write;
+use allocator_api2::vec::Vec as AVec;
+
+use crate::mem::{SeqAlloc, prefetch_write};
 
 /// Tokens a [`Recent`] buffer holds.
 pub(super) const RECENT: usize = 64;
@@ -34,17 +36,33 @@ impl Default for Recent {
 
 /// One sequence's tokens: the flushed ones, and how many more are pending in its
 /// slot's [`Recent`] buffer (see the module docs).
-#[derive(Clone, Debug, Default)]
+#[derive(Debug)]
 pub(super) struct History {
-    flushed: Vec<u32>,
+    flushed: AVec<u32, SeqAlloc>,
     pending: u32,
 }
 
-impl History {
-    /// A history of `tokens`, all flushed.
-    pub(super) fn new(tokens: Vec<u32>) -> Self {
+impl Clone for History {
+    /// The same tokens, with the same room to grow, from the same allocator.
+    fn clone(&self) -> Self {
+        let mut flushed =
+            AVec::with_capacity_in(self.flushed.capacity(), self.flushed.allocator().clone());
+        flushed.extend_from_slice(&self.flushed);
         Self {
-            flushed: tokens,
+            flushed,
+            pending: self.pending,
+        }
+    }
+}
+
+impl History {
+    /// A history of `tokens`, all flushed, with room for `capacity` tokens in all
+    /// (flushes up to that length never reallocate), allocated by `alloc`.
+    pub(super) fn new(tokens: &[u32], capacity: usize, alloc: &SeqAlloc) -> Self {
+        let mut flushed = AVec::with_capacity_in(capacity.max(tokens.len()), alloc.clone());
+        flushed.extend_from_slice(tokens);
+        Self {
+            flushed,
             pending: 0,
         }
     }
@@ -98,10 +116,11 @@ impl History {
         &self.flushed
     }
 
-    /// The whole history as a `Vec`; only after a [`flush`](Self::flush).
+    /// The whole history as a `Vec` (a copy: the history's own storage goes back to
+    /// its allocator); only after a [`flush`](Self::flush).
     pub(super) fn into_flushed(self) -> Vec<u32> {
         debug_assert_eq!(self.pending, 0, "history taken with tokens pending");
-        self.flushed
+        self.flushed.to_vec()
     }
 
     /// Both parts, without flushing.
@@ -232,7 +251,8 @@ mod tests {
     fn pending_tokens_flush_at_buffer_ends_and_read_back_in_order() {
         let mut recent = Recent::default();
         // A prompt ending mid-buffer, then enough tokens to flush twice.
-        let mut h = History::new((0..21).collect());
+        let prompt: Vec<u32> = (0..21).collect();
+        let mut h = History::new(&prompt, 100, &SeqAlloc::arena());
         for t in 21..140 {
             h.push(&mut recent, t);
             let v = h.view(&recent);

@@ -47,8 +47,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::FxHashMap as HashMap;
 
+use allocator_api2::vec::Vec as AVec;
+
 use super::pool::{BlockHash, BlockId, BlockPool, PAD_SLOT};
 use crate::error::{Error, Result};
+use crate::mem::SeqAlloc;
+use crate::mem::same_alloc as same;
 
 /// Where a table's blocks live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -67,13 +71,15 @@ pub enum Location {
 /// let t = pagedkv_host::block::BlockTable::new();
 /// let copy = t.clone(); // a copy would free the same references twice
 /// ```
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct BlockTable {
     /// The [`KvCacheManager::id`] of the manager whose blocks these are; 0 while empty.
     owner: u64,
-    blocks: Vec<BlockId>,
+    /// Allocated from the global allocator, or from a scheduler's arena once it
+    /// reserves the table ([`reserve_in`](Self::reserve_in)).
+    blocks: AVec<BlockId, SeqAlloc>,
     num_tokens: u32,
-    hashes: Vec<BlockHash>,
+    hashes: AVec<BlockHash, SeqAlloc>,
     location: Location,
     first_live: u32,
     /// The last block may be shared (set by fork and swap-in): only then does an
@@ -84,6 +90,21 @@ pub struct BlockTable {
     /// or `append_slot` (which set it), until a fork or swap sets `last_maybe_shared`
     /// or moves the table to the host.
     last: BlockId,
+}
+
+impl Default for BlockTable {
+    fn default() -> Self {
+        Self {
+            owner: 0,
+            blocks: AVec::new_in(SeqAlloc::Global),
+            num_tokens: 0,
+            hashes: AVec::new_in(SeqAlloc::Global),
+            location: Location::Device,
+            first_live: 0,
+            last_maybe_shared: false,
+            last: 0,
+        }
+    }
 }
 
 impl BlockTable {
@@ -103,17 +124,31 @@ impl BlockTable {
     /// sequence's longest length keeps its entries in one place (beside its hashes)
     /// for its whole life, instead of moving each time it doubles.
     pub fn reserve(&mut self, blocks: usize) {
-        self.blocks
-            .reserve_exact(blocks.saturating_sub(self.blocks.len()));
-        self.hashes
-            .reserve_exact(blocks.saturating_sub(self.hashes.len()));
+        let alloc = self.blocks.allocator().clone();
+        self.reserve_in(&alloc, blocks);
     }
 
-    /// A second handle on the same blocks, with the same room to grow; the caller
-    /// takes the extra references.
+    /// [`reserve`](Self::reserve), the entries and hashes (moved if need be) allocated
+    /// by `alloc` from now on.
+    pub(crate) fn reserve_in(&mut self, alloc: &SeqAlloc, blocks: usize) {
+        fn moved<T: Copy>(v: &AVec<T, SeqAlloc>, alloc: &SeqAlloc, n: usize) -> AVec<T, SeqAlloc> {
+            let mut c = AVec::with_capacity_in(n.max(v.len()), alloc.clone());
+            c.extend_from_slice(v);
+            c
+        }
+        if self.blocks.capacity() < blocks || !same(self.blocks.allocator(), alloc) {
+            self.blocks = moved(&self.blocks, alloc, blocks);
+        }
+        if self.hashes.capacity() < blocks || !same(self.hashes.allocator(), alloc) {
+            self.hashes = moved(&self.hashes, alloc, blocks);
+        }
+    }
+
+    /// A second handle on the same blocks, with the same room to grow, from the same
+    /// allocator; the caller takes the extra references.
     fn duplicate(&self) -> Self {
-        fn copy<T: Copy>(v: &Vec<T>) -> Vec<T> {
-            let mut c = Vec::with_capacity(v.capacity());
+        fn copy<T: Copy>(v: &AVec<T, SeqAlloc>) -> AVec<T, SeqAlloc> {
+            let mut c = AVec::with_capacity_in(v.capacity(), v.allocator().clone());
             c.extend_from_slice(v);
             c
         }
