@@ -71,6 +71,8 @@ struct Inner {
     end: usize,
     /// Freed blocks of each class.
     free: Vec<Vec<usize>>,
+    /// Bytes of the live requests above the classes (slabs of their own).
+    large: usize,
 }
 
 /// A size-class allocator over huge-page slabs (see the module docs).
@@ -88,8 +90,16 @@ impl Arena {
                 bump: 0,
                 end: 0,
                 free: vec![Vec::new(); CLASSES],
+                large: 0,
             }),
         }
+    }
+
+    /// Bytes the arena holds from the system: its slabs (carved blocks, in use or
+    /// free) and the live requests above the classes.
+    pub(crate) fn held(&self) -> usize {
+        let s = self.lock();
+        s.slabs.len() * SLAB + s.large
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -166,6 +176,14 @@ pub(crate) fn same_alloc(a: &SeqAlloc, b: &SeqAlloc) -> bool {
 }
 
 impl SeqAlloc {
+    /// Bytes its arena holds from the system ([`Arena::held`]); 0 for `Global`.
+    pub(crate) fn held(&self) -> usize {
+        match self {
+            SeqAlloc::Global => 0,
+            SeqAlloc::Arena(a) => a.held(),
+        }
+    }
+
     /// A handle on a new, empty arena.
     pub(crate) fn arena() -> Self {
         SeqAlloc::Arena(Arc::new(Arena::new()))
@@ -226,10 +244,11 @@ unsafe impl Allocator for SeqAlloc {
                 let p = arena.take(c).ok_or(AllocError)?;
                 Ok(NonNull::slice_from_raw_parts(p, class_size(c)))
             }
-            (SeqAlloc::Arena(_), Route::Slabs(whole)) => {
+            (SeqAlloc::Arena(arena), Route::Slabs(whole)) => {
                 // SAFETY: `whole` has a non-zero size.
                 let p = NonNull::new(unsafe { std::alloc::alloc(whole) }).ok_or(AllocError)?;
                 advise_range(p.as_ptr() as usize, whole.size());
+                arena.lock().large += whole.size();
                 Ok(NonNull::slice_from_raw_parts(p, whole.size()))
             }
             _ => Global.allocate(layout),
@@ -243,9 +262,11 @@ unsafe impl Allocator for SeqAlloc {
             }
             // SAFETY: per 2 above, `ptr` came from the `Route::Slabs` arm of
             // `allocate` with this same `whole` layout.
-            (SeqAlloc::Arena(_), Route::Slabs(whole)) => unsafe {
-                std::alloc::dealloc(ptr.as_ptr(), whole)
-            },
+            (SeqAlloc::Arena(arena), Route::Slabs(whole)) => {
+                arena.lock().large -= whole.size();
+                // SAFETY: as above.
+                unsafe { std::alloc::dealloc(ptr.as_ptr(), whole) }
+            }
             // SAFETY: the caller passes a block this allocator (or a clone) returned
             // for `layout`; per 2 above it came from `Global`, so it goes back there.
             _ => unsafe { Global.deallocate(ptr, layout) },

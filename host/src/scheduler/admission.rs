@@ -60,7 +60,11 @@ impl Scheduler {
                 id: seq,
                 request: req.id,
                 // Room for every token it may generate: flushes never reallocate.
-                tokens: History::new(&req.prompt, total as usize, &self.arena),
+                tokens: History::new(
+                    &req.prompt,
+                    initial_room(req.prompt.len(), total as usize),
+                    &self.arena,
+                ),
                 table: BlockTable::new(),
                 num_computed: 0,
                 prefill_end: 0,
@@ -229,10 +233,10 @@ impl Scheduler {
             for (s, end) in seqs.into_iter().zip(ends) {
                 self.seqs.scheduled_in[(s & 0xffff_ffff) as usize] = self.step_gen;
                 let seq = self.seqs.get_mut(&s).unwrap();
-                // Room for every block it may hold (`max_len` is at most
-                // `max_model_len`): its table never moves while it runs.
+                // Room to grow, in the arena (see `initial_room`).
+                let room = initial_room(seq.tokens.len(), seq.max_len);
                 seq.table
-                    .reserve_in(&self.arena, self.kv.blocks_for(seq.max_len as u32) as usize);
+                    .reserve_in(&self.arena, self.kv.blocks_for(room as u32) as usize);
                 let tokens = seq.tokens.flushed();
                 let cached =
                     self.kv
@@ -262,5 +266,47 @@ impl Scheduler {
             }
         }
         Ok(())
+    }
+}
+
+/// Tokens a sequence of `len` tokens (at most `max_len` in its life) gets room for at
+/// admission, for its history and (in blocks) its table: twice its length and a little,
+/// up to `max_len`. Within that room an append never reallocates, beyond it the arrays
+/// double; so a sequence holds at most about twice what it uses (the arena's slabs are
+/// huge pages, all resident once touched: reserving every sequence's `max_len` would
+/// make memory that most sequences never use resident).
+fn initial_room(len: usize, max_len: usize) -> usize {
+    max_len.min(len.saturating_mul(2).saturating_add(64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::SchedulerConfig;
+
+    /// A sequence takes arena memory for what it holds (twice its length at most), not
+    /// for the `max_tokens` it may never generate: the arena's huge pages are resident
+    /// once touched. Reserving `max_len` here held 64 × 2 MiB.
+    #[test]
+    fn admission_reserves_room_for_the_length_not_for_max_tokens() {
+        let mut s = Scheduler::new(SchedulerConfig {
+            num_blocks: 1 << 16,
+            block_size: 16,
+            max_num_seqs: 64,
+            max_tokens_per_step: 1 << 20,
+            max_model_len: 1 << 20,
+            ..SchedulerConfig::default()
+        })
+        .unwrap();
+        for i in 0..64 {
+            s.add_request(Request::new(i, vec![7; 100], 1 << 19))
+                .unwrap();
+        }
+        let b = s.step().unwrap();
+        assert_eq!(b.seqs.len(), 64);
+        let sampled: Vec<_> = b.seqs.iter().map(|q| (q.seq, 1)).collect();
+        s.on_step_done(&sampled).unwrap();
+        let held = s.metrics().arena_bytes;
+        assert!(held > 0 && held <= 2 << 20, "{held} bytes held");
     }
 }

@@ -289,6 +289,10 @@ pub struct Metrics {
     pub prefix_queried_tokens: u64,
     /// Of those, tokens found cached.
     pub prefix_hit_tokens: u64,
+    /// Host memory (bytes) the scheduler's arena holds from the system for the
+    /// sequences' token histories, block tables and per-slot arrays: in use or free
+    /// for reuse (see the README's scheduler memory layout).
+    pub arena_bytes: usize,
 }
 
 impl Metrics {

@@ -291,5 +291,6 @@ impl Scheduler {
         m.running = self.running.len();
         m.waiting = self.waiting.len();
         m.swapped = self.swapped.len();
+        m.arena_bytes = self.arena.held();
     }
 }
