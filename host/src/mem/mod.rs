@@ -52,10 +52,28 @@ pub(crate) fn advise_huge_pages<T>(v: &[T]) {
     advise_range(v.as_ptr() as usize, size_of_val(v));
 }
 
-/// Reserves room for `n` elements in all in `v` (when the allocation succeeds: this
-/// is only an optimisation, so a failure is ignored, never an abort) and advises the
-/// whole capacity to huge pages, before the new room is first touched.
+/// The most bytes a container reserves ahead of use ([`ahead`]): beyond it, it grows
+/// on demand. Reserving ahead is only an optimisation; sizes from a configuration can
+/// be absurd (a billion rows), and asking for terabytes at construction is wrong even
+/// where the system would say no (a sanitizer's allocator aborts instead).
+const MAX_AHEAD: usize = 256 << 20;
+
+/// How many of `n` elements of `T` to reserve ahead of use: all of them, up to
+/// [`MAX_AHEAD`] bytes.
+pub(crate) fn ahead<T>(n: usize) -> usize {
+    n.min(MAX_AHEAD / size_of::<T>().max(1))
+}
+
+/// Reserves room for `n` elements in all in `v` ([`ahead`] of use: at most
+/// `MAX_AHEAD` bytes, and only when the allocation succeeds, never an abort) and
+/// advises the whole capacity to huge pages, before the new room is first touched.
 pub(crate) fn reserve_huge<T>(v: &mut Vec<T>, n: usize) {
+    reserve_advised(v, ahead::<T>(n));
+}
+
+/// Reserves room for `n` elements in all in `v` when the allocation succeeds, and
+/// advises the whole capacity to huge pages.
+fn reserve_advised<T>(v: &mut Vec<T>, n: usize) {
     if v.try_reserve_exact(n.saturating_sub(v.len())).is_ok() {
         advise_range(v.as_ptr() as usize, v.capacity() * size_of::<T>());
     }
@@ -64,7 +82,7 @@ pub(crate) fn reserve_huge<T>(v: &mut Vec<T>, n: usize) {
 /// `vec![value; n]`, advised to huge pages before its pages are first touched.
 pub(crate) fn huge_vec<T: Clone>(n: usize, value: T) -> Vec<T> {
     let mut v = Vec::new();
-    reserve_huge(&mut v, n);
+    reserve_advised(&mut v, n);
     v.resize(n, value);
     v
 }

@@ -59,7 +59,7 @@ impl Scheduler {
             Seq {
                 id: seq,
                 request: req.id,
-                // Room for every token it may generate: flushes never reallocate.
+                // Room to grow without moving, in the arena (see `initial_room`).
                 tokens: History::new(
                     &req.prompt,
                     initial_room(req.prompt.len(), total as usize),
@@ -283,6 +283,26 @@ fn initial_room(len: usize, max_len: usize) -> usize {
 mod tests {
     use super::*;
     use crate::scheduler::SchedulerConfig;
+
+    /// A configuration for 8M rows of 65536 blocks is valid (its block tables' byte
+    /// size fits an `isize`), but nothing reserves ahead more than `mem::ahead` allows
+    /// (the fuzzer's AddressSanitizer aborted on the 2.7 TB such a reservation asked
+    /// for; a system may well grant the slab's 1.5 GB, never used).
+    #[test]
+    fn absurd_but_valid_sizes_reserve_little_ahead() {
+        let s = Scheduler::new(SchedulerConfig {
+            max_num_seqs: 1 << 23,
+            max_model_len: 1 << 20,
+            max_tokens_per_step: 1 << 20,
+            ..SchedulerConfig::default()
+        })
+        .unwrap();
+        let limit = 256 << 20;
+        assert!(s.batch.block_tables.capacity() * 4 <= limit);
+        assert!(s.batch.seqs.capacity() * size_of::<ScheduledSeq>() <= limit);
+        assert!(s.seqs.slots.capacity() * size_of::<Option<Seq>>() <= limit);
+        assert!(s.seqs.recent.capacity() * 256 <= limit);
+    }
 
     /// A sequence takes arena memory for what it holds (twice its length at most), not
     /// for the `max_tokens` it may never generate: the arena's huge pages are resident

@@ -6,12 +6,12 @@
 //! A group lists its live sequences; a sequence's `row` is its block-table row while
 //! its group runs (`usize::MAX` otherwise).
 
+use allocator_api2::vec::Vec as AVec;
+
 use super::tokens::{History, Recent};
 use super::{QueuePolicy, Request, RequestId, SeqId};
 use crate::block::BlockTable;
-use allocator_api2::vec::Vec as AVec;
-
-use crate::mem::{SeqAlloc, prefetch};
+use crate::mem::{SeqAlloc, ahead, prefetch};
 
 /// Where a sequence group is: which of the scheduler's queues holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,11 +95,12 @@ pub(super) struct SeqSlab {
 
 impl SeqSlab {
     /// An empty slab whose arrays `alloc` allocates, with room for `n` sequences
-    /// (when that much memory is there: otherwise they grow as sequences come).
+    /// (up to `mem::ahead`'s limit, when that much memory is there: beyond, they grow
+    /// as sequences come).
     pub(super) fn new(alloc: &SeqAlloc, n: usize) -> Self {
         fn room<T>(alloc: &SeqAlloc, n: usize) -> AVec<T, SeqAlloc> {
             let mut v = AVec::new_in(alloc.clone());
-            let _ = v.try_reserve_exact(n); // only an optimisation
+            let _ = v.try_reserve_exact(ahead::<T>(n)); // only an optimisation
             v
         }
         Self {

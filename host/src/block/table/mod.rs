@@ -45,14 +45,12 @@ mod swap;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rustc_hash::FxHashMap as HashMap;
-
 use allocator_api2::vec::Vec as AVec;
+use rustc_hash::FxHashMap as HashMap;
 
 use super::pool::{BlockHash, BlockId, BlockPool, PAD_SLOT};
 use crate::error::{Error, Result};
-use crate::mem::SeqAlloc;
-use crate::mem::same_alloc as same;
+use crate::mem::{SeqAlloc, same_alloc as same};
 
 /// Where a table's blocks live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
