@@ -52,23 +52,23 @@ pub(crate) fn advise_huge_pages<T>(v: &[T]) {
     advise_range(v.as_ptr() as usize, size_of_val(v));
 }
 
-/// The most bytes a container reserves ahead of use ([`ahead`]): beyond it, it grows
-/// on demand. Reserving ahead is only an optimisation; sizes from a configuration can
-/// be absurd (a billion rows), and asking for terabytes at construction is wrong even
-/// where the system would say no (a sanitizer's allocator aborts instead).
-const MAX_AHEAD: usize = 256 << 20;
-
-/// How many of `n` elements of `T` to reserve ahead of use: all of them, up to
-/// [`MAX_AHEAD`] bytes.
-pub(crate) fn ahead<T>(n: usize) -> usize {
-    n.min(MAX_AHEAD / size_of::<T>().max(1))
-}
-
-/// Reserves room for `n` elements in all in `v` ([`ahead`] of use: at most
-/// `MAX_AHEAD` bytes, and only when the allocation succeeds, never an abort) and
-/// advises the whole capacity to huge pages, before the new room is first touched.
-pub(crate) fn reserve_huge<T>(v: &mut Vec<T>, n: usize) {
-    reserve_advised(v, ahead::<T>(n));
+/// Makes room for `needed` elements in all in `v` when it has less: doubles it (at
+/// least), into a new allocation advised to huge pages before the old elements are
+/// copied in, so that an array that grows with use lies on huge pages without being
+/// reserved ahead of use. Where the allocation fails, leaves `v` as it is (it then
+/// grows as a `Vec` does).
+pub(crate) fn grow_huge<T: Copy>(v: &mut Vec<T>, needed: usize) {
+    if v.capacity() >= needed {
+        return;
+    }
+    let mut w = Vec::new();
+    if w.try_reserve_exact(needed.max(v.capacity().saturating_mul(2)))
+        .is_ok()
+    {
+        advise_range(w.as_ptr() as usize, w.capacity() * size_of::<T>());
+        w.extend_from_slice(v);
+        *v = w;
+    }
 }
 
 /// Reserves room for `n` elements in all in `v` when the allocation succeeds, and

@@ -12,6 +12,7 @@
 
 use super::{PreemptionMode, RequestId, Scheduler, SeqId};
 use crate::block::NULL_BLOCK;
+use crate::mem::grow_huge;
 
 /// One sequence's part of a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +143,8 @@ impl Scheduler {
         let row = self.rows.len();
         self.rows.push(seq);
         let w = self.batch.max_blocks_per_seq as usize;
+        // Grown on huge pages: a step writes a new block's entry into 1 row in 16.
+        grow_huge(&mut self.batch.block_tables, (row + 1) * w);
         self.batch
             .block_tables
             .resize((row + 1) * w, NULL_BLOCK as i32);

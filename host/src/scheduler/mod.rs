@@ -140,7 +140,7 @@ pub use tokens::Tokens;
 
 use crate::block::{BlockTable, KvCacheManager};
 use crate::error::{Error, Result};
-use crate::mem::{SeqAlloc, reserve_huge};
+use crate::mem::SeqAlloc;
 use crate::ops::SUPPORTED_BLOCK_SIZES;
 
 /// A request's id, chosen by the caller.
@@ -423,26 +423,15 @@ impl Scheduler {
                     ),
                 )
             })?;
-        // The per-row arrays a step writes, reserved for `max_num_seqs` rows and
-        // advised to huge pages (only an optimisation: a reservation that fails is
-        // skipped, and they grow as rows come).
-        let n = cfg.max_num_seqs;
         let arena = SeqAlloc::arena();
-        let mut batch = Batch {
+        let batch = Batch {
             max_blocks_per_seq: max_blocks,
             ..Batch::default()
         };
-        reserve_huge(
-            &mut batch.block_tables,
-            n.saturating_mul(max_blocks as usize),
-        );
-        reserve_huge(&mut batch.seqs, n);
-        reserve_huge(&mut batch.slot_mapping, n);
-        reserve_huge(&mut batch.context_lens, n);
         Ok(Self {
             batch,
             kv,
-            seqs: SeqSlab::new(&arena, n),
+            seqs: SeqSlab::new(&arena),
             arena,
             groups: HashMap::default(),
             waiting: BTreeMap::new(),

@@ -11,7 +11,7 @@ use allocator_api2::vec::Vec as AVec;
 use super::tokens::{History, Recent};
 use super::{QueuePolicy, Request, RequestId, SeqId};
 use crate::block::BlockTable;
-use crate::mem::{SeqAlloc, ahead, prefetch};
+use crate::mem::{SeqAlloc, prefetch};
 
 /// Where a sequence group is: which of the scheduler's queues holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,22 +94,16 @@ pub(super) struct SeqSlab {
 }
 
 impl SeqSlab {
-    /// An empty slab whose arrays `alloc` allocates, with room for `n` sequences
-    /// (up to `mem::ahead`'s limit, when that much memory is there: beyond, they grow
-    /// as sequences come).
-    pub(super) fn new(alloc: &SeqAlloc, n: usize) -> Self {
-        fn room<T>(alloc: &SeqAlloc, n: usize) -> AVec<T, SeqAlloc> {
-            let mut v = AVec::new_in(alloc.clone());
-            let _ = v.try_reserve_exact(ahead::<T>(n)); // only an optimisation
-            v
-        }
+    /// An empty slab whose arrays `alloc` allocates (they grow as sequences come; in
+    /// an arena, an array past 1 MiB moves to huge pages of its own as it grows).
+    pub(super) fn new(alloc: &SeqAlloc) -> Self {
         Self {
-            slots: room(alloc, n),
-            generation: room(alloc, n),
+            slots: AVec::new_in(alloc.clone()),
+            generation: AVec::new_in(alloc.clone()),
             free: Vec::new(),
-            scheduled_in: room(alloc, n),
-            stamp: room(alloc, n),
-            recent: room(alloc, n),
+            scheduled_in: AVec::new_in(alloc.clone()),
+            stamp: AVec::new_in(alloc.clone()),
+            recent: AVec::new_in(alloc.clone()),
         }
     }
 
