@@ -212,9 +212,10 @@ fn block_tables_and_managers_are_not_clone() {
     <KvCacheManager as NotClone<_>>::check();
 }
 
-/// A table reserved for its longest length keeps its entries in place while it grows
-/// to it (so a scheduler's tables never move while they run), and so does its fork;
-/// the slots are those of a table without the reservation.
+/// A reserved table keeps its entries in place while it grows to its reservation (a
+/// scheduler's tables do not move until a sequence outgrows the room it got at
+/// admission), and so does its fork; the slots are those of a table without the
+/// reservation.
 #[test]
 fn a_reserved_table_never_moves_while_it_grows_to_its_reservation() {
     let bs = 16;

@@ -290,8 +290,9 @@ pub struct Metrics {
     /// Of those, tokens found cached.
     pub prefix_hit_tokens: u64,
     /// Host memory (bytes) the scheduler's arena holds from the system for the
-    /// sequences' token histories, block tables and per-slot arrays: in use or free
-    /// for reuse (see the README's scheduler memory layout).
+    /// sequences' token histories and block tables and its per-slot arrays: in use or
+    /// free for reuse (see the README's scheduler memory layout). Depends on the
+    /// allocation history, not only on the scheduler's state.
     pub arena_bytes: usize,
 }
 

@@ -77,8 +77,10 @@ impl Group {
 /// that slot's generation (high 32 bits), so a finished sequence's id never names the
 /// slot's next occupant.
 ///
-/// The per-slot arrays are allocated by the scheduler's arena: at thousands of
-/// sequences they lie on 2 MiB pages of their own (every step walks them).
+/// The per-slot arrays are allocated by the scheduler's arena: past 1 MiB (thousands
+/// of sequences) they lie on 2 MiB pages of their own (every step walks them). The
+/// token buffers (`recent`, 64-byte aligned) come from the global allocator until
+/// then: the arena's classes serve alignments up to 16.
 #[derive(Debug)]
 pub(super) struct SeqSlab {
     pub(super) slots: AVec<Option<Seq>, SeqAlloc>,

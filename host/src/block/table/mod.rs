@@ -117,10 +117,10 @@ impl BlockTable {
         (self.owner != 0).then_some(self.owner)
     }
 
-    /// Makes room for `blocks` entries (and their hashes) in all, so that appends up
-    /// to `blocks * block_size` tokens never reallocate: a table reserved for its
-    /// sequence's longest length keeps its entries in one place (beside its hashes)
-    /// for its whole life, instead of moving each time it doubles.
+    /// Makes room for `blocks` entries (and their hashes) *in all* (not `blocks` more,
+    /// unlike `Vec::reserve`), so that appends up to `blocks * block_size` tokens
+    /// never reallocate: the table keeps its entries in one place (beside its hashes)
+    /// until it outgrows that, instead of moving each time it doubles.
     pub fn reserve(&mut self, blocks: usize) {
         let alloc = self.blocks.allocator().clone();
         self.reserve_in(&alloc, blocks);
