@@ -2,8 +2,8 @@
 //! and hashes, its token history).
 //!
 //! A scheduler step at a large batch touches a little of every sequence's own arrays:
-//! a new block entry and hash once every `block_size` steps, a history flush once
-//! every 64. Allocated one by one from the global allocator, those arrays are spread
+//! a new block entry and hash once every `block_size` steps, a line of its token
+//! history once every 16. Allocated one by one from the global allocator, those arrays are spread
 //! over thousands of 4 KiB pages, so nearly every such touch misses the TLB, and on a
 //! virtual machine a TLB miss walks two page tables. Allocated from an [`Arena`]
 //! (2 MiB slabs, advised to transparent huge pages), 16384 sequences' arrays need a
@@ -58,6 +58,17 @@ fn class_size(c: usize) -> usize {
     }
     let (k, m) = ((c - 1) / 4 + 6, (c - 1) % 4 + 1);
     (1 << k) + m * (1 << (k - 2))
+}
+
+/// The bytes between the starts of consecutive blocks of class `c` carved from a slab:
+/// from 256 bytes, the class's size and one cache line more. Without it, the blocks of
+/// one class start at multiples of its size, often of 4 KiB: the same offset of many
+/// blocks (the ends of histories of equal length, appended to every step) then falls
+/// in a handful of the caches' sets and evicts itself; with it, each block's lines
+/// fall one set further than the last block's.
+fn stride(c: usize) -> usize {
+    let size = class_size(c);
+    if size >= 256 { size + 64 } else { size }
 }
 
 /// The arena's state; addresses are kept as `usize` (they are only handed out and
@@ -121,7 +132,7 @@ impl Arena {
         if let Some(p) = s.free[c].pop() {
             return NonNull::new(p as *mut u8);
         }
-        let size = class_size(c);
+        let size = stride(c);
         if s.end - s.bump < size {
             let layout = Layout::from_size_align(SLAB, SLAB).ok()?;
             // SAFETY: `layout` has a non-zero size.
@@ -306,6 +317,32 @@ mod tests {
                 class_size(c) >= s && (c == 0 || class_size(c - 1) < s),
                 "{s}"
             );
+        }
+    }
+
+    /// Blocks of one class from 256 bytes start one cache line further from a page
+    /// boundary than the block before them: the same offset in 64 histories of
+    /// equal length falls in 64 different cache sets (with 16 KiB blocks at
+    /// multiples of 16 KiB, all 64 would fall in one).
+    #[test]
+    fn consecutive_blocks_of_a_class_start_at_different_cache_sets() {
+        let a = SeqAlloc::arena();
+        let layout = Layout::from_size_align(16 << 10, 4).unwrap();
+        let blocks: std::vec::Vec<_> = (0..64).map(|_| a.allocate(layout).unwrap()).collect();
+        let mut offsets: std::vec::Vec<usize> = blocks
+            .iter()
+            .map(|p| p.as_ptr().cast::<u8>() as usize % 4096)
+            .collect();
+        offsets.sort();
+        offsets.dedup();
+        assert_eq!(
+            offsets.len(),
+            64,
+            "block offsets within a page: {offsets:?}"
+        );
+        for p in blocks {
+            // SAFETY: each came from `a.allocate(layout)` and is freed once.
+            unsafe { a.deallocate(p.cast(), layout) };
         }
     }
 
