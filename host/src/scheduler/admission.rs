@@ -59,20 +59,20 @@ impl Scheduler {
             Seq {
                 id: seq,
                 request: req.id,
-                // Room to grow without moving, in the arena (see `initial_room`).
-                tokens: History::new(
-                    &req.prompt,
-                    initial_room(req.prompt.len(), total as usize),
-                    &self.arena,
-                ),
                 table: BlockTable::new(),
-                num_computed: 0,
                 prefill_end: 0,
                 row: usize::MAX,
                 stop_token: req.stop_token,
                 max_len: req.prompt.len() + req.max_tokens as usize,
                 salt: req.cache_salt,
             },
+            // Room to grow without moving, in the arena (see `initial_room`).
+            History::new(
+                &req.prompt,
+                initial_room(req.prompt.len(), total as usize),
+                &self.arena,
+            ),
+            0,
         );
         let g = Group {
             req,
@@ -141,14 +141,12 @@ impl Scheduler {
         }
         let table = self.kv.fork(&mut self.seqs.get_mut(&seq).unwrap().table)?;
         let child_id = self.seqs.alloc_id();
-        self.seqs.flush(&seq);
         let parent = &self.seqs[&seq];
+        let tokens = self.seqs.tokens(seq).unwrap().clone();
         let child = Seq {
             id: child_id,
             request: parent.request,
-            tokens: parent.tokens.clone(),
             table,
-            num_computed: parent.num_computed,
             prefill_end: parent.prefill_end,
             row: usize::MAX,
             stop_token: parent.stop_token,
@@ -157,7 +155,8 @@ impl Scheduler {
         };
         let id = child.id;
         let request = child.request;
-        self.seqs.insert(id, child);
+        let num_computed = self.seqs.hot[(seq & 0xffff_ffff) as usize].num_computed;
+        self.seqs.insert(id, child, tokens, num_computed);
         self.groups.get_mut(&request).unwrap().seqs.push(id);
         self.push_row(id);
         Ok(id)
@@ -187,8 +186,8 @@ impl Scheduler {
             // Some sequence would get no token (chunked prefill, budget spent).
             let mut starved = false;
             for (i, s) in seqs.iter().enumerate() {
-                self.seqs.flush(s);
-                let t = self.seqs[s].tokens.flushed();
+                self.seqs.flush(*s);
+                let t = self.seqs.tokens(*s).unwrap().as_slice();
                 if seqs.len() == 1 {
                     let (hits, _) = self.kv.count_prefix_hits(t, salt);
                     let cached = (hits * self.cfg.block_size) as usize;
@@ -232,18 +231,19 @@ impl Scheduler {
             self.groups.get_mut(&id).unwrap().status = Status::Running;
             for (s, end) in seqs.into_iter().zip(ends) {
                 self.seqs.scheduled_in[(s & 0xffff_ffff) as usize] = self.step_gen;
-                let seq = self.seqs.get_mut(&s).unwrap();
+                let slot = (s & 0xffff_ffff) as usize; // a live sequence's id
+                let seq = self.seqs.slots[slot].as_mut().unwrap();
+                let tokens = self.seqs.hot[slot].tokens.as_slice();
                 // Room to grow, in the arena (see `initial_room`).
-                let room = initial_room(seq.tokens.len(), seq.max_len);
+                let room = initial_room(tokens.len(), seq.max_len);
                 seq.table
                     .reserve_in(&self.arena, self.kv.blocks_for(room as u32) as usize);
-                let tokens = seq.tokens.flushed();
                 let cached =
                     self.kv
                         .allocate_prefill(&mut seq.table, &tokens[..end as usize], salt)?;
-                self.metrics.prefix_queried_tokens += seq.tokens.len() as u64;
+                self.metrics.prefix_queried_tokens += tokens.len() as u64;
                 self.metrics.prefix_hit_tokens += cached as u64;
-                seq.prefill_end = seq.tokens.len() as u32;
+                seq.prefill_end = tokens.len() as u32;
                 let samples = end == seq.prefill_end;
                 let offset = self.batch.slot_mapping.len() as u32;
                 for pos in cached..end {
@@ -301,7 +301,7 @@ mod tests {
         assert_eq!(s.batch.block_tables.capacity(), 0);
         assert_eq!(s.batch.seqs.capacity(), 0);
         assert_eq!(s.seqs.slots.capacity(), 0);
-        assert_eq!(s.seqs.recent.capacity(), 0);
+        assert_eq!(s.seqs.hot.capacity(), 0);
         s.add_request(Request::new(1, vec![3; 40], 8)).unwrap();
         let b = s.step().unwrap();
         assert_eq!(b.block_tables.len(), 1 << 16);

@@ -136,6 +136,8 @@ impl Scheduler {
         }
         self.batch.context_lens[row] = s.table.num_tokens() as i32;
         self.batch.mark_dirty(row, 0, w);
+        let commit_at = self.kv.commit_at(&s.table);
+        self.seqs.set_commit_at(seq, commit_at);
     }
 
     /// Gives running sequence `seq` the next batch row.

@@ -6,10 +6,11 @@
 //! once; its blocks' prefix-cache registrations (deferred while the tokens came in)
 //! are flushed first, so a freed block is already cached.
 
-use super::seqs::Status;
-use super::step::prefetch_distance;
+use super::seqs::{Hot, Status};
+use super::step::{PREFETCH_AHEAD, prefetch_distance};
 use super::{FinishReason, RequestId, Scheduler, SeqId};
 use crate::error::{Error, Result};
+use crate::mem::prefetch_write;
 
 impl Scheduler {
     /// Takes the token sampled for every sequence of the last step. Every scheduled
@@ -70,54 +71,78 @@ impl Scheduler {
         // blocks' prefix-cache registrations, deferred and batched, come first).
         let mut done = Vec::new();
         let mut result = Ok(());
-        let dist = prefetch_distance(sampled.len());
+        // The look-ahead for flushes and commits runs at every size (their lines are
+        // cold even when the hot records stay in cache); the hot records' own only
+        // for large batches.
+        let dist = PREFETCH_AHEAD;
+        let far_dist = prefetch_distance(sampled.len()).saturating_mul(2);
         for (k, &(s, tok)) in sampled.iter().enumerate() {
-            // The sequence twice as far ahead: its lines, so that the look-ahead below
-            // reads them from cache.
-            if let Some(far) = sampled.get(k.saturating_add(dist.saturating_mul(2))) {
-                self.seqs.prefetch(far.0);
-            }
-            // The lines a sequence `dist` ahead appends its token to, and those its
-            // commit reads first when it filled a block, which the loop would
-            // otherwise wait for.
-            if let Some(ahead) = sampled.get(k.saturating_add(dist))
-                && let Some(slot) = self.seqs.slot(ahead.0)
-                && let Some(q) = &self.seqs.slots[slot]
+            // A sequence twice as far ahead: its hot record, which the look-ahead
+            // below reads, and when it just filled a block (it will likely commit
+            // it), its table's lines.
+            if let Some(&(far, _)) = sampled.get(k.saturating_add(far_dist))
+                && let Some(h) = self.seqs.hot.get((far & 0xffff_ffff) as usize)
             {
-                q.tokens.prefetch_push(&self.seqs.recent[slot]);
-                if self.kv.has_uncommitted(&q.table) {
+                prefetch_write(h);
+                prefetch_write((h as *const Hot).cast::<u8>().wrapping_add(64));
+                if self.batch.seqs[k + far_dist].context_len & (self.cfg.block_size - 1) == 0 {
+                    self.seqs.prefetch(far);
+                }
+            }
+            // A sequence `dist` ahead: the end of its tokens, which it appends to,
+            // and when it commits a block, the lines its commit reads first.
+            if let Some(q) = self.batch.seqs.get(k.saturating_add(dist))
+                && sampled[k + dist].0 == q.seq
+            {
+                let slot = (q.seq & 0xffff_ffff) as usize; // scheduled: live
+                let h = &self.seqs.hot[slot];
+                if h.tokens.flushes_next() {
+                    h.tokens.prefetch_flush();
+                }
+                if q.context_len >= h.commit_at {
                     self.kv.prefetch_commit(
-                        &q.table,
-                        q.tokens.view(&self.seqs.recent[slot]).as_slices(),
+                        &self.seqs.slots[slot].as_ref().unwrap().table,
+                        h.tokens.view().as_slices(),
                     );
                 }
             }
             let slot = (s & 0xffff_ffff) as usize; // validated above
-            let (seq, recent) = (
-                self.seqs.slots[slot].as_mut().unwrap(),
-                &mut self.seqs.recent[slot],
-            );
-            seq.num_computed = seq.table.num_tokens();
+            // Its count after the step and whether `tok` is its next token: from the
+            // step's list when `sampled` is in its order (else from its table).
+            let (num_tokens, samples) = match self.batch.seqs.get(k) {
+                Some(q) if q.seq == s => (q.context_len, q.samples),
+                _ => {
+                    let seq = self.seqs.slots[slot].as_ref().unwrap();
+                    let n = seq.table.num_tokens();
+                    (n, n >= seq.prefill_end)
+                }
+            };
+            #[cfg(debug_assertions)]
+            self.check_hot(slot, num_tokens, samples);
+            let h = &mut self.seqs.hot[slot];
+            h.num_computed = num_tokens;
             // Only a sequence that filled a block has anything to commit (1 in 16).
-            if self.kv.has_uncommitted(&seq.table)
-                && let Err(e) = self.kv.commit_deferred(
-                    &mut seq.table,
-                    seq.tokens.view(recent).as_slices(),
-                    seq.salt,
-                )
-            {
-                result = Err(e);
-                break;
+            if num_tokens >= h.commit_at {
+                let seq = self.seqs.slots[slot].as_mut().unwrap();
+                if let Err(e) =
+                    self.kv
+                        .commit_deferred(&mut seq.table, h.tokens.view().as_slices(), seq.salt)
+                {
+                    result = Err(e);
+                    break;
+                }
+                h.commit_at = self.kv.commit_at(&seq.table);
             }
-            if seq.table.num_tokens() < seq.prefill_end {
+            if !samples {
                 // A non-final chunk of a chunked prefill: the token sampled from its
                 // last position is not the sequence's next token. Ignored.
                 continue;
             }
-            seq.tokens.push(recent, tok);
-            let why = if seq.stop_token == Some(tok) {
+            h.tokens.push(tok);
+            h.left = h.left.saturating_sub(1);
+            let why = if h.stop == Some(tok) {
                 Some(FinishReason::Stop)
-            } else if seq.tokens.len() >= seq.max_len {
+            } else if h.left == 0 {
                 Some(FinishReason::MaxTokens)
             } else {
                 None
@@ -132,6 +157,27 @@ impl Scheduler {
             self.finish_seq(s, why)?;
         }
         Ok(done)
+    }
+
+    /// Checks that scheduled sequence `slot`'s hot record agrees with its cold one,
+    /// and `num_tokens` and `samples` with its table (debug builds: what
+    /// `on_step_done` relies on, see `seqs::Hot`).
+    #[cfg(debug_assertions)]
+    fn check_hot(&self, slot: usize, num_tokens: u32, samples: bool) {
+        let (seq, h) = (
+            self.seqs.slots[slot].as_ref().unwrap(),
+            &self.seqs.hot[slot],
+        );
+        assert_eq!(num_tokens, seq.table.num_tokens(), "num_tokens");
+        assert_eq!(samples, num_tokens >= seq.prefill_end, "samples");
+        assert_eq!(h.commit_at, self.kv.commit_at(&seq.table), "hot commit_at");
+        assert_eq!(h.stop, seq.stop_token, "hot stop");
+        let len = h.tokens.len();
+        assert_eq!(
+            h.left as usize,
+            seq.max_len.saturating_sub(len).min(u32::MAX as usize),
+            "hot left"
+        );
     }
 
     /// Ends a request wherever it is, freeing its blocks at once.
@@ -160,10 +206,9 @@ impl Scheduler {
         if status == Status::Running {
             self.remove_row(seq);
         }
-        let mut s = self.seqs.remove(&seq).unwrap();
+        let (mut s, tokens) = self.seqs.remove(&seq).unwrap();
         self.kv.free(&mut s.table)?;
-        self.finished
-            .push((request, seq, why, s.tokens.into_flushed()));
+        self.finished.push((request, seq, why, tokens.into_vec()));
         let g = self.groups.get_mut(&request).unwrap();
         g.seqs.retain(|&x| x != seq);
         if g.seqs.is_empty() {

@@ -503,9 +503,9 @@ impl Scheduler {
     /// The tokens of a live sequence (its prompt, then the tokens sampled for it), as
     /// a two-part [`Tokens`] view.
     pub fn tokens(&self, seq: SeqId) -> Result<Tokens<'_>> {
-        let slot = self.seqs.slot(seq);
-        slot.and_then(|i| self.seqs.slots[i].as_ref().map(|s| (i, s)))
-            .map(|(i, s)| s.tokens.view(&self.seqs.recent[i]))
+        self.seqs
+            .tokens(seq)
+            .map(|t| t.view())
             .ok_or(Error::Unknown {
                 what: "sequence",
                 id: seq,
@@ -524,7 +524,7 @@ impl Scheduler {
     pub fn num_computed(&self, seq: SeqId) -> Result<u32> {
         self.seqs
             .get(&seq)
-            .map(|s| s.num_computed)
+            .map(|_| self.seqs.hot[(seq & 0xffff_ffff) as usize].num_computed)
             .ok_or(Error::Unknown {
                 what: "sequence",
                 id: seq,

@@ -141,7 +141,7 @@ impl Scheduler {
             for &s in &seqs {
                 let seq = self.seqs.get_mut(&s).unwrap();
                 self.kv.free(&mut seq.table)?;
-                seq.num_computed = 0;
+                self.seqs.hot[(s & 0xffff_ffff) as usize].num_computed = 0;
             }
             self.metrics.preempted_recompute += 1;
             let g = self.groups.get_mut(&id).unwrap();

@@ -5,10 +5,18 @@
 //! id does not name its slot's next occupant: looking it up afterwards finds nothing.
 //! A group lists its live sequences; a sequence's `row` is its block-table row while
 //! its group runs (`usize::MAX` otherwise).
+//!
+//! Each slot has a cold record ([`Seq`]: its block table, its request's settings) and
+//! a hot one ([`Hot`]: two cache lines in a dense array, with its tokens), so that a
+//! step's common decode touches one line of the cold record (the table's counts, in
+//! its first line) and `on_step_done` only the hot record (and the step's dense
+//! `ScheduledSeq` list). With thousands of sequences the records do not stay in the
+//! core's caches from one half of a cycle to the other, and the bytes a cycle reads
+//! per sequence, and above all the lines it touches out of order, are what it costs.
 
 use allocator_api2::vec::Vec as AVec;
 
-use super::tokens::{History, Recent};
+use super::tokens::History;
 use super::{QueuePolicy, Request, RequestId, SeqId};
 use crate::block::BlockTable;
 use crate::mem::{SeqAlloc, prefetch};
@@ -21,16 +29,18 @@ pub(super) enum Status {
     Swapped,
 }
 
-/// One live sequence: its tokens, its block table, and its place in the batch.
+/// One live sequence: its block table, its request's settings, and its place in the
+/// batch (its slot's cold record; its tokens and counters are in its [`Hot`] record).
+///
+/// `repr(C)`, 64-byte aligned, the request first and the table next: the first line
+/// holds what a step's common decode reads and writes (the request, and the table's
+/// counts, which [`BlockTable`] keeps first).
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub(super) struct Seq {
-    pub(super) id: SeqId,
     pub(super) request: RequestId,
-    /// Its tokens; the last few pending in its slot's `SeqSlab::recent` buffer.
-    pub(super) tokens: History,
     pub(super) table: BlockTable,
-    /// Tokens whose KV is computed (`table.num_tokens()` after a step).
-    pub(super) num_computed: u32,
+    pub(super) id: SeqId,
     /// Tokens its current prefill computes (`tokens.len()` when it was last
     /// admitted); while `table.num_tokens()` is below it (and the table is not empty),
     /// it is mid-prefill: chunked prefill runs the rest in later steps.
@@ -50,6 +60,59 @@ impl Seq {
     pub(super) fn is_prefilling(&self) -> bool {
         let n = self.table.num_tokens();
         n > 0 && n < self.prefill_end
+    }
+}
+
+/// A slot's hot record: everything `on_step_done` needs for a sequence in the common
+/// case besides the step's [`ScheduledSeq`](super::ScheduledSeq) of it, in two cache
+/// lines: its tokens (their `Vec`'s header and the pending ones, so an append writes
+/// only this record; see [`History`]) and its counters.
+///
+/// `commit_at` is a copy, which [`SeqSlab::set_commit_at`] sets whenever the table's
+/// hashes may change (the whole-row writes: admission, swap-in, fork and a chunk;
+/// a commit): exact for every running sequence (debug
+/// builds check it in `on_step_done`). The rest is the record's own state, kept
+/// nowhere else.
+#[derive(Debug)]
+#[repr(C, align(64))]
+pub(super) struct Hot {
+    /// Its tokens (empty for a free slot).
+    pub(super) tokens: History,
+    /// The `num_tokens` from which a block of the table is full and not yet
+    /// committed to the prefix cache: `KvCacheManager::commit_at` (`u32::MAX`: never).
+    pub(super) commit_at: u32,
+    /// Tokens whose KV is computed (`table.num_tokens()` after a step).
+    pub(super) num_computed: u32,
+    /// Tokens it may still append before reaching `Seq::max_len` (0: at or past it).
+    pub(super) left: u32,
+    /// Its request's stop token.
+    pub(super) stop: Option<u32>,
+}
+
+const _: () = assert!(size_of::<Hot>() == 128, "a hot record is two cache lines");
+
+impl Hot {
+    /// The record of a sequence with `tokens` and `num_computed` tokens computed,
+    /// not yet running (`commit_at` unset until `set_commit_at`).
+    fn new(seq: &Seq, tokens: History, num_computed: u32) -> Self {
+        Self {
+            commit_at: u32::MAX,
+            num_computed,
+            left: u32::try_from(seq.max_len.saturating_sub(tokens.len())).unwrap_or(u32::MAX),
+            stop: seq.stop_token,
+            tokens,
+        }
+    }
+
+    /// A free slot's record (allocates nothing).
+    fn free() -> Self {
+        Self {
+            tokens: History::empty(),
+            commit_at: u32::MAX,
+            num_computed: 0,
+            left: 0,
+            stop: None,
+        }
     }
 }
 
@@ -79,8 +142,8 @@ impl Group {
 ///
 /// The per-slot arrays are allocated by the scheduler's arena: past 1 MiB (thousands
 /// of sequences) they lie on 2 MiB pages of their own (every step walks them). The
-/// token buffers (`recent`, 64-byte aligned) come from the global allocator until
-/// then: the arena's classes serve alignments up to 16.
+/// 64-byte aligned ones (`slots`, `hot`) come from the global allocator until then:
+/// the arena's classes serve alignments up to 16.
 #[derive(Debug)]
 pub(super) struct SeqSlab {
     pub(super) slots: AVec<Option<Seq>, SeqAlloc>,
@@ -91,8 +154,8 @@ pub(super) struct SeqSlab {
     /// scheduled it, and the last `on_step_done` generation that named it.
     pub(super) scheduled_in: AVec<u64, SeqAlloc>,
     pub(super) stamp: AVec<u64, SeqAlloc>,
-    /// Per slot, the pending tokens of its sequence's [`History`].
-    pub(super) recent: AVec<Recent, SeqAlloc>,
+    /// Per slot, its sequence's hot record.
+    pub(super) hot: AVec<Hot, SeqAlloc>,
 }
 
 impl SeqSlab {
@@ -105,7 +168,7 @@ impl SeqSlab {
             free: Vec::new(),
             scheduled_in: AVec::new_in(alloc.clone()),
             stamp: AVec::new_in(alloc.clone()),
-            recent: AVec::new_in(alloc.clone()),
+            hot: AVec::new_in(alloc.clone()),
         }
     }
 
@@ -117,7 +180,7 @@ impl SeqSlab {
                 self.generation.push(0);
                 self.scheduled_in.push(0);
                 self.stamp.push(0);
-                self.recent.push(Recent::default());
+                self.hot.push(Hot::free());
                 (self.slots.len() - 1) as u32
             }
         };
@@ -130,8 +193,10 @@ impl SeqSlab {
         (self.generation.get(slot) == Some(&((id >> 32) as u32))).then_some(slot)
     }
 
-    pub(super) fn insert(&mut self, id: SeqId, seq: Seq) {
+    /// Puts `seq`, with `tokens` and `num_computed` tokens computed, in `id`'s slot.
+    pub(super) fn insert(&mut self, id: SeqId, seq: Seq, tokens: History, num_computed: u32) {
         let slot = self.slot(id).expect("id from alloc_id");
+        self.hot[slot] = Hot::new(&seq, tokens, num_computed);
         self.slots[slot] = Some(seq);
         self.scheduled_in[slot] = 0;
         self.stamp[slot] = 0;
@@ -146,28 +211,51 @@ impl SeqSlab {
         self.slots[slot].as_mut()
     }
 
-    /// Takes a live sequence out, with its tokens all flushed.
-    pub(super) fn remove(&mut self, id: &SeqId) -> Option<Seq> {
+    /// Takes a live sequence out, with its tokens.
+    pub(super) fn remove(&mut self, id: &SeqId) -> Option<(Seq, History)> {
         let slot = self.slot(*id)?;
-        let mut s = self.slots[slot].take()?;
-        s.tokens.flush(&self.recent[slot]);
+        let s = self.slots[slot].take()?;
+        let tokens = std::mem::replace(&mut self.hot[slot], Hot::free()).tokens;
         self.scheduled_in[slot] = 0;
         self.free.push(slot as u32);
-        Some(s)
+        Some((s, tokens))
     }
 
-    /// Flushes the pending tokens of live sequence `id`, so its
-    /// `tokens.flushed()` is its whole history.
-    pub(super) fn flush(&mut self, id: &SeqId) {
-        if let Some(slot) = self.slot(*id)
-            && let Some(s) = self.slots[slot].as_mut()
+    /// Writes live sequence `id`'s pending tokens to its `Vec`, so that
+    /// [`History::as_slice`] holds them all.
+    pub(super) fn flush(&mut self, id: SeqId) {
+        if let Some(slot) = self.slot(id)
+            && self.slots[slot].is_some()
         {
-            s.tokens.flush(&self.recent[slot]);
+            self.hot[slot].tokens.flush();
         }
     }
 
-    /// Prefetches the lines of slot `id`'s sequence (a hint: no load, no check of the
-    /// generation), so a loop a few sequences behind finds them in cache.
+    /// The tokens of live sequence `id`.
+    pub(super) fn tokens(&self, id: SeqId) -> Option<&History> {
+        let slot = self.slot(id)?;
+        self.slots[slot].as_ref()?;
+        Some(&self.hot[slot].tokens)
+    }
+
+    /// Sets live sequence `id`'s `Hot::commit_at` (the cache manager's `commit_at`
+    /// of its table).
+    pub(super) fn set_commit_at(&mut self, id: SeqId, commit_at: u32) {
+        let slot = self.slot(id).expect("live sequence");
+        self.hot[slot].commit_at = commit_at;
+    }
+
+    /// Prefetches the first line of slot `id`'s cold record, what a step's common
+    /// decode reads and writes (a hint: no load, no check of the generation).
+    #[inline]
+    pub(super) fn prefetch_step(&self, id: SeqId) {
+        if let Some(s) = self.slots.get((id & 0xffff_ffff) as usize) {
+            prefetch(s);
+        }
+    }
+
+    /// Prefetches the lines of slot `id`'s cold record (a hint: no load, no check of
+    /// the generation), so a loop a few sequences behind finds them in cache.
     #[inline]
     pub(super) fn prefetch(&self, id: SeqId) {
         let slot = (id & 0xffff_ffff) as usize;

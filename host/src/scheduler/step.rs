@@ -25,7 +25,7 @@ struct ChunkPlan {
 }
 
 /// How many sequences ahead the per-sequence loops prefetch.
-const PREFETCH_AHEAD: usize = 16;
+pub(super) const PREFETCH_AHEAD: usize = 16;
 /// Batches from this size prefetch: below it a step's per-sequence data stays in the
 /// core's caches from one step to the next, and the look-ahead only costs instructions.
 const PREFETCH_MIN_BATCH: usize = 2048;
@@ -112,7 +112,7 @@ impl Scheduler {
             // The sequence twice as far ahead: its lines, so that the look-ahead below
             // reads them from cache.
             if let Some(&far) = self.rows.get(row.saturating_add(dist.saturating_mul(2))) {
-                self.seqs.prefetch(far);
+                self.seqs.prefetch_step(far);
             }
             // For a sequence `dist` rows ahead that will take a new block (a cache miss
             // otherwise, at large batches): its last block entry, and the batch's
@@ -139,7 +139,9 @@ impl Scheduler {
                     continue;
                 }
             }
-            let seq = self.seqs.get_mut(&id).unwrap();
+            let si = (id & 0xffff_ffff) as usize; // a running sequence's id
+            let seq = self.seqs.slots[si].as_mut().unwrap();
+            let request = seq.request;
             let start = seq.table.num_tokens();
             let offset = self.batch.slot_mapping.len() as u32;
             if let Some(slot) = self.kv.append_in_place(&mut seq.table) {
@@ -168,12 +170,14 @@ impl Scheduler {
                         .fill(NULL_BLOCK as i32);
                     self.batch.mark_dirty(row, live_before, live);
                 }
+                // (Its hashes, and so its hot `commit_at`, are as they were: a new
+                // or copied block is partial.)
             }
             self.batch.num_decodes += 1;
             self.batch.context_lens[row] = (start + 1) as i32;
             self.batch.seqs.push(ScheduledSeq {
                 seq: id,
-                request: seq.request,
+                request,
                 is_prefill: false,
                 start_pos: start,
                 num_new_tokens: 1,

@@ -2,17 +2,15 @@
 //! stored so that appending a sampled token does not touch a cold cache line per
 //! sequence each step.
 //!
-//! A sequence's history is a `Vec` (its *flushed* tokens) and a few *pending* tokens
-//! in a [`Recent`] buffer: 256 bytes per sequence slot, beside the slots' other
-//! per-step data, so a step's appends write one line each of a compact region
-//! (16384 sequences: 4 MiB) instead of one line in every sequence's own heap
-//! allocation. The token at position `p` is pending at `Recent[p % RECENT]`; the
-//! pending tokens are flushed to the `Vec` when `p + 1` is a multiple of [`RECENT`]
-//! (once every 64 tokens), so they never wrap around, and before anything reads the
-//! history as one slice (admission, fork, finishing). The prefix cache hashes a
-//! filled block from both parts, and
-//! [`Scheduler::tokens`](super::Scheduler::tokens) reads them as a [`Tokens`] view,
-//! neither flushing.
+//! A sequence's history lives in its hot record (`seqs::Hot`, which `on_step_done`
+//! reads anyway): a `Vec` in the scheduler's arena and its last few tokens, pending,
+//! beside it. Appending a token writes only the hot record; every [`RECENT`] tokens,
+//! a cache line of them goes to the `Vec` at once (a step writes the cold lines of
+//! 1 sequence in 16, not a line of every sequence's own heap memory). Admission
+//! reserves room for the sequence to grow (see `admission::initial_room`), so the
+//! `Vec` rarely reallocates.
+//! [`Scheduler::tokens`](super::Scheduler::tokens) reads a history as a [`Tokens`]
+//! view.
 
 use std::ops::Index;
 
@@ -20,115 +18,115 @@ use allocator_api2::vec::Vec as AVec;
 
 use crate::mem::{SeqAlloc, prefetch_write};
 
-/// Tokens a [`Recent`] buffer holds.
-pub(super) const RECENT: usize = 64;
+/// Tokens a history keeps pending before it writes them to its `Vec`: one cache
+/// line of them.
+pub(super) const RECENT: usize = 16;
 
-/// The pending tokens of one sequence slot, cache-line aligned.
-#[repr(align(64))]
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Recent([u32; RECENT]);
-
-impl Default for Recent {
-    fn default() -> Self {
-        Self([0; RECENT])
-    }
-}
-
-/// One sequence's tokens: the flushed ones, and how many more are pending in its
-/// slot's [`Recent`] buffer (see the module docs).
+/// One sequence's tokens, in order: a `Vec`, then up to [`RECENT`] pending ones.
 #[derive(Debug)]
 pub(super) struct History {
-    flushed: AVec<u32, SeqAlloc>,
-    pending: u32,
+    tokens: AVec<u32, SeqAlloc>,
+    recent: [u32; RECENT],
+    pending: u8,
 }
 
 impl Clone for History {
     /// The same tokens, with the same room to grow, from the same allocator.
     fn clone(&self) -> Self {
-        let mut flushed =
-            AVec::with_capacity_in(self.flushed.capacity(), self.flushed.allocator().clone());
-        flushed.extend_from_slice(&self.flushed);
+        let mut tokens =
+            AVec::with_capacity_in(self.tokens.capacity(), self.tokens.allocator().clone());
+        extend(&mut tokens, &self.tokens);
         Self {
-            flushed,
+            tokens,
+            recent: self.recent,
             pending: self.pending,
         }
     }
 }
 
+/// Appends `src` to `v` with one copy (allocator-api2's `extend_from_slice` copies
+/// element by element).
+fn extend(v: &mut AVec<u32, SeqAlloc>, src: &[u32]) {
+    let at = v.len();
+    v.resize(at + src.len(), 0);
+    v[at..].copy_from_slice(src);
+}
+
 impl History {
-    /// A history of `tokens`, all flushed, with room for `capacity` tokens in all
-    /// (flushes up to that length never reallocate), allocated by `alloc`.
-    pub(super) fn new(tokens: &[u32], capacity: usize, alloc: &SeqAlloc) -> Self {
-        let mut flushed = AVec::with_capacity_in(capacity.max(tokens.len()), alloc.clone());
-        flushed.extend_from_slice(tokens);
+    /// An empty history that allocates nothing.
+    pub(super) fn empty() -> Self {
         Self {
-            flushed,
+            tokens: AVec::new_in(SeqAlloc::Global),
+            recent: [0; RECENT],
+            pending: 0,
+        }
+    }
+
+    /// A history of `tokens`, with room for `capacity` tokens in all (appends up to
+    /// that length never reallocate), allocated by `alloc`.
+    pub(super) fn new(tokens: &[u32], capacity: usize, alloc: &SeqAlloc) -> Self {
+        let mut v = AVec::with_capacity_in(capacity.max(tokens.len()), alloc.clone());
+        extend(&mut v, tokens);
+        Self {
+            tokens: v,
+            recent: [0; RECENT],
             pending: 0,
         }
     }
 
     /// Tokens in all.
     pub(super) fn len(&self) -> usize {
-        self.flushed.len() + self.pending as usize
+        self.tokens.len() + self.pending as usize
     }
 
-    /// Where the pending tokens start in the `Recent` buffer.
-    fn start(&self) -> usize {
-        self.flushed.len() % RECENT
-    }
-
-    /// Appends `tok`, pending in `recent` (this sequence's buffer); flushes when the
-    /// buffer's last entry is written.
+    /// Appends `tok`: pending, until [`RECENT`] are and go to the `Vec` together.
     #[inline]
-    pub(super) fn push(&mut self, recent: &mut Recent, tok: u32) {
-        let at = self.start() + self.pending as usize;
-        recent.0[at] = tok;
+    pub(super) fn push(&mut self, tok: u32) {
+        self.recent[self.pending as usize] = tok;
         self.pending += 1;
-        if at + 1 == RECENT {
-            self.flush(recent);
+        if self.pending as usize == RECENT {
+            self.flush();
         }
     }
 
-    /// Prefetches what the next [`push`](Self::push) writes: its entry of `recent`,
-    /// and the `Vec`'s end when the push flushes.
+    /// Whether the next [`push`](Self::push) writes to the `Vec`.
     #[inline]
-    pub(super) fn prefetch_push(&self, recent: &Recent) {
-        let at = self.start() + self.pending as usize;
-        prefetch_write(recent.0.as_ptr().wrapping_add(at));
-        if at + 1 == RECENT {
-            prefetch_write(self.flushed.as_ptr_range().end);
-        }
+    pub(super) fn flushes_next(&self) -> bool {
+        self.pending as usize + 1 == RECENT
     }
 
-    /// Moves the pending tokens from `recent` (this sequence's buffer) to the `Vec`.
-    pub(super) fn flush(&mut self, recent: &Recent) {
-        if self.pending > 0 {
-            let start = self.start();
-            self.flushed
-                .extend_from_slice(&recent.0[start..start + self.pending as usize]);
-            self.pending = 0;
-        }
+    /// Prefetches where the next write to the `Vec` goes (a hint).
+    #[inline]
+    pub(super) fn prefetch_flush(&self) {
+        let end = self.tokens.as_ptr_range().end;
+        prefetch_write(end);
+        prefetch_write(end.wrapping_add(RECENT - 1));
     }
 
-    /// The whole history as one slice; only after a [`flush`](Self::flush).
-    pub(super) fn flushed(&self) -> &[u32] {
+    /// Writes the pending tokens to the `Vec`.
+    pub(super) fn flush(&mut self) {
+        extend(&mut self.tokens, &self.recent[..self.pending as usize]);
+        self.pending = 0;
+    }
+
+    /// The tokens as one slice; only after a [`flush`](Self::flush).
+    pub(super) fn as_slice(&self) -> &[u32] {
         debug_assert_eq!(self.pending, 0, "history read with tokens pending");
-        &self.flushed
+        &self.tokens
     }
 
-    /// The whole history as a `Vec` (a copy: the history's own storage goes back to
-    /// its allocator); only after a [`flush`](Self::flush).
-    pub(super) fn into_flushed(self) -> Vec<u32> {
-        debug_assert_eq!(self.pending, 0, "history taken with tokens pending");
-        self.flushed.to_vec()
+    /// The tokens as a `Vec` (a copy: the history's own storage goes back to its
+    /// allocator).
+    pub(super) fn into_vec(mut self) -> Vec<u32> {
+        self.flush();
+        self.tokens.to_vec()
     }
 
-    /// Both parts, without flushing.
-    pub(super) fn view<'a>(&'a self, recent: &'a Recent) -> Tokens<'a> {
-        let start = self.start();
+    /// The tokens as a [`Tokens`] view, without flushing.
+    pub(super) fn view(&self) -> Tokens<'_> {
         Tokens {
-            head: &self.flushed,
-            tail: &recent.0[start..start + self.pending as usize],
+            head: &self.tokens,
+            tail: &self.recent[..self.pending as usize],
         }
     }
 }
@@ -248,40 +246,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pending_tokens_flush_at_buffer_ends_and_read_back_in_order() {
-        let mut recent = Recent::default();
-        // A prompt ending mid-buffer, then enough tokens to flush twice.
+    fn appended_tokens_read_back_in_order_and_clones_keep_their_room() {
         let prompt: Vec<u32> = (0..21).collect();
         let mut h = History::new(&prompt, 100, &SeqAlloc::arena());
         for t in 21..140 {
-            h.push(&mut recent, t);
-            let v = h.view(&recent);
+            h.push(t);
+            let v = h.view();
             assert_eq!(v.len(), t as usize + 1);
+            assert_eq!(h.len(), t as usize + 1);
+            // The prompt, then a multiple of RECENT sampled tokens, in the `Vec`.
+            let sampled = t as usize + 1 - 21;
+            assert_eq!(v.as_slices().0.len(), 21 + sampled / RECENT * RECENT);
             assert_eq!(v, (0..=t).collect::<Vec<_>>());
             assert_eq!(v[t as usize], t);
             assert_eq!(v.get(t as usize + 1), None);
-            // The prompt, then flushed at every multiple of 64: never 64 pending.
-            assert_eq!(v.as_slices().0.len(), ((t as usize + 1) / 64 * 64).max(21));
         }
-        let v = h.view(&recent);
+        let v = h.view();
         assert_eq!(
             v.range(40, 50).collect::<Vec<_>>(),
             (40..50).collect::<Vec<_>>()
-        );
-        assert_eq!(
-            v.range(120, 140).collect::<Vec<_>>(),
-            (120..140).collect::<Vec<_>>()
         );
         assert_eq!(v.iter().next_back(), Some(139));
         let mut out = [0; 150];
         assert_eq!(v.copy_to(&mut out), 140);
         assert_eq!(out[..140], (0..140).collect::<Vec<_>>()[..]);
         assert_eq!(out[140..], [0; 10]);
-        let mut short = [0; 50];
-        assert_eq!(v.copy_to(&mut short), 50);
-        assert_eq!(short[49], 49);
-        h.flush(&recent);
-        assert_eq!(h.flushed(), (0..140).collect::<Vec<_>>());
-        assert_eq!(h.into_flushed(), (0..140).collect::<Vec<_>>());
+        let c = h.clone();
+        assert_eq!(c.view(), h.view());
+        h.flush();
+        assert_eq!(h.as_slice(), (0..140).collect::<Vec<_>>());
+        assert_eq!(c.tokens.capacity(), h.tokens.capacity());
+        assert_eq!(h.into_vec(), (0..140).collect::<Vec<_>>());
+        assert_eq!(History::empty().len(), 0);
     }
 }

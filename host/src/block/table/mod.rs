@@ -70,24 +70,27 @@ pub enum Location {
 /// let copy = t.clone(); // a copy would free the same references twice
 /// ```
 #[derive(Debug, PartialEq, Eq)]
+// `repr(C)`, the counts first: an in-place append reads and writes only the first 32
+// bytes (a scheduler keeps them in the first cache line of a sequence's record).
+#[repr(C)]
 pub struct BlockTable {
     /// The [`KvCacheManager::id`] of the manager whose blocks these are; 0 while empty.
     owner: u64,
-    /// Allocated from the global allocator, or from a scheduler's arena once it
-    /// reserves the table ([`reserve_in`](Self::reserve_in)).
-    blocks: AVec<BlockId, SeqAlloc>,
     num_tokens: u32,
-    hashes: AVec<BlockHash, SeqAlloc>,
-    location: Location,
-    first_live: u32,
-    /// The last block may be shared (set by fork and swap-in): only then does an
-    /// append look at its reference count for copy-on-write.
-    last_maybe_shared: bool,
     /// `blocks.last()`, kept beside the counts so the common append reads no heap
     /// memory. Exact whenever `append_in_place` may use it: after `allocate_prefill`
     /// or `append_slot` (which set it), until a fork or swap sets `last_maybe_shared`
     /// or moves the table to the host.
     last: BlockId,
+    first_live: u32,
+    location: Location,
+    /// The last block may be shared (set by fork and swap-in): only then does an
+    /// append look at its reference count for copy-on-write.
+    last_maybe_shared: bool,
+    /// Allocated from the global allocator, or from a scheduler's arena once it
+    /// reserves the table ([`reserve_in`](Self::reserve_in)).
+    blocks: AVec<BlockId, SeqAlloc>,
+    hashes: AVec<BlockHash, SeqAlloc>,
 }
 
 impl Default for BlockTable {

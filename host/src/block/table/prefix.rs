@@ -180,12 +180,17 @@ impl KvCacheManager {
         }
     }
 
-    /// Whether [`commit`](Self::commit) of `t` would record anything: prefix caching
-    /// is on (without a window) and a full block of `t` has no hash yet.
-    pub(crate) fn has_uncommitted(&self, t: &BlockTable) -> bool {
-        self.prefix_caching
-            && self.window.is_none()
-            && (t.num_tokens as usize) >= (t.hashes.len() + 1) * self.block_size as usize
+    /// The token count from which [`commit`](Self::commit) of `t` records something
+    /// (prefix caching is on, without a window, and a full block of `t` has no hash
+    /// yet): `u32::MAX` when no count does.
+    pub(crate) fn commit_at(&self, t: &BlockTable) -> u32 {
+        if !self.prefix_caching || self.window.is_some() {
+            return u32::MAX;
+        }
+        (t.hashes.len() as u64 + 1)
+            .checked_mul(self.block_size as u64)
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(u32::MAX)
     }
 
     /// Registers the pending commits in order, after prefetching all their map slots
