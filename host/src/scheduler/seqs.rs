@@ -32,12 +32,16 @@ pub(super) enum Status {
 /// One live sequence: its block table, its request's settings, and its place in the
 /// batch (its slot's cold record; its tokens and counters are in its [`Hot`] record).
 ///
-/// `repr(C)`, 64-byte aligned, the request first and the table next: the first line
-/// holds what a step's common decode reads and writes (the request, and the table's
-/// counts, which [`BlockTable`] keeps first).
+/// `repr(C)`, 64-byte aligned, the salt, the request and the table first: the first
+/// line holds what a step's common decode reads and writes (the request, and the
+/// table's counts, which [`BlockTable`] keeps first), and the salt's tag, where
+/// `Option<Seq>` keeps whether a slot is live (its largest niche): a slot's liveness
+/// is read from the same line.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub(super) struct Seq {
+    /// Its request's cache salt (see [`stop_token`](Self::stop_token)).
+    pub(super) salt: Option<u64>,
     pub(super) request: RequestId,
     pub(super) table: BlockTable,
     pub(super) id: SeqId,
@@ -51,7 +55,6 @@ pub(super) struct Seq {
     /// copied here so `on_step_done` needs no group lookup.
     pub(super) stop_token: Option<u32>,
     pub(super) max_len: usize,
-    pub(super) salt: Option<u64>,
 }
 
 impl Seq {
