@@ -17,6 +17,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use pagedkv_host::Error;
 use pagedkv_host::block::{Location, NULL_BLOCK, PAD_SLOT};
 use pagedkv_host::scheduler::{
     FinishReason, PreemptionMode, QueuePolicy, Request, Scheduler, SchedulerConfig,
@@ -33,6 +34,9 @@ enum Op {
     },
     Step {
         stop_every: u32,
+        /// The order of the sampled tokens: the step's (0), reversed (1), rotated by
+        /// one (2), or reversed after two bad lists (3, see `Model::step`).
+        order: u8,
     },
     Fork(usize),
     Abort(usize),
@@ -41,7 +45,7 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0usize..3, 1usize..50, 1u32..40, any::<bool>()).prop_map(|(prefix, len, max_tokens, swap)| Op::Add { prefix, len, max_tokens, swap }),
-        8 => (0u32..12).prop_map(|stop_every| Op::Step { stop_every }),
+        8 => (0u32..12, prop_oneof![3 => Just(0u8), 1 => 1u8..4]).prop_map(|(stop_every, order)| Op::Step { stop_every, order }),
         2 => any::<usize>().prop_map(Op::Fork),
         1 => any::<usize>().prop_map(Op::Abort),
     ]
@@ -151,7 +155,7 @@ impl Model {
     }
 
     /// One step: apply the batch to the fake cache like an engine would, sample.
-    fn step(&mut self, stop_every: u32) -> Result<(), TestCaseError> {
+    fn step(&mut self, stop_every: u32, order: u8) -> Result<(), TestCaseError> {
         let bs = self.bs();
         let idle = self.s.is_idle();
         let hits_before = self.s.metrics().prefix_hit_tokens;
@@ -267,6 +271,33 @@ impl Model {
             .iter()
             .map(|q| self.s.tokens(q.seq).unwrap().len())
             .collect();
+        let mut sampled = sampled;
+        match order {
+            1 | 3 => sampled.reverse(),
+            2 if !sampled.is_empty() => sampled.rotate_left(1),
+            _ => {}
+        }
+        if order == 3 && sampled.len() >= 2 {
+            // Bad lists in another order than the step's: a duplicate in place of an
+            // entry, and one entry short. Both are errors that change nothing (the
+            // model's checks after the real call below would see a change).
+            let mut dup = sampled.clone();
+            dup[1] = dup[0];
+            prop_assert!(
+                matches!(
+                    self.s.on_step_done(&dup),
+                    Err(Error::InvalidArgument { .. })
+                ),
+                "a duplicate was accepted"
+            );
+            prop_assert!(
+                matches!(
+                    self.s.on_step_done(&sampled[1..]),
+                    Err(Error::InvalidArgument { .. })
+                ),
+                "a missing entry was accepted"
+            );
+        }
         if !batch.seqs.is_empty() {
             self.s.on_step_done(&sampled).unwrap();
         }
@@ -507,7 +538,7 @@ proptest! {
                     // Too long for this pool: an error, never a panic.
                     m.add(r)?;
                 }
-                Op::Step { stop_every } => m.step(stop_every)?,
+                Op::Step { stop_every, order } => m.step(stop_every, order)?,
                 Op::Fork(i) => {
                     let running = m.s.running_seqs().to_vec();
                     if !running.is_empty() {
@@ -547,7 +578,7 @@ proptest! {
             if m.s.is_idle() {
                 break;
             }
-            m.step(0)?;
+            m.step(0, 0)?;
             m.check()?;
         }
         prop_assert!(m.s.is_idle(), "requests never finished within {} steps: {:?}", bound, m.s.metrics());
@@ -586,7 +617,7 @@ proptest! {
         }
         let mut steps = 0;
         while !m.s.is_idle() {
-            m.step(0)?;
+            m.step(0, 0)?;
             m.check()?;
             steps += 1;
             prop_assert!(steps < 20_000, "no progress");

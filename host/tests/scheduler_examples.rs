@@ -127,6 +127,18 @@ fn bad_input_is_an_error_not_a_panic() {
         s.on_step_done(&[(q, 1), (q, 2)]),
         Err(Error::InvalidArgument { .. })
     ));
+    // A live sequence the step did not schedule (it arrived after the step), alone or
+    // in place of a scheduled one.
+    let late = s.add_request(Request::new(2, vec![5, 6], 4)).unwrap();
+    for bad in [vec![(late, 1)], vec![(late, 1), (q, 1)]] {
+        match s.on_step_done(&bad) {
+            Err(Error::InvalidArgument { arg, reason }) => {
+                assert_eq!(arg, "sampled");
+                assert!(reason.contains("not scheduled"), "{reason}");
+            }
+            other => panic!("{bad:?}: expected not scheduled, got {other:?}"),
+        }
+    }
     s.on_step_done(&[(q, 1)]).unwrap();
     for bad in [
         SchedulerConfig {

@@ -230,7 +230,6 @@ impl Scheduler {
             self.running.insert(arrival, id);
             self.groups.get_mut(&id).unwrap().status = Status::Running;
             for (s, end) in seqs.into_iter().zip(ends) {
-                self.seqs.scheduled_in[(s & 0xffff_ffff) as usize] = self.step_gen;
                 let slot = (s & 0xffff_ffff) as usize; // a live sequence's id
                 let seq = self.seqs.slots[slot].as_mut().unwrap();
                 let tokens = self.seqs.hot[slot].tokens.as_slice();

@@ -25,46 +25,16 @@ impl Scheduler {
         if !self.in_step {
             return Err(Error::InvalidState("on_step_done() without a step".into()));
         }
-        // Validate first (no state changes on error). Duplicates are found by stamping
-        // each sequence with this call's generation: no allocation per step.
-        self.generation += 1;
-        let generation = self.generation;
-        for &(s, _) in sampled {
-            let slot = self.seqs.slot(s).ok_or(Error::Unknown {
-                what: "sequence",
-                id: s,
-            })?;
-            // A removed sequence's slot is never `scheduled_in` this step, so the
-            // sequence itself is read only on the error path.
-            if self.seqs.scheduled_in[slot] != self.step_gen {
-                if self.seqs.slots[slot].is_none() {
-                    return Err(Error::Unknown {
-                        what: "sequence",
-                        id: s,
-                    });
-                }
-                return Err(Error::invalid(
-                    "sampled",
-                    format!("sequence {s} was not scheduled"),
-                ));
-            }
-            if self.seqs.stamp[slot] == generation {
-                return Err(Error::invalid(
-                    "sampled",
-                    format!("sequence {s} appears twice"),
-                ));
-            }
-            self.seqs.stamp[slot] = generation;
-        }
-        if sampled.len() != self.batch.seqs.len() {
-            return Err(Error::invalid(
-                "sampled",
-                format!(
-                    "{} tokens for {} scheduled sequences",
-                    sampled.len(),
-                    self.batch.seqs.len()
-                ),
-            ));
+        // Validate first (no state changes on error). The common call lists the step's
+        // sequences in the step's order: then each scheduled sequence appears exactly
+        // once, which the two dense lists alone show.
+        let in_order = sampled.len() == self.batch.seqs.len()
+            && sampled
+                .iter()
+                .zip(&self.batch.seqs)
+                .all(|(&(s, _), q)| s == q.seq);
+        if !in_order {
+            self.validate_sampled(sampled)?;
         }
         self.in_step = false;
         // Apply in order; the sequences that finish are freed after the loop (their
@@ -157,6 +127,51 @@ impl Scheduler {
             self.finish_seq(s, why)?;
         }
         Ok(done)
+    }
+
+    /// Validates `sampled` in any order: every entry a live sequence the step
+    /// scheduled (its batch row lists it), none twice, and as many entries as the step
+    /// scheduled. Duplicates are found by stamping each sequence with this call's
+    /// generation: no allocation.
+    fn validate_sampled(&mut self, sampled: &[(SeqId, u32)]) -> Result<()> {
+        self.generation += 1;
+        let generation = self.generation;
+        for &(s, _) in sampled {
+            let unknown = Error::Unknown {
+                what: "sequence",
+                id: s,
+            };
+            let slot = self.seqs.slot(s).ok_or(unknown.clone())?;
+            let Some(seq) = &self.seqs.slots[slot] else {
+                return Err(unknown);
+            };
+            // A running sequence's row is its place in the step's list (the decodes
+            // first, in row order, then the prefills, whose rows come after).
+            if self.batch.seqs.get(seq.row).is_none_or(|q| q.seq != s) {
+                return Err(Error::invalid(
+                    "sampled",
+                    format!("sequence {s} was not scheduled"),
+                ));
+            }
+            if self.seqs.stamp[slot] == generation {
+                return Err(Error::invalid(
+                    "sampled",
+                    format!("sequence {s} appears twice"),
+                ));
+            }
+            self.seqs.stamp[slot] = generation;
+        }
+        if sampled.len() != self.batch.seqs.len() {
+            return Err(Error::invalid(
+                "sampled",
+                format!(
+                    "{} tokens for {} scheduled sequences",
+                    sampled.len(),
+                    self.batch.seqs.len()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Checks that scheduled sequence `slot`'s hot record agrees with its cold one,

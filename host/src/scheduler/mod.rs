@@ -327,8 +327,6 @@ pub struct Scheduler {
     generation: u64,
     /// Chunked prefill (see the module docs); fixed at construction.
     chunked: bool,
-    /// Steps planned so far (`step()` numbers the sequences it schedules with it).
-    step_gen: u64,
     finished: Vec<(RequestId, SeqId, FinishReason, Vec<u32>)>,
     metrics: Metrics,
     watermark_blocks: u32,
@@ -443,7 +441,6 @@ impl Scheduler {
             in_step: false,
             generation: 0,
             chunked: chunked_prefill,
-            step_gen: 0,
             finished: Vec::new(),
             metrics: Metrics::default(),
             watermark_blocks,

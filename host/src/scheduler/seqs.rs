@@ -152,10 +152,8 @@ pub(super) struct SeqSlab {
     pub(super) slots: AVec<Option<Seq>, SeqAlloc>,
     generation: AVec<u32, SeqAlloc>,
     free: Vec<u32>,
-    /// Per slot, beside the (larger, colder) sequences so that `on_step_done`'s
-    /// validation pass reads 16 contiguous bytes per sequence: the step that last
-    /// scheduled it, and the last `on_step_done` generation that named it.
-    pub(super) scheduled_in: AVec<u64, SeqAlloc>,
+    /// Per slot, the last `on_step_done` generation that named it (for finding
+    /// duplicates when `sampled` is not in the step's order).
     pub(super) stamp: AVec<u64, SeqAlloc>,
     /// Per slot, its sequence's hot record.
     pub(super) hot: AVec<Hot, SeqAlloc>,
@@ -169,7 +167,6 @@ impl SeqSlab {
             slots: AVec::new_in(alloc.clone()),
             generation: AVec::new_in(alloc.clone()),
             free: Vec::new(),
-            scheduled_in: AVec::new_in(alloc.clone()),
             stamp: AVec::new_in(alloc.clone()),
             hot: AVec::new_in(alloc.clone()),
         }
@@ -181,7 +178,6 @@ impl SeqSlab {
             None => {
                 self.slots.push(None);
                 self.generation.push(0);
-                self.scheduled_in.push(0);
                 self.stamp.push(0);
                 self.hot.push(Hot::free());
                 (self.slots.len() - 1) as u32
@@ -201,7 +197,6 @@ impl SeqSlab {
         let slot = self.slot(id).expect("id from alloc_id");
         self.hot[slot] = Hot::new(&seq, tokens, num_computed);
         self.slots[slot] = Some(seq);
-        self.scheduled_in[slot] = 0;
         self.stamp[slot] = 0;
     }
 
@@ -219,7 +214,6 @@ impl SeqSlab {
         let slot = self.slot(*id)?;
         let s = self.slots[slot].take()?;
         let tokens = std::mem::replace(&mut self.hot[slot], Hot::free()).tokens;
-        self.scheduled_in[slot] = 0;
         self.free.push(slot as u32);
         Some((s, tokens))
     }

@@ -48,7 +48,6 @@ impl Scheduler {
                 "step() called again before on_step_done()".into(),
             ));
         }
-        self.step_gen += 1;
         let b = &mut self.batch;
         b.mark_dirty(0, 0, 0); // starts a new list if the last one was handed out
         b.seqs.clear();
@@ -129,7 +128,6 @@ impl Scheduler {
                     prefetch_write(e);
                 }
             }
-            self.seqs.scheduled_in[(id & 0xffff_ffff) as usize] = self.step_gen;
             if let Some(plan) = chunks.as_mut() {
                 let seq = &self.seqs[&id];
                 let cost = self.kv.append_cost(&seq.table)?;
