@@ -7,7 +7,7 @@
 //! sequences stay within `max_num_seqs`, the step's tokens within
 //! `max_tokens_per_step`, and the free blocks above the watermark (when others run).
 
-use super::seqs::{Group, Seq, Status};
+use super::seqs::{Group, Hot, Seq, Status};
 use super::tokens::History;
 use super::{Request, ScheduledSeq, Scheduler, SeqId};
 use crate::block::BlockTable;
@@ -54,26 +54,22 @@ impl Scheduler {
         let seq = self.seqs.alloc_id();
         let arrival = self.next_arrival;
         self.next_arrival += 1;
-        self.seqs.insert(
-            seq,
-            Seq {
-                id: seq,
-                request: req.id,
-                table: BlockTable::new(),
-                prefill_end: 0,
-                row: usize::MAX,
-                stop_token: req.stop_token,
-                max_len: req.prompt.len() + req.max_tokens as usize,
-                salt: req.cache_salt,
-            },
-            // Room to grow without moving, in the arena (see `initial_room`).
-            History::new(
-                &req.prompt,
-                initial_room(req.prompt.len(), total as usize),
-                &self.arena,
-            ),
-            0,
+        let cold = Seq {
+            salt: req.cache_salt,
+            request: req.id,
+            table: BlockTable::new(),
+            prefill_end: 0,
+            max_len: total as u32, // at most max_model_len
+            row: usize::MAX,
+        };
+        // Room to grow without moving, in the arena (see `initial_room`).
+        let tokens = History::new(
+            &req.prompt,
+            initial_room(req.prompt.len(), total as usize),
+            &self.arena,
         );
+        let hot = Hot::new(&cold, tokens, req.stop_token);
+        self.seqs.insert(seq, cold, hot);
         let g = Group {
             req,
             arrival,
@@ -144,19 +140,18 @@ impl Scheduler {
         let parent = &self.seqs[&seq];
         let tokens = self.seqs.tokens(seq).unwrap().clone();
         let child = Seq {
-            id: child_id,
+            salt: parent.salt,
             request: parent.request,
             table,
             prefill_end: parent.prefill_end,
-            row: usize::MAX,
-            stop_token: parent.stop_token,
             max_len: parent.max_len,
-            salt: parent.salt,
+            row: usize::MAX,
         };
-        let id = child.id;
-        let request = child.request;
-        let num_computed = self.seqs.hot[(seq & 0xffff_ffff) as usize].num_computed;
-        self.seqs.insert(id, child, tokens, num_computed);
+        let parent_hot = &self.seqs.hot[(seq & 0xffff_ffff) as usize];
+        let mut hot = Hot::new(&child, tokens, parent_hot.stop);
+        hot.num_computed = parent_hot.num_computed;
+        let (id, request) = (child_id, child.request);
+        self.seqs.insert(id, child, hot);
         self.groups.get_mut(&request).unwrap().seqs.push(id);
         self.push_row(id);
         Ok(id)
@@ -234,7 +229,7 @@ impl Scheduler {
                 let seq = self.seqs.slots[slot].as_mut().unwrap();
                 let tokens = self.seqs.hot[slot].tokens.as_slice();
                 // Room to grow, in the arena (see `initial_room`).
-                let room = initial_room(tokens.len(), seq.max_len);
+                let room = initial_room(tokens.len(), seq.max_len as usize);
                 seq.table
                     .reserve_in(&self.arena, self.kv.blocks_for(room as u32) as usize);
                 let cached =

@@ -186,11 +186,10 @@ impl Scheduler {
         assert_eq!(num_tokens, seq.table.num_tokens(), "num_tokens");
         assert_eq!(samples, num_tokens >= seq.prefill_end, "samples");
         assert_eq!(h.commit_at, self.kv.commit_at(&seq.table), "hot commit_at");
-        assert_eq!(h.stop, seq.stop_token, "hot stop");
         let len = h.tokens.len();
         assert_eq!(
             h.left as usize,
-            seq.max_len.saturating_sub(len).min(u32::MAX as usize),
+            (seq.max_len as usize).saturating_sub(len),
             "hot left"
         );
     }

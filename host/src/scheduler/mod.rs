@@ -535,7 +535,7 @@ impl Scheduler {
 
     /// Every live sequence (waiting, running or swapped), in no particular order.
     pub fn live_seqs(&self) -> Vec<SeqId> {
-        self.seqs.keys().copied().collect()
+        self.seqs.keys().collect()
     }
 
     /// Live sequence ids of a request.

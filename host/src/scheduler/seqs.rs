@@ -32,30 +32,29 @@ pub(super) enum Status {
 /// One live sequence: its block table, its request's settings, and its place in the
 /// batch (its slot's cold record; its tokens and counters are in its [`Hot`] record).
 ///
-/// `repr(C)`, 64-byte aligned, the salt, the request and the table first: the first
-/// line holds what a step's common decode reads and writes (the request, and the
-/// table's counts, which [`BlockTable`] keeps first), and the salt's tag, where
-/// `Option<Seq>` keeps whether a slot is live (its largest niche): a slot's liveness
-/// is read from the same line.
+/// `repr(C)`, 64-byte aligned, two cache lines, the salt, the request and the table
+/// first: the first line holds what a step's common decode reads and writes (the
+/// request, and the table's counts, which [`BlockTable`] keeps first), and the salt's
+/// tag, where `Option<Seq>` keeps whether a slot is live (its largest niche): a
+/// slot's liveness is read from the same line.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub(super) struct Seq {
-    /// Its request's cache salt (see [`stop_token`](Self::stop_token)).
+    /// Its request's cache salt.
     pub(super) salt: Option<u64>,
     pub(super) request: RequestId,
     pub(super) table: BlockTable,
-    pub(super) id: SeqId,
     /// Tokens its current prefill computes (`tokens.len()` when it was last
     /// admitted); while `table.num_tokens()` is below it (and the table is not empty),
     /// it is mid-prefill: chunked prefill runs the rest in later steps.
     pub(super) prefill_end: u32,
+    /// Its request's token cap (prompt + `max_tokens`, at most `max_model_len`).
+    pub(super) max_len: u32,
     /// Row in the batch while running.
     pub(super) row: usize,
-    /// Its request's stop token, token cap (prompt + `max_tokens`) and cache salt,
-    /// copied here so `on_step_done` needs no group lookup.
-    pub(super) stop_token: Option<u32>,
-    pub(super) max_len: usize,
 }
+
+const _: () = assert!(size_of::<Seq>() == 128, "a cold record is two cache lines");
 
 impl Seq {
     /// Whether some but not all of its prefill's tokens have slots (chunked prefill).
@@ -95,14 +94,15 @@ pub(super) struct Hot {
 const _: () = assert!(size_of::<Hot>() == 128, "a hot record is two cache lines");
 
 impl Hot {
-    /// The record of a sequence with `tokens` and `num_computed` tokens computed,
-    /// not yet running (`commit_at` unset until `set_commit_at`).
-    fn new(seq: &Seq, tokens: History, num_computed: u32) -> Self {
+    /// The record of a sequence of `seq`'s request with `tokens` and its request's
+    /// `stop` token, nothing computed, not yet running (`commit_at` unset until
+    /// `set_commit_at`).
+    pub(super) fn new(seq: &Seq, tokens: History, stop: Option<u32>) -> Self {
         Self {
             commit_at: u32::MAX,
-            num_computed,
-            left: u32::try_from(seq.max_len.saturating_sub(tokens.len())).unwrap_or(u32::MAX),
-            stop: seq.stop_token,
+            num_computed: 0,
+            left: (seq.max_len as usize).saturating_sub(tokens.len()) as u32,
+            stop,
             tokens,
         }
     }
@@ -192,10 +192,10 @@ impl SeqSlab {
         (self.generation.get(slot) == Some(&((id >> 32) as u32))).then_some(slot)
     }
 
-    /// Puts `seq`, with `tokens` and `num_computed` tokens computed, in `id`'s slot.
-    pub(super) fn insert(&mut self, id: SeqId, seq: Seq, tokens: History, num_computed: u32) {
+    /// Puts `seq` and its hot record in `id`'s slot.
+    pub(super) fn insert(&mut self, id: SeqId, seq: Seq, hot: Hot) {
         let slot = self.slot(id).expect("id from alloc_id");
-        self.hot[slot] = Hot::new(&seq, tokens, num_computed);
+        self.hot[slot] = hot;
         self.slots[slot] = Some(seq);
         self.stamp[slot] = 0;
     }
@@ -267,8 +267,14 @@ impl SeqSlab {
         }
     }
 
-    pub(super) fn keys(&self) -> impl Iterator<Item = &SeqId> {
-        self.slots.iter().filter_map(|s| s.as_ref().map(|s| &s.id))
+    /// The ids of the live sequences.
+    pub(super) fn keys(&self) -> impl Iterator<Item = SeqId> {
+        self.slots
+            .iter()
+            .zip(self.generation.iter())
+            .enumerate()
+            .filter(|(_, (s, _))| s.is_some())
+            .map(|(i, (_, &g))| ((g as u64) << 32) | i as u64)
     }
 }
 
