@@ -53,6 +53,7 @@ fn steady_state_decode_steps_do_not_allocate() {
         max_num_seqs: n as usize,
         max_tokens_per_step: 1 << 20,
         max_model_len: 2048,
+        enable_prefix_caching: true,
         ..SchedulerConfig::default()
     })
     .unwrap();
@@ -69,16 +70,24 @@ fn steady_state_decode_steps_do_not_allocate() {
         s.on_step_done(&sampled).unwrap();
     }
     assert_eq!(s.running_seqs().len(), n as usize);
-    let mut step_allocs = 0;
+    let (mut step_allocs, mut done_allocs) = (0, 0);
     for _ in 0..200 {
         let before = allocs();
         let b = s.step().unwrap();
         step_allocs += allocs() - before;
         sampled.clear();
         sampled.extend(b.seqs.iter().map(|q| (q.seq, 5)));
+        let before = allocs();
         s.on_step_done(&sampled).unwrap();
+        done_allocs += allocs() - before;
     }
     // 200 steps of 64 sequences cross many block boundaries (a new block every 16
-    // tokens): the pool allocates from its free queue, not from the heap.
+    // tokens): the pool allocates from its free queue, not from the heap. The
+    // prompts (1000 tokens) end mid-block, so each filled block is hashed from
+    // tokens on both sides of a history's pending ones as well.
     assert_eq!(step_allocs, 0, "heap allocations in 200 steady-state steps");
+    assert_eq!(
+        done_allocs, 0,
+        "heap allocations in 200 steady-state on_step_done calls"
+    );
 }

@@ -138,9 +138,10 @@ impl KvCacheManager {
         let bs = self.block_size as usize;
         let h = head.len();
         let full = (t.num_tokens as usize).min(h + tail.len()) / bs;
-        // A block that spans both parts is copied here first (rare: at most one per
-        // flush of the tail).
-        let mut straddle = Vec::new();
+        // A block that spans both parts is copied here first (none when the block
+        // size divides the scheduler's pending tokens; on the stack up to 64 tokens).
+        let mut stack = [0u32; 64];
+        let mut heap = Vec::new();
         while t.hashes.len() < full {
             let i = t.hashes.len();
             let (lo, hi) = (i * bs, (i + 1) * bs);
@@ -149,10 +150,15 @@ impl KvCacheManager {
             } else if lo >= h {
                 &tail[lo - h..hi - h]
             } else {
-                straddle.clear();
-                straddle.extend_from_slice(&head[lo..]);
-                straddle.extend_from_slice(&tail[..hi - h]);
-                &straddle[..]
+                let buf = if bs <= stack.len() {
+                    &mut stack[..bs]
+                } else {
+                    heap.resize(bs, 0);
+                    &mut heap[..]
+                };
+                buf[..h - lo].copy_from_slice(&head[lo..]);
+                buf[h - lo..].copy_from_slice(&tail[..hi - h]);
+                &buf[..]
             };
             let h = hash_block(t.hashes.last().copied(), block, salt);
             if t.blocks[i] != NULL_BLOCK {
@@ -208,5 +214,41 @@ impl KvCacheManager {
             self.device.register(b, h);
         }
         self.pending.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deferred commit of tokens in two parts records the hashes a commit of one
+    /// slice does, wherever the parts split (a block spanning both parts is copied),
+    /// for block sizes below, at and above the stack buffer's 64 tokens.
+    #[test]
+    fn deferred_commits_of_split_tokens_hash_as_one_slice() {
+        for bs in [8u32, 32, 128] {
+            let tokens: Vec<u32> = (0..4 * bs + 5).map(|t| t * 7 + 1).collect();
+            let fill = |m: &mut KvCacheManager, t: &mut BlockTable| {
+                m.allocate_prefill(t, &tokens[..1], None).unwrap();
+                let mut copies = Vec::new();
+                for _ in 1..tokens.len() {
+                    m.append_slot(t, &mut copies).unwrap();
+                }
+            };
+            let mut m = KvCacheManager::new(64, 0, bs, true, None).unwrap();
+            let mut whole = BlockTable::new();
+            fill(&mut m, &mut whole);
+            m.commit(&mut whole, &tokens, Some(9)).unwrap();
+            assert_eq!(whole.hashes().len(), 4);
+            for split in [0, 1, bs as usize - 1, bs as usize + 3, tokens.len()] {
+                let mut m = KvCacheManager::new(64, 0, bs, true, None).unwrap();
+                let mut t = BlockTable::new();
+                fill(&mut m, &mut t);
+                let parts = tokens.split_at(split);
+                m.commit_deferred(&mut t, parts, Some(9)).unwrap();
+                m.flush_commits();
+                assert_eq!(t.hashes(), whole.hashes(), "block {bs}, split at {split}");
+            }
+        }
     }
 }
