@@ -11,7 +11,7 @@
 use super::{Batch, ScheduledSeq, Scheduler};
 use crate::block::NULL_BLOCK;
 use crate::error::{Error, Result};
-use crate::mem::{prefetch, prefetch_write};
+use crate::mem::prefetch_write;
 
 /// What is left for the continuing chunks of one step (chunked prefill).
 struct ChunkPlan {
@@ -28,7 +28,7 @@ struct ChunkPlan {
 pub(super) const PREFETCH_AHEAD: usize = 16;
 /// Batches from this size prefetch: below it a step's per-sequence data stays in the
 /// core's caches from one step to the next, and the look-ahead only costs instructions.
-const PREFETCH_MIN_BATCH: usize = 2048;
+pub(super) const PREFETCH_MIN_BATCH: usize = 2048;
 
 /// The look-ahead distance for a batch of `n` sequences (`usize::MAX`: none).
 pub(super) fn prefetch_distance(n: usize) -> usize {
@@ -99,34 +99,32 @@ impl Scheduler {
     /// Step 3: gives every running sequence its decode slot, allocating only when a
     /// block fills and copying a shared partial block on write.
     fn schedule_decodes(&mut self) -> Result<()> {
-        let mut chunks = if self.chunked {
+        let chunks = if self.chunked {
             self.plan_chunks()?
         } else {
             None
         };
+        // Two copies of the loop: a small batch's records stay in the core's caches
+        // from one step to the next, and even a look-ahead that finds nothing to do
+        // costs it (about 1 ns a sequence at 1024).
+        if self.rows.len() >= PREFETCH_MIN_BATCH {
+            self.decode_rows::<true>(chunks)
+        } else {
+            self.decode_rows::<false>(chunks)
+        }
+    }
+
+    /// [`schedule_decodes`](Self::schedule_decodes)' loop, with or without the
+    /// look-ahead (`LOOK_AHEAD`) that prefetches the lines of the sequences a few rows
+    /// on.
+    fn decode_rows<const LOOK_AHEAD: bool>(&mut self, mut chunks: Option<ChunkPlan>) -> Result<()> {
         let w = self.batch.max_blocks_per_seq as usize;
-        let dist = prefetch_distance(self.rows.len());
+        let dist = PREFETCH_AHEAD;
+        let mask = self.cfg.block_size - 1; // (block sizes are powers of two)
         for row in 0..self.rows.len() {
             let id = self.rows[row];
-            // The sequence twice as far ahead: its lines, so that the look-ahead below
-            // reads them from cache.
-            if let Some(&far) = self.rows.get(row.saturating_add(dist.saturating_mul(2))) {
-                self.seqs.prefetch_step(far);
-            }
-            // For a sequence `dist` rows ahead that will take a new block (a cache miss
-            // otherwise, at large batches): its last block entry, and the batch's
-            // block-table entry the new block goes to. The others append in place,
-            // reading no block entry.
-            if let Some(&ahead) = self.rows.get(row.saturating_add(dist))
-                && let Some(q) = self.seqs.get(&ahead)
-                // (block sizes are powers of two: a mask, not a division)
-                && q.table.num_tokens() & (self.cfg.block_size - 1) == 0
-            {
-                let b = q.table.blocks();
-                prefetch(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
-                if let Some(e) = self.batch.block_tables.get((row + dist) * w + b.len()) {
-                    prefetch_write(e);
-                }
+            if LOOK_AHEAD {
+                self.look_ahead(row, dist, mask, w);
             }
             if let Some(plan) = chunks.as_mut() {
                 let seq = &self.seqs[&id];
@@ -186,6 +184,43 @@ impl Scheduler {
             });
         }
         Ok(())
+    }
+
+    /// Prefetches for the decode of row `row` the lines of the rows `dist` (a
+    /// sequence's record) and 2 × and 4 × `dist` on (those of a sequence that will
+    /// take a new block); `mask` is the block size - 1, `w` the batch's row width.
+    #[inline(always)]
+    fn look_ahead(&self, row: usize, dist: usize, mask: u32, w: usize) {
+        // The record the decode reads.
+        if let Some(&far) = self.rows.get(row + 2 * dist) {
+            self.seqs.prefetch_step(far);
+        }
+        // A sequence 4 × `dist` rows ahead that will take a new block (its count, in
+        // the dense `context_lens`, a multiple of the block size; at most 1 in 16):
+        // its record, and the batch's block-table entry its new block goes to. Far
+        // ahead: only a few sequences in a window take a block, and these lines are
+        // out of order.
+        if let Some(&len) = self.batch.context_lens.get(row + 4 * dist)
+            && len as u32 & mask == 0
+        {
+            let r = row + 4 * dist;
+            self.seqs.prefetch(self.rows[r]);
+            if let Some(e) = self
+                .batch
+                .block_tables
+                .get(r * w + (len as u32 / (mask + 1)) as usize)
+            {
+                prefetch_write(e);
+            }
+        }
+        // Half as far: its last block entry, which the new one follows.
+        if let Some(&len) = self.batch.context_lens.get(row + 2 * dist)
+            && len as u32 & mask == 0
+            && let Some(q) = self.seqs.get(&self.rows[row + 2 * dist])
+        {
+            let b = q.table.blocks();
+            prefetch_write(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
+        }
     }
 
     /// The budgets of this step's continuing chunks (chunked prefill only): `None`
