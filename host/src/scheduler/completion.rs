@@ -59,8 +59,9 @@ impl Scheduler {
                     self.seqs.prefetch(far);
                 }
             }
-            // A sequence `dist` ahead: the end of its tokens, which it appends to,
-            // and when it commits a block, the lines its commit reads first.
+            // A sequence `dist` ahead: when its next token fills its pending ones,
+            // the end of its token `Vec`, where they go; when it commits a block, the
+            // lines its commit reads first.
             if let Some(q) = self.batch.seqs.get(k.saturating_add(dist))
                 && sampled[k + dist].0 == q.seq
             {

@@ -79,20 +79,23 @@ impl History {
         self.tokens.len() + self.pending as usize
     }
 
-    /// Appends `tok`: pending, until [`RECENT`] are and go to the `Vec` together.
+    /// Appends `tok`, pending; when [`RECENT`] are pending already, they go to the
+    /// `Vec` together first. (Full, they wait for the next push: a block the last of
+    /// them filled is committed, and hashed from them, before it, while they are
+    /// still in the hot record.)
     #[inline]
     pub(super) fn push(&mut self, tok: u32) {
-        self.recent[self.pending as usize] = tok;
-        self.pending += 1;
         if self.pending as usize == RECENT {
             self.flush();
         }
+        self.recent[self.pending as usize] = tok;
+        self.pending += 1;
     }
 
     /// Whether the next [`push`](Self::push) writes to the `Vec`.
     #[inline]
     pub(super) fn flushes_next(&self) -> bool {
-        self.pending as usize + 1 == RECENT
+        self.pending as usize == RECENT
     }
 
     /// Prefetches where the next write to the `Vec` goes (a hint).
@@ -254,9 +257,10 @@ mod tests {
             let v = h.view();
             assert_eq!(v.len(), t as usize + 1);
             assert_eq!(h.len(), t as usize + 1);
-            // The prompt, then a multiple of RECENT sampled tokens, in the `Vec`.
+            // The prompt, then a multiple of RECENT sampled tokens, in the `Vec`;
+            // 1 to RECENT pending.
             let sampled = t as usize + 1 - 21;
-            assert_eq!(v.as_slices().0.len(), 21 + sampled / RECENT * RECENT);
+            assert_eq!(v.as_slices().0.len(), 21 + (sampled - 1) / RECENT * RECENT);
             assert_eq!(v, (0..=t).collect::<Vec<_>>());
             assert_eq!(v[t as usize], t);
             assert_eq!(v.get(t as usize + 1), None);
