@@ -161,8 +161,9 @@ impl KvCacheManager {
                 &buf[..]
             };
             let h = hash_block(t.hashes.last().copied(), block, salt);
-            if t.blocks[i] != NULL_BLOCK {
-                self.pending.push((t.blocks[i], h));
+            let b = committed_block(t, i);
+            if b != NULL_BLOCK {
+                self.pending.push((b, h));
             }
             t.hashes.push(h);
         }
@@ -175,7 +176,9 @@ impl KvCacheManager {
     pub(crate) fn prefetch_commit(&self, t: &BlockTable, (head, tail): (&[u32], &[u32])) {
         let i = t.hashes.len();
         prefetch(t.hashes.as_ptr().wrapping_add(i.saturating_sub(1)));
-        prefetch(t.blocks.as_ptr().wrapping_add(i));
+        if !reads_last(t, i) {
+            prefetch(t.blocks.as_ptr().wrapping_add(i));
+        }
         let bs = self.block_size as usize;
         let (lo, hi) = (i * bs, (i + 1) * bs);
         for at in [lo, hi - 1] {
@@ -224,6 +227,24 @@ impl KvCacheManager {
             self.device.register(b, h);
         }
         self.pending.clear();
+    }
+}
+
+/// Whether block `i` of `t` is its last and `t.last` holds it exactly (see
+/// [`BlockTable`]'s `last`): a commit then reads the table's own copy instead of its
+/// entries' heap memory (the common decode commits the block its last token filled,
+/// one step before the next block is taken: the last).
+fn reads_last(t: &BlockTable, i: usize) -> bool {
+    i + 1 == t.blocks.len() && !t.last_maybe_shared && t.location == Location::Device
+}
+
+/// The block id of entry `i` of `t`, read from `t.last` when that is exact.
+fn committed_block(t: &BlockTable, i: usize) -> crate::block::BlockId {
+    if reads_last(t, i) {
+        debug_assert_eq!(t.last, t.blocks[i], "stale last block");
+        t.last
+    } else {
+        t.blocks[i]
     }
 }
 
