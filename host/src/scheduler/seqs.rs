@@ -70,9 +70,9 @@ impl Seq {
 /// lines: its tokens (their `Vec`'s header and the pending ones, so an append writes
 /// only this record; see [`History`]) and its counters.
 ///
-/// `commit_at` is a copy, which [`SeqSlab::set_commit_at`] sets whenever the table's
-/// hashes may change (the whole-row writes: admission, swap-in, fork and a chunk;
-/// a commit): exact for every running sequence (debug
+/// `commit_at` is a copy of the cold record's state, which [`SeqSlab::set_commit_at`]
+/// sets whenever the table's hashes may change (every whole-row write: admission,
+/// swap-in, fork, a chunk; and every commit): exact for every running sequence (debug
 /// builds check it in `on_step_done`). The rest is the record's own state, kept
 /// nowhere else.
 #[derive(Debug)]

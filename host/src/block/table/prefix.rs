@@ -138,8 +138,9 @@ impl KvCacheManager {
         let bs = self.block_size as usize;
         let h = head.len();
         let full = (t.num_tokens as usize).min(h + tail.len()) / bs;
-        // A block that spans both parts is copied here first (none when the block
-        // size divides the scheduler's pending tokens; on the stack up to 64 tokens).
+        // A block that spans both parts is copied here first (on the stack up to 64
+        // tokens: with prompts that end mid-block, a scheduler's commits do this for
+        // every block, and a heap copy was an allocation each).
         let mut stack = [0u32; 64];
         let mut heap = Vec::new();
         while t.hashes.len() < full {
