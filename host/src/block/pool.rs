@@ -71,8 +71,15 @@ pub fn hash_block(parent: Option<BlockHash>, tokens: &[u32], salt: Option<u64>) 
             }
         }
     }
-    for (dst, t) in buf[at..len].chunks_exact_mut(4).zip(tokens) {
-        dst.copy_from_slice(&t.to_le_bytes());
+    // One copy of all the tokens' bytes (wide stores): written token by token, the
+    // hash's 8-byte reads of the buffer straddled the 4-byte writes at unaligned
+    // offsets, and each waited for them to reach the cache (no store forwarding).
+    if cfg!(target_endian = "little") {
+        buf[at..len].copy_from_slice(bytemuck::cast_slice(tokens));
+    } else {
+        for (dst, t) in buf[at..len].chunks_exact_mut(4).zip(tokens) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
     }
     xxh3_64(&buf[..len])
 }
