@@ -186,9 +186,10 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Prefetches for the decode of row `row` the lines of the rows `dist` (a
-    /// sequence's record) and 2 × and 4 × `dist` on (those of a sequence that will
-    /// take a new block); `mask` is the block size - 1, `w` the batch's row width.
+    /// Prefetches, at the decode of row `row`, the record of the sequence 2 × `dist`
+    /// rows on, and for a sequence that will take a new block 4 × and 2 × `dist` rows
+    /// on, the lines that takes; `mask` is the block size - 1 (a power of two less
+    /// one), `w` the batch's row width.
     #[inline(always)]
     fn look_ahead(&self, row: usize, dist: usize, mask: u32, w: usize) {
         // The record the decode reads.
@@ -208,7 +209,7 @@ impl Scheduler {
             if let Some(e) = self
                 .batch
                 .block_tables
-                .get(r * w + (len as u32 / (mask + 1)) as usize)
+                .get(r * w + (len as u32 >> mask.count_ones()) as usize)
             {
                 prefetch_write(e);
             }
