@@ -26,13 +26,11 @@ impl Scheduler {
             return Err(Error::InvalidState("on_step_done() without a step".into()));
         }
         // Validate first (no state changes on error). The common call lists the step's
-        // sequences in the step's order: then each scheduled sequence appears exactly
-        // once, which the two dense lists alone show.
-        let in_order = sampled.len() == self.batch.seqs.len()
-            && sampled
-                .iter()
-                .zip(&self.batch.seqs)
-                .all(|(&(s, _), q)| s == q.seq);
+        // sequences in the step's order, which is row order: then each scheduled
+        // sequence appears exactly once, which the two dense lists alone show.
+        debug_assert_eq!(self.rows.len(), self.batch.seqs.len());
+        let in_order = sampled.len() == self.rows.len()
+            && sampled.iter().zip(&self.rows).all(|(&(s, _), &r)| s == r);
         if !in_order {
             self.validate_sampled(sampled)?;
         }
@@ -55,22 +53,21 @@ impl Scheduler {
             {
                 prefetch_write(h);
                 prefetch_write((h as *const Hot).cast::<u8>().wrapping_add(64));
-                if self.batch.seqs[k + far_dist].context_len & (self.cfg.block_size - 1) == 0 {
+                if self.batch.context_lens[k + far_dist] as u32 & (self.cfg.block_size - 1) == 0 {
                     self.seqs.prefetch(far);
                 }
             }
             // A sequence `dist` ahead: when its next token fills its pending ones,
             // the end of its token `Vec`, where they go; when it commits a block, the
-            // lines its commit reads first.
-            if let Some(q) = self.batch.seqs.get(k.saturating_add(dist))
-                && sampled[k + dist].0 == q.seq
-            {
-                let slot = (q.seq & 0xffff_ffff) as usize; // scheduled: live
+            // lines its commit reads first. (Its count is row `k + dist`'s when
+            // `sampled` is in row order; a hint otherwise.)
+            if let Some(&(ahead, _)) = sampled.get(k.saturating_add(dist)) {
+                let slot = (ahead & 0xffff_ffff) as usize; // validated: live
                 let h = &self.seqs.hot[slot];
                 if h.tokens.flushes_next() {
                     h.tokens.prefetch_flush();
                 }
-                if q.context_len >= h.commit_at {
+                if self.batch.context_lens[k + dist] as u32 >= h.commit_at {
                     self.kv.prefetch_commit(
                         &self.seqs.slots[slot].as_ref().unwrap().table,
                         h.tokens.view().as_slices(),
@@ -78,15 +75,19 @@ impl Scheduler {
                 }
             }
             let slot = (s & 0xffff_ffff) as usize; // validated above
-            // Its count after the step and whether `tok` is its next token: from the
-            // step's list when `sampled` is in its order (else from its table).
-            let (num_tokens, samples) = match self.batch.seqs.get(k) {
-                Some(q) if q.seq == s => (q.context_len, q.samples),
-                _ => {
-                    let seq = self.seqs.slots[slot].as_ref().unwrap();
-                    let n = seq.table.num_tokens();
-                    (n, n >= seq.prefill_end)
-                }
+            // Its count after the step and whether `tok` is its next token: from its
+            // batch row when `sampled` is in row order (a decode samples; a prefill
+            // row's `ScheduledSeq` says), else from its table.
+            let (num_tokens, samples) = if in_order {
+                let n = self.batch.context_lens[k] as u32;
+                (
+                    n,
+                    k < self.batch.num_decodes as usize || self.batch.seqs[k].samples,
+                )
+            } else {
+                let seq = self.seqs.slots[slot].as_ref().unwrap();
+                let n = seq.table.num_tokens();
+                (n, n >= seq.prefill_end)
             };
             #[cfg(debug_assertions)]
             self.check_hot(slot, num_tokens, samples);
