@@ -9,8 +9,8 @@
 //! Each slot has a cold record ([`Seq`]: its block table, its request's settings) and
 //! a hot one ([`Hot`]: two cache lines in a dense array, with its tokens), so that a
 //! step's common decode touches one line of the cold record (the table's counts, in
-//! its first line) and `on_step_done` only the hot record (and the step's dense
-//! `ScheduledSeq` list). With thousands of sequences the records do not stay in the
+//! its first line) and `on_step_done` only the hot record (and the batch's dense row
+//! ids and counts). With thousands of sequences the records do not stay in the
 //! core's caches from one half of a cycle to the other, and the bytes a cycle reads
 //! per sequence, and above all the lines it touches out of order, are what it costs.
 
@@ -66,8 +66,7 @@ impl Seq {
 }
 
 /// A slot's hot record: everything `on_step_done` needs for a sequence in the common
-/// case besides the step's [`ScheduledSeq`](super::ScheduledSeq) of it, in two cache
-/// lines: its tokens (their `Vec`'s header and the pending ones, so an append writes
+/// case besides its batch row's id and count, in two cache lines: its tokens (their `Vec`'s header and the pending ones, so an append writes
 /// only this record; see [`History`]) and its counters.
 ///
 /// `commit_at` is a copy of the cold record's state, which [`SeqSlab::set_commit_at`]
