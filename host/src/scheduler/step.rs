@@ -28,7 +28,7 @@ struct ChunkPlan {
 pub(super) const PREFETCH_AHEAD: usize = 16;
 /// Batches from this size prefetch: below it a step's per-sequence data stays in the
 /// core's caches from one step to the next, and the look-ahead only costs instructions.
-pub(super) const PREFETCH_MIN_BATCH: usize = 2048;
+const PREFETCH_MIN_BATCH: usize = 2048;
 
 /// The look-ahead distance for a batch of `n` sequences (`usize::MAX`: none).
 pub(super) fn prefetch_distance(n: usize) -> usize {
