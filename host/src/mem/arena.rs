@@ -12,7 +12,7 @@
 //! The arena is a size-class allocator: a request is rounded up to one of four sizes
 //! per power of two (at most 25% more), from 64 bytes to 1 MiB, and served from that
 //! class's free list or carved from the current slab (slabs after the first are
-//! advised to huge pages). A larger request (the
+//! advised to huge pages); blocks from 256 bytes start on a cache line. A larger request (the
 //! scheduler's per-slot arrays at thousands of sequences) gets 2 MiB-aligned huge
 //! pages of its own, returned to the system when it is freed; zero-sized ones, and
 //! small ones aligned to more than 16 bytes, go to the global allocator. Freed blocks go back to their class's free list; the
@@ -133,7 +133,10 @@ impl Arena {
             return NonNull::new(p as *mut u8);
         }
         let size = stride(c);
-        if s.end - s.bump < size {
+        // Blocks from 256 bytes start on a cache line (whole lines of a history can
+        // then be written without reading them; see `LineWriter`).
+        let align = if size >= 256 { 64 } else { MAX_ALIGN };
+        if s.end - s.bump.next_multiple_of(align).min(s.end) < size {
             let layout = Layout::from_size_align(SLAB, SLAB).ok()?;
             // SAFETY: `layout` has a non-zero size.
             let base = unsafe { std::alloc::alloc(layout) };
@@ -148,8 +151,8 @@ impl Arena {
             s.slabs.push(base as usize);
             (s.bump, s.end) = (base as usize, base as usize + SLAB);
         }
-        let p = s.bump;
-        s.bump += size;
+        let p = s.bump.next_multiple_of(align);
+        s.bump = p + size;
         NonNull::new(p as *mut u8)
     }
 }
@@ -341,6 +344,32 @@ mod tests {
             "block offsets within a page: {offsets:?}"
         );
         for p in blocks {
+            // SAFETY: each came from `a.allocate(layout)` and is freed once.
+            unsafe { a.deallocate(p.cast(), layout) };
+        }
+    }
+
+    /// Blocks from 256 bytes start on a cache line even when smaller blocks (16-byte
+    /// multiples) were carved between them: a history's whole lines can then be
+    /// streamed (`LineWriter`).
+    #[test]
+    fn blocks_from_256_bytes_start_on_a_cache_line() {
+        let a = SeqAlloc::arena();
+        let mut taken = std::vec::Vec::new();
+        for i in 0..200usize {
+            let small = Layout::from_size_align(80 + 16 * (i % 3), 4).unwrap();
+            let large = Layout::from_size_align(256 + 48 * (i % 7), 4).unwrap();
+            let p = a.allocate(small).unwrap();
+            taken.push((p, small));
+            let q = a.allocate(large).unwrap();
+            assert_eq!(
+                q.as_ptr().cast::<u8>() as usize % 64,
+                0,
+                "block {i} of {large:?}"
+            );
+            taken.push((q, large));
+        }
+        for (p, layout) in taken {
             // SAFETY: each came from `a.allocate(layout)` and is freed once.
             unsafe { a.deallocate(p.cast(), layout) };
         }

@@ -16,8 +16,10 @@
 //!   sequences' own growing arrays on such pages too.
 
 mod arena;
+mod stream;
 
 pub(crate) use arena::{SeqAlloc, same_alloc};
+pub(crate) use stream::{LINE_TOKENS, LineWriter};
 
 /// Asks the CPU to bring the cache line at `p` in (a hint: no effect on results).
 #[inline(always)]

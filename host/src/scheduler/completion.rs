@@ -10,7 +10,7 @@ use super::seqs::{Hot, Status};
 use super::step::{PREFETCH_AHEAD, prefetch_distance};
 use super::{FinishReason, RequestId, Scheduler, SeqId};
 use crate::error::{Error, Result};
-use crate::mem::prefetch_write;
+use crate::mem::{LineWriter, prefetch_write};
 
 impl Scheduler {
     /// Takes the token sampled for every sequence of the last step. Every scheduled
@@ -36,9 +36,30 @@ impl Scheduler {
         }
         self.in_step = false;
         // Apply in order; the sequences that finish are freed after the loop (their
-        // blocks' prefix-cache registrations, deferred and batched, come first).
+        // blocks' prefix-cache registrations, deferred and batched, come first). Whole
+        // lines of history go out with streaming stores, fenced when the loop ends
+        // (see `LineWriter`).
         let mut done = Vec::new();
-        let mut result = Ok(());
+        let result =
+            LineWriter::scope(|lines| self.apply_sampled(sampled, in_order, lines, &mut done));
+        self.kv.flush_commits();
+        result?;
+        for &(s, why) in &done {
+            self.finish_seq(s, why)?;
+        }
+        Ok(done)
+    }
+
+    /// `on_step_done`'s loop over validated `sampled` (in row order when `in_order`):
+    /// counts, commits and tokens; the sequences that finish go to `done`. Stops at
+    /// the first error (a commit's), with the registrations so far still pending.
+    fn apply_sampled(
+        &mut self,
+        sampled: &[(SeqId, u32)],
+        in_order: bool,
+        lines: &mut LineWriter,
+        done: &mut Vec<(SeqId, FinishReason)>,
+    ) -> Result<()> {
         // The look-ahead for flushes and commits runs at every size (their lines are
         // cold even when the hot records stay in cache); the hot records' own only
         // for large batches.
@@ -96,13 +117,8 @@ impl Scheduler {
             // Only a sequence that filled a block has anything to commit (1 in 16).
             if num_tokens >= h.commit_at {
                 let seq = self.seqs.slots[slot].as_mut().unwrap();
-                if let Err(e) =
-                    self.kv
-                        .commit_deferred(&mut seq.table, h.tokens.view().as_slices(), seq.salt)
-                {
-                    result = Err(e);
-                    break;
-                }
+                self.kv
+                    .commit_deferred(&mut seq.table, h.tokens.view().as_slices(), seq.salt)?;
                 h.commit_at = self.kv.commit_at(&seq.table);
             }
             if !samples {
@@ -110,7 +126,7 @@ impl Scheduler {
                 // last position is not the sequence's next token. Ignored.
                 continue;
             }
-            h.tokens.push(tok);
+            h.tokens.push(tok, lines);
             h.left = h.left.saturating_sub(1);
             let why = if h.stop == Some(tok) {
                 Some(FinishReason::Stop)
@@ -123,12 +139,7 @@ impl Scheduler {
                 done.push((s, why));
             }
         }
-        self.kv.flush_commits();
-        result?;
-        for &(s, why) in &done {
-            self.finish_seq(s, why)?;
-        }
-        Ok(done)
+        Ok(())
     }
 
     /// Validates `sampled` in any order: every entry a live sequence the step

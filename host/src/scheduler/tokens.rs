@@ -6,9 +6,14 @@
 //! reads anyway): a `Vec` in the scheduler's arena and its last few tokens, pending,
 //! beside it. Appending a token writes only the hot record; every [`RECENT`] tokens,
 //! a cache line of them goes to the `Vec` at once (a step writes the cold lines of
-//! 1 sequence in 16, not a line of every sequence's own heap memory). Admission
-//! reserves room for the sequence to grow (see `admission::initial_room`), so the
-//! `Vec` rarely reallocates.
+//! 1 sequence in 16, not a line of every sequence's own heap memory). The pending
+//! tokens are flushed at multiples of [`RECENT`] tokens (the first time, however
+//! many bring the `Vec` there), so each later flush writes one whole, aligned line
+//! (the arena's blocks from 256 bytes are line-aligned), which goes out with
+//! streaming stores ([`LineWriter`]): the line is not read from memory first.
+//! (With blocks of 16 tokens, the pending tokens are then exactly the last block's,
+//! which its commit hashes.) Admission reserves room for the sequence to grow (see
+//! `admission::initial_room`), so the `Vec` rarely reallocates.
 //! [`Scheduler::tokens`](super::Scheduler::tokens) reads a history as a [`Tokens`]
 //! view.
 
@@ -16,11 +21,11 @@ use std::ops::Index;
 
 use allocator_api2::vec::Vec as AVec;
 
-use crate::mem::{SeqAlloc, prefetch_write};
+use crate::mem::{LINE_TOKENS, LineWriter, SeqAlloc, prefetch_write};
 
 /// Tokens a history keeps pending before it writes them to its `Vec`: one cache
 /// line of them.
-pub(super) const RECENT: usize = 16;
+pub(super) const RECENT: usize = LINE_TOKENS;
 
 /// One sequence's tokens, in order: a `Vec`, then up to [`RECENT`] pending ones.
 #[derive(Debug)]
@@ -28,6 +33,11 @@ pub(super) struct History {
     tokens: AVec<u32, SeqAlloc>,
     recent: [u32; RECENT],
     pending: u8,
+    /// Pending tokens after which the next push writes them to the `Vec`: enough to
+    /// bring it to a multiple of [`RECENT`] tokens, so that after its first write each
+    /// is a whole line (`RECENT - tokens.len() % RECENT`, kept so a push reads only
+    /// these last bytes of the record).
+    room: u8,
 }
 
 impl Clone for History {
@@ -40,8 +50,14 @@ impl Clone for History {
             tokens,
             recent: self.recent,
             pending: self.pending,
+            room: self.room,
         }
     }
+}
+
+/// A history's `room` when its `Vec` holds `len` tokens.
+fn room_after(len: usize) -> u8 {
+    (RECENT - len % RECENT) as u8
 }
 
 /// Appends `src` to `v` with one copy (allocator-api2's `extend_from_slice` copies
@@ -59,6 +75,7 @@ impl History {
             tokens: AVec::new_in(SeqAlloc::Global),
             recent: [0; RECENT],
             pending: 0,
+            room: RECENT as u8,
         }
     }
 
@@ -67,10 +84,12 @@ impl History {
     pub(super) fn new(tokens: &[u32], capacity: usize, alloc: &SeqAlloc) -> Self {
         let mut v = AVec::with_capacity_in(capacity.max(tokens.len()), alloc.clone());
         extend(&mut v, tokens);
+        let room = room_after(v.len());
         Self {
             tokens: v,
             recent: [0; RECENT],
             pending: 0,
+            room,
         }
     }
 
@@ -79,14 +98,18 @@ impl History {
         self.tokens.len() + self.pending as usize
     }
 
-    /// Appends `tok`, pending; when [`RECENT`] are pending already, they go to the
-    /// `Vec` together first. (Full, they wait for the next push: a block the last of
-    /// them filled is committed, and hashed from them, before it, while they are
-    /// still in the hot record.)
+    /// Appends `tok`, pending; when the pending ones fill their room already, they go
+    /// to the `Vec` together first (a whole line through `lines` when they can). (Full,
+    /// they wait for the next push: a block the last of them filled is committed, and
+    /// hashed from them, before it, while they are still in the hot record.)
     #[inline]
-    pub(super) fn push(&mut self, tok: u32) {
-        if self.pending as usize == RECENT {
-            self.flush();
+    pub(super) fn push(&mut self, tok: u32, lines: &mut LineWriter) {
+        if self.pending == self.room {
+            if self.pending as usize == RECENT && lines.append(&mut self.tokens, &self.recent) {
+                self.pending = 0; // (`room` stays RECENT)
+            } else {
+                self.flush();
+            }
         }
         self.recent[self.pending as usize] = tok;
         self.pending += 1;
@@ -95,13 +118,20 @@ impl History {
     /// Whether the next [`push`](Self::push) writes to the `Vec`.
     #[inline]
     pub(super) fn flushes_next(&self) -> bool {
-        self.pending as usize == RECENT
+        self.pending == self.room
     }
 
-    /// Prefetches where the next write to the `Vec` goes (a hint).
+    /// Prefetches where the next write to the `Vec` goes (a hint), unless it will be a
+    /// whole line (not read: see [`LineWriter`]).
     #[inline]
     pub(super) fn prefetch_flush(&self) {
         let end = self.tokens.as_ptr_range().end;
+        if self.pending as usize == RECENT
+            && (end as usize).is_multiple_of(64)
+            && self.tokens.capacity() - self.tokens.len() >= RECENT
+        {
+            return;
+        }
         prefetch_write(end);
         prefetch_write(end.wrapping_add(RECENT - 1));
     }
@@ -110,6 +140,7 @@ impl History {
     pub(super) fn flush(&mut self) {
         extend(&mut self.tokens, &self.recent[..self.pending as usize]);
         self.pending = 0;
+        self.room = room_after(self.tokens.len());
     }
 
     /// The tokens as one slice; only after a [`flush`](Self::flush).
@@ -253,14 +284,20 @@ mod tests {
         let prompt: Vec<u32> = (0..21).collect();
         let mut h = History::new(&prompt, 100, &SeqAlloc::arena());
         for t in 21..140 {
-            h.push(t);
+            LineWriter::scope(|w| h.push(t, w));
             let v = h.view();
             assert_eq!(v.len(), t as usize + 1);
             assert_eq!(h.len(), t as usize + 1);
-            // The prompt, then a multiple of RECENT sampled tokens, in the `Vec`;
-            // 1 to RECENT pending.
-            let sampled = t as usize + 1 - 21;
-            assert_eq!(v.as_slices().0.len(), 21 + (sampled - 1) / RECENT * RECENT);
+            assert_eq!(h.room, room_after(h.tokens.len()));
+            // The prompt, then sampled tokens up to a multiple of RECENT, in the
+            // `Vec`; 1 to RECENT pending (at first, up to that multiple).
+            let n = t as usize + 1;
+            let head = if n <= 32 {
+                21
+            } else {
+                (n - 1) / RECENT * RECENT
+            };
+            assert_eq!(v.as_slices().0.len(), head);
             assert_eq!(v, (0..=t).collect::<Vec<_>>());
             assert_eq!(v[t as usize], t);
             assert_eq!(v.get(t as usize + 1), None);
