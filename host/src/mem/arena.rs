@@ -11,11 +11,14 @@
 //!
 //! The arena is a size-class allocator: a request is rounded up to one of four sizes
 //! per power of two (at most 25% more), from 64 bytes to 1 MiB, and served from that
-//! class's free list or carved from the current slab (slabs after the first are
-//! advised to huge pages); blocks from 256 bytes start on a cache line. A larger request (the
-//! scheduler's per-slot arrays at thousands of sequences) gets 2 MiB-aligned huge
-//! pages of its own, returned to the system when it is freed; zero-sized ones, and
-//! small ones aligned to more than 16 bytes, go to the global allocator. Freed blocks go back to their class's free list; the
+//! class's free list or carved from the current slab; blocks from 256 bytes start on a
+//! cache line. Slabs are fresh memory from the system (`pages`: memory the global
+//! allocator recycles may already sit on 4 KiB pages, whatever it is advised), and
+//! those after the first are advised to huge pages. A larger request (the scheduler's
+//! per-slot arrays at thousands of sequences) gets 2 MiB-aligned huge pages of its
+//! own, returned to the system when it is freed; zero-sized ones, and small ones
+//! aligned to more than 16 bytes, go to the global allocator. Freed blocks go back to
+//! their class's free list; the
 //! slabs are returned to the system when the last handle on the arena drops (a
 //! scheduler's tables and histories hold handles, so that is after the last of them).
 //!
@@ -29,10 +32,10 @@ use std::sync::{Arc, Mutex};
 
 use allocator_api2::alloc::{AllocError, Allocator, Global};
 
-use super::advise_range;
+use super::pages::{HUGE, alloc_pages, free_pages};
 
 /// Bytes in a slab (a transparent huge page on x86-64 Linux).
-const SLAB: usize = 2 << 20;
+const SLAB: usize = HUGE;
 /// The largest request an arena serves itself.
 const MAX_SIZE: usize = 1 << 20;
 /// The largest alignment an arena serves itself (every class size is a multiple).
@@ -137,19 +140,11 @@ impl Arena {
         // then be written without reading them; see `LineWriter`).
         let align = if size >= 256 { 64 } else { MAX_ALIGN };
         if s.end - s.bump.next_multiple_of(align).min(s.end) < size {
-            let layout = Layout::from_size_align(SLAB, SLAB).ok()?;
-            // SAFETY: `layout` has a non-zero size.
-            let base = unsafe { std::alloc::alloc(layout) };
-            if base.is_null() {
-                return None;
-            }
             // The first slab stays on 4 KiB pages: a small scheduler does not pay for
             // a 2 MiB page (zeroed on its first touch) it does not fill.
-            if !s.slabs.is_empty() {
-                advise_range(base as usize, SLAB);
-            }
-            s.slabs.push(base as usize);
-            (s.bump, s.end) = (base as usize, base as usize + SLAB);
+            let base = alloc_pages(SLAB, !s.slabs.is_empty())?.as_ptr() as usize;
+            s.slabs.push(base);
+            (s.bump, s.end) = (base, base + SLAB);
         }
         let p = s.bump.next_multiple_of(align);
         s.bump = p + size;
@@ -161,16 +156,11 @@ impl Drop for Arena {
     fn drop(&mut self) {
         let s = self.inner.get_mut().unwrap_or_else(|e| e.into_inner());
         for &base in &s.slabs {
-            // SAFETY: `base` came from `std::alloc::alloc` with this very layout in
-            // `take`, and is freed once (the arena is dropped once). No block carved
-            // from it is in use: every array allocated from the arena holds a handle
-            // on it (an `Arc`), so the arena drops only after the last of them.
-            unsafe {
-                std::alloc::dealloc(
-                    base as *mut u8,
-                    Layout::from_size_align_unchecked(SLAB, SLAB),
-                );
-            }
+            // SAFETY: `base` came from `alloc_pages(SLAB, _)` in `take`, and is freed
+            // once (the arena is dropped once). No block carved from it is in use:
+            // every array allocated from the arena holds a handle on it (an `Arc`), so
+            // the arena drops only after the last of them.
+            unsafe { free_pages(NonNull::new_unchecked(base as *mut u8), SLAB) };
         }
     }
 }
@@ -265,9 +255,7 @@ unsafe impl Allocator for SeqAlloc {
                 Ok(NonNull::slice_from_raw_parts(p, class_size(c)))
             }
             (SeqAlloc::Arena(arena), Route::Slabs(whole)) => {
-                // SAFETY: `whole` has a non-zero size.
-                let p = NonNull::new(unsafe { std::alloc::alloc(whole) }).ok_or(AllocError)?;
-                advise_range(p.as_ptr() as usize, whole.size());
+                let p = alloc_pages(whole.size(), true).ok_or(AllocError)?;
                 arena.lock().large += whole.size();
                 Ok(NonNull::slice_from_raw_parts(p, whole.size()))
             }
@@ -284,8 +272,9 @@ unsafe impl Allocator for SeqAlloc {
             // `allocate` with this same `whole` layout.
             (SeqAlloc::Arena(arena), Route::Slabs(whole)) => {
                 arena.lock().large -= whole.size();
-                // SAFETY: as above.
-                unsafe { std::alloc::dealloc(ptr.as_ptr(), whole) }
+                // SAFETY: as above: from `alloc_pages(whole.size(), _)`, and the
+                // caller frees it once.
+                unsafe { free_pages(ptr, whole.size()) }
             }
             // SAFETY: the caller passes a block this allocator (or a clone) returned
             // for `layout`; per 2 above it came from `Global`, so it goes back there.

@@ -16,6 +16,7 @@
 //!   sequences' own growing arrays on such pages too.
 
 mod arena;
+mod pages;
 mod stream;
 
 pub(crate) use arena::{SeqAlloc, same_alloc};
