@@ -7,7 +7,7 @@
 //! sequences stay within `max_num_seqs`, the step's tokens within
 //! `max_tokens_per_step`, and the free blocks above the watermark (when others run).
 
-use super::seqs::{Group, Hot, Seq, Status};
+use super::seqs::{Cold, Group, Hot, Seq, Status};
 use super::tokens::History;
 use super::{Request, ScheduledSeq, Scheduler, SeqId};
 use crate::block::BlockTable;
@@ -54,22 +54,19 @@ impl Scheduler {
         let seq = self.seqs.alloc_id();
         let arrival = self.next_arrival;
         self.next_arrival += 1;
-        let cold = Seq {
-            salt: req.cache_salt,
+        let step = Seq {
             request: req.id,
             table: BlockTable::new(),
-            prefill_end: 0,
-            max_len: total as u32, // at most max_model_len
-            row: usize::MAX,
         };
+        let cold = Cold::new(req.cache_salt, total as u32); // at most max_model_len
         // Room to grow without moving, in the arena (see `initial_room`).
         let tokens = History::new(
             &req.prompt,
             initial_room(req.prompt.len(), total as usize),
             &self.arena,
         );
-        let hot = Hot::new(&cold, tokens, req.stop_token);
-        self.seqs.insert(seq, cold, hot);
+        let hot = Hot::new(cold.max_len, tokens, req.stop_token);
+        self.seqs.insert(seq, step, cold, hot);
         let g = Group {
             req,
             arrival,
@@ -112,7 +109,7 @@ impl Scheduler {
         }
         // A fork shares the parent's blocks and its tokens; mid-prefill the forks
         // would compute the same remaining chunks twice: fork after the prefill.
-        if parent.is_prefilling() {
+        if self.seqs.is_prefilling(seq) {
             return Err(Error::InvalidState(format!(
                 "sequence {seq} is mid-prefill (chunked): fork it after its last chunk"
             )));
@@ -137,21 +134,20 @@ impl Scheduler {
         }
         let table = self.kv.fork(&mut self.seqs.get_mut(&seq).unwrap().table)?;
         let child_id = self.seqs.alloc_id();
-        let parent = &self.seqs[&seq];
         let tokens = self.seqs.tokens(seq).unwrap().clone();
         let child = Seq {
-            salt: parent.salt,
-            request: parent.request,
+            request: self.seqs[&seq].request,
             table,
-            prefill_end: parent.prefill_end,
-            max_len: parent.max_len,
+        };
+        let cold = Cold {
             row: usize::MAX,
+            ..*self.seqs.cold(seq)
         };
         let parent_hot = &self.seqs.hot[(seq & 0xffff_ffff) as usize];
-        let mut hot = Hot::new(&child, tokens, parent_hot.stop);
+        let mut hot = Hot::new(cold.max_len, tokens, parent_hot.stop);
         hot.num_computed = parent_hot.num_computed;
         let (id, request) = (child_id, child.request);
-        self.seqs.insert(id, child, hot);
+        self.seqs.insert(id, child, cold, hot);
         self.groups.get_mut(&request).unwrap().seqs.push(id);
         self.push_row(id);
         Ok(id)
@@ -227,9 +223,10 @@ impl Scheduler {
             for (s, end) in seqs.into_iter().zip(ends) {
                 let slot = (s & 0xffff_ffff) as usize; // a live sequence's id
                 let seq = self.seqs.slots[slot].as_mut().unwrap();
+                let cold = &mut self.seqs.cold[slot];
                 let tokens = self.seqs.hot[slot].tokens.as_slice();
                 // Room to grow, in the arena (see `initial_room`).
-                let room = initial_room(tokens.len(), seq.max_len as usize);
+                let room = initial_room(tokens.len(), cold.max_len as usize);
                 seq.table
                     .reserve_in(&self.arena, self.kv.blocks_for(room as u32) as usize);
                 let cached =
@@ -237,8 +234,8 @@ impl Scheduler {
                         .allocate_prefill(&mut seq.table, &tokens[..end as usize], salt)?;
                 self.metrics.prefix_queried_tokens += tokens.len() as u64;
                 self.metrics.prefix_hit_tokens += cached as u64;
-                seq.prefill_end = tokens.len() as u32;
-                let samples = end == seq.prefill_end;
+                cold.prefill_end = tokens.len() as u32;
+                let samples = end == cold.prefill_end;
                 let offset = self.batch.slot_mapping.len() as u32;
                 for pos in cached..end {
                     self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);

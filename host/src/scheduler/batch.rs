@@ -151,7 +151,7 @@ impl Scheduler {
             .block_tables
             .resize((row + 1) * w, NULL_BLOCK as i32);
         self.batch.context_lens.resize(row + 1, 0);
-        self.seqs.get_mut(&seq).unwrap().row = row;
+        self.seqs.cold_mut(seq).row = row;
         self.write_row(row, seq);
     }
 
@@ -165,7 +165,7 @@ impl Scheduler {
         self.rows.swap(lo, hi);
         for r in [lo, hi] {
             let id = self.rows[r];
-            self.seqs.get_mut(&id).unwrap().row = r;
+            self.seqs.cold_mut(id).row = r;
             self.batch.mark_dirty(r, 0, w);
         }
     }
@@ -173,7 +173,7 @@ impl Scheduler {
     /// Takes sequence `seq` out of the batch rows: the last row moves into its place
     /// (and is dirty whole there).
     pub(super) fn remove_row(&mut self, seq: SeqId) {
-        let row = self.seqs[&seq].row;
+        let row = self.seqs.cold(seq).row;
         let last = self.rows.len() - 1;
         let w = self.batch.max_blocks_per_seq as usize;
         if row != last {
@@ -183,12 +183,12 @@ impl Scheduler {
                 .block_tables
                 .copy_within(last * w..(last + 1) * w, row * w);
             self.batch.context_lens[row] = self.batch.context_lens[last];
-            self.seqs.get_mut(&moved).unwrap().row = row;
+            self.seqs.cold_mut(moved).row = row;
             self.batch.mark_dirty(row, 0, w);
         }
         self.rows.pop();
         self.batch.block_tables.truncate(last * w);
         self.batch.context_lens.truncate(last);
-        self.seqs.get_mut(&seq).unwrap().row = usize::MAX;
+        self.seqs.cold_mut(seq).row = usize::MAX;
     }
 }

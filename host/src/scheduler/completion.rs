@@ -106,9 +106,8 @@ impl Scheduler {
                     k < self.batch.num_decodes as usize || self.batch.seqs[k].samples,
                 )
             } else {
-                let seq = self.seqs.slots[slot].as_ref().unwrap();
-                let n = seq.table.num_tokens();
-                (n, n >= seq.prefill_end)
+                let n = self.seqs.slots[slot].as_ref().unwrap().table.num_tokens();
+                (n, n >= self.seqs.cold[slot].prefill_end)
             };
             #[cfg(debug_assertions)]
             self.check_hot(slot, num_tokens, samples);
@@ -117,8 +116,9 @@ impl Scheduler {
             // Only a sequence that filled a block has anything to commit (1 in 16).
             if num_tokens >= h.commit_at {
                 let seq = self.seqs.slots[slot].as_mut().unwrap();
+                let salt = self.seqs.cold[slot].salt;
                 self.kv
-                    .commit_deferred(&mut seq.table, h.tokens.view().as_slices(), seq.salt)?;
+                    .commit_deferred(&mut seq.table, h.tokens.view().as_slices(), salt)?;
                 h.commit_at = self.kv.commit_at(&seq.table);
             }
             if !samples {
@@ -155,12 +155,13 @@ impl Scheduler {
                 id: s,
             };
             let slot = self.seqs.slot(s).ok_or(unknown.clone())?;
-            let Some(seq) = &self.seqs.slots[slot] else {
+            if self.seqs.slots[slot].is_none() {
                 return Err(unknown);
-            };
+            }
+            let row = self.seqs.cold[slot].row;
             // A running sequence's row is its place in the step's list (the decodes
             // first, in row order, then the prefills, whose rows come after).
-            if self.batch.seqs.get(seq.row).is_none_or(|q| q.seq != s) {
+            if self.batch.seqs.get(row).is_none_or(|q| q.seq != s) {
                 return Err(Error::invalid(
                     "sampled",
                     format!("sequence {s} was not scheduled"),
@@ -187,22 +188,23 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Checks that scheduled sequence `slot`'s hot record agrees with its cold one,
+    /// Checks that scheduled sequence `slot`'s hot record agrees with its others,
     /// and `num_tokens` and `samples` with its table (debug builds: what
     /// `on_step_done` relies on, see `seqs::Hot`).
     #[cfg(debug_assertions)]
     fn check_hot(&self, slot: usize, num_tokens: u32, samples: bool) {
-        let (seq, h) = (
+        let (seq, cold, h) = (
             self.seqs.slots[slot].as_ref().unwrap(),
+            &self.seqs.cold[slot],
             &self.seqs.hot[slot],
         );
         assert_eq!(num_tokens, seq.table.num_tokens(), "num_tokens");
-        assert_eq!(samples, num_tokens >= seq.prefill_end, "samples");
+        assert_eq!(samples, num_tokens >= cold.prefill_end, "samples");
         assert_eq!(h.commit_at, self.kv.commit_at(&seq.table), "hot commit_at");
         let len = h.tokens.len();
         assert_eq!(
             h.left as usize,
-            (seq.max_len as usize).saturating_sub(len),
+            (cold.max_len as usize).saturating_sub(len),
             "hot left"
         );
     }

@@ -465,7 +465,7 @@ impl Scheduler {
     pub fn is_prefilling(&self, seq: SeqId) -> Result<bool> {
         self.seqs
             .get(&seq)
-            .map(|s| s.is_prefilling())
+            .map(|_| self.seqs.is_prefilling(seq))
             .ok_or(Error::Unknown {
                 what: "sequence",
                 id: seq,

@@ -6,13 +6,16 @@
 //! A group lists its live sequences; a sequence's `row` is its block-table row while
 //! its group runs (`usize::MAX` otherwise).
 //!
-//! Each slot has a cold record ([`Seq`]: its block table, its request's settings) and
-//! a hot one ([`Hot`]: two cache lines in a dense array, with its tokens), so that a
-//! step's common decode touches one line of the cold record (the table's counts, in
-//! its first line) and `on_step_done` only the hot record (and the batch's dense row
-//! ids and counts). With thousands of sequences the records do not stay in the
-//! core's caches from one half of a cycle to the other, and the bytes a cycle reads
-//! per sequence, and above all the lines it touches out of order, are what it costs.
+//! Each slot has three records, each in a dense array of its own: a step record
+//! ([`Seq`]: its request and block table, one cache line), a hot one ([`Hot`]: two
+//! lines, its tokens and counters) and a cold one ([`Cold`]: its request's settings
+//! and its row). A step's common decode touches the step record alone, and
+//! `on_step_done` the hot record alone (and the batch's dense row ids and counts);
+//! a commit adds the step record and the salt. With thousands of sequences the
+//! records do not stay in the core's caches from one half of a cycle to the other,
+//! and the bytes a cycle reads per sequence (a record of two lines is read whole even
+//! when one is needed: the hardware fetches lines in pairs and streams), and above all
+//! the lines it touches out of order, are what it costs.
 
 use allocator_api2::vec::Vec as AVec;
 
@@ -29,51 +32,70 @@ pub(super) enum Status {
     Swapped,
 }
 
-/// One live sequence: its block table, its request's settings, and its place in the
-/// batch (its slot's cold record; its tokens and counters are in its [`Hot`] record).
+/// One live sequence's step record: its request and its block table, in one
+/// 64-byte cache line (its slot's; a dense array of them is what a step's decode loop
+/// walks). Its request's settings and its row are in its [`Cold`] record, its tokens
+/// and counters in its [`Hot`] one.
 ///
-/// `repr(C)`, 64-byte aligned, two cache lines, the salt, the request and the table
-/// first: the first line holds what a step's common decode reads and writes (the
-/// request, and the table's counts, which [`BlockTable`] keeps first), and the salt's
-/// tag, where `Option<Seq>` keeps whether a slot is live (its largest niche): a
-/// slot's liveness is read from the same line.
+/// `Option<Seq>` is one line too (the table holds its niche): a slot's liveness is
+/// read from the same line.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub(super) struct Seq {
-    /// Its request's cache salt.
-    pub(super) salt: Option<u64>,
     pub(super) request: RequestId,
     pub(super) table: BlockTable,
+}
+
+const _: () = assert!(
+    size_of::<Option<Seq>>() == 64,
+    "a step record is one cache line"
+);
+
+/// A slot's cold record: its request's settings and its batch row, which neither
+/// half of a cycle reads for a common decode (a commit reads the salt).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Cold {
+    /// Its request's cache salt.
+    pub(super) salt: Option<u64>,
     /// Tokens its current prefill computes (`tokens.len()` when it was last
     /// admitted); while `table.num_tokens()` is below it (and the table is not empty),
     /// it is mid-prefill: chunked prefill runs the rest in later steps.
     pub(super) prefill_end: u32,
     /// Its request's token cap (prompt + `max_tokens`, at most `max_model_len`).
     pub(super) max_len: u32,
-    /// Row in the batch while running.
+    /// Row in the batch while running (`usize::MAX` otherwise).
     pub(super) row: usize,
 }
 
-const _: () = assert!(size_of::<Seq>() == 128, "a cold record is two cache lines");
+impl Cold {
+    /// The record of a sequence not yet admitted (nothing to prefill, no row).
+    pub(super) fn new(salt: Option<u64>, max_len: u32) -> Self {
+        Self {
+            salt,
+            prefill_end: 0,
+            max_len,
+            row: usize::MAX,
+        }
+    }
 
-impl Seq {
-    /// Whether some but not all of its prefill's tokens have slots (chunked prefill).
-    /// A waiting sequence (empty table) is not mid-prefill.
-    pub(super) fn is_prefilling(&self) -> bool {
-        let n = self.table.num_tokens();
-        n > 0 && n < self.prefill_end
+    /// Whether a sequence whose table holds `num_tokens` is mid-prefill: some but not
+    /// all of its prefill's tokens have slots (chunked prefill). A waiting sequence
+    /// (empty table) is not.
+    pub(super) fn is_prefilling(&self, num_tokens: u32) -> bool {
+        num_tokens > 0 && num_tokens < self.prefill_end
     }
 }
 
 /// A slot's hot record: everything `on_step_done` needs for a sequence in the common
-/// case besides its batch row's id and count, in two cache lines: its tokens (their `Vec`'s header and the pending ones, so an append writes
-/// only this record; see [`History`]) and its counters.
+/// case besides its batch row's id and count, in two cache lines: its tokens (their
+/// `Vec`'s header and the pending ones, so an append writes only this record; see
+/// [`History`]) and its counters.
 ///
-/// `commit_at` is a copy of the cold record's state, which [`SeqSlab::set_commit_at`]
-/// sets whenever the table's hashes may change (every whole-row write: admission,
-/// swap-in, fork, a chunk; and every commit): exact for every running sequence (debug
-/// builds check it in `on_step_done`). The rest is the record's own state, kept
-/// nowhere else.
+/// `commit_at` is a copy of the step record's state (its table's), which
+/// [`SeqSlab::set_commit_at`] sets whenever the table's hashes may change (every
+/// whole-row write: admission, swap-in, fork, a chunk; and every commit): exact for
+/// every running sequence (debug builds check it in `on_step_done`). The rest is the
+/// record's own state, kept nowhere else.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub(super) struct Hot {
@@ -84,7 +106,7 @@ pub(super) struct Hot {
     pub(super) commit_at: u32,
     /// Tokens whose KV is computed (`table.num_tokens()` after a step).
     pub(super) num_computed: u32,
-    /// Tokens it may still append before reaching `Seq::max_len` (0: at or past it).
+    /// Tokens it may still append before reaching `Cold::max_len` (0: at or past it).
     pub(super) left: u32,
     /// Its request's stop token.
     pub(super) stop: Option<u32>,
@@ -93,14 +115,14 @@ pub(super) struct Hot {
 const _: () = assert!(size_of::<Hot>() == 128, "a hot record is two cache lines");
 
 impl Hot {
-    /// The record of a sequence of `seq`'s request with `tokens` and its request's
-    /// `stop` token, nothing computed, not yet running (`commit_at` unset until
-    /// `set_commit_at`).
-    pub(super) fn new(seq: &Seq, tokens: History, stop: Option<u32>) -> Self {
+    /// The record of a sequence capped at `max_len` tokens with `tokens` and its
+    /// request's `stop` token, nothing computed, not yet running (`commit_at` unset
+    /// until `set_commit_at`).
+    pub(super) fn new(max_len: u32, tokens: History, stop: Option<u32>) -> Self {
         Self {
             commit_at: u32::MAX,
             num_computed: 0,
-            left: (seq.max_len as usize).saturating_sub(tokens.len()) as u32,
+            left: (max_len as usize).saturating_sub(tokens.len()) as u32,
             stop,
             tokens,
         }
@@ -149,6 +171,8 @@ impl Group {
 #[derive(Debug)]
 pub(super) struct SeqSlab {
     pub(super) slots: AVec<Option<Seq>, SeqAlloc>,
+    /// Per slot, its sequence's cold record (meaningful while the slot is live).
+    pub(super) cold: AVec<Cold, SeqAlloc>,
     generation: AVec<u32, SeqAlloc>,
     free: Vec<u32>,
     /// Per slot, the last `on_step_done` generation that named it (for finding
@@ -164,6 +188,7 @@ impl SeqSlab {
     pub(super) fn new(alloc: &SeqAlloc) -> Self {
         Self {
             slots: AVec::new_in(alloc.clone()),
+            cold: AVec::new_in(alloc.clone()),
             generation: AVec::new_in(alloc.clone()),
             free: Vec::new(),
             stamp: AVec::new_in(alloc.clone()),
@@ -176,6 +201,7 @@ impl SeqSlab {
             Some(s) => s,
             None => {
                 self.slots.push(None);
+                self.cold.push(Cold::new(None, 0));
                 self.generation.push(0);
                 self.stamp.push(0);
                 self.hot.push(Hot::free());
@@ -191,9 +217,10 @@ impl SeqSlab {
         (self.generation.get(slot) == Some(&((id >> 32) as u32))).then_some(slot)
     }
 
-    /// Puts `seq` and its hot record in `id`'s slot.
-    pub(super) fn insert(&mut self, id: SeqId, seq: Seq, hot: Hot) {
+    /// Puts `seq` and its cold and hot records in `id`'s slot.
+    pub(super) fn insert(&mut self, id: SeqId, seq: Seq, cold: Cold, hot: Hot) {
         let slot = self.slot(id).expect("id from alloc_id");
+        self.cold[slot] = cold;
         self.hot[slot] = hot;
         self.slots[slot] = Some(seq);
         self.stamp[slot] = 0;
@@ -206,6 +233,25 @@ impl SeqSlab {
     pub(super) fn get_mut(&mut self, id: &SeqId) -> Option<&mut Seq> {
         let slot = self.slot(*id)?;
         self.slots[slot].as_mut()
+    }
+
+    /// Live sequence `id`'s cold record.
+    pub(super) fn cold(&self, id: SeqId) -> &Cold {
+        let slot = self.slot(id).expect("live sequence");
+        debug_assert!(self.slots[slot].is_some(), "live sequence");
+        &self.cold[slot]
+    }
+
+    /// Live sequence `id`'s cold record, writable.
+    pub(super) fn cold_mut(&mut self, id: SeqId) -> &mut Cold {
+        let slot = self.slot(id).expect("live sequence");
+        debug_assert!(self.slots[slot].is_some(), "live sequence");
+        &mut self.cold[slot]
+    }
+
+    /// Whether live sequence `id` is mid-prefill (see [`Cold::is_prefilling`]).
+    pub(super) fn is_prefilling(&self, id: SeqId) -> bool {
+        self.cold(id).is_prefilling(self[&id].table.num_tokens())
     }
 
     /// Takes a live sequence out, with its tokens.
@@ -241,8 +287,8 @@ impl SeqSlab {
         self.hot[slot].commit_at = commit_at;
     }
 
-    /// Prefetches the first line of slot `id`'s cold record, what a step's common
-    /// decode reads and writes (a hint: no load, no check of the generation).
+    /// Prefetches slot `id`'s step record, what a step's decode reads and writes (a
+    /// hint: no load, no check of the generation).
     #[inline]
     pub(super) fn prefetch_step(&self, id: SeqId) {
         if let Some(s) = self.slots.get((id & 0xffff_ffff) as usize) {
@@ -250,19 +296,17 @@ impl SeqSlab {
         }
     }
 
-    /// Prefetches the lines of slot `id`'s cold record (a hint: no load, no check of
-    /// the generation), so a loop a few sequences behind finds them in cache.
+    /// Prefetches slot `id`'s step record and its cold record's line (a hint: no
+    /// load, no check of the generation), so a loop a few sequences behind finds them
+    /// in cache.
     #[inline]
     pub(super) fn prefetch(&self, id: SeqId) {
         let slot = (id & 0xffff_ffff) as usize;
         if let Some(s) = self.slots.get(slot) {
-            let p = (s as *const Option<Seq>).cast::<u8>();
-            let mut off = 0;
-            while off < size_of::<Option<Seq>>() {
-                prefetch(p.wrapping_add(off));
-                off += 64;
-            }
-            prefetch(p.wrapping_add(size_of::<Option<Seq>>() - 1));
+            prefetch(s);
+        }
+        if let Some(c) = self.cold.get(slot) {
+            prefetch(c);
         }
     }
 

@@ -127,10 +127,9 @@ impl Scheduler {
                 self.look_ahead(row, dist, mask, w);
             }
             if let Some(plan) = chunks.as_mut() {
-                let seq = &self.seqs[&id];
-                let cost = self.kv.append_cost(&seq.table)?;
+                let cost = self.kv.append_cost(&self.seqs[&id].table)?;
                 plan.reserve -= cost;
-                if seq.is_prefilling() {
+                if self.seqs.is_prefilling(id) {
                     self.schedule_chunk(row, id, cost, plan)?;
                     continue;
                 }
@@ -205,7 +204,7 @@ impl Scheduler {
             && len as u32 & mask == 0
         {
             let r = row + 4 * dist;
-            self.seqs.prefetch(self.rows[r]);
+            self.seqs.prefetch_step(self.rows[r]);
             if let Some(e) = self
                 .batch
                 .block_tables
@@ -230,9 +229,9 @@ impl Scheduler {
     fn plan_chunks(&mut self) -> Result<Option<ChunkPlan>> {
         let (mut decodes, mut reserve) = (0usize, 0u32);
         for i in 0..self.rows.len() {
-            let s = &self.seqs[&self.rows[i]];
-            reserve += self.kv.append_cost(&s.table)?;
-            if !s.is_prefilling() {
+            let id = self.rows[i];
+            reserve += self.kv.append_cost(&self.seqs[&id].table)?;
+            if !self.seqs.is_prefilling(id) {
                 if i != decodes {
                     self.swap_rows(i, decodes);
                 }
@@ -262,9 +261,9 @@ impl Scheduler {
     ) -> Result<()> {
         plan.chunks -= 1;
         let bs = self.cfg.block_size;
-        let seq = &self.seqs[&id];
-        let start = seq.table.num_tokens();
-        let mut take = (seq.prefill_end - start) as usize;
+        let start = self.seqs[&id].table.num_tokens();
+        let prefill_end = self.seqs.cold(id).prefill_end;
+        let mut take = (prefill_end - start) as usize;
         take = take.min(plan.tokens.saturating_sub(plan.chunks)).max(1);
         // Tokens `k` more blocks hold: the rest of a partial last block (after a copy,
         // which the one-token cost counts, when it is shared), then whole blocks.
@@ -295,7 +294,7 @@ impl Scheduler {
         for pos in start..end {
             self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
         }
-        let (request, samples) = (seq.request, end == seq.prefill_end);
+        let (request, samples) = (seq.request, end == prefill_end);
         // Several entries may change (new blocks, a copy, a window's releases): the
         // whole row is rewritten (chunks are few).
         self.write_row(row, id);

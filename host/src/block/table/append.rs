@@ -40,7 +40,7 @@ impl KvCacheManager {
         if t.num_tokens.is_multiple_of(self.block_size) {
             return None;
         }
-        let last = *t.blocks.last()?;
+        let last = *t.blocks().last()?;
         let rc = match t.location {
             Location::Device if !t.last_maybe_shared => return None,
             Location::Device => self.device.rc(last),
@@ -74,7 +74,7 @@ impl KvCacheManager {
             let same = |o: &BlockTable| {
                 o.location == t.location
                     && !o.num_tokens.is_multiple_of(self.block_size)
-                    && o.blocks.last() == Some(&last)
+                    && o.blocks().last() == Some(&last)
             };
             // Count each shared block once, at its first sharer in `tables`.
             if it.clone().take(i).any(same) {
@@ -98,23 +98,23 @@ impl KvCacheManager {
         let pos = t.num_tokens;
         if pos.is_multiple_of(bs) {
             let b = self.device.allocate()?;
-            t.blocks.push(b);
+            t.entries.push_block(b);
         } else if t.last_maybe_shared {
-            let i = t.blocks.len() - 1;
-            let last = t.blocks[i];
+            let i = t.blocks().len() - 1;
+            let last = t.blocks()[i];
             if self.device.rc(last) > 1 {
                 let dst = self.device.allocate()?;
                 self.device.add_fill(pos % bs);
                 copies.push((last, dst));
                 self.device.release(last, pos % bs);
-                t.blocks[i] = dst;
+                t.blocks_mut()[i] = dst;
             }
         }
         t.owner = self.id;
         t.last_maybe_shared = false;
         t.num_tokens = pos + 1;
         self.device.add_fill(1);
-        let b = *t.blocks.last().unwrap();
+        let b = *t.blocks().last().unwrap();
         t.last = b;
         self.slide_window(t);
         Ok(b as i64 * bs as i64 + (pos % bs) as i64)
@@ -137,7 +137,7 @@ impl KvCacheManager {
             return None;
         }
         let b = t.last;
-        debug_assert_eq!(t.blocks.last(), Some(&b), "stale last block");
+        debug_assert_eq!(t.blocks().last(), Some(&b), "stale last block");
         t.num_tokens = pos + 1;
         self.device.add_fill(1);
         Some(b as i64 * self.block_size as i64 + off as i64)
@@ -151,9 +151,9 @@ impl KvCacheManager {
         let dead = first_pos / self.block_size;
         while t.first_live < dead {
             let i = t.first_live as usize;
-            if t.blocks[i] != NULL_BLOCK {
-                self.device.release(t.blocks[i], self.block_size);
-                t.blocks[i] = NULL_BLOCK;
+            if t.blocks()[i] != NULL_BLOCK {
+                self.device.release(t.blocks()[i], self.block_size);
+                t.blocks_mut()[i] = NULL_BLOCK;
             }
             t.first_live += 1;
         }
@@ -166,7 +166,7 @@ impl KvCacheManager {
         if t.location != Location::Device {
             return Err(Error::InvalidState("fork of a swapped-out table".into()));
         }
-        for &b in &t.blocks {
+        for &b in t.blocks() {
             self.device.share(b);
         }
         t.last_maybe_shared = true;

@@ -40,17 +40,18 @@
 //! [`NULL_BLOCK`]: crate::block::NULL_BLOCK
 
 mod append;
+mod entries;
 mod prefix;
 mod swap;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use allocator_api2::vec::Vec as AVec;
 use rustc_hash::FxHashMap as HashMap;
 
 use super::pool::{BlockHash, BlockId, BlockPool, PAD_SLOT};
 use crate::error::{Error, Result};
-use crate::mem::{SeqAlloc, same_alloc as same};
+use crate::mem::SeqAlloc;
+use entries::Entries;
 
 /// Where a table's blocks live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -70,14 +71,15 @@ pub enum Location {
 /// let copy = t.clone(); // a copy would free the same references twice
 /// ```
 #[derive(Debug, PartialEq, Eq)]
-// `repr(C)`, the counts first: an in-place append reads and writes only the first 32
-// bytes (a scheduler keeps them in the first cache line of a sequence's record).
+// `repr(C)`, 56 bytes, the counts first: an in-place append reads and writes only the
+// first 16, and a scheduler keeps the whole table and its request id in one 64-byte
+// cache line (`scheduler::seqs`).
 #[repr(C)]
 pub struct BlockTable {
     /// The [`KvCacheManager::id`] of the manager whose blocks these are; 0 while empty.
-    owner: u64,
+    owner: u32,
     num_tokens: u32,
-    /// `blocks.last()`, kept beside the counts so the common append reads no heap
+    /// The last block id, kept beside the counts so the common append reads no heap
     /// memory. Exact whenever `append_in_place` may use it: after `allocate_prefill`
     /// or `append_slot` (which set it), until a fork or swap sets `last_maybe_shared`
     /// or moves the table to the host.
@@ -87,23 +89,26 @@ pub struct BlockTable {
     /// The last block may be shared (set by fork and swap-in): only then does an
     /// append look at its reference count for copy-on-write.
     last_maybe_shared: bool,
-    /// Allocated from the global allocator, or from a scheduler's arena once it
-    /// reserves the table ([`reserve_in`](Self::reserve_in)).
-    blocks: AVec<BlockId, SeqAlloc>,
-    hashes: AVec<BlockHash, SeqAlloc>,
+    /// The block ids and hashes, allocated from the global allocator, or from a
+    /// scheduler's arena once it reserves the table ([`reserve_in`](Self::reserve_in)).
+    entries: Entries,
 }
+
+const _: () = assert!(
+    size_of::<BlockTable>() == 56,
+    "a table and a request id fill a line"
+);
 
 impl Default for BlockTable {
     fn default() -> Self {
         Self {
             owner: 0,
-            blocks: AVec::new_in(SeqAlloc::Global),
             num_tokens: 0,
-            hashes: AVec::new_in(SeqAlloc::Global),
-            location: Location::Device,
-            first_live: 0,
-            last_maybe_shared: false,
             last: 0,
+            first_live: 0,
+            location: Location::Device,
+            last_maybe_shared: false,
+            entries: Entries::new_in(SeqAlloc::Global),
         }
     }
 }
@@ -117,7 +122,7 @@ impl BlockTable {
     /// The [`KvCacheManager::id`] of the manager this table's blocks belong to; `None`
     /// for an empty table.
     pub fn owner(&self) -> Option<u64> {
-        (self.owner != 0).then_some(self.owner)
+        (self.owner != 0).then_some(self.owner as u64)
     }
 
     /// Makes room for `blocks` entries (and their hashes) *in all* (not `blocks` more,
@@ -125,49 +130,38 @@ impl BlockTable {
     /// never reallocate: the table keeps its entries in one place (beside its hashes)
     /// until it outgrows that, instead of moving each time it doubles.
     pub fn reserve(&mut self, blocks: usize) {
-        let alloc = self.blocks.allocator().clone();
+        let alloc = self.entries.allocator().clone();
         self.reserve_in(&alloc, blocks);
     }
 
     /// [`reserve`](Self::reserve), the entries and hashes (moved if need be) allocated
     /// by `alloc` from now on.
     pub(crate) fn reserve_in(&mut self, alloc: &SeqAlloc, blocks: usize) {
-        fn moved<T: Copy>(v: &AVec<T, SeqAlloc>, alloc: &SeqAlloc, n: usize) -> AVec<T, SeqAlloc> {
-            let mut c = AVec::with_capacity_in(n.max(v.len()), alloc.clone());
-            c.extend_from_slice(v);
-            c
-        }
-        if self.blocks.capacity() < blocks || !same(self.blocks.allocator(), alloc) {
-            self.blocks = moved(&self.blocks, alloc, blocks);
-        }
-        if self.hashes.capacity() < blocks || !same(self.hashes.allocator(), alloc) {
-            self.hashes = moved(&self.hashes, alloc, blocks);
-        }
+        self.entries.reserve_in(alloc, blocks);
     }
 
     /// A second handle on the same blocks, with the same room to grow, from the same
     /// allocator; the caller takes the extra references.
     fn duplicate(&self) -> Self {
-        fn copy<T: Copy>(v: &AVec<T, SeqAlloc>) -> AVec<T, SeqAlloc> {
-            let mut c = AVec::with_capacity_in(v.capacity(), v.allocator().clone());
-            c.extend_from_slice(v);
-            c
-        }
         Self {
             owner: self.owner,
-            blocks: copy(&self.blocks),
             num_tokens: self.num_tokens,
-            hashes: copy(&self.hashes),
-            location: self.location,
-            first_live: self.first_live,
-            last_maybe_shared: self.last_maybe_shared,
             last: self.last,
+            first_live: self.first_live,
+            location: self.location,
+            last_maybe_shared: self.last_maybe_shared,
+            entries: self.entries.duplicate(),
         }
+    }
+
+    /// The block ids, writable (crate-internal: an entry holds a reference).
+    fn blocks_mut(&mut self) -> &mut [BlockId] {
+        self.entries.blocks_mut()
     }
 
     /// Physical block of each logical block.
     pub fn blocks(&self) -> &[BlockId] {
-        &self.blocks
+        self.entries.blocks()
     }
 
     /// Token positions that have a slot.
@@ -182,7 +176,7 @@ impl BlockTable {
 
     /// Prefix-cache hashes of the leading full, computed blocks.
     pub fn hashes(&self) -> &[BlockHash] {
-        &self.hashes
+        self.entries.hashes()
     }
 
     /// Leading entries a sliding window has released (all
@@ -200,7 +194,8 @@ static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
 /// Not `Clone`: a copy would share its tables' identity while its counts diverge.
 #[derive(Debug)]
 pub struct KvCacheManager {
-    id: u64,
+    /// (32 bits: tables keep it in 4 bytes.)
+    id: u32,
     device: BlockPool,
     host: BlockPool,
     block_size: u32,
@@ -239,8 +234,11 @@ impl KvCacheManager {
         } else {
             BlockPool::new(num_host_blocks, false)?
         };
+        let id = u32::try_from(NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed)).map_err(|_| {
+            Error::InvalidState("no KV-cache manager id left (ids are 32-bit)".into())
+        })?;
         Ok(Self {
-            id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
+            id,
             device: BlockPool::new(num_blocks, true)?,
             host,
             block_size,
@@ -256,14 +254,15 @@ impl KvCacheManager {
         })
     }
 
-    /// This manager's process-unique id; the tables it fills carry it.
+    /// This manager's process-unique id; the tables it fills carry it. Ids are 32-bit:
+    /// a process that made 2^32 - 1 managers gets an error from [`new`](Self::new).
     pub fn id(&self) -> u64 {
-        self.id
+        self.id as u64
     }
 
     /// [`Error::InvalidArgument`] (`table`) unless `t` is empty or this manager's.
     fn check(&self, t: &BlockTable) -> Result<()> {
-        if t.owner == self.id || (t.owner == 0 && t.blocks.is_empty()) {
+        if t.owner == self.id || (t.owner == 0 && t.blocks().is_empty()) {
             Ok(())
         } else {
             Err(Error::invalid(
@@ -320,7 +319,7 @@ impl KvCacheManager {
         if (i as u32) < t.first_live {
             return Ok(PAD_SLOT);
         }
-        Ok(t.blocks[i] as i64 * bs as i64 + (pos % bs) as i64)
+        Ok(t.blocks()[i] as i64 * bs as i64 + (pos % bs) as i64)
     }
 
     /// Blocks a table of `num_tokens` tokens spans.
@@ -349,7 +348,7 @@ impl KvCacheManager {
         // Only the device pool counts filled slots (the utilisation metric).
         let counts = t.location == Location::Device;
         let live = t.first_live as usize;
-        for (i, &b) in t.blocks.iter().enumerate().skip(live).rev() {
+        for (i, &b) in t.blocks().iter().enumerate().skip(live).rev() {
             let fill = if counts {
                 Self::fill_of(self.block_size, t.num_tokens, i)
             } else {

@@ -61,7 +61,7 @@ impl KvCacheManager {
         salt: Option<u64>,
     ) -> Result<u32> {
         self.check(t)?;
-        if !t.blocks.is_empty() || t.location != Location::Device {
+        if !t.blocks().is_empty() || t.location != Location::Device {
             return Err(Error::InvalidState(
                 "allocate_prefill needs an empty device table".into(),
             ));
@@ -86,24 +86,24 @@ impl KvCacheManager {
             let h = hash_block(parent, chunk, salt);
             let b = self.device.lookup(h).expect("counted hit");
             self.device.take(b, self.block_size);
-            t.blocks.push(b);
-            t.hashes.push(h);
+            t.entries.push_block(b);
+            t.entries.push_hash(h);
             parent = Some(h);
         }
         let n = tokens.len() as u32;
         let dead = self.dead_blocks(n);
-        while (t.blocks.len() as u32) < self.blocks_for(n) {
-            let b = if (t.blocks.len() as u32) < dead {
+        while (t.blocks().len() as u32) < self.blocks_for(n) {
+            let b = if (t.blocks().len() as u32) < dead {
                 NULL_BLOCK
             } else {
                 self.device.allocate().expect("cost checked")
             };
-            t.blocks.push(b);
+            t.entries.push_block(b);
         }
         t.first_live = dead;
         t.num_tokens = n;
         t.owner = self.id;
-        t.last = *t.blocks.last().expect("a prompt has a block");
+        t.last = *t.blocks().last().expect("a prompt has a block");
         // The new blocks' tokens (the hits were counted by `touch`).
         let new_from = hits.max(dead);
         self.device
@@ -143,8 +143,8 @@ impl KvCacheManager {
         // every block, and a heap copy was an allocation each).
         let mut stack = [0u32; 64];
         let mut heap = Vec::new();
-        while t.hashes.len() < full {
-            let i = t.hashes.len();
+        while t.hashes().len() < full {
+            let i = t.hashes().len();
             let (lo, hi) = (i * bs, (i + 1) * bs);
             let block = if hi <= h {
                 &head[lo..hi]
@@ -161,12 +161,12 @@ impl KvCacheManager {
                 buf[h - lo..].copy_from_slice(&tail[..hi - h]);
                 &buf[..]
             };
-            let h = hash_block(t.hashes.last().copied(), block, salt);
+            let h = hash_block(t.hashes().last().copied(), block, salt);
             let b = committed_block(t, i);
             if b != NULL_BLOCK {
                 self.pending.push((b, h));
             }
-            t.hashes.push(h);
+            t.entries.push_hash(h);
         }
         Ok(())
     }
@@ -175,10 +175,10 @@ impl KvCacheManager {
     /// its last hash, the entry of the block it commits next, and that block's
     /// tokens (a hint; a loop a few sequences behind finds them in cache).
     pub(crate) fn prefetch_commit(&self, t: &BlockTable, (head, tail): (&[u32], &[u32])) {
-        let i = t.hashes.len();
-        prefetch(t.hashes.as_ptr().wrapping_add(i.saturating_sub(1)));
+        let i = t.hashes().len();
+        prefetch(t.entries.hash_ptr(i.saturating_sub(1)));
         if !reads_last(t, i) {
-            prefetch(t.blocks.as_ptr().wrapping_add(i));
+            prefetch(t.entries.block_ptr(i));
         }
         let bs = self.block_size as usize;
         let (lo, hi) = (i * bs, (i + 1) * bs);
@@ -197,7 +197,7 @@ impl KvCacheManager {
         if !self.prefix_caching || self.window.is_some() {
             return u32::MAX;
         }
-        (t.hashes.len() as u64 + 1)
+        (t.hashes().len() as u64 + 1)
             .checked_mul(self.block_size as u64)
             .and_then(|n| u32::try_from(n).ok())
             .unwrap_or(u32::MAX)
@@ -236,16 +236,16 @@ impl KvCacheManager {
 /// entries' heap memory (the common decode commits the block its last token filled,
 /// one step before the next block is taken: the last).
 fn reads_last(t: &BlockTable, i: usize) -> bool {
-    i + 1 == t.blocks.len() && !t.last_maybe_shared && t.location == Location::Device
+    i + 1 == t.blocks().len() && !t.last_maybe_shared && t.location == Location::Device
 }
 
 /// The block id of entry `i` of `t`, read from `t.last` when that is exact.
 fn committed_block(t: &BlockTable, i: usize) -> crate::block::BlockId {
     if reads_last(t, i) {
-        debug_assert_eq!(t.last, t.blocks[i], "stale last block");
+        debug_assert_eq!(t.last, t.blocks()[i], "stale last block");
         t.last
     } else {
-        t.blocks[i]
+        t.blocks()[i]
     }
 }
 

@@ -16,7 +16,7 @@ impl KvCacheManager {
         self.scratch.clear();
         let mut v = Vec::new();
         for t in tables {
-            for &b in &t.blocks[t.first_live as usize..] {
+            for &b in &t.blocks()[t.first_live as usize..] {
                 if self.scratch.insert(b, 0).is_none() {
                     v.push(b);
                 }
@@ -69,7 +69,7 @@ impl KvCacheManager {
         // so every host block ends with one reference per entry that holds it.
         for t in tables.iter_mut() {
             let (live, n) = (t.first_live as usize, t.num_tokens);
-            for (i, e) in t.blocks.iter_mut().enumerate().skip(live) {
+            for (i, e) in t.blocks_mut().iter_mut().enumerate().skip(live) {
                 let h = self.scratch[e];
                 self.host.share(h);
                 self.device
@@ -113,13 +113,13 @@ impl KvCacheManager {
         }
         let bs = self.block_size;
         for t in tables.iter_mut() {
-            let live = t.first_live as usize;
-            for (i, e) in t.blocks.iter_mut().enumerate().skip(live) {
+            let (live, n) = (t.first_live as usize, t.num_tokens);
+            for (i, e) in t.blocks_mut().iter_mut().enumerate().skip(live) {
                 let d = self.scratch[e];
                 self.device.share(d);
                 // The allocation's reference plus the first entry's: count its tokens once.
                 if self.device.rc(d) == 2 {
-                    self.device.add_fill(Self::fill_of(bs, t.num_tokens, i));
+                    self.device.add_fill(Self::fill_of(bs, n, i));
                 }
                 self.host.release(*e, 0);
                 *e = d;

@@ -1,0 +1,194 @@
+//! [`Entries`]: a block table's block ids and prefix-cache hashes, in one allocation.
+//!
+//! A scheduler keeps each running sequence's table in one 64-byte record, next to
+//! its request id, so that a step's common decode reads and writes one cache line
+//! per sequence (see `scheduler::seqs`). Two `Vec`s (32 bytes of header each) did not
+//! fit; one boxed slice (24 bytes) and two counts do. The slice holds `3k` words:
+//! the first `k` hold `2k` block ids (two `u32`s a word, read as one `&[BlockId]`),
+//! the next `2k` the hashes, so both have room for `2k` entries.
+//!
+//! Everything here is safe code: the ids are viewed through `bytemuck`.
+
+use allocator_api2::boxed::Box as ABox;
+use allocator_api2::vec::Vec as AVec;
+
+use crate::block::pool::{BlockHash, BlockId};
+use crate::mem::{SeqAlloc, same_alloc};
+
+/// A table's entries and hashes, each with room for [`capacity`](Self::capacity).
+#[derive(Debug)]
+pub(crate) struct Entries {
+    /// `[k words of ids (2k ids), 2k hashes]`.
+    buf: ABox<[u64], SeqAlloc>,
+    blocks: u32,
+    hashes: u32,
+}
+
+impl PartialEq for Entries {
+    /// The same ids and hashes (room and allocator aside).
+    fn eq(&self, other: &Self) -> bool {
+        self.blocks() == other.blocks() && self.hashes() == other.hashes()
+    }
+}
+
+impl Eq for Entries {}
+
+impl Entries {
+    /// No entries, no room, no allocation; grows with `alloc`.
+    pub(crate) fn new_in(alloc: SeqAlloc) -> Self {
+        Self::with_room(0, alloc)
+    }
+
+    /// Room for `n` entries and hashes (rounded up to an even number), from `alloc`.
+    fn with_room(n: usize, alloc: SeqAlloc) -> Self {
+        let k = n.div_ceil(2);
+        let words = k.checked_mul(3).expect("table capacity overflows");
+        let mut v = AVec::with_capacity_in(words, alloc);
+        v.resize(words, 0u64);
+        Self {
+            buf: v.into_boxed_slice(),
+            blocks: 0,
+            hashes: 0,
+        }
+    }
+
+    /// Words holding ids (half the capacity).
+    fn k(&self) -> usize {
+        self.buf.len() / 3
+    }
+
+    /// Entries (and hashes) it holds without moving.
+    pub(crate) fn capacity(&self) -> usize {
+        2 * self.k()
+    }
+
+    /// The allocator its storage comes from.
+    pub(crate) fn allocator(&self) -> &SeqAlloc {
+        ABox::allocator(&self.buf)
+    }
+
+    /// The block ids.
+    pub(crate) fn blocks(&self) -> &[BlockId] {
+        &bytemuck::cast_slice::<u64, u32>(&self.buf[..self.k()])[..self.blocks as usize]
+    }
+
+    /// The block ids, writable.
+    pub(crate) fn blocks_mut(&mut self) -> &mut [BlockId] {
+        let (k, n) = (self.k(), self.blocks as usize);
+        &mut bytemuck::cast_slice_mut::<u64, u32>(&mut self.buf[..k])[..n]
+    }
+
+    /// The hashes.
+    pub(crate) fn hashes(&self) -> &[BlockHash] {
+        let k = self.k();
+        &self.buf[k..k + self.hashes as usize]
+    }
+
+    /// Where id `i` is (or would be): for prefetching; may point past the storage.
+    pub(crate) fn block_ptr(&self, i: usize) -> *const BlockId {
+        self.buf.as_ptr().cast::<BlockId>().wrapping_add(i)
+    }
+
+    /// Where hash `i` is (or would be): for prefetching; may point past the storage.
+    pub(crate) fn hash_ptr(&self, i: usize) -> *const BlockHash {
+        self.buf.as_ptr().wrapping_add(self.k() + i)
+    }
+
+    /// Appends block id `b` (doubling the room when it is full).
+    pub(crate) fn push_block(&mut self, b: BlockId) {
+        let n = self.blocks as usize;
+        self.grow_for(n + 1);
+        let k = self.k();
+        bytemuck::cast_slice_mut::<u64, u32>(&mut self.buf[..k])[n] = b;
+        self.blocks += 1;
+    }
+
+    /// Appends hash `h` (doubling the room when it is full).
+    pub(crate) fn push_hash(&mut self, h: BlockHash) {
+        let n = self.hashes as usize;
+        self.grow_for(n + 1);
+        let k = self.k();
+        self.buf[k + n] = h;
+        self.hashes += 1;
+    }
+
+    /// Makes room for `n` entries, doubling (at least) when it has less.
+    fn grow_for(&mut self, n: usize) {
+        if n > self.capacity() {
+            let alloc = self.allocator().clone();
+            self.move_to(&alloc, n.max(2 * self.capacity()).max(4));
+        }
+    }
+
+    /// Moves the contents to new storage with room for `n` entries (at least those
+    /// it holds) from `alloc`.
+    fn move_to(&mut self, alloc: &SeqAlloc, n: usize) {
+        let (b, h) = (self.blocks as usize, self.hashes as usize);
+        let mut new = Self::with_room(n.max(b).max(h), alloc.clone());
+        let k = new.k();
+        bytemuck::cast_slice_mut::<u64, u32>(&mut new.buf[..k])[..b].copy_from_slice(self.blocks());
+        new.buf[k..k + h].copy_from_slice(self.hashes());
+        (new.blocks, new.hashes) = (self.blocks, self.hashes);
+        *self = new;
+    }
+
+    /// Makes room for `n` entries *in all*, allocated by `alloc` from now on (moved
+    /// if it had less room or another allocator).
+    pub(crate) fn reserve_in(&mut self, alloc: &SeqAlloc, n: usize) {
+        if self.capacity() < n || !same_alloc(self.allocator(), alloc) {
+            self.move_to(alloc, n.max(self.capacity()));
+        }
+    }
+
+    /// A copy with the same room, from the same allocator.
+    pub(crate) fn duplicate(&self) -> Self {
+        let mut c = Self::with_room(self.capacity(), self.allocator().clone());
+        c.buf.copy_from_slice(&self.buf);
+        (c.blocks, c.hashes) = (self.blocks, self.hashes);
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ids and hashes read back in order through growth, moves and copies, and
+    /// neither overwrites the other.
+    #[test]
+    fn ids_and_hashes_keep_their_contents_through_growth_and_moves() {
+        for alloc in [SeqAlloc::Global, SeqAlloc::arena()] {
+            let mut e = Entries::new_in(alloc.clone());
+            assert_eq!(
+                (e.blocks(), e.hashes(), e.capacity()),
+                (&[][..], &[][..], 0)
+            );
+            for i in 0..300u32 {
+                e.push_block(i * 3 + 1);
+                if i % 3 != 2 {
+                    e.push_hash(u64::MAX - i as u64);
+                }
+                assert!(e.capacity() >= e.blocks().len());
+            }
+            let ids: Vec<u32> = (0..300).map(|i| i * 3 + 1).collect();
+            let hashes: Vec<u64> = (0..300u64)
+                .filter(|i| i % 3 != 2)
+                .map(|i| u64::MAX - i)
+                .collect();
+            assert_eq!(e.blocks(), &ids[..]);
+            assert_eq!(e.hashes(), &hashes[..]);
+            let c = e.duplicate();
+            assert_eq!((c.blocks(), c.hashes()), (e.blocks(), e.hashes()));
+            assert_eq!(c.capacity(), e.capacity());
+            let at = e.blocks().as_ptr();
+            e.reserve_in(&alloc, 10);
+            assert_eq!(e.blocks().as_ptr(), at, "enough room: no move");
+            e.reserve_in(&alloc, 1001);
+            assert!(e.capacity() >= 1001);
+            assert_eq!((e.blocks(), e.hashes()), (&ids[..], &hashes[..]));
+            e.blocks_mut()[7] = 99;
+            assert_eq!(e.blocks()[7], 99);
+            assert_eq!(e.hashes(), &hashes[..]);
+        }
+    }
+}
