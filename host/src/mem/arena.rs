@@ -140,8 +140,8 @@ impl Arena {
         // then be written without reading them; see `LineWriter`).
         let align = if size >= 256 { 64 } else { MAX_ALIGN };
         if s.end - s.bump.next_multiple_of(align).min(s.end) < size {
-            // The first slab stays on 4 KiB pages: a small scheduler does not pay for
-            // a 2 MiB page (zeroed on its first touch) it does not fill.
+            // The first slab is not advised to huge pages: a small scheduler does not
+            // pay for a 2 MiB page (zeroed on its first touch) it does not fill.
             let base = alloc_pages(SLAB, !s.slabs.is_empty())?.as_ptr() as usize;
             s.slabs.push(base);
             (s.bump, s.end) = (base, base + SLAB);

@@ -16,12 +16,21 @@ use crate::block::pool::{BlockHash, BlockId};
 use crate::mem::{SeqAlloc, same_alloc};
 
 /// A table's entries and hashes, each with room for [`capacity`](Self::capacity).
-#[derive(Debug)]
 pub(crate) struct Entries {
     /// `[k words of ids (2k ids), 2k hashes]`.
     buf: ABox<[u64], SeqAlloc>,
     blocks: u32,
     hashes: u32,
+}
+
+impl std::fmt::Debug for Entries {
+    /// The ids and hashes (not the packed storage).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Entries")
+            .field("blocks", &self.blocks())
+            .field("hashes", &self.hashes())
+            .finish()
+    }
 }
 
 impl PartialEq for Entries {
@@ -188,6 +197,7 @@ mod tests {
             assert_eq!((e.blocks(), e.hashes()), (&ids[..], &hashes[..]));
             e.blocks_mut()[7] = 99;
             assert_eq!(e.blocks()[7], 99);
+            assert!(format!("{e:?}").starts_with("Entries { blocks: [1, 4, 7, 10,"));
             assert_eq!(e.hashes(), &hashes[..]);
         }
     }

@@ -71,9 +71,9 @@ pub enum Location {
 /// let copy = t.clone(); // a copy would free the same references twice
 /// ```
 #[derive(Debug, PartialEq, Eq)]
-// `repr(C)`, 56 bytes, the counts first: an in-place append reads and writes only the
-// first 16, and a scheduler keeps the whole table and its request id in one 64-byte
-// cache line (`scheduler::seqs`).
+// `repr(C)`, 56 bytes, the counts and flags first: an in-place append reads and writes
+// only the first 18, and a scheduler keeps the whole table and its request id in one
+// 64-byte cache line (`scheduler::seqs`).
 #[repr(C)]
 pub struct BlockTable {
     /// The [`KvCacheManager::id`] of the manager whose blocks these are; 0 while empty.
@@ -129,6 +129,10 @@ impl BlockTable {
     /// unlike `Vec::reserve`), so that appends up to `blocks * block_size` tokens
     /// never reallocate: the table keeps its entries in one place (beside its hashes)
     /// until it outgrows that, instead of moving each time it doubles.
+    ///
+    /// # Panics
+    /// If the room for `blocks` entries and hashes (12 bytes each) overflows
+    /// `isize::MAX` bytes, as `Vec::reserve` does.
     pub fn reserve(&mut self, blocks: usize) {
         let alloc = self.entries.allocator().clone();
         self.reserve_in(&alloc, blocks);
