@@ -143,7 +143,7 @@ impl Scheduler {
                 // The common case: a slot in the partial last block; the row is as is.
                 self.batch.slot_mapping.push(slot);
             } else {
-                let before = seq.table.blocks().len();
+                let before = seq.table.num_blocks();
                 let live_before = seq.table.first_live() as usize;
                 let copies_before = self.batch.copies.len();
                 let slot = self
@@ -152,11 +152,10 @@ impl Scheduler {
                 self.batch.slot_mapping.push(slot);
                 // Only entries that changed: a new (or copied-on-write) last block,
                 // and the entries a sliding window released.
-                let blocks = seq.table.blocks();
-                let last = blocks.len() - 1;
-                if (blocks.len() != before || self.batch.copies.len() != copies_before) && last < w
-                {
-                    self.batch.block_tables[row * w + last] = blocks[last] as i32;
+                let n = seq.table.num_blocks();
+                let last = n - 1;
+                if (n != before || self.batch.copies.len() != copies_before) && last < w {
+                    self.batch.block_tables[row * w + last] = seq.table.last_block() as i32;
                     self.batch.mark_dirty(row, last, last + 1);
                 }
                 let live = (seq.table.first_live() as usize).min(w);
@@ -213,13 +212,12 @@ impl Scheduler {
                 prefetch_write(e);
             }
         }
-        // Half as far: its last block entry, which the new one follows.
+        // Half as far: where its new block entry goes.
         if let Some(&len) = self.batch.context_lens.get(row + 2 * dist)
             && len as u32 & mask == 0
             && let Some(q) = self.seqs.get(&self.rows[row + 2 * dist])
         {
-            let b = q.table.blocks();
-            prefetch_write(b.as_ptr().wrapping_add(b.len().saturating_sub(1)));
+            prefetch_write(q.table.next_entry_ptr());
         }
     }
 

@@ -96,25 +96,29 @@ impl KvCacheManager {
         }
         let bs = self.block_size;
         let pos = t.num_tokens;
-        if pos.is_multiple_of(bs) {
+        let b = if pos.is_multiple_of(bs) {
             let b = self.device.allocate()?;
             t.entries.push_block(b);
-        } else if t.last_maybe_shared {
-            let i = t.blocks().len() - 1;
+            b
+        } else {
+            // A partial last block: this table has one.
+            let i = t.num_blocks() - 1;
             let last = t.blocks()[i];
-            if self.device.rc(last) > 1 {
+            if t.last_maybe_shared && self.device.rc(last) > 1 {
                 let dst = self.device.allocate()?;
                 self.device.add_fill(pos % bs);
                 copies.push((last, dst));
                 self.device.release(last, pos % bs);
                 t.blocks_mut()[i] = dst;
+                dst
+            } else {
+                last
             }
-        }
+        };
         t.owner = self.id;
         t.last_maybe_shared = false;
         t.num_tokens = pos + 1;
         self.device.add_fill(1);
-        let b = *t.blocks().last().unwrap();
         t.last = b;
         self.slide_window(t);
         Ok(b as i64 * bs as i64 + (pos % bs) as i64)

@@ -76,6 +76,22 @@ impl Entries {
         ABox::allocator(&self.buf)
     }
 
+    /// How many block ids it holds.
+    pub(crate) fn num_blocks(&self) -> usize {
+        self.blocks as usize
+    }
+
+    /// How many hashes it holds.
+    pub(crate) fn num_hashes(&self) -> usize {
+        self.hashes as usize
+    }
+
+    /// The last hash, if any.
+    pub(crate) fn last_hash(&self) -> Option<BlockHash> {
+        let n = self.hashes as usize;
+        (n > 0).then(|| self.buf[self.k() + n - 1])
+    }
+
     /// The block ids.
     pub(crate) fn blocks(&self) -> &[BlockId] {
         &bytemuck::cast_slice::<u64, u32>(&self.buf[..self.k()])[..self.blocks as usize]
@@ -107,8 +123,12 @@ impl Entries {
     pub(crate) fn push_block(&mut self, b: BlockId) {
         let n = self.blocks as usize;
         self.grow_for(n + 1);
-        let k = self.k();
-        bytemuck::cast_slice_mut::<u64, u32>(&mut self.buf[..k])[n] = b;
+        let (word, half) = (n / 2, n % 2);
+        // The id's half of its word, as the `u32` view of `blocks` reads it.
+        let w = &mut self.buf[word];
+        let mut pair: [u32; 2] = bytemuck::cast(*w);
+        pair[half] = b;
+        *w = bytemuck::cast(pair);
         self.blocks += 1;
     }
 

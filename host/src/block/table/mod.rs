@@ -163,6 +163,22 @@ impl BlockTable {
         self.entries.blocks_mut()
     }
 
+    /// `blocks().len()`, without making the slice.
+    pub(crate) fn num_blocks(&self) -> usize {
+        self.entries.num_blocks()
+    }
+
+    /// The last block id, as `append_slot` left it (after any other change, a stale
+    /// copy until the next `allocate_prefill` or `append_slot`).
+    pub(crate) fn last_block(&self) -> BlockId {
+        self.last
+    }
+
+    /// Where the next block id goes (for prefetching; may point past the storage).
+    pub(crate) fn next_entry_ptr(&self) -> *const BlockId {
+        self.entries.block_ptr(self.entries.num_blocks())
+    }
+
     /// Physical block of each logical block.
     pub fn blocks(&self) -> &[BlockId] {
         self.entries.blocks()

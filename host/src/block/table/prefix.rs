@@ -143,8 +143,8 @@ impl KvCacheManager {
         // every block, and a heap copy was an allocation each).
         let mut stack = [0u32; 64];
         let mut heap = Vec::new();
-        while t.hashes().len() < full {
-            let i = t.hashes().len();
+        while t.entries.num_hashes() < full {
+            let i = t.entries.num_hashes();
             let (lo, hi) = (i * bs, (i + 1) * bs);
             let block = if hi <= h {
                 &head[lo..hi]
@@ -161,7 +161,7 @@ impl KvCacheManager {
                 buf[h - lo..].copy_from_slice(&tail[..hi - h]);
                 &buf[..]
             };
-            let h = hash_block(t.hashes().last().copied(), block, salt);
+            let h = hash_block(t.entries.last_hash(), block, salt);
             let b = committed_block(t, i);
             if b != NULL_BLOCK {
                 self.pending.push((b, h));
@@ -175,7 +175,7 @@ impl KvCacheManager {
     /// its last hash, the entry of the block it commits next, and that block's
     /// tokens (a hint; a loop a few sequences behind finds them in cache).
     pub(crate) fn prefetch_commit(&self, t: &BlockTable, (head, tail): (&[u32], &[u32])) {
-        let i = t.hashes().len();
+        let i = t.entries.num_hashes();
         prefetch(t.entries.hash_ptr(i.saturating_sub(1)));
         if !reads_last(t, i) {
             prefetch(t.entries.block_ptr(i));
@@ -197,7 +197,7 @@ impl KvCacheManager {
         if !self.prefix_caching || self.window.is_some() {
             return u32::MAX;
         }
-        (t.hashes().len() as u64 + 1)
+        (t.entries.num_hashes() as u64 + 1)
             .checked_mul(self.block_size as u64)
             .and_then(|n| u32::try_from(n).ok())
             .unwrap_or(u32::MAX)
@@ -236,7 +236,7 @@ impl KvCacheManager {
 /// entries' heap memory (the common decode commits the block its last token filled,
 /// one step before the next block is taken: the last).
 fn reads_last(t: &BlockTable, i: usize) -> bool {
-    i + 1 == t.blocks().len() && !t.last_maybe_shared && t.location == Location::Device
+    i + 1 == t.num_blocks() && !t.last_maybe_shared && t.location == Location::Device
 }
 
 /// The block id of entry `i` of `t`, read from `t.last` when that is exact.
