@@ -1,10 +1,9 @@
-//! Memory hints for the host-side bookkeeping: cache-line prefetches and transparent
-//! huge pages.
+//! Memory hints for the host-side bookkeeping: cache-line prefetches, transparent
+//! huge pages and streaming stores.
 //!
 //! At large batches (thousands of running sequences) a scheduler step is bound by
 //! memory, not by instructions: every sequence's bookkeeping is touched once a step,
-//! and much of it lies outside the caches. Two things help, both pure hints (no effect
-//! on any result):
+//! and much of it lies outside the caches. Three things help (none changes a result):
 //! * [`prefetch`] / [`prefetch_write`]: the per-sequence loops ask for the lines a
 //!   sequence a few rows ahead will need, so that their cache misses overlap.
 //! * [`advise_huge_pages`] and friends: large arrays backed by 2 MiB pages need a few
@@ -13,7 +12,9 @@
 //!   dependent load at random in 64 MiB costs about 175 ns on 2 MiB pages against
 //!   about 500 ns on 4 KiB ones (C pointer chase; see the README's scheduler section).
 //!   Where THP is off (or not Linux) nothing changes. [`SeqAlloc`] puts the
-//!   sequences' own growing arrays on such pages too.
+//!   sequences' own growing arrays on such pages too, in fresh mappings (`pages`).
+//! * [`LineWriter`]: whole cache lines of token history written without reading them
+//!   first (non-temporal stores, fenced once per batch).
 
 mod arena;
 mod pages;
