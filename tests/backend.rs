@@ -4,7 +4,8 @@
 mod common;
 
 use common::serve::{
-    HOST_BLOCKS, LAYERS, NUM_BLOCKS, config, config_kv, fp8_scales, serve_and_check, shape,
+    HOST_BLOCKS, LAYERS, NUM_BLOCKS, ServeCase, config, config_kv, fp8_scales, serve_and_check,
+    serve_case, shape,
 };
 use pagedkv::host::backend::{
     AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, SplitPolicy, decode_rows,
@@ -13,6 +14,7 @@ use pagedkv::host::ops::attention::DecodeOptions;
 use pagedkv::host::scheduler::{Request, Scheduler, SchedulerConfig};
 use pagedkv::host::step::StepShape;
 use pagedkv::host::{DType, Error, HostTensor};
+use proptest::prelude::*;
 
 #[test]
 fn the_cpu_backend_serves_a_batch_through_swaps_and_prefix_hits() {
@@ -193,4 +195,129 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
     let mut f16 = CpuBackend::new(config(DType::F16, SplitPolicy::Auto, 1)).unwrap();
     let mut wrong = f16.alloc_cache().unwrap();
     assert!(be.begin_step(&batch, &mut wrong).is_err());
+}
+
+/// A window case: dtype, block size, window, chunk budget (`None`: whole prefills),
+/// pool size and the requests (prompt length, `max_tokens`).
+type WindowCase = (DType, u32, u32, Option<usize>, u32, Vec<(usize, u32)>);
+
+fn window_cases() -> impl Strategy<Value = WindowCase> {
+    (
+        prop::sample::select(vec![DType::F32, DType::F16, DType::Bf16]),
+        prop::sample::select(vec![8u32, 16, 32]),
+        1u32..=48,
+        prop::option::of(4usize..=40),
+        6u32..=40,
+        prop::collection::vec((1usize..=70, 1u32..=4), 1..=3),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(64), ..ProptestConfig::default() })]
+
+    /// Windowed prefill, whole and chunked (random window, block size, prompts, chunk
+    /// budget, dtype, pool; preemption by recompute when the pool is short): every
+    /// prefilling token and every decode against dense windowed attention over the K/V
+    /// its history appended (not over what the cache holds). The blocks a window
+    /// releases were once released from the end of a step, and a prefill's early
+    /// queries (a 32-token prompt with window 16, block 16: 31 rows) read them: NaN.
+    #[test]
+    fn windowed_prefill_and_decode_match_dense_windowed_attention(
+        (dtype, block_size, window, budget, num_blocks, reqs) in window_cases()
+    ) {
+        let max_model_len = 80u32;
+        let shape = StepShape {
+            num_q_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 32,
+            block_size,
+            num_blocks,
+            dtype,
+            kv_dtype: dtype,
+        };
+        let mut be = CpuBackend::new(BackendConfig::new(
+            shape,
+            1,
+            4,
+            max_model_len.div_ceil(block_size),
+        ))
+        .unwrap();
+        let sched = SchedulerConfig {
+            num_blocks,
+            block_size,
+            max_num_seqs: 4,
+            max_tokens_per_step: budget.unwrap_or(max_model_len as usize),
+            watermark: 0.0,
+            sliding_window: Some(window),
+            max_model_len,
+            ..SchedulerConfig::default()
+        };
+        // Only the requests the scheduler accepts (a whole prefill of a long prompt
+        // needs all its blocks at once: the pool may be too small).
+        let requests: Vec<(Vec<u32>, u32)> = reqs
+            .iter()
+            .enumerate()
+            .map(|(i, &(len, max_tokens))| {
+                let prompt: Vec<u32> = (0..len as u32).map(|p| (p * 13 + i as u32 * 7) % 101).collect();
+                (prompt, max_tokens)
+            })
+            .filter(|(prompt, max_tokens)| {
+                let mut s = Scheduler::with_chunked_prefill(sched.clone(), budget.is_some()).unwrap();
+                s.add_request(Request::new(0, prompt.clone(), *max_tokens)).is_ok()
+            })
+            .collect();
+        prop_assume!(!requests.is_empty());
+        let case = ServeCase {
+            sched,
+            chunked: budget.is_some(),
+            requests,
+            opts: DecodeOptions {
+                window: Some(window),
+                ..DecodeOptions::new(32)
+            },
+        };
+        let s = serve_case(&mut be, &case);
+        prop_assert!(s.prefill_checked > 0);
+    }
+}
+
+/// The reported cases: a 32-token prompt prefilled in one step under window 16, block
+/// 16 (31 NaN rows), and a 70-token prompt in chunks of 20 (rows inside the kept window
+/// NaN too), every dtype: every row against dense windowed attention.
+#[test]
+fn the_reported_windowed_prefills_have_no_nan_rows() {
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        for (prompt, budget) in [(32usize, None), (70, Some(20usize))] {
+            let shape = StepShape {
+                num_q_heads: 4,
+                num_kv_heads: 2,
+                head_dim: 64,
+                block_size: 16,
+                num_blocks: 16,
+                dtype,
+                kv_dtype: dtype,
+            };
+            let mut be = CpuBackend::new(BackendConfig::new(shape, 1, 2, 8)).unwrap();
+            let case = ServeCase {
+                sched: SchedulerConfig {
+                    num_blocks: 16,
+                    block_size: 16,
+                    max_num_seqs: 2,
+                    max_tokens_per_step: budget.unwrap_or(128),
+                    sliding_window: Some(16),
+                    max_model_len: 128,
+                    ..SchedulerConfig::default()
+                },
+                chunked: budget.is_some(),
+                requests: vec![((0..prompt as u32).collect(), 3)],
+                opts: DecodeOptions {
+                    window: Some(16),
+                    ..DecodeOptions::new(64)
+                },
+            };
+            let s = serve_case(&mut be, &case);
+            assert_eq!(s.prefill_checked, prompt, "{dtype} prompt {prompt}");
+            assert_eq!(s.checked, 2, "{dtype} prompt {prompt}");
+        }
+    }
 }

@@ -230,8 +230,10 @@ fn a_request_that_grows_past_the_pool_is_refused_up_front(chunked: bool) {
     s.add_request(Request::new(2, vec![1; 10], 102)).unwrap();
     drive(&mut s, 200);
     assert_eq!(finished_of(&s, 2), vec![(112, FinishReason::MaxTokens)]);
-    // With a sliding window of 32 tokens a sequence holds at most 3 blocks: a long
-    // request fits.
+    // With a sliding window of 32 tokens and chunked prefill a sequence holds at most
+    // 3 blocks: a long request fits. Without chunked prefill it does not: a prefill
+    // (or the recompute of a preempted sequence) holds all its tokens' blocks at once,
+    // since its queries read them together.
     let mut s = sched(
         chunked,
         SchedulerConfig {
@@ -240,9 +242,23 @@ fn a_request_that_grows_past_the_pool_is_refused_up_front(chunked: bool) {
         },
     )
     .unwrap();
-    s.add_request(Request::new(3, vec![1; 10], 400)).unwrap();
-    drive(&mut s, 500);
-    assert_eq!(finished_of(&s, 3), vec![(410, FinishReason::MaxTokens)]);
+    if chunked {
+        s.add_request(Request::new(3, vec![1; 10], 400)).unwrap();
+        drive(&mut s, 500);
+        assert_eq!(finished_of(&s, 3), vec![(410, FinishReason::MaxTokens)]);
+        // A prompt longer than the pool is prefilled in chunks of the window's blocks.
+        s.add_request(Request::new(4, (0..300).collect(), 4))
+            .unwrap();
+        drive(&mut s, 500);
+        assert_eq!(finished_of(&s, 4), vec![(304, FinishReason::MaxTokens)]);
+    } else {
+        match s.add_request(Request::new(3, vec![1; 10], 400)) {
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains("only with chunked prefill"), "{reason}")
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
 }
 
 fn a_fork_that_could_not_come_back_whole_is_refused(chunked: bool) {

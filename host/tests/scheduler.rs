@@ -126,6 +126,10 @@ struct Model {
     /// Per live sequence, the context length it had when last scheduled (0 after a
     /// recompute): the next step's new tokens must start there, with no gap.
     ctx: HashMap<u64, u32>,
+    /// Per live sequence, the first new position of its last step: with a sliding
+    /// window, the blocks wholly before that position's window are released, and no
+    /// others.
+    last_start: HashMap<u64, u32>,
 }
 
 impl Model {
@@ -136,6 +140,7 @@ impl Model {
         Model {
             s: Scheduler::with_chunked_prefill(cfg, chunked).unwrap(),
             ctx: HashMap::new(),
+            last_start: HashMap::new(),
             dev,
             host,
             next_req: 0,
@@ -231,19 +236,10 @@ impl Model {
             for k in 0..q.num_new_tokens {
                 let slot = batch.slot_mapping[(q.token_offset + k) as usize];
                 let pos = q.start_pos + k;
-                if slot == PAD_SLOT {
-                    // Only a prefill's tokens before the window are not stored.
-                    let w = self.s.config().sliding_window;
-                    prop_assert!(
-                        q.is_prefill
-                            && w.is_some_and(|w| ((q.context_len.saturating_sub(w)) as usize / bs)
-                                * bs
-                                > pos as usize),
-                        "pad slot at {}",
-                        pos
-                    );
-                    continue;
-                }
+                // Every new token's K/V is stored: some query of the step reads it
+                // (a prefill's tokens before the window once went unstored, and
+                // its early queries read released blocks).
+                prop_assert!(slot != PAD_SLOT, "pad slot at {} of {:?}", pos, q);
                 prop_assert!(slot >= 0);
                 let block = (slot as usize / bs) as u32;
                 prop_assert_eq!(table.blocks()[pos as usize / bs], block);
@@ -253,6 +249,29 @@ impl Model {
                     "write into a shared block"
                 );
                 self.dev[slot as usize] = Some(tokens[pos as usize]);
+            }
+        }
+        // What the kernels read: every position some new query of the step attends to
+        // (from the window of its first new position on) reads its own token back
+        // through the batch's block-table row.
+        let window = self.s.config().sliding_window;
+        for (row, q) in batch.seqs.iter().enumerate() {
+            let tokens = self.s.tokens(q.seq).unwrap().to_vec();
+            for pos in window_start(window, q.start_pos)..q.context_len {
+                let b = batch.block_tables[row * w + pos as usize / bs];
+                prop_assert!(
+                    b != NULL_BLOCK as i32,
+                    "{:?} attends to position {} in a released block",
+                    q,
+                    pos
+                );
+                prop_assert_eq!(
+                    self.dev[b as usize * bs + pos as usize % bs],
+                    Some(tokens[pos as usize]),
+                    "{:?} reads position {}",
+                    q,
+                    pos
+                );
             }
         }
         let sampled: Vec<(u64, u32)> = batch
@@ -305,6 +324,7 @@ impl Model {
         // chunk's token is ignored.
         for (q, len) in batch.seqs.iter().zip(lens) {
             self.ctx.insert(q.seq, q.context_len);
+            self.last_start.insert(q.seq, q.start_pos);
             if let Ok(t) = self.s.tokens(q.seq) {
                 prop_assert_eq!(t.len(), len + q.samples as usize, "sequence {}", q.seq);
                 prop_assert_eq!(self.s.num_computed(q.seq).unwrap(), q.context_len);
@@ -327,6 +347,7 @@ impl Model {
             if mode == PreemptionMode::Recompute {
                 for q in self.s.request_seqs(req).unwrap() {
                     self.ctx.remove(q);
+                    self.last_start.remove(q);
                 }
             }
         }
@@ -390,7 +411,10 @@ impl Model {
                 let bs = cfg.block_size as usize;
                 let total = len + max_tokens as usize;
                 let mut blocks = total.div_ceil(bs);
-                if let Some(w) = cfg.sliding_window {
+                // (Without chunked prefill a prefill holds all its tokens' blocks.)
+                if let Some(w) = cfg.sliding_window
+                    && self.s.chunked_prefill()
+                {
                     blocks = blocks.min((w as usize).div_ceil(bs) + 1);
                 }
                 let usable = cfg.num_blocks as usize - 1;
@@ -435,10 +459,10 @@ impl Model {
             let t = self.s.block_table(seq).unwrap();
             let computed = self.s.num_computed(seq).unwrap() as usize;
             let tokens = self.s.tokens(seq).unwrap();
-            let first = match self.s.config().sliding_window {
-                Some(w) => (t.num_tokens() as usize).saturating_sub(w as usize) / bs,
-                None => 0,
-            };
+            // The blocks wholly before the window of the last step's first new
+            // position are released; every later one is held.
+            let start = self.last_start.get(&seq).copied().unwrap_or(0);
+            let first = window_start(self.s.config().sliding_window, start) as usize / bs;
             for (i, &b) in t.blocks().iter().enumerate() {
                 if i < first {
                     if t.location() == Location::Device {
@@ -446,6 +470,12 @@ impl Model {
                     }
                     continue;
                 }
+                prop_assert!(
+                    b != NULL_BLOCK || t.location() == Location::Host,
+                    "sequence {} entry {} inside the window is released",
+                    seq,
+                    i
+                );
                 let m = if t.location() == Location::Device {
                     &mut dref
                 } else {
@@ -513,6 +543,11 @@ impl Model {
     }
 }
 
+/// The first position the query at `pos` attends to under `window`.
+fn window_start(window: Option<u32>, pos: u32) -> u32 {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(512),
@@ -550,6 +585,9 @@ proptest! {
                             let c = m.ctx.get(&parent).copied();
                             if let Some(c) = c {
                                 m.ctx.insert(child, c);
+                            }
+                            if let Some(&p) = m.last_start.get(&parent) {
+                                m.last_start.insert(child, p);
                             }
                         }
                     }

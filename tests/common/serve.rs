@@ -115,10 +115,79 @@ pub struct Served {
     pub split_steps: usize,
 }
 
-/// Serves the requests on `be`, checking every decode output; returns what happened.
-pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
-    let c = *be.config();
+/// What [`serve_case`] serves: a scheduler's settings, its requests, and the attention
+/// options every layer runs with.
+pub struct ServeCase {
+    /// The scheduler (its block size and pool must match the backend's shape).
+    pub sched: SchedulerConfig,
+    /// Chunked prefill on.
+    pub chunked: bool,
+    /// Each request's prompt and `max_tokens`.
+    pub requests: Vec<(Vec<u32>, u32)>,
+    /// Scale, window, soft-cap, ALiBi.
+    pub opts: DecodeOptions,
+}
+
+/// The base case at `scale`: seven requests, four of them sharing a 17-token prefix
+/// (two full blocks and a bit), through a pool small enough to swap, prefix caching
+/// on, soft-cap and ALiBi.
+pub fn shared_prefix_case(scale: u32) -> ServeCase {
     let sc = scale as usize;
+    let requests = (0..7u64)
+        .map(|i| {
+            let len = sc
+                * if i % 2 == 0 {
+                    18 + i as usize
+                } else {
+                    5 + 2 * i as usize
+                };
+            let prompt: Vec<u32> = (0..len)
+                .map(|p| {
+                    if i % 2 == 0 && p < 17 * sc {
+                        100 + p as u32
+                    } else {
+                        (i * 31 + p as u64) as u32 % 97
+                    }
+                })
+                .collect();
+            (prompt, 10 + (i as u32 % 4))
+        })
+        .collect();
+    ServeCase {
+        sched: SchedulerConfig {
+            num_blocks: NUM_BLOCKS * scale,
+            block_size: BLOCK,
+            num_host_blocks: HOST_BLOCKS,
+            max_num_seqs: 16,
+            preemption: PreemptionMode::Swap,
+            enable_prefix_caching: true,
+            watermark: 0.0,
+            max_model_len: 64 * scale,
+            ..SchedulerConfig::default()
+        },
+        chunked: false,
+        requests,
+        opts: DecodeOptions {
+            softcap: Some(8.0),
+            alibi_slopes: Some(vec![0.25, 0.125, 0.0625, 0.03125]),
+            ..DecodeOptions::new(64)
+        },
+    }
+}
+
+/// Serves [`shared_prefix_case`] on `be`, checking every output; returns what happened.
+pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
+    serve_case(be, &shared_prefix_case(scale))
+}
+
+/// Serves `case` on `be`, every layer of the backend's cache: every new token's K and V
+/// are a function of (token, position) and appended, and every prefilling token's and
+/// every decoding row's output, every step and layer, is checked against f64 attention
+/// (with the case's window) over the K/V its history appended, computed densely from
+/// those functions, never read back from the cache. Returns what happened.
+pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
+    let c = *be.config();
+    let layers = c.num_layers;
     let (qh, kvh, d) = (
         c.shape.num_q_heads as usize,
         c.shape.num_kv_heads as usize,
@@ -126,7 +195,7 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
     );
     let (dtype, kv_dtype) = (c.shape.dtype, c.shape.kv_dtype);
     let mut cache = be.alloc_cache().unwrap();
-    let scales: Vec<Option<KvScales>> = (0..LAYERS)
+    let scales: Vec<Option<KvScales>> = (0..layers)
         .map(|li| kv_dtype.is_fp8().then(|| fp8_scales(kv_dtype, li)))
         .collect();
     for (li, s) in scales.iter().enumerate() {
@@ -141,44 +210,13 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
             .map(|s| if v { &s.v[..] } else { &s.k[..] });
         as_cached(&rows(dtype, kvh * d, keys, salt), kv_dtype, s, d)
     };
-    let mut sched = Scheduler::new(SchedulerConfig {
-        num_blocks: NUM_BLOCKS * scale,
-        block_size: BLOCK,
-        num_host_blocks: HOST_BLOCKS,
-        max_num_seqs: 16,
-        preemption: PreemptionMode::Swap,
-        enable_prefix_caching: true,
-        watermark: 0.0,
-        max_model_len: 64 * scale,
-        ..SchedulerConfig::default()
-    })
-    .unwrap();
-    // Prompts 0, 2, 4, ... share a 17-token prefix (two full blocks and a bit).
-    for i in 0..7u64 {
-        let len = sc
-            * if i % 2 == 0 {
-                18 + i as usize
-            } else {
-                5 + 2 * i as usize
-            };
-        let prompt: Vec<u32> = (0..len)
-            .map(|p| {
-                if i % 2 == 0 && p < 17 * sc {
-                    100 + p as u32
-                } else {
-                    (i * 31 + p as u64) as u32 % 97
-                }
-            })
-            .collect();
+    let mut sched = Scheduler::with_chunked_prefill(case.sched.clone(), case.chunked).unwrap();
+    for (i, (prompt, max_tokens)) in case.requests.iter().enumerate() {
         sched
-            .add_request(Request::new(i, prompt, 10 + (i as u32 % 4)))
+            .add_request(Request::new(i as u64, prompt.clone(), *max_tokens))
             .unwrap();
     }
-    let opts = DecodeOptions {
-        softcap: Some(8.0),
-        alibi_slopes: Some(vec![0.25, 0.125, 0.0625, 0.03125]),
-        ..DecodeOptions::new(64)
-    };
+    let opts = &case.opts;
     let mut s = Served {
         checked: 0,
         swapped_out: 0,
@@ -190,7 +228,7 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
     let mut steps = 0;
     while !sched.is_idle() {
         steps += 1;
-        assert!(steps < 500, "the scheduler does not finish");
+        assert!(steps < 2000, "the scheduler does not finish");
         let batch = sched.step().unwrap().clone();
         s.swapped_out += batch.swap_out.len();
         s.swapped_in += batch.swap_in.len();
@@ -246,7 +284,7 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
                 let nan = HostTensor::full(dtype, &[pq.len(), qh, d], f64::NAN);
                 let mut out = be.upload(&nan).unwrap();
                 be.prefill(PrefillArgs {
-                    opts: &opts,
+                    opts,
                     q: &q,
                     cache: layer,
                     out: &mut out,
@@ -259,7 +297,7 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
                     let k = cached(&hist, li, salt + 1, false);
                     let v = cached(&hist, li, salt + 2, true);
                     let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
-                    let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, &opts);
+                    let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, opts);
                     let e = rel_l2(&got[j * qh * d..(j + 1) * qh * d], &want);
                     assert!(
                         e <= tolerance(dtype),
@@ -277,7 +315,7 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
             let nan = HostTensor::full(dtype, &[dec.len(), qh, d], f64::NAN);
             let mut out = be.upload(&nan).unwrap();
             be.decode(DecodeArgs {
-                opts: &opts,
+                opts,
                 q: &q,
                 cache: layer,
                 out: &mut out,
@@ -292,7 +330,7 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
                 let k = cached(&hist, li, salt + 1, false);
                 let v = cached(&hist, li, salt + 2, true);
                 let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
-                let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, &opts);
+                let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, opts);
                 let e = rel_l2(&got[j * qh * d..(j + 1) * qh * d], &want);
                 assert!(
                     e <= tolerance(dtype),

@@ -46,9 +46,15 @@ impl Scheduler {
         let need = self.max_blocks(&req) as u64;
         let usable = self.kv.device().num_usable() as u64;
         if need > usable {
+            let hint = if self.cfg.sliding_window.is_some() && !self.chunked {
+                " (a sliding window lowers that only with chunked prefill: a whole \
+                 prefill or recompute holds every block of its tokens)"
+            } else {
+                ""
+            };
             return Err(Error::invalid(
                 "prompt",
-                format!("needs {need} blocks, the pool holds {usable}: it could never run"),
+                format!("needs {need} blocks, the pool holds {usable}: it could never run{hint}"),
             ));
         }
         let seq = self.seqs.alloc_id();
@@ -78,12 +84,18 @@ impl Scheduler {
         Ok(seq)
     }
 
-    /// Blocks one sequence of `req` holds at its largest: all of `prompt + max_tokens`,
-    /// or with a sliding window the window's blocks plus one partial block.
+    /// Blocks one sequence of `req` holds at its largest: all of `prompt + max_tokens`.
+    /// With a sliding window and chunked prefill, at most the window's blocks plus one
+    /// partial block: a step's queries read every block the window of its first new
+    /// token sees, and a chunk takes only the tokens whose blocks fit. Without chunked
+    /// prefill a window does not lower it: a prefill's queries read all its tokens at
+    /// once, and a recomputed sequence prefills everything it has in one step.
     fn max_blocks(&self, req: &Request) -> u32 {
         let total = req.prompt.len() as u32 + req.max_tokens;
         let mut need = self.kv.blocks_for(total);
-        if let Some(w) = self.cfg.sliding_window {
+        if let Some(w) = self.cfg.sliding_window
+            && self.chunked
+        {
             need = need.min(self.kv.blocks_for(w) + 1);
         }
         need
@@ -171,6 +183,11 @@ impl Scheduler {
                 break;
             }
             let salt = self.groups[&id].req.cache_salt;
+            // With chunked prefill a first chunk holds at most the blocks a sequence of
+            // the request may hold at once (with a sliding window, fewer than its
+            // prompt's), so that it fits the pool alone.
+            let max_held = self.max_blocks(&self.groups[&id].req) as usize;
+            let bs = self.cfg.block_size as usize;
             let (mut tokens_needed, mut blocks_needed) = (0usize, 0u32);
             // How many leading tokens of each sequence's tokens this step gives slots.
             let mut ends: Vec<u32> = Vec::with_capacity(seqs.len());
@@ -184,7 +201,10 @@ impl Scheduler {
                     let cached = (hits * self.cfg.block_size) as usize;
                     let mut take = t.len() - cached;
                     if self.chunked {
-                        take = take.min(budget);
+                        // It holds `blocks_for(end) - dead` blocks.
+                        let dead = self.kv.dead_before(cached as u32) as usize;
+                        let fit = ((max_held + dead) * bs).saturating_sub(cached);
+                        take = take.min(budget).min(fit);
                     }
                     // `count_prefix_hits` of the prefix finds the same hits: it keeps
                     // at least one token to compute, and `take >= 1` is past them.
@@ -200,12 +220,15 @@ impl Scheduler {
                     if self.chunked {
                         // At least one token for each of the sequences after this one.
                         let left = seqs.len() - i - 1;
-                        end = end.min(budget.saturating_sub(tokens_needed + left));
+                        let fit = max_held * bs;
+                        end = end
+                            .min(budget.saturating_sub(tokens_needed + left))
+                            .min(fit);
                     }
                     let n = end as u32;
                     starved |= n == 0;
                     tokens_needed += end;
-                    blocks_needed += self.kv.blocks_for(n) - self.kv.dead_blocks(n);
+                    blocks_needed += self.kv.blocks_for(n) - self.kv.dead_before(0);
                     ends.push(n);
                 }
             }

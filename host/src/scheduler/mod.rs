@@ -63,8 +63,12 @@
 //!   non-final chunk is ignored (its computed full blocks are still committed to the
 //!   prefix cache). The sequence decodes from the next step on.
 //! * A mid-prefill sequence cannot be forked (an error): fork after its last chunk.
-//! * With a sliding window, a chunk's slots are those of a whole prefill ending where
-//!   the chunk ends: the positions wholly before the window get `PAD_SLOT`.
+//! * A first chunk holds at most the blocks one sequence of its request may hold at
+//!   once (see liveness below: with a sliding window, fewer than a long prompt's).
+//! * With a sliding window, a step's new tokens all get slots, and the blocks wholly
+//!   before the window of its *first* new token are all a step releases (a chunk's
+//!   early queries still read the blocks its later ones no longer see; see
+//!   [`KvCacheManager::append_chunk`](crate::block::KvCacheManager::append_chunk)).
 //!
 //! A step's [`Batch`] lists its decodes first ([`Batch::num_decodes`] of them), then the
 //! continuing chunks (their rows are moved after the decoding rows when needed, dirty
@@ -95,7 +99,9 @@
 //! decodes.) It holds by construction:
 //! * *A group fits the pool alone.* `add_request` refuses a request whose sequence
 //!   would outgrow the usable pool (`prompt + max_tokens` tokens, at most
-//!   `max_model_len`; with a sliding window, the window's blocks plus one), and
+//!   `max_model_len`; with a sliding window and chunked prefill, the window's blocks
+//!   plus one: without chunked prefill, a (re)computed prefill holds all its
+//!   tokens' blocks at once), and
 //!   [`Scheduler::fork`] refuses a fork after which the group's sequences together
 //!   could outgrow it or a step's token budget, or exceed `max_num_seqs`.
 //! * *The oldest running group is never preempted*: step 1 counts each group's next

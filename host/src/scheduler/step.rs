@@ -60,6 +60,11 @@ impl Scheduler {
         b.swap_in.clear();
         b.preempted.clear();
 
+        // 0. With a sliding window, release what no query of this step sees, so the
+        // counts below see those blocks free.
+        if self.cfg.sliding_window.is_some() {
+            self.slide_windows()?;
+        }
         // 1. Room for every running sequence's next token, oldest groups first.
         self.make_room()?;
         // 2. Swap in, oldest first, above the watermark (when others run), when nobody
@@ -144,25 +149,18 @@ impl Scheduler {
                 self.batch.slot_mapping.push(slot);
             } else {
                 let before = seq.table.num_blocks();
-                let live_before = seq.table.first_live() as usize;
                 let copies_before = self.batch.copies.len();
                 let slot = self
                     .kv
                     .append_slot(&mut seq.table, &mut self.batch.copies)?;
                 self.batch.slot_mapping.push(slot);
-                // Only entries that changed: a new (or copied-on-write) last block,
-                // and the entries a sliding window released.
+                // Only the entry that changed: a new (or copied-on-write) last block
+                // (a window's releases were written by `slide_windows`).
                 let n = seq.table.num_blocks();
                 let last = n - 1;
                 if (n != before || self.batch.copies.len() != copies_before) && last < w {
                     self.batch.block_tables[row * w + last] = seq.table.last_block() as i32;
                     self.batch.mark_dirty(row, last, last + 1);
-                }
-                let live = (seq.table.first_live() as usize).min(w);
-                if live > live_before {
-                    self.batch.block_tables[row * w + live_before..row * w + live]
-                        .fill(NULL_BLOCK as i32);
-                    self.batch.mark_dirty(row, live_before, live);
                 }
                 // (Its hashes, and so its hot `commit_at`, are as they were: a new
                 // or copied block is partial.)
@@ -180,6 +178,26 @@ impl Scheduler {
                 num_cached_tokens: 0,
                 samples: true,
             });
+        }
+        Ok(())
+    }
+
+    /// Step 0 (with a sliding window): releases, for every running sequence, the
+    /// blocks wholly before the window of the first position this step appends (see
+    /// the window's release rule in `block::table::append`), and writes their batch
+    /// entries `NULL_BLOCK`. The appends of step 3 then release nothing more.
+    fn slide_windows(&mut self) -> Result<()> {
+        let w = self.batch.max_blocks_per_seq as usize;
+        for row in 0..self.rows.len() {
+            let seq = self.seqs.get_mut(&self.rows[row]).unwrap();
+            let live_before = (seq.table.first_live() as usize).min(w);
+            let released = self.kv.slide_window(&mut seq.table)?;
+            let live = (seq.table.first_live() as usize).min(w);
+            if released > 0 && live > live_before {
+                self.batch.block_tables[row * w + live_before..row * w + live]
+                    .fill(NULL_BLOCK as i32);
+                self.batch.mark_dirty(row, live_before, live);
+            }
         }
         Ok(())
     }
@@ -281,17 +299,15 @@ impl Scheduler {
         plan.tokens = plan.tokens.saturating_sub(take);
         let offset = self.batch.slot_mapping.len() as u32;
         let seq = self.seqs.get_mut(&id).unwrap();
-        for _ in 0..take {
-            self.kv
-                .append_slot(&mut seq.table, &mut self.batch.copies)?;
-        }
+        // One step's appends: a sliding window releases only what the chunk's first
+        // query no longer sees.
+        self.kv.append_chunk(
+            &mut seq.table,
+            take as u32,
+            &mut self.batch.copies,
+            &mut self.batch.slot_mapping,
+        )?;
         let end = seq.table.num_tokens();
-        // Looked up after the whole chunk: a sliding window may have released the
-        // blocks of its first tokens (their K/V is not stored: `PAD_SLOT`, as in a
-        // whole prefill), and another sequence may take them this step.
-        for pos in start..end {
-            self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
-        }
         let (request, samples) = (seq.request, end == prefill_end);
         // Several entries may change (new blocks, a copy, a window's releases): the
         // whole row is rewritten (chunks are few).

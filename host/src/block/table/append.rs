@@ -10,6 +10,20 @@
 //!   device blocks appends take, so the scheduler can make room before it appends.
 //! * The common append (a slot in a partial last block held alone, no window) is
 //!   `append_in_place`: inline, reading no heap memory.
+//!
+//! # The sliding window's release rule
+//! The query at position `p` attends to positions `p + 1 - w ..= p`. Every position a
+//! step appends is a query of that step, and the kernels read the keys of all of them
+//! at once, so the blocks a step may release are those wholly before the window of
+//! its *first* new position, the table's `num_tokens` before the step
+//! ([`KvCacheManager::dead_before`]): [`KvCacheManager::slide_window`] releases them,
+//! and every append ([`append_slot`](KvCacheManager::append_slot), one position, a
+//! decode; [`append_chunk`](KvCacheManager::append_chunk), a chunk of a prefill)
+//! slides first. A chunk keeps every block its first query still sees; what it leaves
+//! behind goes at the sequence's next step. (Releasing by the *last* new position
+//! freed blocks the chunk's earlier queries still read: their rows came out NaN.) A
+//! scheduler slides every running table at the start of a step, before it counts the
+//! free blocks the step's appends take.
 
 use super::{BlockTable, KvCacheManager, Location};
 use crate::block::pool::{BlockId, NULL_BLOCK};
@@ -86,14 +100,54 @@ impl KvCacheManager {
         Ok(cost)
     }
 
-    /// Gives position `num_tokens` of `t` a slot and returns it. Allocates only when
-    /// the last block is full; copies a shared partial last block first and pushes the
-    /// `(src, dst)` pair onto `copies`. Nothing changes on error.
+    /// Gives position `num_tokens` of `t` a slot and returns it: a step that appends
+    /// one position (a decode). Allocates only when the last block is full; copies a
+    /// shared partial last block first and pushes the `(src, dst)` pair onto `copies`.
+    /// With a sliding window, first releases the blocks wholly before the new
+    /// position's window (see the module docs). Nothing changes on error.
+    ///
+    /// A step that appends several positions whose queries run together (a chunk of a
+    /// prefill) is [`append_chunk`](Self::append_chunk): appending them one by one
+    /// would release blocks the chunk's first queries still read.
     pub fn append_slot(&mut self, t: &mut BlockTable, copies: &mut Vec<(u32, u32)>) -> Result<i64> {
+        self.check_appendable(t)?;
+        self.slide(t);
+        self.push_slot(t, copies)
+    }
+
+    /// Gives the next `n` positions of `t` slots in one step (a chunk of a prefill,
+    /// whose queries attend together), pushing each slot onto `slots`: with a sliding
+    /// window, first releases only the blocks wholly before the window of the first
+    /// of them (see the module docs), then appends as [`append_slot`](Self::append_slot)
+    /// does. On error (the pool runs out) the positions appended so far keep their
+    /// slots (their slots are pushed) and the error is returned.
+    pub fn append_chunk(
+        &mut self,
+        t: &mut BlockTable,
+        n: u32,
+        copies: &mut Vec<(u32, u32)>,
+        slots: &mut Vec<i64>,
+    ) -> Result<()> {
+        self.check_appendable(t)?;
+        self.slide(t);
+        for _ in 0..n {
+            slots.push(self.push_slot(t, copies)?);
+        }
+        Ok(())
+    }
+
+    /// [`Error::InvalidArgument`] for a table of another manager, [`Error::InvalidState`]
+    /// for a swapped-out one.
+    fn check_appendable(&self, t: &BlockTable) -> Result<()> {
         self.check(t)?;
         if t.location != Location::Device {
             return Err(Error::InvalidState("append to a swapped-out table".into()));
         }
+        Ok(())
+    }
+
+    /// The append of one position to a checked device table, the window left as is.
+    fn push_slot(&mut self, t: &mut BlockTable, copies: &mut Vec<(u32, u32)>) -> Result<i64> {
         let bs = self.block_size;
         let pos = t.num_tokens;
         let b = if pos.is_multiple_of(bs) {
@@ -120,7 +174,6 @@ impl KvCacheManager {
         t.num_tokens = pos + 1;
         self.device.add_fill(1);
         t.last = b;
-        self.slide_window(t);
         Ok(b as i64 * bs as i64 + (pos % bs) as i64)
     }
 
@@ -147,12 +200,24 @@ impl KvCacheManager {
         Some(b as i64 * self.block_size as i64 + off as i64)
     }
 
-    /// Releases the blocks wholly before the sliding window (entries become
-    /// [`NULL_BLOCK`]).
-    fn slide_window(&mut self, t: &mut BlockTable) {
-        let Some(w) = self.window else { return };
-        let first_pos = t.num_tokens.saturating_sub(w);
-        let dead = first_pos / self.block_size;
+    /// Releases the blocks of device table `t` wholly before the sliding window of its
+    /// next position (`num_tokens`, the first its next step appends; entries become
+    /// [`NULL_BLOCK`]), and returns how many entries it released. Idempotent until the
+    /// table grows; does nothing without a window or for a swapped-out table. Errors
+    /// on a table of another manager.
+    pub fn slide_window(&mut self, t: &mut BlockTable) -> Result<u32> {
+        self.check(t)?;
+        if t.location != Location::Device {
+            return Ok(0);
+        }
+        let before = t.first_live;
+        self.slide(t);
+        Ok(t.first_live - before)
+    }
+
+    /// [`slide_window`](Self::slide_window) of a checked device table.
+    fn slide(&mut self, t: &mut BlockTable) {
+        let dead = self.dead_before(t.num_tokens);
         while t.first_live < dead {
             let i = t.first_live as usize;
             if t.blocks()[i] != NULL_BLOCK {

@@ -5,8 +5,11 @@
 //! * Every entry of a device table is [`NULL_BLOCK`] or a block whose `ref_cnt` counts
 //!   it; every entry of a host (swapped) table likewise in the host pool.
 //! * Token position `p < num_tokens` of a table lives in slot
-//!   `blocks[p / block_size] * block_size + p % block_size`; entries before a sliding
-//!   window are `NULL_BLOCK`.
+//!   `blocks[p / block_size] * block_size + p % block_size`. With a sliding window,
+//!   the entries wholly before the window of the first position the table's last
+//!   step appended are `NULL_BLOCK` (released), and every later entry is held: a
+//!   step's queries read every position any of them attends to (the release rule in
+//!   `append`).
 //! * A sequence only ever writes into a block it holds alone: [`KvCacheManager::append_slot`]
 //!   copies a shared partial last block first (copy-on-write) and reports the
 //!   `(src, dst)` pair for the `copy_blocks` kernel. Full blocks are never written
@@ -319,9 +322,9 @@ impl KvCacheManager {
         self.window
     }
 
-    /// Slot of token position `pos` of a device table; [`PAD_SLOT`] for a position a
-    /// sliding window has already released (a prefill longer than the window computes
-    /// those tokens, but their K/V is never stored). Errors: a table of another manager
+    /// Slot of token position `pos` of a device table; [`PAD_SLOT`] for a position
+    /// whose block a sliding window has released (one an earlier step appended: a
+    /// step's own positions always have slots). Errors: a table of another manager
     /// or swapped out, a position without a slot (`pos >= num_tokens`).
     pub fn slot(&self, t: &BlockTable, pos: u32) -> Result<i64> {
         self.check(t)?;
@@ -347,11 +350,14 @@ impl KvCacheManager {
         num_tokens.div_ceil(self.block_size)
     }
 
-    /// Leading blocks a table of `num_tokens` tokens no longer needs: those wholly
-    /// before the sliding window.
-    pub fn dead_blocks(&self, num_tokens: u32) -> u32 {
+    /// Leading blocks that no query at position `first` or later attends to: those
+    /// wholly before the sliding window of position `first` (`first + 1 - w ..=
+    /// first`); 0 without a window. A step whose first new position is `first` may
+    /// release them, and needs every later block (see the window's release rule in
+    /// `append`).
+    pub fn dead_before(&self, first: u32) -> u32 {
         match self.window {
-            Some(w) => num_tokens.saturating_sub(w) / self.block_size,
+            Some(w) => (first as u64 + 1).saturating_sub(w as u64) as u32 / self.block_size,
             None => 0,
         }
     }

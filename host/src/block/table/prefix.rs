@@ -41,17 +41,22 @@ impl KvCacheManager {
         (hits, free)
     }
 
-    /// Free device blocks a prefill of `tokens` would take: its blocks inside the
-    /// window, less prefix hits, plus the hits that sit in the free queue.
+    /// Free device blocks a prefill of `tokens` would take: its blocks from the window
+    /// of its first computed token on (with a sliding window, the step's queries read
+    /// them all), less prefix hits, plus the hits that sit in the free queue.
     pub fn prefill_cost(&self, tokens: &[u32], salt: Option<u64>) -> u32 {
         let n = tokens.len() as u32;
         let (hits, hits_free) = self.count_prefix_hits(tokens, salt);
-        self.blocks_for(n) - self.dead_blocks(n) - hits + hits_free
+        // (No hits with a window: `dead` and `hits` are never both nonzero.)
+        let dead = self.dead_before(hits * self.block_size);
+        self.blocks_for(n) - dead - hits + hits_free
     }
 
     /// Gives an empty table slots for every position of `tokens`, reusing cached prefix
-    /// blocks. Positions before a sliding window get no block ([`NULL_BLOCK`] entries,
-    /// [`PAD_SLOT`](crate::block::PAD_SLOT) slots). Returns the number of leading
+    /// blocks: one step's prefill, whose queries attend together, so with a sliding
+    /// window only the blocks wholly before the window of its first computed position
+    /// get no block ([`NULL_BLOCK`] entries; the rest of the window's release waits for
+    /// the sequence's next step, see `append`). Returns the number of leading
     /// tokens whose KV is already cached (a multiple of the block size, less than
     /// `tokens.len()`). Nothing changes on error.
     pub fn allocate_prefill(
@@ -91,7 +96,8 @@ impl KvCacheManager {
             parent = Some(h);
         }
         let n = tokens.len() as u32;
-        let dead = self.dead_blocks(n);
+        let dead = self.dead_before(hits * self.block_size);
+        debug_assert!(dead == 0 || hits == 0, "prefix hits under a window");
         while (t.blocks().len() as u32) < self.blocks_for(n) {
             let b = if (t.blocks().len() as u32) < dead {
                 NULL_BLOCK
