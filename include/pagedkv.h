@@ -110,8 +110,10 @@ typedef struct pagedkv_scheduled_seq {
     uint32_t reserved;       /* 0 */
 } pagedkv_scheduled_seq;
 
-/* A step's batch: device-ready arrays. The library owns them; they stay valid until
- * the next pagedkv_step() or pagedkv_scheduler_destroy() on the same scheduler. */
+/* A step's batch: device-ready arrays. The library owns them; they stay valid, and
+ * unchanged, until the next pagedkv_step() or pagedkv_scheduler_destroy() on the same
+ * scheduler: pagedkv_on_step_done() and pagedkv_abort() in between (a sequence that
+ * finishes or is aborted) leave them as they were. */
 typedef struct pagedkv_batch {
     uint64_t num_seqs;                   /* scheduled sequences; 0: nothing could run */
     const pagedkv_scheduled_seq *seqs;   /* [num_seqs]; seqs[i] owns row i below */
@@ -171,7 +173,8 @@ pagedkv_status pagedkv_scheduler_destroy(pagedkv_scheduler *s);
 
 /* Queues a request (the prompt is copied). *out_seq receives its sequence id. An empty
  * prompt, zero max_tokens, a duplicate id, or a request that could never fit the pool
- * or max_model_len is PAGEDKV_ERR_INVALID_ARGUMENT. */
+ * or max_model_len is PAGEDKV_ERR_INVALID_ARGUMENT. prompt_len is checked (at least 1,
+ * prompt_len + max_tokens at most max_model_len) before req->prompt is read. */
 pagedkv_status pagedkv_add_request(pagedkv_scheduler *s, const pagedkv_request *req,
                                    uint64_t *out_seq);
 

@@ -256,11 +256,14 @@ pub unsafe extern "C" fn pagedkv_scheduler_destroy(s: *mut pagedkv_scheduler) ->
     })
 }
 
-/// Queues a request; `*out_seq` receives its first sequence's id.
+/// Queues a request; `*out_seq` receives its first sequence's id. `req->prompt_len`
+/// (at least 1, and with `max_tokens` at most `max_model_len`) is checked before
+/// `req->prompt` is read.
 ///
 /// # Safety
-/// `req` is null or valid for a read, and `req->prompt` for `req->prompt_len` reads;
-/// `out_seq` is null or valid for a write.
+/// `req` is null or valid for a read, and `req->prompt` for `req->prompt_len` reads
+/// (only read once `prompt_len` passed the checks above); `out_seq` is null or valid
+/// for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pagedkv_add_request(
     s: *mut pagedkv_scheduler,
@@ -276,10 +279,23 @@ pub unsafe extern "C" fn pagedkv_add_request(
         if r.prompt.is_null() {
             return fail(PAGEDKV_ERR_NULL, "req->prompt is null");
         }
-        if r.prompt_len > (1 << 24) {
+        // The counts checked against the scheduler's own limits before the prompt is
+        // read: `prompt` is only trusted for `prompt_len` reads when that many tokens
+        // could be a request at all.
+        let max_len = h.inner.config().max_model_len as u64;
+        if r.prompt_len == 0 {
             return fail(
                 PAGEDKV_ERR_INVALID_ARGUMENT,
-                format!("req->prompt_len {} is implausibly large", r.prompt_len),
+                "invalid argument `req->prompt_len`: 0 (a prompt holds at least one token)",
+            );
+        }
+        if r.prompt_len.saturating_add(r.max_tokens as u64) > max_len {
+            return fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!(
+                    "invalid argument `req->prompt_len`: {} prompt + {} output tokens exceed max_model_len {max_len} (nothing was read)",
+                    r.prompt_len, r.max_tokens
+                ),
             );
         }
         if r.stop_token < -1 || r.stop_token > u32::MAX as i64 {

@@ -19,8 +19,9 @@
 //! ([`pagedkv_scheduled_seq`], prefill or decode), their block tables padded with the
 //! null block 0, the slot of every new token, and the block copies and swaps to do
 //! first. An empty batch (`num_seqs == 0`) means nothing could run. The library owns
-//! every array: they stay valid until the next `pagedkv_step` or
-//! `pagedkv_scheduler_destroy` on that scheduler. `block_tables`, `context_lens` and
+//! every array: they stay valid and unchanged until the next `pagedkv_step` or
+//! `pagedkv_scheduler_destroy` on that scheduler (the Rust scheduler defers the row
+//! moves of sequences that finish or are aborted to its next step). `block_tables`, `context_lens` and
 //! `slot_mapping` point straight into the Rust scheduler's own batch; the sequence list
 //! and the pair lists are converted to C layout into the handle's [`StepLists`].
 //!
@@ -59,8 +60,9 @@ pub struct pagedkv_scheduled_seq {
     pub reserved: u32,
 }
 
-/// A step's batch. Every pointer stays valid until the next `pagedkv_step` or
-/// `pagedkv_scheduler_destroy` on the same scheduler; the library owns the arrays.
+/// A step's batch. Every pointer stays valid, and the arrays unchanged, until the next
+/// `pagedkv_step` or `pagedkv_scheduler_destroy` on the same scheduler (whatever
+/// `pagedkv_on_step_done` and `pagedkv_abort` do in between); the library owns them.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct pagedkv_batch {

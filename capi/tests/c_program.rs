@@ -251,6 +251,12 @@ fn the_hostile_program_gets_errors_never_crashes_and_prints_nothing_to_stderr() 
     // The library never writes to the host's stderr, not even for a panic inside.
     assert_eq!(err, "", "stderr:\n{err}\nstdout:\n{out}");
     assert!(out.ends_with("ok\n"), "{out}");
+    // A step's arrays stay as they were through on_step_done and abort.
+    assert_eq!(
+        line(&out, "check batch_stays "),
+        "check batch_stays same=yes"
+    );
+    assert_eq!(line(&out, "check batch_next "), "check batch_next rows=2");
     // Destroy raced calls from three threads 400 times: every call either ran or was
     // refused (destroyed, or inside a call), and both happened.
     assert_eq!(
@@ -283,6 +289,16 @@ fn the_hostile_program_gets_errors_never_crashes_and_prints_nothing_to_stderr() 
         // The host's layout check or the C ABI's own: either names num_blocks.
         ("huge_layout", 2, "invalid argument `num_blocks`: "),
         ("huge_shape", 2, "invalid argument `num_blocks`"),
+        // prompt_len is checked against max_model_len before the prompt is read.
+        (
+            "prompt_len_0",
+            2,
+            "`req->prompt_len`: 4096 prompt + 1 output tokens exceed max_model_len 256",
+        ),
+        ("prompt_len_1", 2, "`req->prompt_len`: 4097 prompt"),
+        ("prompt_len_2", 2, "`req->prompt_len`: 2000 prompt"),
+        ("prompt_len_3", 2, "`req->prompt_len`: 1048576 prompt"),
+        ("prompt_len_fits", 0, ""),
     ] {
         let l = line(&out, &format!("check {what} "));
         assert!(l.contains(&format!("status={status} ")), "{l}");

@@ -460,8 +460,14 @@ impl Model {
             let computed = self.s.num_computed(seq).unwrap() as usize;
             let tokens = self.s.tokens(seq).unwrap();
             // The blocks wholly before the window of the last step's first new
-            // position are released; every later one is held.
-            let start = self.last_start.get(&seq).copied().unwrap_or(0);
+            // position are released; every later one is held. (A swapped-out table
+            // was slid at the start of the step that swapped it out, to its next
+            // position.)
+            let start = if t.location() == Location::Host {
+                t.num_tokens()
+            } else {
+                self.last_start.get(&seq).copied().unwrap_or(0)
+            };
             let first = window_start(self.s.config().sliding_window, start) as usize / bs;
             for (i, &b) in t.blocks().iter().enumerate() {
                 if i < first {

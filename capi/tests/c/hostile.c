@@ -165,7 +165,75 @@ static int step_done_counts(void) {
     return pagedkv_scheduler_destroy(s) != PAGEDKV_OK;
 }
 
+/* prompt_len against max_model_len (256) before the prompt is read: a 4-token stack
+ * buffer with prompt_len far beyond it (the 2^20 one once read 4 MiB past it). */
+static int prompt_len_first(void) {
+    pagedkv_scheduler *s = make();
+    if (!s) return 1;
+    uint32_t prompt[4] = {1, 2, 3, 4};
+    const uint64_t lens[4] = {4096, 4097, 2000, 1u << 20};
+    for (int i = 0; i < 4; i++) {
+        pagedkv_request r = {.id = 1, .prompt = prompt, .prompt_len = lens[i],
+                             .max_tokens = 1, .stop_token = -1};
+        uint64_t seq = 0;
+        char what[32];
+        snprintf(what, sizeof what, "prompt_len_%d", i);
+        report(what, pagedkv_add_request(s, &r, &seq));
+    }
+    /* 255 + 1 = max_model_len: read, and accepted. */
+    pagedkv_request r = {.id = 2, .prompt = prompt, .prompt_len = 4, .max_tokens = 252,
+                         .stop_token = -1};
+    uint64_t seq = 0;
+    report("prompt_len_fits", pagedkv_add_request(s, &r, &seq));
+    return pagedkv_scheduler_destroy(s) != PAGEDKV_OK;
+}
+
+/* A step's arrays stay as they were until the next step, whatever on_step_done and
+ * abort do in between (a row that leaves moved the last one into its place, in the
+ * arrays the caller still held). */
+static int batch_stays(void) {
+    pagedkv_scheduler *s = make();
+    if (!s) return 1;
+    uint32_t prompt[20];
+    for (int i = 0; i < 20; i++) prompt[i] = (uint32_t)(i + 1);
+    for (uint64_t id = 1; id <= 4; id++) {
+        /* Request 1 finishes at its prefill; 2 is aborted; 3 and 4 run on. */
+        pagedkv_request r = {.id = id, .prompt = prompt, .prompt_len = 4 * id,
+                             .max_tokens = id == 1 ? 1 : 8, .stop_token = -1};
+        uint64_t seq = 0;
+        if (pagedkv_add_request(s, &r, &seq) != PAGEDKV_OK) return 1;
+    }
+    pagedkv_batch b;
+    if (pagedkv_step(s, &b) != PAGEDKV_OK || b.num_seqs != 4) return 1;
+    uint64_t n = b.num_seqs * b.max_blocks_per_seq;
+    int32_t tables[4 * 16], lens[4];
+    if (n > 4 * 16) return 1;
+    memcpy(tables, b.block_tables, n * sizeof *tables);
+    memcpy(lens, b.context_lens, b.num_seqs * sizeof *lens);
+    pagedkv_sampled out[4];
+    for (uint64_t i = 0; i < b.num_seqs; i++)
+        out[i] = (pagedkv_sampled){.seq = b.seqs[i].seq, .token = 42, .reserved = 0};
+    uint64_t done = 0;
+    if (pagedkv_on_step_done(s, out, b.num_seqs, &done) != PAGEDKV_OK || done != 1) return 1;
+    if (pagedkv_abort(s, 2) != PAGEDKV_OK) return 1;
+    int same = memcmp(tables, b.block_tables, n * sizeof *tables) == 0 &&
+               memcmp(lens, b.context_lens, b.num_seqs * sizeof *lens) == 0;
+    printf("check batch_stays same=%s\n", same ? "yes" : "no");
+    /* The next step has the two rows left. */
+    if (pagedkv_step(s, &b) != PAGEDKV_OK) return 1;
+    printf("check batch_next rows=%llu\n", (unsigned long long)b.num_seqs);
+    return pagedkv_scheduler_destroy(s) != PAGEDKV_OK;
+}
+
 int main(void) {
+    if (prompt_len_first() != 0) {
+        printf("prompt_len setup failed\n");
+        return 1;
+    }
+    if (batch_stays() != 0) {
+        printf("batch_stays setup failed\n");
+        return 1;
+    }
     if (race() != 0) {
         printf("race setup failed\n");
         return 1;

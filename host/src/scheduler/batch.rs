@@ -9,6 +9,12 @@
 //! whole, a decode only the entries it changed): the list collects the changes since
 //! the last `step()` handed one out, so a device copy kept up to date batch by batch
 //! never misses a change made between steps (a fork, an abort).
+//!
+//! A batch `step()` handed out stays as it was until the next `step()` (the C ABI
+//! hands out pointers into it): a sequence that leaves between steps (it finished in
+//! `on_step_done`, or was aborted) leaves `rows` at once, but the move of the last row
+//! into its place is recorded and applied to the arrays at the start of the next step,
+//! or before a row is pushed (a fork).
 
 use super::{PreemptionMode, RequestId, Scheduler, SeqId};
 use crate::block::NULL_BLOCK;
@@ -90,6 +96,12 @@ pub struct Batch {
     pub dirty: Vec<RowRange>,
     /// `dirty` was handed out by the last `step()`: the next change starts a new list.
     pub(super) dirty_sent: bool,
+    /// The batch is handed out (from `step()` until the next one begins): row removals
+    /// wait in `moves`.
+    pub(super) out: bool,
+    /// `(dst, src)` row moves removals deferred while the batch was out, in order; the
+    /// arrays are then cut to the rows left.
+    pub(super) moves: Vec<(u32, u32)>,
 }
 
 /// A run of changed entries in one block-table row of a [`Batch`].
@@ -140,8 +152,30 @@ impl Scheduler {
         self.seqs.set_commit_at(seq, commit_at);
     }
 
+    /// Applies the row moves deferred while the last batch was out, and cuts the arrays
+    /// to the rows left; from here on changes go straight to the arrays.
+    pub(super) fn settle_rows(&mut self) {
+        let b = &mut self.batch;
+        b.out = false;
+        let w = b.max_blocks_per_seq as usize;
+        let rows = self.rows.len();
+        if b.moves.is_empty() && b.context_lens.len() == rows {
+            return;
+        }
+        for i in 0..b.moves.len() {
+            let (dst, src) = (b.moves[i].0 as usize, b.moves[i].1 as usize);
+            b.block_tables.copy_within(src * w..(src + 1) * w, dst * w);
+            b.context_lens[dst] = b.context_lens[src];
+            b.mark_dirty(dst, 0, w);
+        }
+        b.moves.clear();
+        b.block_tables.truncate(rows * w);
+        b.context_lens.truncate(rows);
+    }
+
     /// Gives running sequence `seq` the next batch row.
     pub(super) fn push_row(&mut self, seq: SeqId) {
+        self.settle_rows();
         let row = self.rows.len();
         self.rows.push(seq);
         let w = self.batch.max_blocks_per_seq as usize;
@@ -171,24 +205,32 @@ impl Scheduler {
     }
 
     /// Takes sequence `seq` out of the batch rows: the last row moves into its place
-    /// (and is dirty whole there).
+    /// (and is dirty whole there). While the batch is out the arrays' part waits for
+    /// [`settle_rows`](Self::settle_rows) (see the module docs).
     pub(super) fn remove_row(&mut self, seq: SeqId) {
         let row = self.seqs.cold(seq).row;
         let last = self.rows.len() - 1;
-        let w = self.batch.max_blocks_per_seq as usize;
         if row != last {
             let moved = self.rows[last];
             self.rows[row] = moved;
-            self.batch
-                .block_tables
-                .copy_within(last * w..(last + 1) * w, row * w);
-            self.batch.context_lens[row] = self.batch.context_lens[last];
             self.seqs.cold_mut(moved).row = row;
-            self.batch.mark_dirty(row, 0, w);
+            if self.batch.out {
+                self.batch.moves.push((row as u32, last as u32));
+            } else {
+                let w = self.batch.max_blocks_per_seq as usize;
+                self.batch
+                    .block_tables
+                    .copy_within(last * w..(last + 1) * w, row * w);
+                self.batch.context_lens[row] = self.batch.context_lens[last];
+                self.batch.mark_dirty(row, 0, w);
+            }
         }
         self.rows.pop();
-        self.batch.block_tables.truncate(last * w);
-        self.batch.context_lens.truncate(last);
+        if !self.batch.out {
+            let w = self.batch.max_blocks_per_seq as usize;
+            self.batch.block_tables.truncate(last * w);
+            self.batch.context_lens.truncate(last);
+        }
         self.seqs.cold_mut(seq).row = usize::MAX;
     }
 }

@@ -48,6 +48,8 @@ impl Scheduler {
                 "step() called again before on_step_done()".into(),
             ));
         }
+        // The rows that left since the last step leave the arrays now.
+        self.settle_rows();
         let b = &mut self.batch;
         b.mark_dirty(0, 0, 0); // starts a new list if the last one was handed out
         b.seqs.clear();
@@ -96,6 +98,7 @@ impl Scheduler {
         let rows = self.rows.len() as u32;
         self.batch.dirty.retain(|r| r.row < rows);
         self.batch.dirty_sent = true;
+        self.batch.out = true;
         self.in_step = !self.batch.seqs.is_empty();
         self.update_metrics();
         Ok(&self.batch)
