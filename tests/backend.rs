@@ -321,3 +321,37 @@ fn the_reported_windowed_prefills_have_no_nan_rows() {
         }
     }
 }
+
+/// An fp8 cache with 1 or 3 KV heads (MQA, and a head count whose `[2, kv_heads]` f32
+/// scales are not a multiple of 16 bytes): once every kv_append refused the layer's
+/// scales ("row stride 2 must be ... a multiple of 16 bytes"). Served end to end,
+/// every output against f64 attention over what the cache holds.
+#[test]
+fn fp8_caches_with_one_or_three_kv_heads_serve() {
+    for (qh, kvh) in [(4u32, 1u32), (6, 3)] {
+        let shape = StepShape {
+            num_q_heads: qh,
+            num_kv_heads: kvh,
+            head_dim: 64,
+            block_size: 8,
+            num_blocks: 32,
+            dtype: DType::F16,
+            kv_dtype: DType::E4m3,
+        };
+        let mut be = CpuBackend::new(BackendConfig::new(shape, 2, 4, 8)).unwrap();
+        let case = ServeCase {
+            sched: SchedulerConfig {
+                num_blocks: 32,
+                block_size: 8,
+                max_num_seqs: 4,
+                max_model_len: 64,
+                ..SchedulerConfig::default()
+            },
+            chunked: false,
+            requests: vec![((0..13).collect(), 4), ((5..30).collect(), 3)],
+            opts: DecodeOptions::new(64),
+        };
+        let s = serve_case(&mut be, &case);
+        assert!(s.checked > 0 && s.prefill_checked > 0, "{kvh} KV heads");
+    }
+}

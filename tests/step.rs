@@ -380,3 +380,117 @@ fn bad_views_and_metadata_are_errors_naming_the_argument() {
         "out",
     );
 }
+
+/// A stride near `u64::MAX` once wrapped the span `(rows - 1) * stride + row` around to
+/// a small count that passed; only the emulator's own bounds check then stopped the
+/// launch (on CUDA nothing would have: reads and writes outside the buffers).
+#[test]
+fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
+    let mut r = emu_runner();
+    r.plan(&two_rows()).unwrap();
+    let pool = [8 * 2 * 16 * 64];
+    let kc = HostTensor::full(DType::F16, &pool, 0.0);
+    let q = HostTensor::full(DType::F16, &[2, 4, 64], 0.0);
+    let mut out = HostTensor::full(DType::F16, &[2, 4, 64], 0.0);
+    for stride in [u64::MAX - 255, u64::MAX - 7, 1 << 63, u64::MAX] {
+        let e = r.decode(
+            &DecodeOptions::new(64),
+            DecodeIo {
+                q: TensorView::of_host(&q).with_row_stride(stride),
+                key_cache: TensorView::of_host(&kc),
+                value_cache: TensorView::of_host(&kc),
+                kv_scales: None,
+                out: TensorViewMut::of_host(&mut out),
+            },
+        );
+        names(e.unwrap_err(), "q");
+        let e = r.decode(
+            &DecodeOptions::new(64),
+            DecodeIo {
+                q: TensorView::of_host(&q),
+                key_cache: TensorView::of_host(&kc),
+                value_cache: TensorView::of_host(&kc),
+                kv_scales: None,
+                out: TensorViewMut::of_host(&mut out).with_row_stride(stride),
+            },
+        );
+        names(e.unwrap_err(), "out");
+    }
+}
+
+/// Two decoding sequences of 5 and 3 tokens in blocks 3 and 4 of [`emu_runner`]'s pool.
+fn two_rows() -> StepMeta<'static> {
+    StepMeta {
+        block_tables: &[3, 0, 4, 0],
+        max_blocks_per_seq: 2,
+        context_lens: &[5, 3],
+        slot_mapping: &[52, 66],
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(256), ..ProptestConfig::default() })]
+
+    /// Row strides anywhere in `u64`, most near its limits or powers of two, for q and
+    /// out over real buffers of random length: a decode either runs or is an error
+    /// naming the view, and it runs only when every row lies inside its buffer (the
+    /// emulator's bounds check would make any read or write outside it an error of
+    /// another kind).
+    #[test]
+    fn row_strides_near_the_limits_are_runs_inside_the_buffer_or_errors_naming_the_view(
+        q_stride in stride(),
+        out_stride in stride(),
+        q_extra in 0usize..1024,
+        out_extra in 0usize..1024,
+    ) {
+        let mut r = emu_runner();
+        r.plan(&two_rows()).unwrap();
+        let row = 4 * 64usize;
+        let kc = HostTensor::full(DType::F16, &[8 * 2 * 16 * 64], 0.5);
+        let q = HostTensor::full(DType::F16, &[2 * row + q_extra], 1.0);
+        let mut out = HostTensor::full(DType::F16, &[2 * row + out_extra], f64::NAN);
+        let fits = |stride: Option<u64>, len: usize| {
+            let s = stride.unwrap_or(row as u64) as u128;
+            s >= row as u128 && (s * 2).is_multiple_of(16) && s + row as u128 <= len as u128
+        };
+        let mut qv = TensorView::of_host(&q);
+        if let Some(s) = q_stride {
+            qv = qv.with_row_stride(s);
+        }
+        let mut ov = TensorViewMut::of_host(&mut out);
+        if let Some(s) = out_stride {
+            ov = ov.with_row_stride(s);
+        }
+        let res = r.decode(
+            &DecodeOptions::new(64),
+            DecodeIo {
+                q: qv,
+                key_cache: TensorView::of_host(&kc),
+                value_cache: TensorView::of_host(&kc),
+                kv_scales: None,
+                out: ov,
+            },
+        );
+        // (A dense view must be exactly two rows long.)
+        let q_ok = fits(q_stride, 2 * row + q_extra) && (q_stride.is_some() || q_extra == 0);
+        let out_ok = fits(out_stride, 2 * row + out_extra) && (out_stride.is_some() || out_extra == 0);
+        match res {
+            Ok(_) => prop_assert!(q_ok && out_ok, "ran with q {:?} out {:?}", q_stride, out_stride),
+            Err(Error::InvalidArgument { arg, .. }) => {
+                prop_assert!(!q_ok || !out_ok, "refused a good view");
+                prop_assert!(arg == "q" || arg == "out", "{}", arg);
+            }
+            Err(e) => prop_assert!(false, "not an argument error: {}", e),
+        }
+    }
+}
+
+/// A row stride: none (dense), near `u64::MAX`, near a power of two, or small.
+fn stride() -> impl Strategy<Value = Option<u64>> {
+    prop_oneof![
+        1 => Just(None),
+        2 => (0u64..4096).prop_map(|k| Some(u64::MAX - k)),
+        2 => (0u32..64, -8i64..8).prop_map(|(p, d)| Some((1u64 << p).wrapping_add(d as u64))),
+        3 => (0u64..2048).prop_map(Some),
+    ]
+}

@@ -54,11 +54,17 @@ pub fn config_kv(dtype: DType, kv_dtype: DType, split: SplitPolicy, scale: u32) 
     c
 }
 
-/// The fp8 scales of layer `li` (distinct per layer and KV head; the data is in
-/// [-1, 1), so it fits with room to spare).
+/// The fp8 scales of layer `li` for the base shape's 2 KV heads (see
+/// [`fp8_scales_for`]).
 pub fn fp8_scales(kv_dtype: DType, li: usize) -> KvScales {
+    fp8_scales_for(kv_dtype, li, 2)
+}
+
+/// The fp8 scales of layer `li` for `kvh` KV heads (distinct per layer and KV head; the
+/// data is in [-1, 1), so it fits with room to spare).
+pub fn fp8_scales_for(kv_dtype: DType, li: usize, kvh: usize) -> KvScales {
     let m = kv_dtype.max_finite();
-    let s = |base: f32| vec![base / m, (base + 0.5) / m];
+    let s = |base: f32| (0..kvh).map(|h| (base + 0.5 * h as f32) / m).collect();
     KvScales {
         k: s(1.0 + li as f32),
         v: s(1.25 + li as f32),
@@ -196,7 +202,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
     let (dtype, kv_dtype) = (c.shape.dtype, c.shape.kv_dtype);
     let mut cache = be.alloc_cache().unwrap();
     let scales: Vec<Option<KvScales>> = (0..layers)
-        .map(|li| kv_dtype.is_fp8().then(|| fp8_scales(kv_dtype, li)))
+        .map(|li| kv_dtype.is_fp8().then(|| fp8_scales_for(kv_dtype, li, kvh)))
         .collect();
     for (li, s) in scales.iter().enumerate() {
         if let Some(s) = s {

@@ -144,17 +144,33 @@ impl<D: StepDevice> StepRunner<D> {
             Some(s) => s,
             None => row,
         };
-        if stride < row || !(stride * size).is_multiple_of(16) {
+        // Each row after the first starts `stride` elements on: the kernels read rows
+        // in 16-byte vectors, so a stride must keep them 16-byte aligned (a dense view
+        // of one row, e.g. one layer's fp8 scales of 1 or 3 KV heads, has no stride to
+        // speak of).
+        let aligned = stride
+            .checked_mul(size)
+            .is_some_and(|b| b.is_multiple_of(16));
+        if stride < row || ((rows > 1 || v.row_stride.is_some()) && !aligned) {
             return Err(Error::invalid(
                 arg,
                 format!("row stride {stride} must be >= {row} elements and a multiple of 16 bytes"),
             ));
         }
-        let need = if rows == 0 {
-            0
-        } else {
-            (rows - 1) * stride + row
-        };
+        // Checked: a stride near u64::MAX once wrapped `(rows - 1) * stride + row`
+        // around to a small count that passed.
+        let need = match rows {
+            0 => Some(0),
+            _ => (rows - 1)
+                .checked_mul(stride)
+                .and_then(|n| n.checked_add(row)),
+        }
+        .ok_or_else(|| {
+            Error::invalid(
+                arg,
+                format!("{rows} rows of {row} elements, stride {stride}: the span overflows"),
+            )
+        })?;
         let ok = if strided && stride != row {
             elems >= need
         } else {
