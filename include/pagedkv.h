@@ -73,9 +73,9 @@ typedef struct pagedkv_scheduler pagedkv_scheduler;
 
 /* Scheduler settings. Start from pagedkv_scheduler_config_default(). */
 typedef struct pagedkv_scheduler_config {
-    uint32_t num_blocks;            /* device blocks; block 0 is the null (padding) block */
+    uint32_t num_blocks;            /* device blocks (2..2^24); block 0 is the null block */
     uint32_t block_size;            /* tokens per block: 8, 16 or 32 */
-    uint32_t num_host_blocks;       /* host blocks for swapping; 0: always recompute */
+    uint32_t num_host_blocks;       /* host blocks for swapping (at most 2^24); 0: recompute */
     uint32_t max_model_len;         /* longest sequence (prompt + output) */
     uint64_t max_num_seqs;          /* most running sequences */
     uint64_t max_tokens_per_step;   /* most tokens per step; at least max_model_len */

@@ -355,3 +355,24 @@ fn fp8_caches_with_one_or_three_kv_heads_serve() {
         assert!(s.checked > 0 && s.prefill_checked > 0, "{kvh} KV heads");
     }
 }
+
+/// A backend whose swap space would be `u32::MAX` blocks once aborted in
+/// `alloc_cache` (an allocation failure is an abort); now the config is refused by
+/// name, and pools at most `MAX_POOL_BLOCKS` are allocated fallibly.
+#[test]
+fn a_backend_beyond_the_pool_cap_is_refused_by_name() {
+    use pagedkv::host::block::MAX_POOL_BLOCKS;
+    for (host, blocks, arg) in [
+        (u32::MAX, NUM_BLOCKS, "num_host_blocks"),
+        (MAX_POOL_BLOCKS + 1, NUM_BLOCKS, "num_host_blocks"),
+        (0, i32::MAX as u32, "num_blocks"),
+    ] {
+        let mut c = config(DType::F32, SplitPolicy::Auto, 1);
+        c.num_host_blocks = host;
+        c.shape.num_blocks = blocks;
+        match CpuBackend::new(c) {
+            Err(Error::InvalidArgument { arg: a, .. }) => assert_eq!(a, arg),
+            other => panic!("expected an error naming {arg}, got {:?}", other.map(drop)),
+        }
+    }
+}

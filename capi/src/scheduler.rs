@@ -49,11 +49,11 @@ use crate::step::StepLists;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct pagedkv_scheduler_config {
-    /// Device blocks (block 0 is the null block).
+    /// Device blocks, 2 to 2^24 (`MAX_POOL_BLOCKS`; block 0 is the null block).
     pub num_blocks: u32,
     /// Tokens per block: 8, 16 or 32.
     pub block_size: u32,
-    /// Host blocks for swapping (0: preemption always recomputes).
+    /// Host blocks for swapping, at most 2^24 (0: preemption always recomputes).
     pub num_host_blocks: u32,
     /// Longest sequence (prompt + output).
     pub max_model_len: u32,
@@ -286,7 +286,7 @@ pub unsafe extern "C" fn pagedkv_add_request(
         if r.prompt_len == 0 {
             return fail(
                 PAGEDKV_ERR_INVALID_ARGUMENT,
-                "invalid argument `req->prompt_len`: 0 (a prompt holds at least one token)",
+                "invalid argument `req->prompt_len`: 0 (a prompt must hold at least one token)",
             );
         }
         if r.prompt_len.saturating_add(r.max_tokens as u64) > max_len {

@@ -299,6 +299,22 @@ fn the_hostile_program_gets_errors_never_crashes_and_prints_nothing_to_stderr() 
         ("prompt_len_2", 2, "`req->prompt_len`: 2000 prompt"),
         ("prompt_len_3", 2, "`req->prompt_len`: 1048576 prompt"),
         ("prompt_len_fits", 0, ""),
+        // Pools beyond the cap: refused by name, not an abort.
+        (
+            "pool_host_max",
+            2,
+            "invalid argument `num_host_blocks`: 4294967294 blocks: more than a pool may have",
+        ),
+        (
+            "pool_host_2e28",
+            2,
+            "invalid argument `num_host_blocks`: 268435456",
+        ),
+        (
+            "pool_blocks_i32",
+            2,
+            "invalid argument `num_blocks`: 2147483647",
+        ),
     ] {
         let l = line(&out, &format!("check {what} "));
         assert!(l.contains(&format!("status={status} ")), "{l}");

@@ -25,11 +25,22 @@ impl std::fmt::Debug for AlignedBuf {
 
 impl AlignedBuf {
     /// `len` zero bytes.
+    ///
+    /// # Panics
+    /// If the allocation fails (as `vec!` does); [`try_zeroed`](Self::try_zeroed)
+    /// returns `None` instead.
     pub fn zeroed(len: usize) -> Self {
-        Self {
-            chunks: vec![Chunk([0; 16]); len.div_ceil(16)],
-            len,
-        }
+        Self::try_zeroed(len).unwrap_or_else(|| panic!("allocation of {len} bytes failed"))
+    }
+
+    /// `len` zero bytes, or `None` when the allocation fails (for sizes that come from
+    /// a caller).
+    pub fn try_zeroed(len: usize) -> Option<Self> {
+        let n = len.div_ceil(16);
+        let mut chunks = Vec::new();
+        chunks.try_reserve_exact(n).ok()?;
+        chunks.resize(n, Chunk([0; 16]));
+        Some(Self { chunks, len })
     }
 
     /// A buffer holding a copy of `data`.

@@ -127,13 +127,20 @@ impl HostTensor {
     }
 
     /// A tensor of the given shape with every element `value`, or an error naming
-    /// `shape` when its size in bytes overflows `isize`.
+    /// `shape` when its size in bytes overflows `isize` or cannot be allocated.
     pub fn try_full(dtype: DType, shape: &[usize], value: f64) -> Result<Self> {
         let n = Self::checked_elems(dtype, shape)?;
+        let bytes = n * dtype.size();
+        let buf = AlignedBuf::try_zeroed(bytes).ok_or_else(|| {
+            Error::invalid(
+                "shape",
+                format!("{shape:?} of {dtype}: {bytes} bytes could not be allocated"),
+            )
+        })?;
         let mut t = HostTensor {
             dtype,
             shape: shape.to_vec(),
-            buf: AlignedBuf::zeroed(n * dtype.size()),
+            buf,
         };
         t.fill(value);
         Ok(t)

@@ -225,7 +225,31 @@ static int batch_stays(void) {
     return pagedkv_scheduler_destroy(s) != PAGEDKV_OK;
 }
 
+/* Pools beyond the library's cap (MAX_POOL_BLOCKS, 2^24): an error naming the field,
+ * not an allocation failure that aborts the process. */
+static void pool_caps(void) {
+    const struct {
+        const char *what;
+        uint32_t blocks, host;
+    } cases[] = {
+        {"pool_host_max", 64, UINT32_MAX - 1},
+        {"pool_host_2e28", 64, 1u << 28},
+        {"pool_blocks_i32", INT32_MAX, 0},
+    };
+    for (int i = 0; i < 3; i++) {
+        pagedkv_scheduler_config cfg;
+        pagedkv_scheduler_config_default(&cfg);
+        cfg.num_blocks = cases[i].blocks;
+        cfg.num_host_blocks = cases[i].host;
+        pagedkv_scheduler *s = NULL;
+        pagedkv_status st = pagedkv_scheduler_create(&cfg, &s);
+        report(cases[i].what, st);
+        if (st == PAGEDKV_OK) pagedkv_scheduler_destroy(s);
+    }
+}
+
 int main(void) {
+    pool_caps();
     if (prompt_len_first() != 0) {
         printf("prompt_len setup failed\n");
         return 1;

@@ -43,9 +43,13 @@ impl CpuBackend {
 
     /// Bytes of one host swap block (every pool's block) and of one pool's block.
     fn swap_geometry(&self) -> Result<(usize, usize)> {
-        let bb = self.core.config.block_bytes()? as usize;
+        let bb = usize::try_from(self.core.config.block_bytes()?)
+            .map_err(|_| Error::invalid("shape", "block size in bytes overflows"))?;
         let pools = 2 * self.core.config.num_layers;
-        Ok((bb * pools, bb))
+        let per = bb
+            .checked_mul(pools)
+            .ok_or_else(|| Error::invalid("num_layers", "swap block size overflows"))?;
+        Ok((per, bb))
     }
 }
 
@@ -85,7 +89,18 @@ impl AttentionBackend for CpuBackend {
         let bytes = per_block
             .checked_mul(c.num_host_blocks as usize)
             .ok_or_else(|| Error::invalid("num_host_blocks", "swap space overflows"))?;
-        self.swap = vec![0u8; bytes];
+        let mut swap = Vec::new();
+        swap.try_reserve_exact(bytes).map_err(|_| {
+            Error::invalid(
+                "num_host_blocks",
+                format!(
+                    "{} blocks of swap space ({bytes} bytes) could not be allocated",
+                    c.num_host_blocks
+                ),
+            )
+        })?;
+        swap.resize(bytes, 0);
+        self.swap = swap;
         Ok(PagedCache {
             layout: c.layout(),
             layers,

@@ -79,6 +79,7 @@ pub(crate) use core::{AsView, StepCore};
 
 use pagedkv_kernels::PagedLayout;
 
+use crate::block::MAX_POOL_BLOCKS;
 use crate::error::{Error, Result};
 use crate::ops::attention::DecodeOptions;
 use crate::ops::scales::{KvScales, check_cache_types};
@@ -108,7 +109,8 @@ pub struct BackendConfig {
     pub num_layers: usize,
     /// The most one step holds (the step buffers are allocated for it once).
     pub capacity: StepCapacity,
-    /// Host blocks for swapped-out sequences (the scheduler's `num_cpu_blocks`).
+    /// Host blocks for swapped-out sequences (the scheduler's `num_host_blocks`), at
+    /// most [`MAX_POOL_BLOCKS`].
     pub num_host_blocks: u32,
     /// How decode launches split.
     pub split: SplitPolicy,
@@ -162,6 +164,20 @@ impl BackendConfig {
                 "num_layers",
                 format!("{} (must be 1..=1024)", self.num_layers),
             ));
+        }
+        // The pools a backend allocates, at most what a scheduler's may hold.
+        for (arg, n) in [
+            ("num_blocks", self.shape.num_blocks),
+            ("num_host_blocks", self.num_host_blocks),
+        ] {
+            if n > MAX_POOL_BLOCKS {
+                return Err(Error::invalid(
+                    arg,
+                    format!(
+                        "{n} blocks: more than a pool may have ({MAX_POOL_BLOCKS}, MAX_POOL_BLOCKS)"
+                    ),
+                ));
+            }
         }
         Ok(())
     }

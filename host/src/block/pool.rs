@@ -31,7 +31,7 @@
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::error::{Error, Result};
-use crate::mem::{advise_huge_pages, huge_vec, prefetch};
+use crate::mem::{prefetch, try_huge_vec};
 
 /// A physical block id.
 pub type BlockId = u32;
@@ -43,6 +43,23 @@ pub const NULL_BLOCK: BlockId = 0;
 pub const PAD_SLOT: i64 = -1;
 
 const NIL: u32 = u32::MAX;
+
+/// The most blocks one pool may have (2^24), device or host, checked when it is
+/// created. A pool's bookkeeping is about 60 to 90 bytes a block (reference count,
+/// free-queue links, hash, the prefix-cache map at load at most 1/2), 1.5 GiB at this
+/// cap, allocated at once; the cap keeps a size that passes validation from asking for
+/// more memory than a host has (on a machine that overcommits, such an allocation
+/// succeeds and the process is killed when it touches the pages). 2^24 blocks of 16
+/// tokens are 2^28 token slots: more than any GPU's memory holds for a real model, and
+/// swap space of that many blocks is terabytes of host memory for one.
+pub const MAX_POOL_BLOCKS: u32 = 1 << 24;
+
+/// Bytes of bookkeeping a pool of `num_blocks` blocks allocates (an upper bound).
+pub fn pool_bookkeeping_bytes(num_blocks: u32) -> u64 {
+    let n = num_blocks as u64;
+    let map = (2 * n).next_power_of_two().max(16) * size_of::<[u64; 2]>() as u64;
+    n * (3 * size_of::<u32>() + size_of::<Option<BlockHash>>()) as u64 + map
+}
 
 /// The hash of a full block: a chain over the parent block's hash, the block's token
 /// ids, and an optional salt (so tenants can keep their caches apart). XXH3-64 of the
@@ -115,16 +132,15 @@ struct PrefixMap {
 }
 
 impl PrefixMap {
-    /// A map for at most `max_entries` entries.
-    fn new(max_entries: usize) -> Self {
+    /// A map for at most `max_entries` entries; `None` when the allocation fails.
+    fn new(max_entries: usize) -> Option<Self> {
         let cap = (2 * max_entries).next_power_of_two().max(16);
-        let slots = vec![[0u64; 2]; cap];
-        advise_huge_pages(&slots);
-        Self {
+        let slots = try_huge_vec(cap, [0u64; 2])?;
+        Some(Self {
             slots,
             shift: 64 - cap.trailing_zeros(),
             len: 0,
-        }
+        })
     }
 
     fn home(&self, h: BlockHash) -> usize {
@@ -219,26 +235,51 @@ pub struct BlockPool {
 
 impl BlockPool {
     /// A pool of `num_blocks` blocks; with `reserve_null`, block 0 is the null block and
-    /// `num_blocks - 1` are allocatable.
+    /// `num_blocks - 1` are allocatable. Errors ([`Error::InvalidArgument`] naming
+    /// `num_blocks`): fewer than 2 blocks (1 without `reserve_null`), more than
+    /// [`MAX_POOL_BLOCKS`], or bookkeeping that cannot be allocated.
     pub fn new(num_blocks: u32, reserve_null: bool) -> Result<Self> {
+        Self::named(num_blocks, reserve_null, "num_blocks")
+    }
+
+    /// [`new`](Self::new), its errors naming the caller's argument `arg`.
+    pub(crate) fn named(num_blocks: u32, reserve_null: bool, arg: &'static str) -> Result<Self> {
         let min = if reserve_null { 2 } else { 1 };
-        if num_blocks < min || num_blocks == NIL {
+        if num_blocks < min {
             return Err(Error::invalid(
-                "num_blocks",
+                arg,
                 format!("{num_blocks} (must be at least {min})"),
             ));
         }
+        if num_blocks > MAX_POOL_BLOCKS {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "{num_blocks} blocks: more than a pool may have ({MAX_POOL_BLOCKS}, MAX_POOL_BLOCKS; its bookkeeping alone would be {} bytes)",
+                    pool_bookkeeping_bytes(num_blocks)
+                ),
+            ));
+        }
         let n = num_blocks as usize;
+        let oom = || {
+            Error::invalid(
+                arg,
+                format!(
+                    "{num_blocks} blocks: their bookkeeping ({} bytes) could not be allocated",
+                    pool_bookkeeping_bytes(num_blocks)
+                ),
+            )
+        };
         let mut p = BlockPool {
-            ref_cnt: huge_vec(n, 0),
-            prev: huge_vec(n, NIL),
-            next: huge_vec(n, NIL),
+            ref_cnt: try_huge_vec(n, 0).ok_or_else(oom)?,
+            prev: try_huge_vec(n, NIL).ok_or_else(oom)?,
+            next: try_huge_vec(n, NIL).ok_or_else(oom)?,
             head: NIL,
             tail: NIL,
             num_free: 0,
             reserve_null,
-            hash: huge_vec(n, None),
-            cached: PrefixMap::new(n),
+            hash: try_huge_vec(n, None).ok_or_else(oom)?,
+            cached: PrefixMap::new(n).ok_or_else(oom)?,
             num_cached_free: 0,
             held_fill: 0,
         };
@@ -545,7 +586,7 @@ mod tests {
     fn prefix_map_matches_a_hash_map() {
         // Few home slots (many collisions, wrapped runs): keys differ in low bits only
         // after the multiply, and removals shift runs back.
-        let mut m = PrefixMap::new(64);
+        let mut m = PrefixMap::new(64).unwrap();
         let mut model: HashMap<u64, u32> = HashMap::new();
         let mut x = 12345u64;
         for step in 0..20_000u32 {

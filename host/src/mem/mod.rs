@@ -6,7 +6,7 @@
 //! and much of it lies outside the caches. Three things help (none changes a result):
 //! * [`prefetch`] / [`prefetch_write`]: the per-sequence loops ask for the lines a
 //!   sequence a few rows ahead will need, so that their cache misses overlap.
-//! * [`advise_huge_pages`] and friends: large arrays backed by 2 MiB pages need a few
+//! * [`try_huge_vec`] and [`grow_huge`]: large arrays backed by 2 MiB pages need a few
 //!   dozen TLB entries instead of thousands of 4 KiB ones. On a virtual machine a TLB
 //!   miss walks two page tables (guest and host); on the 2-core development VM a
 //!   dependent load at random in 64 MiB costs about 175 ns on 2 MiB pages against
@@ -50,12 +50,6 @@ pub(crate) fn prefetch_write<T>(p: *const T) {
     let _ = p;
 }
 
-/// Asks the kernel to back the 2 MiB-aligned part of `v` with transparent huge pages
-/// (a hint: no effect on results).
-pub(crate) fn advise_huge_pages<T>(v: &[T]) {
-    advise_range(v.as_ptr() as usize, size_of_val(v));
-}
-
 /// Makes room for `needed` elements in all in `v` when it has less: doubles it (at
 /// least), into a new allocation advised to huge pages before the old elements are
 /// copied in, so that an array that grows with use lies on huge pages without being
@@ -75,20 +69,14 @@ pub(crate) fn grow_huge<T: Copy>(v: &mut Vec<T>, needed: usize) {
     }
 }
 
-/// Reserves room for `n` elements in all in `v` when the allocation succeeds, and
-/// advises the whole capacity to huge pages.
-fn reserve_advised<T>(v: &mut Vec<T>, n: usize) {
-    if v.try_reserve_exact(n.saturating_sub(v.len())).is_ok() {
-        advise_range(v.as_ptr() as usize, v.capacity() * size_of::<T>());
-    }
-}
-
-/// `vec![value; n]`, advised to huge pages before its pages are first touched.
-pub(crate) fn huge_vec<T: Clone>(n: usize, value: T) -> Vec<T> {
+/// `vec![value; n]`, advised to huge pages before its pages are first touched; `None`
+/// when the allocation fails (sizes that come from a caller).
+pub(crate) fn try_huge_vec<T: Clone>(n: usize, value: T) -> Option<Vec<T>> {
     let mut v = Vec::new();
-    reserve_advised(&mut v, n);
+    v.try_reserve_exact(n).ok()?;
+    advise_range(v.as_ptr() as usize, v.capacity() * size_of::<T>());
     v.resize(n, value);
-    v
+    Some(v)
 }
 
 /// `madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned part of `len` bytes at `p` (inside

@@ -188,11 +188,13 @@ pub enum FinishReason {
 /// Scheduler settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SchedulerConfig {
-    /// Device blocks (block 0 is the null block).
+    /// Device blocks (block 0 is the null block), 2 to
+    /// [`MAX_POOL_BLOCKS`](crate::block::MAX_POOL_BLOCKS).
     pub num_blocks: u32,
     /// Tokens per block.
     pub block_size: u32,
-    /// Host blocks for swapping (0: swap falls back to recompute).
+    /// Host blocks for swapping (0: swap falls back to recompute), at most
+    /// [`MAX_POOL_BLOCKS`](crate::block::MAX_POOL_BLOCKS).
     pub num_host_blocks: u32,
     /// Most running sequences.
     pub max_num_seqs: usize,

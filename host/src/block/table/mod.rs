@@ -234,7 +234,8 @@ pub struct KvCacheManager {
 
 impl KvCacheManager {
     /// A manager over `num_blocks` device blocks (block 0 is the null block) and
-    /// `num_host_blocks` host blocks for swapping (0 disables swap).
+    /// `num_host_blocks` host blocks for swapping (0 disables swap), each at most
+    /// [`MAX_POOL_BLOCKS`](crate::block::pool::MAX_POOL_BLOCKS).
     pub fn new(
         num_blocks: u32,
         num_host_blocks: u32,
@@ -255,14 +256,14 @@ impl KvCacheManager {
                 p
             })?
         } else {
-            BlockPool::new(num_host_blocks, false)?
+            BlockPool::named(num_host_blocks, false, "num_host_blocks")?
         };
         let id = u32::try_from(NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed)).map_err(|_| {
             Error::InvalidState("no KV-cache manager id left (ids are 32-bit)".into())
         })?;
         Ok(Self {
             id,
-            device: BlockPool::new(num_blocks, true)?,
+            device: BlockPool::named(num_blocks, true, "num_blocks")?,
             host,
             block_size,
             block_mask: if block_size.is_power_of_two() {
