@@ -391,3 +391,15 @@ fn a_budget_that_fits_exactly_one_maximal_request_runs_every_request() {
         assert_eq!(p["completed"], 2, "{p}");
     }
 }
+
+/// `--trace` on a folder once said "trace line 1: Is a directory".
+#[test]
+fn a_folder_as_trace_is_refused_as_a_folder() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_str().unwrap();
+    let e = fails_with(
+        &["simulate", "--trace", dir],
+        "is a directory, not a trace file",
+    );
+    assert!(!e.contains("trace line"), "{e}");
+}

@@ -82,6 +82,9 @@ pub(super) fn simulate_paged(
             done += 1;
             on_finish();
         }
+        // The finished sequences' tokens are not needed: memory stays with the live
+        // requests, whatever the workload's length.
+        drop(s.take_finished());
     }
     let preemptions = s.metrics().preempted_recompute + s.metrics().preempted_swap;
     Ok(stats.finish(

@@ -156,10 +156,17 @@ impl Workload {
     /// Reads a JSONL trace: one `{"arrival_s": …, "prompt_len": …, "output_len": …}` per
     /// line (blank lines skipped), streamed line by line: a line longer than
     /// [`limits::MAX_TRACE_LINE_BYTES`] or more than [`limits::MAX_REQUESTS`] requests is
-    /// an error. Errors name the line.
+    /// an error. Errors name the line; a path that is a folder is an error saying so.
     pub fn from_trace(path: &Path, max_len: u32) -> Result<Self, SimError> {
         let f = std::fs::File::open(path)
             .map_err(|e| SimError(format!("--trace {}: {e}", path.display())))?;
+        // (Opening a folder succeeds on Unix; reading it would fail as "trace line 1".)
+        if f.metadata().is_ok_and(|m| m.is_dir()) {
+            return err(format!(
+                "--trace {}: is a directory, not a trace file",
+                path.display()
+            ));
+        }
         Self::read_trace(std::io::BufReader::new(f), max_len)
             .map_err(|e| SimError(format!("--trace {}: {e}", path.display())))
             .map(|mut w| {

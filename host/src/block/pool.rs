@@ -46,7 +46,7 @@ const NIL: u32 = u32::MAX;
 
 /// The most blocks one pool may have (2^24), device or host, checked when it is
 /// created. A pool's bookkeeping is about 60 to 90 bytes a block (reference count,
-/// free-queue links, hash, the prefix-cache map at load at most 1/2), 1.5 GiB at this
+/// free-queue links, hash, the prefix-cache map at load at most 1/2), 0.94 GiB at this
 /// cap, allocated at once; the cap keeps a size that passes validation from asking for
 /// more memory than a host has (on a machine that overcommits, such an allocation
 /// succeeds and the process is killed when it touches the pages). 2^24 blocks of 16
