@@ -376,3 +376,66 @@ fn a_backend_beyond_the_pool_cap_is_refused_by_name() {
         }
     }
 }
+
+/// A batch carries the window it was scheduled with: attention without one (or with a
+/// wider one) over its tables, whose blocks before the window are released, once
+/// returned Ok with NaN rows; it is an error naming `window`. A window of at most the
+/// batch's is fine.
+#[test]
+fn attention_over_a_windowed_batch_needs_its_window() {
+    let mut be = CpuBackend::new(config(DType::F32, SplitPolicy::Auto, 4)).unwrap();
+    let mut cache = be.alloc_cache().unwrap();
+    let mut sched = Scheduler::new(SchedulerConfig {
+        num_blocks: NUM_BLOCKS * 4,
+        block_size: 8,
+        max_model_len: 64,
+        sliding_window: Some(16),
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    sched
+        .add_request(Request::new(1, (0..40).collect(), 3))
+        .unwrap();
+    let prefill = sched.step().unwrap().clone();
+    assert_eq!(prefill.sliding_window, Some(16));
+    be.begin_step(&prefill, &mut cache).unwrap();
+    let k = HostTensor::full(DType::F32, &[40, 2, 64], 0.5);
+    for layer in cache.layers.iter_mut() {
+        be.kv_append(pagedkv::host::backend::AppendArgs {
+            key: &k,
+            value: &k,
+            cache: layer,
+        })
+        .unwrap();
+    }
+    sched.on_step_done(&[(prefill.seqs[0].seq, 3)]).unwrap();
+    let batch = sched.step().unwrap().clone();
+    be.begin_step(&batch, &mut cache).unwrap();
+    let q = HostTensor::full(DType::F32, &[1, 4, 64], 1.0);
+    let mut out = q.clone();
+    for (window, ok) in [
+        (None, false),
+        (Some(17), false),
+        (Some(16), true),
+        (Some(8), true),
+    ] {
+        let opts = DecodeOptions {
+            window,
+            ..DecodeOptions::new(64)
+        };
+        let e = be.decode(DecodeArgs {
+            opts: &opts,
+            q: &q,
+            cache: &cache.layers[0],
+            out: &mut out,
+        });
+        match e {
+            Ok(()) => assert!(ok, "window {window:?} accepted"),
+            Err(Error::InvalidArgument { arg, .. }) => {
+                assert!(!ok, "window {window:?} refused");
+                assert_eq!(arg, "window");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}

@@ -386,3 +386,28 @@ fn bad_cache_types_and_scales_are_errors() {
     assert!(KvScales::calibrate(DType::E4m3, 1, 2, &[1.0, f64::NAN], &[1.0, 2.0]).is_err());
     let _ = calibrate(&l, &e4.kc, DType::E4m3, true);
 }
+
+/// Calibration over values beyond any query type (near 1e300) once returned infinite
+/// scales (Ok); it is an error naming the input and the element.
+#[test]
+fn calibration_beyond_f32_is_an_error_naming_the_input() {
+    let ok = [1.0, 2.0, 3.0, 4.0];
+    for big in [1e300, -1e300, 1e40, f32::MAX as f64 * 1.001] {
+        let k = [1.0, 2.0, big, 4.0];
+        for (keys, values, arg) in [(&k, &ok, "keys"), (&ok, &k, "values")] {
+            match KvScales::calibrate(DType::E4m3, 2, 2, keys, values) {
+                Err(Error::InvalidArgument { arg: a, reason }) => {
+                    assert_eq!(a, arg, "{reason}");
+                    assert!(
+                        reason.contains("element 2") && reason.contains("beyond f32"),
+                        "{reason}"
+                    );
+                }
+                other => panic!("{big:e} in {arg}: expected an error, got {other:?}"),
+            }
+        }
+    }
+    // Values up to f32::MAX make finite scales.
+    let s = KvScales::calibrate(DType::E4m3, 1, 2, &[f32::MAX as f64, 1.0], &[1.0, 1.0]).unwrap();
+    assert!(s.k[0].is_finite() && s.k[0] > 0.0);
+}

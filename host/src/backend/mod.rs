@@ -184,6 +184,16 @@ impl BackendConfig {
 }
 
 /// One layer's K and V pools, each `[num_blocks, num_kv_heads, block_size, head_dim]`.
+///
+/// The fp8 scales are private: only [`AttentionBackend::set_kv_scales`], which
+/// validates them, sets them (scales placed directly once reached `kv_append`
+/// unchecked: NaN, 0, negative or infinite).
+///
+/// ```compile_fail
+/// fn clear(l: &mut pagedkv_host::backend::LayerCache<pagedkv_host::HostTensor>) {
+///     l.kv_scales = None; // private
+/// }
+/// ```
 #[derive(Debug)]
 pub struct LayerCache<T> {
     /// The key pool.
@@ -193,7 +203,16 @@ pub struct LayerCache<T> {
     /// `[2, num_kv_heads]` f32, an fp8 cache's K then V scales (see
     /// [`crate::ops::scales::KvScales`]): `None` until
     /// [`AttentionBackend::set_kv_scales`] sets them, and always for other caches.
-    pub kv_scales: Option<T>,
+    pub(crate) kv_scales: Option<T>,
+}
+
+impl<T> LayerCache<T> {
+    /// The layer's fp8 scales (`[2, num_kv_heads]` f32, K's then V's), as
+    /// [`AttentionBackend::set_kv_scales`] set them; `None` before, and for other
+    /// caches.
+    pub fn kv_scales(&self) -> Option<&T> {
+        self.kv_scales.as_ref()
+    }
 }
 
 /// The paged cache of a model: every layer's K and V pools, one layout and dtype.

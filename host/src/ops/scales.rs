@@ -42,7 +42,8 @@ impl KvScales {
 
     /// Scales that map each KV head's largest magnitude in `keys` (`values`) to the
     /// largest finite value of `cache` (an fp8 type): `amax / max_finite`, or 1 for a
-    /// head that is all zeros. `keys`, `values`: `[tokens, num_kv_heads, head_dim]`.
+    /// head that is all zeros. `keys`, `values`: `[tokens, num_kv_heads, head_dim]`,
+    /// finite and within f32's range (else an error naming the input and element).
     pub fn calibrate(
         cache: DType,
         num_kv_heads: u32,
@@ -72,9 +73,18 @@ impl KvScales {
                 if !x.is_finite() {
                     return Err(Error::invalid(arg, format!("element {i} is {x}")));
                 }
+                // No query type holds it, and its scale would not be finite in f32
+                // (values near 1e300 once made infinite scales).
+                if x.abs() > f32::MAX as f64 {
+                    return Err(Error::invalid(
+                        arg,
+                        format!("element {i} is {x:e}: beyond f32, the widest query type"),
+                    ));
+                }
                 let head = i / d % h;
                 m[head] = m[head].max(x.abs());
             }
+            // (At most f32::MAX / max_finite: finite.)
             Ok(m.into_iter().map(|a| scale_for(a, cache)).collect())
         };
         Ok(KvScales {

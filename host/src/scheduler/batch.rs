@@ -65,6 +65,11 @@ pub struct Batch {
     pub block_tables: Vec<i32>,
     /// Row length of `block_tables`.
     pub max_blocks_per_seq: u32,
+    /// The sliding window the batch was scheduled with (the scheduler's): its tables
+    /// hold released ([`NULL_BLOCK`]) entries before each sequence's window, so
+    /// attention over them must use a window of at most this many tokens; a backend
+    /// refuses anything else ([`AttentionBackend`](crate::backend::AttentionBackend)).
+    pub sliding_window: Option<u32>,
     /// `[seqs.len()]`: context length of each sequence after this step.
     pub context_lens: Vec<i32>,
     /// `[total new tokens]`: slot of each new token, sequence by sequence.

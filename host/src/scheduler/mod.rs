@@ -433,6 +433,7 @@ impl Scheduler {
         let arena = SeqAlloc::arena();
         let batch = Batch {
             max_blocks_per_seq: max_blocks,
+            sliding_window: cfg.sliding_window,
             ..Batch::default()
         };
         Ok(Self {
