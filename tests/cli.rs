@@ -286,6 +286,20 @@ fn run_on_the_cpu_backend_completes_and_verifies() {
     assert!(out.contains("PASS"), "{out}");
 }
 
+/// max_tokens = 1 (scoring, classification, prefill-only requests) is served: each
+/// request's one token comes from its prefill, which is verified; no decode runs.
+#[test]
+fn run_serves_requests_of_one_token() {
+    let o = bin()
+        .args(["run", "--requests", "5", "--max-tokens", "1"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("generated 5 tokens"), "{out}");
+    assert!(out.contains("PASS"), "{out}");
+}
+
 #[test]
 fn run_on_cuda_either_verifies_or_says_there_is_no_gpu() {
     let o = bin()

@@ -317,6 +317,49 @@ fn model_json_that_overflows_or_has_unknown_fields_names_the_field() {
     );
 }
 
+/// A model name with an ANSI escape or a NUL, from a model JSON, was printed raw to
+/// the terminal: it is refused, and the error shows it escaped.
+#[test]
+fn a_model_name_with_control_characters_is_refused_and_never_printed_raw() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("m.json");
+    for name in [
+        r"\u001b[31mred",
+        r"nul\u0000here",
+        r"del\u007f",
+        r"bell\u0007",
+    ] {
+        fs::write(
+            &m,
+            format!(
+                r#"{{"name":"{name}","num_layers":2,"num_kv_heads":2,"head_dim":128,"num_params":1e9,"dtype_bytes":2,"max_model_len":2048}}"#
+            ),
+        )
+        .unwrap();
+        let e = fails_with(&["simulate", "--model", m.to_str().unwrap()], "name: ");
+        assert!(e.contains("control character"), "{e}");
+        assert!(
+            !e.chars().any(|c| c.is_control() && c != '\n'),
+            "a control character reached stderr: {e:?}"
+        );
+    }
+}
+
+/// Weights larger than the GPU's memory were reported as "memory budget too small:
+/// -0.32 GiB of KV cache"; the error says the weights do not fit.
+#[test]
+fn weights_that_do_not_fit_the_gpu_are_named_as_such() {
+    let e = fails_with(
+        &["simulate", "--model", "llama-3-70b", "--gpu", "a100-40gb"],
+        "do not fit in 90% of",
+    );
+    assert!(!e.contains("-0.") && !e.contains("GiB of KV cache"), "{e}");
+    fails_with(
+        &["simulate", "--memory-gib", "20"],
+        "the weights of opt-13b",
+    );
+}
+
 #[test]
 fn unbounded_counts_name_the_flag() {
     fails_with(
@@ -345,12 +388,12 @@ fn unbounded_counts_name_the_flag() {
 #[test]
 fn run_max_tokens_outside_its_range_names_the_flag_and_help_gives_it() {
     fails_with(
-        &["run", "--max-tokens", "1"],
-        "--max-tokens: 1 is outside 2 to 217",
+        &["run", "--max-tokens", "0"],
+        "--max-tokens: 0 is outside 1 to 217",
     );
     fails_with(
         &["run", "--max-tokens", "300"],
-        "--max-tokens: 300 is outside 2 to 217",
+        "--max-tokens: 300 is outside 1 to 217",
     );
     let help = bin().args(["run", "--help"]).output().unwrap();
     let help = String::from_utf8_lossy(&help.stdout);

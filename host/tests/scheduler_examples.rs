@@ -161,3 +161,42 @@ fn bad_input_is_an_error_not_a_panic() {
         assert!(Scheduler::new(bad).is_err());
     }
 }
+
+/// A request of `max_tokens = 1` (scoring, classification, a prefill-only request)
+/// finishes with the token its prefill samples, whole or chunked, and frees its
+/// blocks: no decode step runs for it.
+#[test]
+fn a_request_of_one_token_finishes_at_its_prefill() {
+    use pagedkv_host::scheduler::FinishReason;
+    for chunked in [false, true] {
+        let mut s = Scheduler::with_chunked_prefill(
+            SchedulerConfig {
+                num_blocks: 16,
+                block_size: 8,
+                max_num_seqs: 4,
+                max_tokens_per_step: if chunked { 16 } else { 4096 },
+                ..SchedulerConfig::default()
+            },
+            chunked,
+        )
+        .unwrap();
+        let seq = s
+            .add_request(Request::new(1, (0..40).collect(), 1))
+            .unwrap();
+        let mut steps = 0;
+        while !s.is_idle() {
+            let b = s.step().unwrap().clone();
+            assert!(b.seqs.iter().all(|q| q.is_prefill), "a decode ran");
+            let done = s
+                .on_step_done(&b.seqs.iter().map(|q| (q.seq, 77)).collect::<Vec<_>>())
+                .unwrap();
+            steps += 1;
+            assert_eq!(done.is_empty(), !b.seqs[0].samples);
+        }
+        assert_eq!(steps, if chunked { 3 } else { 1 });
+        let f = s.finished();
+        assert_eq!((f[0].1, f[0].2), (seq, FinishReason::MaxTokens));
+        assert_eq!(f[0].3.len(), 41);
+        assert_eq!(s.kv().device().num_used(), 0);
+    }
+}

@@ -64,6 +64,9 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// The longest model name (in characters) a report prints.
+    pub const MAX_NAME_CHARS: usize = 128;
+
     /// The presets of `../shared/workloads.md`: `opt-13b`, `llama-3-8b`, `llama-3-70b`.
     pub fn preset(name: &str) -> Result<Self, SimError> {
         let (l, kvh, params, max_len) = match name {
@@ -111,8 +114,23 @@ impl ModelSpec {
     }
 
     /// Checks that every field is in range and that the sizes computed from them fit;
-    /// errors name the field.
+    /// errors name the field. The name is printed in reports: at most
+    /// [`MAX_NAME_CHARS`](Self::MAX_NAME_CHARS) characters, none of them a control
+    /// character (a NUL or an ANSI escape from a model JSON once reached the terminal).
     pub fn check(&self) -> Result<(), SimError> {
+        if let Some(c) = self.name.chars().find(|c| c.is_control()) {
+            return err(format!(
+                "name: \"{}\" holds the control character {c:?}: model names are printed in reports",
+                self.name.escape_debug()
+            ));
+        }
+        let chars = self.name.chars().count();
+        if chars > Self::MAX_NAME_CHARS {
+            return err(format!(
+                "name: {chars} characters, more than {}",
+                Self::MAX_NAME_CHARS
+            ));
+        }
         for (field, v) in [
             ("num_layers", self.num_layers),
             ("num_kv_heads", self.num_kv_heads),
@@ -342,7 +360,7 @@ impl SimConfig {
         check_range("GPU tflops", self.gpu.tflops, limits::TFLOPS)?;
         self.model
             .check()
-            .map_err(|e| SimError(format!("--model {}: {e}", self.model.name)))?;
+            .map_err(|e| SimError(format!("--model {}: {e}", self.model.name.escape_debug())))?;
         if let Some(g) = self.kv_budget_gib {
             check_range("--kv-budget-gib", g, limits::KV_BUDGET_GIB)?;
         }
@@ -397,6 +415,21 @@ impl SimConfig {
             }
         };
         let need = self.kv_bytes_per_token() as f64 * self.model.max_model_len as f64;
+        if self.kv_budget_gib.is_none() && b <= 0.0 {
+            // The weights alone do not fit: a negative KV budget says nothing useful.
+            return err(format!(
+                "{}: the weights of {} ({:.2} GiB: {:e} parameters x {} bytes) do not fit in {:.0}% of {}'s {:.2} GiB ({:.2} GiB), so nothing is left for the KV cache; use a GPU with more memory, a smaller model, or set --kv-budget-gib",
+                self.budget_flag(),
+                self.model.name,
+                self.model.weight_bytes() / gib,
+                self.model.num_params,
+                self.model.dtype_bytes,
+                self.gpu_memory_utilization * 100.0,
+                self.gpu.name,
+                self.gpu.memory_gib,
+                self.gpu_memory_utilization * self.gpu.memory_gib,
+            ));
+        }
         if b < need {
             return err(format!(
                 "{}: memory budget too small: {:.2} GiB of KV cache for {} on {} cannot hold even one {}-token request ({:.2} GiB); use a larger --gpu or --kv-budget-gib",

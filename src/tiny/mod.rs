@@ -52,9 +52,9 @@ pub const MAX_MODEL_LEN: u32 = 256;
 pub const MAX_PROMPT_LEN: u32 = 39;
 /// Most tokens a request may generate: every request fits the model with any prompt.
 pub const MAX_TOKENS: u32 = MAX_MODEL_LEN - MAX_PROMPT_LEN;
-/// Fewest tokens a request may generate: the first comes from the prefill, so only
-/// from the second on does a decode step run (and get verified).
-pub const MIN_TOKENS: u32 = 2;
+/// Fewest tokens a request may generate: 1, its prefill's token alone (a scoring or
+/// classification request; no decode step runs for it, its prefill is verified).
+pub const MIN_TOKENS: u32 = 1;
 /// Most requests in one run.
 pub const MAX_REQUESTS: usize = 4096;
 
@@ -111,7 +111,7 @@ impl RunConfig {
         }
         if !(MIN_TOKENS..=MAX_TOKENS).contains(&self.max_tokens) {
             return Err(format!(
-                "--max-tokens: {} is outside {MIN_TOKENS} to {MAX_TOKENS} (the first token comes from the prefill, and prompt + output must fit the model's {MAX_MODEL_LEN} tokens with prompts of up to {MAX_PROMPT_LEN})",
+                "--max-tokens: {} is outside {MIN_TOKENS} to {MAX_TOKENS} (prompt + output must fit the model's {MAX_MODEL_LEN} tokens with prompts of up to {MAX_PROMPT_LEN})",
                 self.max_tokens
             ));
         }
