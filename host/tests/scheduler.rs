@@ -538,7 +538,20 @@ impl Model {
                 );
             }
         }
-        let mut free: Vec<u32> = dev.free_queue();
+        // The free queue holds the hash-less blocks first, then the cached ones (vLLM's
+        // order: a block with nothing reusable is taken before any cached one).
+        let queue = dev.free_queue();
+        let first_cached = queue
+            .iter()
+            .position(|&b| dev.block_hash(b).unwrap().is_some())
+            .unwrap_or(queue.len());
+        prop_assert!(
+            queue[first_cached..]
+                .iter()
+                .all(|&b| dev.block_hash(b).unwrap().is_some()),
+            "a hash-less block behind a cached one in the free queue"
+        );
+        let mut free: Vec<u32> = queue;
         free.sort();
         let want: Vec<u32> = (1..dev.num_blocks())
             .filter(|b| dev.ref_cnt(*b).unwrap() == 0)

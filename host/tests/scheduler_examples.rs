@@ -200,3 +200,59 @@ fn a_request_of_one_token_finishes_at_its_prefill() {
         assert_eq!(s.kv().device().num_used(), 0);
     }
 }
+
+/// vLLM's free-queue order (tests/v1/core/test_prefix_caching.py, `test_prefill` and
+/// `test_evict`): a freed block that holds nothing reusable goes to the front of the
+/// free queue, a freed cached block to the back (a sequence's blocks last first), so a
+/// full pool takes a hash-less block before it evicts a cached one. (Every freed block
+/// once went to the back: the oldest cached prefix was evicted while a hash-less block
+/// sat free.)
+#[test]
+fn hash_less_freed_blocks_are_taken_before_any_cached_block() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 6,
+        block_size: 16,
+        max_num_seqs: 4,
+        max_model_len: 128,
+        watermark: 0.0,
+        enable_prefix_caching: true,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    // 40 tokens: blocks 1 and 2 full (cached at commit), block 3 partial.
+    let a = s
+        .add_request(Request::new(1, (0..40).collect(), 1))
+        .unwrap();
+    let blocks = {
+        s.step().unwrap();
+        let t = s.block_table(a).unwrap().blocks().to_vec();
+        s.on_step_done(&[(a, 5)]).unwrap(); // finishes: its blocks are freed
+        t
+    };
+    let pool = s.kv().device();
+    assert_eq!(pool.num_cached_free(), 2);
+    // The partial block first (freed first: last block first), then the never-used
+    // blocks, then the cached ones, the sequence's last block first.
+    assert_eq!(
+        pool.free_queue(),
+        vec![blocks[2], 4, 5, blocks[1], blocks[0]],
+        "{blocks:?}"
+    );
+    // A 45-token prompt of other tokens needs 3 blocks: the hash-less ones, no
+    // eviction; the cached prefix still hits afterwards.
+    let b = s
+        .add_request(Request::new(2, (100..145).collect(), 1))
+        .unwrap();
+    s.step().unwrap();
+    assert_eq!(
+        s.kv().device().num_cached_free(),
+        2,
+        "a cached block was evicted"
+    );
+    s.on_step_done(&[(b, 5)]).unwrap();
+    let c = s
+        .add_request(Request::new(3, (0..40).collect(), 1))
+        .unwrap();
+    let q = s.step().unwrap().seqs[0];
+    assert_eq!((q.seq, q.num_cached_tokens), (c, 32));
+}

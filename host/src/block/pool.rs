@@ -9,8 +9,13 @@
 //!   hold `b`. A block is in the *free queue* exactly when `ref_cnt[b] == 0`; so a block
 //!   is never owned by a sequence and free at once, and `allocate` never returns a
 //!   block somebody holds.
-//! * The free queue is a doubly linked list in LRU order: `free` appends at the tail,
-//!   `allocate` takes the head. All operations are O(1).
+//! * The free queue is a doubly linked list: `allocate` takes the head. A freed block
+//!   that holds nothing reusable (no prefix-cache hash) goes to the head, so it is
+//!   taken first; a freed cached block goes to the tail, so cached blocks are evicted
+//!   least recently freed first, and only once no hash-less block is free (vLLM's
+//!   `FreeKVCacheBlockQueue` order, its `test_prefill` / `test_evict`). So the queue
+//!   always holds the hash-less blocks first, then the cached ones in LRU order. All
+//!   operations are O(1).
 //! * A *cached* block carries the hash of its (full) contents and is in the hash map.
 //!   Freed cached blocks stay in the map, reusable by a prefix hit ([`BlockPool::touch`]
 //!   takes them out of the free queue), until `allocate` evicts them: eviction drops the
@@ -389,6 +394,21 @@ impl BlockPool {
         }
     }
 
+    /// Puts free block `b` at the head of the free queue (taken next).
+    fn push_front(&mut self, b: BlockId) {
+        let i = b as usize;
+        debug_assert!(self.hash[i].is_none(), "a cached block goes to the tail");
+        self.prev[i] = NIL;
+        self.next[i] = self.head;
+        if self.head == NIL {
+            self.tail = b;
+        } else {
+            self.prev[self.head as usize] = b;
+        }
+        self.head = b;
+        self.num_free += 1;
+    }
+
     fn unlink(&mut self, b: BlockId) {
         let i = b as usize;
         let (p, n) = (self.prev[i], self.next[i]);
@@ -452,8 +472,8 @@ impl BlockPool {
     }
 
     /// Drops a reference to `b`, which holds `fill` tokens; at zero the block joins
-    /// the free queue's tail (keeping its cache entry, so it stays reusable until
-    /// evicted). The null block is a no-op. Errors, changing nothing: an id outside the
+    /// the free queue: at the tail when it is cached (keeping its cache entry, so it
+    /// stays reusable until evicted), at the head when it holds nothing reusable. The null block is a no-op. Errors, changing nothing: an id outside the
     /// pool ([`Error::Unknown`]), a free block (a double free, [`Error::InvalidState`]),
     /// a last reference whose `fill` exceeds the held fill ([`Error::InvalidArgument`]).
     pub fn free(&mut self, b: BlockId, fill: u32) -> Result<()> {
@@ -484,7 +504,11 @@ impl BlockPool {
         self.ref_cnt[i] -= 1;
         if self.ref_cnt[i] == 0 {
             self.held_fill -= fill as u64;
-            self.push_back(b);
+            if self.hash[i].is_some() {
+                self.push_back(b);
+            } else {
+                self.push_front(b);
+            }
         }
     }
 
@@ -549,7 +573,8 @@ impl BlockPool {
         self.held_fill = self.held_fill.saturating_add(n as u64);
     }
 
-    /// Blocks in free-queue order (LRU first). O(n); for tests and debugging.
+    /// Blocks in free-queue order (taken first first: the hash-less ones, then the
+    /// cached ones least recently freed first). O(n); for tests and debugging.
     pub fn free_queue(&self) -> Vec<BlockId> {
         let mut v = Vec::with_capacity(self.num_free as usize);
         let mut b = self.head;
