@@ -197,6 +197,12 @@ pagedkv_status pagedkv_step(pagedkv_scheduler *s, pagedkv_batch *out);
 pagedkv_status pagedkv_on_step_done(pagedkv_scheduler *s, const pagedkv_sampled *sampled,
                                     uint64_t n, uint64_t *out_finished);
 
+/* Drops every cached prefix (after a weight update the cached blocks' K/V is stale, yet
+ * a prefix hit would serve it). PAGEDKV_ERR_INVALID_STATE, nothing changed, while any
+ * request runs or is swapped out (their blocks are in use: finish or abort them first;
+ * waiting requests are fine), or between a step and its pagedkv_on_step_done(). */
+pagedkv_status pagedkv_reset_prefix_cache(pagedkv_scheduler *s);
+
 /* *out_idle = 1 when nothing waits, runs or is swapped out, else 0. */
 pagedkv_status pagedkv_is_idle(pagedkv_scheduler *s, uint32_t *out_idle);
 

@@ -175,6 +175,10 @@ pub fn signatures() {
     );
     same::<unsafe extern "C" fn(_, _, _) -> _>(f::pagedkv_add_request, r::pagedkv_add_request);
     same::<unsafe extern "C" fn(_, _) -> _>(f::pagedkv_abort, r::pagedkv_abort);
+    same::<unsafe extern "C" fn(_) -> _>(
+        f::pagedkv_reset_prefix_cache,
+        r::pagedkv_reset_prefix_cache,
+    );
     same::<unsafe extern "C" fn(_, _) -> _>(f::pagedkv_step, r::pagedkv_step);
     same::<unsafe extern "C" fn(_, _, _, _) -> _>(f::pagedkv_on_step_done, r::pagedkv_on_step_done);
     same::<unsafe extern "C" fn(_, _) -> _>(f::pagedkv_is_idle, r::pagedkv_is_idle);

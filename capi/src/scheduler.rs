@@ -344,6 +344,20 @@ pub unsafe extern "C" fn pagedkv_abort(
     })
 }
 
+/// Drops every cached prefix (after a weight update the cached K/V is stale):
+/// `PAGEDKV_ERR_INVALID_STATE`, nothing changed, while a request runs or is swapped
+/// out, or between a step and its `pagedkv_on_step_done`.
+///
+/// # Safety
+/// `s` is null or a pointer this library returned.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_reset_prefix_cache(s: *mut pagedkv_scheduler) -> pagedkv_status {
+    with_scheduler(s, |h| match h.inner.reset_prefix_cache() {
+        Ok(()) => PAGEDKV_OK,
+        Err(e) => from_error(&e),
+    })
+}
+
 /// `*out_idle` = 1 when nothing waits, runs or is swapped out, else 0.
 ///
 /// # Safety

@@ -315,6 +315,10 @@ fn the_hostile_program_gets_errors_never_crashes_and_prints_nothing_to_stderr() 
             2,
             "invalid argument `num_blocks`: 2147483647",
         ),
+        // reset_prefix_cache waits for the running requests.
+        ("reset_in_step", 5, "between step() and on_step_done()"),
+        ("reset_running", 5, "while 1 request groups run"),
+        ("reset_idle", 0, ""),
     ] {
         let l = line(&out, &format!("check {what} "));
         assert!(l.contains(&format!("status={status} ")), "{l}");

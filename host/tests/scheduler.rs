@@ -40,6 +40,8 @@ enum Op {
     },
     Fork(usize),
     Abort(usize),
+    /// `reset_prefix_cache`: refused while anything runs or is swapped out.
+    Reset,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -48,6 +50,7 @@ fn op() -> impl Strategy<Value = Op> {
         8 => (0u32..12, prop_oneof![3 => Just(0u8), 1 => 1u8..4]).prop_map(|(stop_every, order)| Op::Step { stop_every, order }),
         2 => any::<usize>().prop_map(Op::Fork),
         1 => any::<usize>().prop_map(Op::Abort),
+        1 => Just(Op::Reset),
     ]
 }
 
@@ -609,6 +612,21 @@ proptest! {
                                 m.last_start.insert(child, p);
                             }
                         }
+                    }
+                }
+                Op::Reset => {
+                    let live = m.s.live_seqs();
+                    let in_use = !m.s.running_seqs().is_empty()
+                        || live.iter().any(|&q| m.s.block_table(q).unwrap().location() == Location::Host);
+                    match m.s.reset_prefix_cache() {
+                        Ok(()) => {
+                            prop_assert!(!in_use, "reset while in use");
+                            prop_assert_eq!(m.s.kv().device().num_cached(), 0);
+                        }
+                        Err(Error::InvalidState(_)) => {
+                            prop_assert!(in_use, "reset refused with nothing in use");
+                        }
+                        Err(e) => prop_assert!(false, "{}", e),
                     }
                 }
                 Op::Abort(i) => {

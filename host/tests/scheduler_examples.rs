@@ -256,3 +256,56 @@ fn hash_less_freed_blocks_are_taken_before_any_cached_block() {
     let q = s.step().unwrap().seqs[0];
     assert_eq!((q.seq, q.num_cached_tokens), (c, 32));
 }
+
+/// vLLM's `reset_prefix_cache`: after a weight update every cached block is stale, yet
+/// a prefix hit would serve it. Refused while a request runs (its blocks are in use)
+/// or between step and on_step_done; once only waiting requests are left, it drops
+/// every cached prefix and nothing hits. (There was no way to drop the cache but a new
+/// scheduler.)
+#[test]
+fn reset_prefix_cache_drops_every_hit_and_waits_for_running_requests() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 16,
+        block_size: 8,
+        max_num_seqs: 4,
+        max_model_len: 64,
+        enable_prefix_caching: true,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let a = s
+        .add_request(Request::new(1, (0..20).collect(), 2))
+        .unwrap();
+    s.step().unwrap();
+    assert!(matches!(
+        s.reset_prefix_cache(),
+        Err(Error::InvalidState(_))
+    ));
+    s.on_step_done(&[(a, 5)]).unwrap();
+    // Running: refused, nothing changed.
+    assert!(matches!(
+        s.reset_prefix_cache(),
+        Err(Error::InvalidState(_))
+    ));
+    let b = s.step().unwrap().clone();
+    s.on_step_done(&[(b.seqs[0].seq, 5)]).unwrap();
+    assert!(s.is_idle());
+    assert_eq!(s.kv().device().num_cached(), 2);
+    // A waiting request would hit; after the reset it does not.
+    let c = s
+        .add_request(Request::new(2, (0..20).collect(), 1))
+        .unwrap();
+    s.reset_prefix_cache().unwrap();
+    let pool = s.kv().device();
+    assert_eq!((pool.num_cached(), pool.num_cached_free()), (0, 0));
+    assert!(
+        pool.free_queue()
+            .iter()
+            .all(|&b| pool.block_hash(b).unwrap().is_none())
+    );
+    let q = s.step().unwrap().seqs[0];
+    assert_eq!((q.seq, q.num_cached_tokens), (c, 0));
+    s.on_step_done(&[(c, 5)]).unwrap();
+    // It caches again from then on.
+    assert_eq!(s.kv().device().num_cached(), 2);
+}

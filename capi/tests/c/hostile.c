@@ -248,8 +248,33 @@ static void pool_caps(void) {
     }
 }
 
+/* pagedkv_reset_prefix_cache: refused while a request runs, done once idle. */
+static int reset_cache(void) {
+    pagedkv_scheduler *s = make();
+    if (!s) return 1;
+    uint32_t prompt[40];
+    for (int i = 0; i < 40; i++) prompt[i] = (uint32_t)i;
+    pagedkv_request r = {.id = 1, .prompt = prompt, .prompt_len = 40, .max_tokens = 2,
+                         .stop_token = -1};
+    uint64_t seq = 0;
+    if (pagedkv_add_request(s, &r, &seq) != PAGEDKV_OK) return 1;
+    pagedkv_batch b;
+    pagedkv_sampled one = {.seq = seq, .token = 1, .reserved = 0};
+    if (pagedkv_step(s, &b) != PAGEDKV_OK) return 1;
+    report("reset_in_step", pagedkv_reset_prefix_cache(s));
+    if (pagedkv_on_step_done(s, &one, 1, NULL) != PAGEDKV_OK) return 1;
+    report("reset_running", pagedkv_reset_prefix_cache(s));
+    if (pagedkv_step(s, &b) != PAGEDKV_OK || pagedkv_on_step_done(s, &one, 1, NULL)) return 1;
+    report("reset_idle", pagedkv_reset_prefix_cache(s));
+    return pagedkv_scheduler_destroy(s) != PAGEDKV_OK;
+}
+
 int main(void) {
     pool_caps();
+    if (reset_cache() != 0) {
+        printf("reset setup failed\n");
+        return 1;
+    }
     if (prompt_len_first() != 0) {
         printf("prompt_len setup failed\n");
         return 1;

@@ -568,6 +568,25 @@ impl BlockPool {
         }
     }
 
+    /// Drops every prefix-cache entry (vLLM's `reset_prefix_cache`: after a weight
+    /// update every cached block holds stale K/V): no block is a hit any more, and
+    /// every free block is hash-less. Refused ([`Error::InvalidState`], nothing
+    /// changed) while any block is held: a running sequence's blocks would keep the
+    /// stale hashes its later commits chain from.
+    pub fn reset_prefix_cache(&mut self) -> Result<()> {
+        if self.num_used() > 0 {
+            return Err(Error::InvalidState(format!(
+                "reset_prefix_cache with {} blocks in use: finish or abort the running requests first",
+                self.num_used()
+            )));
+        }
+        self.cached.slots.fill([0, 0]);
+        self.cached.len = 0;
+        self.hash.fill(None);
+        self.num_cached_free = 0;
+        Ok(())
+    }
+
     /// Records `n` more token slots holding data in held blocks.
     pub fn add_fill(&mut self, n: u32) {
         self.held_fill = self.held_fill.saturating_add(n as u64);

@@ -457,6 +457,31 @@ impl Scheduler {
         })
     }
 
+    /// Drops every cached prefix (vLLM's `reset_prefix_cache`): after a weight update
+    /// the cached blocks' K/V is stale, yet a prefix hit would serve it. Refused
+    /// ([`Error::InvalidState`], nothing changed) between [`step`](Self::step) and
+    /// [`on_step_done`](Self::on_step_done), and while any request runs or is swapped
+    /// out (their tables hold blocks and hashes of the old weights): call it when
+    /// only waiting requests are left, as vLLM does. Waiting requests then find no
+    /// hits.
+    pub fn reset_prefix_cache(&mut self) -> Result<()> {
+        if self.in_step {
+            return Err(Error::InvalidState(
+                "reset_prefix_cache between step() and on_step_done()".into(),
+            ));
+        }
+        if !self.running.is_empty() || !self.swapped.is_empty() {
+            return Err(Error::InvalidState(format!(
+                "reset_prefix_cache while {} request groups run and {} are swapped out: their blocks are in use",
+                self.running.len(),
+                self.swapped.len()
+            )));
+        }
+        self.kv.reset_prefix_cache()?;
+        self.metrics.blocks_cached_free = 0;
+        Ok(())
+    }
+
     /// The configuration.
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg

@@ -346,6 +346,13 @@ impl KvCacheManager {
         Ok(t.blocks()[i] as i64 * bs as i64 + (pos % bs) as i64)
     }
 
+    /// Drops the device pool's prefix cache ([`BlockPool::reset_prefix_cache`]):
+    /// refused while any device block is held.
+    pub fn reset_prefix_cache(&mut self) -> Result<()> {
+        self.pending.clear();
+        self.device.reset_prefix_cache()
+    }
+
     /// Blocks a table of `num_tokens` tokens spans.
     pub fn blocks_for(&self, num_tokens: u32) -> u32 {
         num_tokens.div_ceil(self.block_size)
