@@ -35,6 +35,17 @@
  *   destroy.
  * - Fixed-width types only; every struct is laid out as declared (a test checks the
  *   Rust side matches this header field by field).
+ *
+ * Stability
+ * Before 1.0 a MINOR version (pagedkv_version(): "0.MINOR.PATCH") may change what a
+ * function or field means; a PATCH version never does. Every such change is listed
+ * here, with the version that made it:
+ * - 0.2: pagedkv_request.priority: a LOWER value is more urgent (vLLM's convention),
+ *   under the priority policy; in 0.1 a higher value was. Preemption now takes the
+ *   least urgent running request first (it took the newest).
+ * - 0.2: pagedkv_batch: its arrays stay unchanged until the next pagedkv_step() (in
+ *   0.1 pagedkv_on_step_done() and pagedkv_abort() moved rows in them).
+ * - 0.2: pool sizes are capped at 2^24 blocks (num_blocks, num_host_blocks).
  */
 #ifndef PAGEDKV_H
 #define PAGEDKV_H
@@ -93,7 +104,7 @@ typedef struct pagedkv_request {
     uint64_t prompt_len;      /* at least 1 */
     uint32_t max_tokens;      /* tokens to generate at most, at least 1 */
     int64_t stop_token;       /* finish when sampled; -1: none */
-    int32_t priority;         /* higher first under the priority policy */
+    int32_t priority;         /* lower first under the priority policy (since 0.2) */
     uint32_t has_cache_salt;  /* 1: cache_salt keeps this prefix cache apart */
     uint64_t cache_salt;
 } pagedkv_request;

@@ -89,7 +89,7 @@ struct RunArgs {
     /// Requests to decode (1 to 4096).
     #[arg(long, default_value_t = 12)]
     requests: usize,
-    /// Tokens to generate per request (2 to 217: the first comes from the prefill, and
+    /// Tokens to generate per request (1 to 217: the first comes from the prefill, and
     /// prompts of up to 39 tokens plus the output must fit the model's 256).
     #[arg(long, default_value_t = 24)]
     max_tokens: u32,

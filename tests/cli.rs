@@ -234,9 +234,10 @@ fn bad_flags_are_named() {
         &["simulate", "--kv-budget-gib", "0.5"],
         "memory budget too small",
     );
+    // Weights that do not fit the GPU are named as such, not as a negative budget.
     fails_with(
         &["simulate", "--model", "llama-3-70b", "--gpu", "h100"],
-        "memory budget too small",
+        "the weights of llama-3-70b",
     );
     fails_with(
         &["simulate", "--bandwidth-gbs=-3"],

@@ -87,7 +87,8 @@ pub struct pagedkv_request {
     pub max_tokens: u32,
     /// Stop token id, or -1 for none.
     pub stop_token: i64,
-    /// Priority (higher first) under the priority policy.
+    /// Priority under the priority policy: *lower* values first, as in vLLM (since 0.2;
+    /// higher first before).
     pub priority: i32,
     /// 1: `cache_salt` keeps this request's prefix cache apart.
     pub has_cache_salt: u32,

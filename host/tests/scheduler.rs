@@ -346,6 +346,32 @@ impl Model {
         hits_before: u64,
     ) -> Result<(), TestCaseError> {
         let cfg = self.s.config();
+        // Preemption takes the least urgent first: every group preempted this step is
+        // less urgent than every group that was running before the step and still
+        // runs (the queue key: priority, lower first, under the priority policy, then
+        // arrival, which is request id order here).
+        let urgency = |req: u64| {
+            let prio = if cfg.policy == QueuePolicy::Priority {
+                (req % 3) as i64
+            } else {
+                0
+            };
+            (prio, req)
+        };
+        for &(victim, _) in &batch.preempted {
+            // (A victim preempted by recompute may be admitted again in the same step.)
+            let victims: HashSet<u64> = batch.preempted.iter().map(|p| p.0).collect();
+            for q in &batch.seqs {
+                if !victims.contains(&q.request) && self.ctx.get(&q.seq).is_some_and(|&c| c > 0) {
+                    prop_assert!(
+                        urgency(q.request) < urgency(victim),
+                        "preempted {} but kept the less urgent {}",
+                        victim,
+                        q.request
+                    );
+                }
+            }
+        }
         for &(req, mode) in &batch.preempted {
             if mode == PreemptionMode::Recompute {
                 for q in self.s.request_seqs(req).unwrap() {

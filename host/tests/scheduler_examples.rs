@@ -309,3 +309,50 @@ fn reset_prefix_cache_drops_every_hit_and_waits_for_running_requests() {
     // It caches again from then on.
     assert_eq!(s.kv().device().num_cached(), 2);
 }
+
+/// vLLM's priority convention (tests/v1/core/test_scheduler.py,
+/// `test_priority_scheduling_*`): a *lower* `priority` is more urgent. Waiting
+/// requests are admitted lowest first, and when the pool runs short the least urgent
+/// running request is preempted first, even when it is not the newest
+/// (`test_priority_scheduling_preemption`). Here the higher value came first and the
+/// victim was always the newest arrival.
+#[test]
+fn lower_priority_values_are_more_urgent_and_preempted_last() {
+    use pagedkv_host::scheduler::QueuePolicy;
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 7, // 6 usable blocks of 8 tokens
+        block_size: 8,
+        max_num_seqs: 4,
+        max_model_len: 64,
+        watermark: 0.0,
+        policy: QueuePolicy::Priority,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let req = |id, prio| {
+        let mut r = Request::new(id, vec![1; 8], 20);
+        r.priority = prio;
+        r
+    };
+    // Arrival order 1, 2, 3; urgency 2 (prio 0) > 3 (prio 1) > 1 (prio 5).
+    let a = s.add_request(req(1, 5)).unwrap();
+    let b = s.add_request(req(2, 0)).unwrap();
+    let c = s.add_request(req(3, 1)).unwrap();
+    let order: Vec<u64> = s.step().unwrap().seqs.iter().map(|q| q.seq).collect();
+    assert_eq!(order, vec![b, c, a], "admitted most urgent first");
+    s.on_step_done(&order.iter().map(|&q| (q, 9)).collect::<Vec<_>>())
+        .unwrap();
+    let mut preempted = Vec::new();
+    for _ in 0..12 {
+        let batch = s.step().unwrap().clone();
+        preempted.extend(batch.preempted.iter().map(|p| p.0));
+        let sampled: Vec<_> = batch.seqs.iter().map(|q| (q.seq, 9)).collect();
+        if !sampled.is_empty() {
+            s.on_step_done(&sampled).unwrap();
+        }
+    }
+    // Every prompt fills its first block; the pool holds 6 blocks: the first request
+    // preempted is the least urgent (id 1, the oldest arrival), never the most urgent.
+    assert_eq!(preempted.first(), Some(&1), "{preempted:?}");
+    assert!(!preempted.contains(&2), "{preempted:?}");
+}

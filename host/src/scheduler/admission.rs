@@ -240,8 +240,7 @@ impl Scheduler {
             }
             budget -= tokens_needed;
             self.waiting.remove(&key);
-            let arrival = self.groups[&id].arrival;
-            self.running.insert(arrival, id);
+            self.running.insert(key, id);
             self.groups.get_mut(&id).unwrap().status = Status::Running;
             for (s, end) in seqs.into_iter().zip(ends) {
                 let slot = (s & 0xffff_ffff) as usize; // a live sequence's id

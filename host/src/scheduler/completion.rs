@@ -242,17 +242,12 @@ impl Scheduler {
         g.seqs.retain(|&x| x != seq);
         if g.seqs.is_empty() {
             let g = self.groups.remove(&request).unwrap();
+            let key = g.key(self.cfg.policy);
             match g.status {
-                Status::Waiting => {
-                    self.waiting.remove(&g.key(self.cfg.policy));
-                }
-                Status::Running => {
-                    self.running.remove(&g.arrival);
-                }
-                Status::Swapped => {
-                    self.swapped.remove(&g.arrival);
-                }
-            }
+                Status::Waiting => self.waiting.remove(&key),
+                Status::Running => self.running.remove(&key),
+                Status::Swapped => self.swapped.remove(&key),
+            };
         }
         Ok(())
     }

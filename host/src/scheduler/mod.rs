@@ -18,14 +18,17 @@
 //! ```
 //!
 //! # Queues and one step
-//! Requests wait (FCFS, or by priority then FCFS), run, or sit swapped out. A request is
+//! Requests wait, run, or sit swapped out, each queue ordered most urgent first: by
+//! arrival (FCFS), or by priority then arrival (a *lower* `Request::priority` is more
+//! urgent, as in vLLM). A request is
 //! a *sequence group*: its prompt's sequence plus any [`Scheduler::fork`]s of it; groups
 //! are admitted, preempted and swapped whole. [`Scheduler::step`]:
 //! 1. makes room for every running sequence's next token; if the pool cannot, preempts
-//!    the newest running groups, by recompute (blocks freed, the group back to waiting,
-//!    in its original arrival place) or by swap (blocks copied to the host pool; falls
-//!    back to recompute when the host pool is full), per group or by default;
-//! 2. swaps groups back in, oldest first, when no preemption happened this step and
+//!    the least urgent running groups (FCFS: the newest), by recompute (blocks freed,
+//!    the group back to waiting, in its original queue place) or by swap (blocks
+//!    copied to the host pool; falls back to recompute when the host pool is full), per
+//!    group or by default;
+//! 2. swaps groups back in, most urgent first, when no preemption happened this step and
 //!    the group's blocks plus its next decode slots fit, with free blocks left above
 //!    the watermark while other sequences run;
 //! 3. gives every running sequence its decode slot (allocating only when a block
@@ -95,8 +98,10 @@
 //! recomputed sequence keeps its generated tokens), so the steps until idle are at most
 //! the tokens the live sequences may still generate. (With chunked prefill, a step
 //! gives every running sequence at least one token, a mid-prefill one a token of its
-//! prompt; the oldest group, never preempted, finishes its prefill and then its
-//! decodes.) It holds by construction:
+//! prompt; the most urgent group, never preempted, finishes its prefill and then its
+//! decodes.) Under the priority policy this holds for the requests already queued: a
+//! stream of more urgent arrivals can keep a less urgent request waiting or preempted
+//! (vLLM's priority scheduling starves the same way). It holds by construction:
 //! * *A group fits the pool alone.* `add_request` refuses a request whose sequence
 //!   would outgrow the usable pool (`prompt + max_tokens` tokens, at most
 //!   `max_model_len`; with a sliding window and chunked prefill, the window's blocks
@@ -104,12 +109,12 @@
 //!   tokens' blocks at once), and
 //!   [`Scheduler::fork`] refuses a fork after which the group's sequences together
 //!   could outgrow it or a step's token budget, or exceed `max_num_seqs`.
-//! * *The oldest running group is never preempted*: step 1 counts each group's next
-//!   decode slots exactly (forks sharing a partial block copy it all but once) and
-//!   preempts newer groups first; alone, the group fits.
+//! * *The most urgent running group (FCFS: the oldest) is never preempted*: step 1
+//!   counts each group's next decode slots exactly (forks sharing a partial block copy
+//!   it all but once) and preempts less urgent groups first; alone, the group fits.
 //! * *With nothing running, something always starts*: the watermark does not apply, the
 //!   whole pool is free (waiting and swapped groups hold no device blocks), so the
-//!   oldest swapped group swaps in (it needs its blocks plus its exact next decode
+//!   most urgent swapped group swaps in (it needs its blocks plus its exact next decode
 //!   slots, which fit the pool as they did before it was swapped out), or else the
 //!   first waiting group is admitted (its prefill fits the pool and a step's budget).
 //!
@@ -141,7 +146,7 @@ use std::collections::BTreeMap;
 use rustc_hash::FxHashMap as HashMap;
 
 pub use batch::{Batch, RowRange, ScheduledSeq};
-use seqs::{Group, SeqSlab};
+use seqs::{Group, GroupKey, SeqSlab};
 pub use tokens::Tokens;
 
 use crate::block::{BlockTable, KvCacheManager};
@@ -170,7 +175,8 @@ pub enum QueuePolicy {
     /// First come, first served.
     #[default]
     Fcfs,
-    /// Higher `Request::priority` first, FCFS among equals.
+    /// Lower `Request::priority` first (vLLM's convention: 0 before 1), FCFS among
+    /// equals; preemption takes the highest value (then the newest) first.
     Priority,
 }
 
@@ -243,7 +249,9 @@ pub struct Request {
     pub max_tokens: u32,
     /// Finish when this token is sampled.
     pub stop_token: Option<u32>,
-    /// Priority under [`QueuePolicy::Priority`] (higher first).
+    /// Priority under [`QueuePolicy::Priority`]: *lower* values are more urgent, as in
+    /// vLLM (admitted and swapped in first, preempted last). Until 0.2 it was higher
+    /// first.
     pub priority: i32,
     /// Prefix-cache salt: requests with different salts never share cached blocks.
     pub cache_salt: Option<u64>,
@@ -324,9 +332,10 @@ pub struct Scheduler {
     /// Where the sequences' histories and block tables live (see `mem::arena`).
     arena: SeqAlloc,
     groups: HashMap<RequestId, Group>,
-    waiting: BTreeMap<(i64, u64), RequestId>,
-    running: BTreeMap<u64, RequestId>,
-    swapped: BTreeMap<u64, RequestId>,
+    /// The queues, each in [`Group::key`] order (most urgent first).
+    waiting: BTreeMap<GroupKey, RequestId>,
+    running: BTreeMap<GroupKey, RequestId>,
+    swapped: BTreeMap<GroupKey, RequestId>,
     /// Running sequences in row order.
     rows: Vec<SeqId>,
     batch: Batch,

@@ -1,24 +1,27 @@
 //! Steps 1 and 2 of [`Scheduler::step`]: making room for the running sequences'
 //! next tokens by preemption, and swapping preempted groups back in.
 //!
-//! Invariants kept here (see the module docs on liveness):
-//! * the oldest running group is never preempted: room is counted group by group,
-//!   oldest first, with each group's exact next decode cost, and only newer groups
-//!   are preempted for it;
+//! Invariants kept here (see the module docs on liveness). Groups are ordered by their
+//! queue key, most urgent first: by arrival (FCFS), or by priority (lower values
+//! first, as in vLLM) then arrival.
+//! * the most urgent running group (FCFS: the oldest) is never preempted: room is
+//!   counted group by group, most urgent first, with each group's exact next decode
+//!   cost, and only less urgent groups are preempted for it, the least urgent first
+//!   (vLLM's `test_priority_scheduling_preemption`);
 //! * a group is preempted whole, by swap when it asks for it and the host pool has
-//!   room, else by recompute (its blocks freed, back to waiting in its arrival place);
-//! * nothing swaps in during a step that preempted; a group swaps in, oldest first,
-//!   only when its blocks plus its next decode slots fit above the watermark (which
-//!   applies only while some sequence runs).
+//!   room, else by recompute (its blocks freed, back to waiting in its queue place);
+//! * nothing swaps in during a step that preempted; a group swaps in, most urgent
+//!   first, only when its blocks plus its next decode slots fit above the watermark
+//!   (which applies only while some sequence runs).
 
-use super::seqs::Status;
+use super::seqs::{GroupKey, Status};
 use super::{PreemptionMode, RequestId, Scheduler};
 use crate::block::BlockTable;
 use crate::error::Result;
 
 impl Scheduler {
-    /// Step 1: preempts the newest running groups until every running sequence's next
-    /// token fits the free blocks.
+    /// Step 1: preempts the least urgent running groups (FCFS: the newest) until every
+    /// running sequence's next token fits the free blocks.
     pub(super) fn make_room(&mut self) -> Result<()> {
         // Each sequence takes at most one block: only a nearly full pool needs the
         // exact count (so the steady state skips this pass).
@@ -27,23 +30,25 @@ impl Scheduler {
             reserved = self.rows_append_cost()?;
         }
         if reserved > self.kv.device().num_free() {
-            let order: Vec<(u64, RequestId)> = self.running.iter().map(|(a, r)| (*a, *r)).collect();
+            let order: Vec<(GroupKey, RequestId)> =
+                self.running.iter().map(|(k, r)| (*k, *r)).collect();
             reserved = 0;
-            for (arrival, id) in order {
-                if !self.running.contains_key(&arrival) {
+            for (key, id) in order {
+                if !self.running.contains_key(&key) {
                     continue; // preempted already in this loop
                 }
-                // Exact, so the oldest group (reserved = 0) never preempts itself: alone,
-                // its next tokens fit the pool (`add_request` and `fork` see to that).
+                // Exact, so the most urgent group (reserved = 0) never preempts itself:
+                // alone, its next tokens fit the pool (`add_request` and `fork` see to
+                // that).
                 let cost = self.group_append_cost(id)?;
                 while reserved + cost > self.kv.device().num_free() {
-                    let (&newest, &victim) = self.running.last_key_value().unwrap();
+                    let (&least, &victim) = self.running.last_key_value().unwrap();
                     self.preempt(victim)?;
-                    if newest == arrival {
+                    if least == key {
                         break;
                     }
                 }
-                if self.running.contains_key(&arrival) {
+                if self.running.contains_key(&key) {
                     reserved += cost;
                 }
             }
@@ -51,7 +56,7 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Step 2: swaps groups back in, oldest first, unless this step preempted.
+    /// Step 2: swaps groups back in, most urgent first, unless this step preempted.
     pub(super) fn swap_in_groups(&mut self) -> Result<()> {
         if self.swapped.is_empty() {
             return Ok(());
@@ -61,7 +66,7 @@ impl Scheduler {
         if !self.batch.preempted.is_empty() {
             return Ok(());
         }
-        while let Some((&arrival, &id)) = self.swapped.first_key_value() {
+        while let Some((&key, &id)) = self.swapped.first_key_value() {
             let seqs = self.groups[&id].seqs.clone();
             if self.rows.len() + seqs.len() > self.cfg.max_num_seqs {
                 break;
@@ -92,8 +97,8 @@ impl Scheduler {
                 break;
             }
             reserved += append;
-            self.swapped.remove(&arrival);
-            self.running.insert(arrival, id);
+            self.swapped.remove(&key);
+            self.running.insert(key, id);
             self.groups.get_mut(&id).unwrap().status = Status::Running;
             for s in seqs {
                 self.push_row(s);
@@ -108,11 +113,11 @@ impl Scheduler {
         let g = &self.groups[&id];
         let mode = g.req.preemption.unwrap_or(self.cfg.preemption);
         let seqs = g.seqs.clone();
-        let arrival = g.arrival;
+        let key = g.key(self.cfg.policy);
         for &s in &seqs {
             self.remove_row(s);
         }
-        self.running.remove(&arrival);
+        self.running.remove(&key);
         let mut done = false;
         if mode == PreemptionMode::Swap {
             let mut tables: Vec<BlockTable> = seqs
@@ -129,7 +134,7 @@ impl Scheduler {
                 done = true;
                 self.metrics.preempted_swap += 1;
                 self.metrics.swapped_out_blocks += (self.batch.swap_out.len() - before) as u64;
-                self.swapped.insert(arrival, id);
+                self.swapped.insert(key, id);
                 self.groups.get_mut(&id).unwrap().status = Status::Swapped;
                 self.batch.preempted.push((id, PreemptionMode::Swap));
             }
@@ -144,9 +149,7 @@ impl Scheduler {
                 self.seqs.hot[(s & 0xffff_ffff) as usize].num_computed = 0;
             }
             self.metrics.preempted_recompute += 1;
-            let g = self.groups.get_mut(&id).unwrap();
-            g.status = Status::Waiting;
-            let key = g.key(self.cfg.policy);
+            self.groups.get_mut(&id).unwrap().status = Status::Waiting;
             self.waiting.insert(key, id);
             self.batch.preempted.push((id, PreemptionMode::Recompute));
         }

@@ -150,12 +150,18 @@ pub(super) struct Group {
     pub(super) status: Status,
 }
 
+/// A group's place in the waiting, running and swapped queues ([`Group::key`]).
+pub(super) type GroupKey = (i64, u64);
+
 impl Group {
-    /// The group's key in the waiting queue under `policy` (smallest first).
-    pub(super) fn key(&self, policy: QueuePolicy) -> (i64, u64) {
+    /// The group's place in the queues under `policy`, most urgent first: its arrival
+    /// (FCFS), or its priority then arrival (lower priority values first, as in vLLM).
+    /// Waiting groups are admitted, swapped ones swapped in, in this order, and
+    /// running ones preempted in the reverse order.
+    pub(super) fn key(&self, policy: QueuePolicy) -> GroupKey {
         match policy {
             QueuePolicy::Fcfs => (0, self.arrival),
-            QueuePolicy::Priority => (-(self.req.priority as i64), self.arrival),
+            QueuePolicy::Priority => (self.req.priority as i64, self.arrival),
         }
     }
 }

@@ -67,9 +67,9 @@ impl Scheduler {
         if self.cfg.sliding_window.is_some() {
             self.slide_windows()?;
         }
-        // 1. Room for every running sequence's next token, oldest groups first.
+        // 1. Room for every running sequence's next token, most urgent groups first.
         self.make_room()?;
-        // 2. Swap in, oldest first, above the watermark (when others run), when nobody
+        // 2. Swap in, most urgent first, above the watermark (when others run), when nobody
         // was preempted.
         self.swap_in_groups()?;
         // 3. Decode slots for every running sequence, in row order.
