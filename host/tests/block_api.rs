@@ -43,7 +43,7 @@ fn block_ids_outside_the_pool_are_errors() {
         is_unknown_block(p.free(b, 0), b);
         is_unknown_block(p.incref(b), b);
         is_unknown_block(p.touch(b, 0), b);
-        is_unknown_block(p.cache(b, 42), b);
+        is_unknown_block(p.cache(b, name(42)), b);
     }
     assert_eq!(p.num_free(), 3);
     assert_eq!(p.ref_cnt(3).unwrap(), 0);
@@ -73,7 +73,7 @@ fn a_reference_to_a_free_block_is_an_error() {
     assert!(matches!(p.incref(b), Err(Error::InvalidState(_))));
     assert_eq!(p.ref_cnt(b).unwrap(), 0);
     // Caching a free block would corrupt the cached-free count.
-    assert!(matches!(p.cache(b, 7), Err(Error::InvalidState(_))));
+    assert!(matches!(p.cache(b, name(7)), Err(Error::InvalidState(_))));
     assert_eq!(p.block_hash(b).unwrap(), None);
     assert_eq!(p.num_cached_free(), 0);
     drain(&mut p);
@@ -85,9 +85,9 @@ fn the_null_block_is_never_handed_out_nor_cached() {
     // Freeing or sharing the null block is a no-op (tables pad with it).
     p.free(NULL_BLOCK, 0).unwrap();
     p.incref(NULL_BLOCK).unwrap();
-    assert!(p.cache(NULL_BLOCK, 1).is_err());
+    assert!(p.cache(NULL_BLOCK, name(1)).is_err());
     assert!(p.touch(NULL_BLOCK, 0).is_err());
-    assert_eq!(p.lookup(1), None);
+    assert_eq!(p.lookup(name(1)), None);
     assert!(!drain(&mut p).contains(&NULL_BLOCK));
 }
 
@@ -266,4 +266,9 @@ fn a_reserved_table_never_moves_while_it_grows_to_its_reservation() {
     }
     plain.free(&mut u).unwrap();
     assert_eq!(m.device().num_free(), m.device().num_usable());
+}
+
+/// A distinct block name for `i`.
+fn name(i: u32) -> pagedkv_host::block::BlockHash {
+    pagedkv_host::block::hash_block(None, &[i], None)
 }

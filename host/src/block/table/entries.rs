@@ -3,9 +3,10 @@
 //! A scheduler keeps each running sequence's table in one 64-byte record, next to
 //! its request id, so that a step's common decode reads and writes one cache line
 //! per sequence (see `scheduler::seqs`). Two `Vec`s (32 bytes of header each) did not
-//! fit; one boxed slice (24 bytes) and two counts do. The slice holds `3k` words:
+//! fit; one boxed slice (24 bytes) and two counts do. The slice holds `9k` words:
 //! the first `k` hold `2k` block ids (two `u32`s a word, read as one `&[BlockId]`),
-//! the next `2k` the hashes, so both have room for `2k` entries.
+//! the next `8k` the `2k` hashes (a [`BlockHash`] is 32 bytes, 4 words), so both have
+//! room for `2k` entries.
 //!
 //! Everything here is safe code: the ids are viewed through `bytemuck`.
 
@@ -15,9 +16,12 @@ use allocator_api2::vec::Vec as AVec;
 use crate::block::pool::{BlockHash, BlockId};
 use crate::mem::{SeqAlloc, same_alloc};
 
+/// Words a [`BlockHash`] takes.
+const HASH_WORDS: usize = size_of::<BlockHash>() / size_of::<u64>();
+
 /// A table's entries and hashes, each with room for [`capacity`](Self::capacity).
 pub(crate) struct Entries {
-    /// `[k words of ids (2k ids), 2k hashes]`.
+    /// `[k words of ids (2k ids), 2k hashes of HASH_WORDS words]`.
     buf: ABox<[u64], SeqAlloc>,
     blocks: u32,
     hashes: u32,
@@ -51,7 +55,9 @@ impl Entries {
     /// Room for `n` entries and hashes (rounded up to an even number), from `alloc`.
     fn with_room(n: usize, alloc: SeqAlloc) -> Self {
         let k = n.div_ceil(2);
-        let words = k.checked_mul(3).expect("table capacity overflows");
+        let words = k
+            .checked_mul(1 + 2 * HASH_WORDS)
+            .expect("table capacity overflows");
         let mut v = AVec::with_capacity_in(words, alloc);
         v.resize(words, 0u64);
         Self {
@@ -63,7 +69,17 @@ impl Entries {
 
     /// Words holding ids (half the capacity).
     fn k(&self) -> usize {
-        self.buf.len() / 3
+        self.buf.len() / (1 + 2 * HASH_WORDS)
+    }
+
+    /// The hash region, as hashes (room for the capacity).
+    fn hash_room(&self) -> &[BlockHash] {
+        bytemuck::cast_slice(&self.buf[self.k()..])
+    }
+
+    fn hash_room_mut(&mut self) -> &mut [BlockHash] {
+        let k = self.k();
+        bytemuck::cast_slice_mut(&mut self.buf[k..])
     }
 
     /// Entries (and hashes) it holds without moving.
@@ -89,7 +105,7 @@ impl Entries {
     /// The last hash, if any.
     pub(crate) fn last_hash(&self) -> Option<BlockHash> {
         let n = self.hashes as usize;
-        (n > 0).then(|| self.buf[self.k() + n - 1])
+        (n > 0).then(|| self.hash_room()[n - 1])
     }
 
     /// The block ids.
@@ -105,8 +121,7 @@ impl Entries {
 
     /// The hashes.
     pub(crate) fn hashes(&self) -> &[BlockHash] {
-        let k = self.k();
-        &self.buf[k..k + self.hashes as usize]
+        &self.hash_room()[..self.hashes as usize]
     }
 
     /// Where id `i` is (or would be): for prefetching; may point past the storage.
@@ -116,7 +131,11 @@ impl Entries {
 
     /// Where hash `i` is (or would be): for prefetching; may point past the storage.
     pub(crate) fn hash_ptr(&self, i: usize) -> *const BlockHash {
-        self.buf.as_ptr().wrapping_add(self.k() + i)
+        self.buf
+            .as_ptr()
+            .wrapping_add(self.k())
+            .cast::<BlockHash>()
+            .wrapping_add(i)
     }
 
     /// Appends block id `b` (doubling the room when it is full).
@@ -136,8 +155,7 @@ impl Entries {
     pub(crate) fn push_hash(&mut self, h: BlockHash) {
         let n = self.hashes as usize;
         self.grow_for(n + 1);
-        let k = self.k();
-        self.buf[k + n] = h;
+        self.hash_room_mut()[n] = h;
         self.hashes += 1;
     }
 
@@ -156,7 +174,7 @@ impl Entries {
         let mut new = Self::with_room(n.max(b).max(h), alloc.clone());
         let k = new.k();
         bytemuck::cast_slice_mut::<u64, u32>(&mut new.buf[..k])[..b].copy_from_slice(self.blocks());
-        new.buf[k..k + h].copy_from_slice(self.hashes());
+        new.hash_room_mut()[..h].copy_from_slice(self.hashes());
         (new.blocks, new.hashes) = (self.blocks, self.hashes);
         *self = new;
     }
@@ -182,6 +200,11 @@ impl Entries {
 mod tests {
     use super::*;
 
+    /// A distinct hash for `i`.
+    fn name(i: u32) -> BlockHash {
+        crate::block::hash_block(None, &[i], None)
+    }
+
     /// Ids and hashes read back in order through growth, moves and copies, and
     /// neither overwrites the other.
     #[test]
@@ -195,15 +218,12 @@ mod tests {
             for i in 0..300u32 {
                 e.push_block(i * 3 + 1);
                 if i % 3 != 2 {
-                    e.push_hash(u64::MAX - i as u64);
+                    e.push_hash(name(i));
                 }
                 assert!(e.capacity() >= e.blocks().len());
             }
             let ids: Vec<u32> = (0..300).map(|i| i * 3 + 1).collect();
-            let hashes: Vec<u64> = (0..300u64)
-                .filter(|i| i % 3 != 2)
-                .map(|i| u64::MAX - i)
-                .collect();
+            let hashes: Vec<BlockHash> = (0..300u32).filter(|i| i % 3 != 2).map(name).collect();
             assert_eq!(e.blocks(), &ids[..]);
             assert_eq!(e.hashes(), &hashes[..]);
             let c = e.duplicate();

@@ -14,7 +14,8 @@
 //!   copies a shared partial last block first (copy-on-write) and reports the
 //!   `(src, dst)` pair for the `copy_blocks` kernel. Full blocks are never written
 //!   again, so sharing them (fork, prefix hits) is free.
-//! * `hashes[i]` is the prefix-cache hash chain of full block `i`, recorded once its
+//! * `hashes[i]` is the prefix-cache name of full block `i` ([`hash_block`](crate::block::hash_block): the chain
+//!   over the salt and the tokens up to its end), recorded once its
 //!   contents are computed ([`KvCacheManager::commit`]).
 //! * Only a full block is ever shared between sequence groups (prefix hits never
 //!   include a prompt's last block); a partial last block is shared only among the
@@ -134,7 +135,7 @@ impl BlockTable {
     /// until it outgrows that, instead of moving each time it doubles.
     ///
     /// # Panics
-    /// If the room for `blocks` entries and hashes (12 bytes each) overflows
+    /// If the room for `blocks` entries and hashes (36 bytes each) overflows
     /// `isize::MAX` bytes, as `Vec::reserve` does.
     pub fn reserve(&mut self, blocks: usize) {
         let alloc = self.entries.allocator().clone();
