@@ -42,7 +42,13 @@ impl Scheduler {
         let mut done = Vec::new();
         let result =
             LineWriter::scope(|lines| self.apply_sampled(sampled, in_order, lines, &mut done));
+        // The step's commits are named and registered together, and the names written
+        // into their tables (tagged by slot), also after an error.
         self.kv.flush_commits();
+        for &(slot, i, name) in self.kv.named() {
+            let seq = self.seqs.slots[slot as usize].as_mut().unwrap();
+            seq.table.set_hash(i as usize, name);
+        }
         result?;
         for &(s, why) in &done {
             self.finish_seq(s, why)?;
@@ -117,8 +123,12 @@ impl Scheduler {
             if num_tokens >= h.commit_at {
                 let seq = self.seqs.slots[slot].as_mut().unwrap();
                 let salt = self.seqs.cold[slot].salt;
-                self.kv
-                    .commit_deferred(&mut seq.table, h.tokens.view().as_slices(), salt)?;
+                self.kv.commit_deferred(
+                    &mut seq.table,
+                    h.tokens.view().as_slices(),
+                    salt,
+                    slot as u32,
+                )?;
                 h.commit_at = self.kv.commit_at(&seq.table);
             }
             if !samples {

@@ -159,6 +159,12 @@ impl Entries {
         self.hashes += 1;
     }
 
+    /// Overwrites hash `i` (one it holds).
+    pub(crate) fn set_hash(&mut self, i: usize, h: BlockHash) {
+        assert!(i < self.hashes as usize, "hash {i} of {}", self.hashes);
+        self.hash_room_mut()[i] = h;
+    }
+
     /// Makes room for `n` entries, doubling (at least) when it has less.
     fn grow_for(&mut self, n: usize) {
         if n > self.capacity() {

@@ -198,6 +198,12 @@ impl BlockTable {
         self.location
     }
 
+    /// Writes the name [`KvCacheManager::flush_commits`] computed for full block `i`
+    /// into its placeholder.
+    pub(crate) fn set_hash(&mut self, i: usize, h: BlockHash) {
+        self.entries.set_hash(i, h);
+    }
+
     /// Prefix-cache hashes of the leading full, computed blocks.
     pub fn hashes(&self) -> &[BlockHash] {
         self.entries.hashes()
@@ -208,6 +214,32 @@ impl BlockTable {
     pub(crate) fn first_live(&self) -> u32 {
         self.first_live
     }
+}
+
+/// A commit [`KvCacheManager::commit_deferred`] left for
+/// [`KvCacheManager::flush_commits`]: full block `block` ([`NULL_BLOCK`] for one a
+/// window released: named, not registered), entry `index` of the caller's table
+/// `tag`, whose name is that of its tokens after `parent`.
+///
+/// [`NULL_BLOCK`]: crate::block::NULL_BLOCK
+#[derive(Clone, Copy, Debug)]
+struct PendingCommit {
+    block: BlockId,
+    tag: u32,
+    index: u32,
+    parent: Parent,
+    salt: Option<u64>,
+}
+
+/// A pending commit's parent.
+#[derive(Clone, Copy, Debug)]
+enum Parent {
+    /// None: the table's first block (the chain starts from the salt).
+    Root,
+    /// A name already computed.
+    Name(BlockHash),
+    /// The commit pending just before (the same table's previous block).
+    Previous,
 }
 
 /// The source of [`KvCacheManager::id`]s (0 means "no manager").
@@ -230,7 +262,14 @@ pub struct KvCacheManager {
     scratch: HashMap<BlockId, BlockId>,
     /// Registrations [`commit_deferred`](Self::commit_deferred) left for
     /// [`flush_commits`](Self::flush_commits).
-    pending: Vec<(BlockId, BlockHash)>,
+    pending: Vec<PendingCommit>,
+    /// The tokens of the pending commits, one block after another.
+    pending_tokens: Vec<u32>,
+    /// The names [`flush_commits`](Self::flush_commits) computed, `(tag, entry,
+    /// name)`, for the callers to write into their tables' placeholders.
+    named: Vec<(u32, u32, BlockHash)>,
+    /// The registrations of a flush (reused).
+    registrations: Vec<(BlockId, BlockHash)>,
 }
 
 impl KvCacheManager {
@@ -276,6 +315,9 @@ impl KvCacheManager {
             window,
             scratch: HashMap::default(),
             pending: Vec::new(),
+            pending_tokens: Vec::new(),
+            named: Vec::new(),
+            registrations: Vec::new(),
         })
     }
 
@@ -350,7 +392,7 @@ impl KvCacheManager {
     /// Drops the device pool's prefix cache ([`BlockPool::reset_prefix_cache`]):
     /// refused while any device block is held.
     pub fn reset_prefix_cache(&mut self) -> Result<()> {
-        self.pending.clear();
+        debug_assert!(self.pending.is_empty(), "commits pending at a reset");
         self.device.reset_prefix_cache()
     }
 
