@@ -17,4 +17,4 @@ pub mod pool;
 pub mod table;
 
 pub use pool::{BlockHash, BlockId, BlockPool, MAX_POOL_BLOCKS, NULL_BLOCK, PAD_SLOT, hash_block};
-pub use table::{BlockTable, KvCacheManager, Location};
+pub use table::{BlockTable, KvCacheManager, Location, PrefixHits};

@@ -197,7 +197,9 @@ impl Scheduler {
                 self.seqs.flush(*s);
                 let t = self.seqs.tokens(*s).unwrap().as_slice();
                 if seqs.len() == 1 {
-                    let (hits, _) = self.kv.count_prefix_hits(t, salt);
+                    // Found once: each name is a SHA-256 compression.
+                    self.kv.find_prefix_hits(t, salt, &mut self.hits);
+                    let hits = self.hits.blocks();
                     let cached = (hits * self.cfg.block_size) as usize;
                     let mut take = t.len() - cached;
                     if self.chunked {
@@ -206,12 +208,12 @@ impl Scheduler {
                         let fit = ((max_held + dead) * bs).saturating_sub(cached);
                         take = take.min(budget).min(fit);
                     }
-                    // `count_prefix_hits` of the prefix finds the same hits: it keeps
-                    // at least one token to compute, and `take >= 1` is past them.
+                    // The prefix has the same hits: they keep at least one token to
+                    // compute, and `take >= 1` is past them.
                     let end = cached + take;
                     starved |= take == 0;
                     tokens_needed += take;
-                    blocks_needed += self.kv.prefill_cost(&t[..end], salt);
+                    blocks_needed += self.kv.prefill_cost_with(end as u32, &self.hits);
                     ends.push(end as u32);
                 } else {
                     // One fork's allocations may evict the cached blocks another
@@ -242,6 +244,7 @@ impl Scheduler {
             self.waiting.remove(&key);
             self.running.insert(key, id);
             self.groups.get_mut(&id).unwrap().status = Status::Running;
+            let single = seqs.len() == 1;
             for (s, end) in seqs.into_iter().zip(ends) {
                 let slot = (s & 0xffff_ffff) as usize; // a live sequence's id
                 let seq = self.seqs.slots[slot].as_mut().unwrap();
@@ -251,9 +254,17 @@ impl Scheduler {
                 let room = initial_room(tokens.len(), cold.max_len as usize);
                 seq.table
                     .reserve_in(&self.arena, self.kv.blocks_for(room as u32) as usize);
-                let cached =
+                // A group of one sequence had its hits found above; forks assume none.
+                let cached = if single {
+                    self.kv.allocate_prefill_with(
+                        &mut seq.table,
+                        &tokens[..end as usize],
+                        &self.hits,
+                    )?
+                } else {
                     self.kv
-                        .allocate_prefill(&mut seq.table, &tokens[..end as usize], salt)?;
+                        .allocate_prefill(&mut seq.table, &tokens[..end as usize], salt)?
+                };
                 self.metrics.prefix_queried_tokens += tokens.len() as u64;
                 self.metrics.prefix_hit_tokens += cached as u64;
                 cold.prefill_end = tokens.len() as u32;

@@ -149,7 +149,7 @@ pub use batch::{Batch, RowRange, ScheduledSeq};
 use seqs::{Group, GroupKey, SeqSlab};
 pub use tokens::Tokens;
 
-use crate::block::{BlockTable, KvCacheManager};
+use crate::block::{BlockTable, KvCacheManager, PrefixHits};
 use crate::error::{Error, Result};
 use crate::mem::SeqAlloc;
 use crate::ops::SUPPORTED_BLOCK_SIZES;
@@ -347,6 +347,8 @@ pub struct Scheduler {
     finished: Vec<(RequestId, SeqId, FinishReason, Vec<u32>)>,
     metrics: Metrics,
     watermark_blocks: u32,
+    /// The prefix hits of the group admission is looking at (its buffer reused).
+    hits: PrefixHits,
 }
 
 impl Scheduler {
@@ -462,6 +464,7 @@ impl Scheduler {
             finished: Vec::new(),
             metrics: Metrics::default(),
             watermark_blocks,
+            hits: PrefixHits::default(),
             cfg,
         })
     }

@@ -46,6 +46,8 @@
 mod append;
 mod entries;
 mod prefix;
+
+pub use prefix::PrefixHits;
 mod swap;
 
 use std::sync::atomic::{AtomicU64, Ordering};

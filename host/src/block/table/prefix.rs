@@ -27,42 +27,97 @@ use crate::block::pool::{BlockHash, NULL_BLOCK, hash_block};
 use crate::error::{Error, Result};
 use crate::mem::{prefetch, prefetch_write};
 
+/// A prompt's prefix-cache hits as [`KvCacheManager::find_prefix_hits`] found them: the
+/// names of its leading cached full blocks (capped so at least one token is left to
+/// compute), computed once and reused by [`KvCacheManager::prefill_cost_with`] and
+/// [`KvCacheManager::allocate_prefill_with`], which only look them up again. (Each
+/// name is a SHA-256 compression; an admission once hashed its prompt five times.)
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefixHits {
+    names: Vec<BlockHash>,
+    free: u32,
+}
+
+impl PrefixHits {
+    /// Hit blocks.
+    pub fn blocks(&self) -> u32 {
+        self.names.len() as u32
+    }
+
+    /// Of those, blocks that sit in the free queue (a hit takes them out of it).
+    pub fn free(&self) -> u32 {
+        self.free
+    }
+}
+
 impl KvCacheManager {
-    /// `(hit_blocks, hits_that_are_free)` for a prompt: the leading full blocks whose
-    /// hash chain is cached, capped so at least one token is left to compute. Changes
-    /// nothing. Always `(0, 0)` without prefix caching, and with a sliding window (a
-    /// prefill may need cached tokens the window has already released).
-    pub fn count_prefix_hits(&self, tokens: &[u32], salt: Option<u64>) -> (u32, u32) {
+    /// Finds the prefix-cache hits of a prompt into `hits` (its buffer reused): the
+    /// leading full blocks whose names are cached, capped so at least one token is left
+    /// to compute. Changes nothing else. None without prefix caching, and with a sliding
+    /// window (a prefill may need cached tokens the window has already released).
+    pub fn find_prefix_hits(&self, tokens: &[u32], salt: Option<u64>, hits: &mut PrefixHits) {
+        hits.names.clear();
+        hits.free = 0;
         if !self.prefix_caching || self.window.is_some() || tokens.is_empty() {
-            return (0, 0);
+            return;
         }
         let bs = self.block_size as usize;
         let max_hits = (tokens.len() - 1) / bs;
-        let (mut hits, mut free) = (0, 0);
         let mut parent = None;
         for chunk in tokens.chunks_exact(bs).take(max_hits) {
             let h = hash_block(parent, chunk, salt);
             match self.device.lookup(h) {
                 Some(b) => {
-                    hits += 1;
-                    free += (self.device.rc(b) == 0) as u32;
+                    hits.names.push(h);
+                    hits.free += (self.device.rc(b) == 0) as u32;
                     parent = Some(h);
                 }
                 None => break,
             }
         }
-        (hits, free)
+    }
+
+    /// `(hit_blocks, hits_that_are_free)` for a prompt ([`find_prefix_hits`](Self::find_prefix_hits)).
+    pub fn count_prefix_hits(&self, tokens: &[u32], salt: Option<u64>) -> (u32, u32) {
+        let mut hits = PrefixHits::default();
+        self.find_prefix_hits(tokens, salt, &mut hits);
+        (hits.blocks(), hits.free())
     }
 
     /// Free device blocks a prefill of `tokens` would take: its blocks from the window
     /// of its first computed token on (with a sliding window, the step's queries read
     /// them all), less prefix hits, plus the hits that sit in the free queue.
     pub fn prefill_cost(&self, tokens: &[u32], salt: Option<u64>) -> u32 {
-        let n = tokens.len() as u32;
-        let (hits, hits_free) = self.count_prefix_hits(tokens, salt);
+        let mut hits = PrefixHits::default();
+        self.find_prefix_hits(tokens, salt, &mut hits);
+        self.prefill_cost_with(tokens.len() as u32, &hits)
+    }
+
+    /// [`prefill_cost`](Self::prefill_cost) of a prompt of `num_tokens` tokens whose hits
+    /// were found (as a prompt of at least as many tokens: at most `(num_tokens - 1) /
+    /// block_size` of them count).
+    pub fn prefill_cost_with(&self, num_tokens: u32, hits: &PrefixHits) -> u32 {
+        let (n, (hits, free)) = (num_tokens, self.still_cached(num_tokens, hits));
         // (No hits with a window: `dead` and `hits` are never both nonzero.)
         let dead = self.dead_before(hits * self.block_size);
-        self.blocks_for(n) - dead - hits + hits_free
+        self.blocks_for(n) - dead - hits + free
+    }
+
+    /// The leading names of `hits` still cached (a prompt of `num_tokens` tokens keeps at
+    /// least one to compute), and how many of those are free: by lookup, no hashing.
+    fn still_cached(&self, num_tokens: u32, hits: &PrefixHits) -> (u32, u32) {
+        let max_hits = (num_tokens.saturating_sub(1) / self.block_size) as usize;
+        let (mut n, mut free) = (0, 0);
+        for &h in hits.names.iter().take(max_hits) {
+            match self.device.lookup(h) {
+                Some(b) => {
+                    n += 1;
+                    free += (self.device.rc(b) == 0) as u32;
+                }
+                None => break,
+            }
+        }
+        (n, free)
     }
 
     /// Gives an empty table slots for every position of `tokens`, reusing cached prefix
@@ -78,6 +133,20 @@ impl KvCacheManager {
         tokens: &[u32],
         salt: Option<u64>,
     ) -> Result<u32> {
+        let mut hits = PrefixHits::default();
+        self.find_prefix_hits(tokens, salt, &mut hits);
+        self.allocate_prefill_with(t, tokens, &hits)
+    }
+
+    /// [`allocate_prefill`](Self::allocate_prefill) with the hits
+    /// [`find_prefix_hits`](Self::find_prefix_hits) found for `tokens` (or for a longer
+    /// prompt they begin): the hits still cached are taken, none hashed again.
+    pub fn allocate_prefill_with(
+        &mut self,
+        t: &mut BlockTable,
+        tokens: &[u32],
+        found: &PrefixHits,
+    ) -> Result<u32> {
         self.check(t)?;
         if !t.blocks().is_empty() || t.location != Location::Device {
             return Err(Error::InvalidState(
@@ -90,25 +159,21 @@ impl KvCacheManager {
                 "a prompt needs at least one token",
             ));
         }
-        let cost = self.prefill_cost(tokens, salt);
+        let n = tokens.len() as u32;
+        let cost = self.prefill_cost_with(n, found);
         if cost > self.device.num_free() {
             return Err(Error::OutOfBlocks {
                 needed: cost,
                 free: self.device.num_free(),
             });
         }
-        let (hits, _) = self.count_prefix_hits(tokens, salt);
-        let bs = self.block_size as usize;
-        let mut parent = None;
-        for chunk in tokens.chunks_exact(bs).take(hits as usize) {
-            let h = hash_block(parent, chunk, salt);
+        let (hits, _) = self.still_cached(n, found);
+        for &h in &found.names[..hits as usize] {
             let b = self.device.lookup(h).expect("counted hit");
             self.device.take(b, self.block_size);
             t.entries.push_block(b);
             t.entries.push_hash(h);
-            parent = Some(h);
         }
-        let n = tokens.len() as u32;
         let dead = self.dead_before(hits * self.block_size);
         debug_assert!(dead == 0 || hits == 0, "prefix hits under a window");
         while (t.blocks().len() as u32) < self.blocks_for(n) {
