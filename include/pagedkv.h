@@ -46,6 +46,8 @@
  * - 0.2: pagedkv_batch: its arrays stay unchanged until the next pagedkv_step() (in
  *   0.1 pagedkv_on_step_done() and pagedkv_abort() moved rows in them).
  * - 0.2: pool sizes are capped at 2^24 blocks (num_blocks, num_host_blocks).
+ * - 0.2: rows of one batch may share blocks another row of the step writes (prompts
+ *   that begin alike, admitted together): kv_append the whole step before attention.
  */
 #ifndef PAGEDKV_H
 #define PAGEDKV_H
@@ -124,7 +126,10 @@ typedef struct pagedkv_scheduled_seq {
 /* A step's batch: device-ready arrays. The library owns them; they stay valid, and
  * unchanged, until the next pagedkv_step() or pagedkv_scheduler_destroy() on the same
  * scheduler: pagedkv_on_step_done() and pagedkv_abort() in between (a sequence that
- * finishes or is aborted) leave them as they were. */
+ * finishes or is aborted) leave them as they were. Rows may read blocks another row
+ * of the same step writes (prompts that begin alike, admitted in one step, share the
+ * first one's full blocks at once): in each layer, kv_append every new token (the
+ * whole slot_mapping) before that layer's attention of any row. */
 typedef struct pagedkv_batch {
     uint64_t num_seqs;                   /* scheduled sequences; 0: nothing could run */
     const pagedkv_scheduled_seq *seqs;   /* [num_seqs]; seqs[i] owns row i below */

@@ -439,3 +439,49 @@ fn attention_over_a_windowed_batch_needs_its_window() {
         }
     }
 }
+
+/// A burst of requests with one system prompt, all admitted in the first step: the
+/// later ones share the first one's full blocks in that very step (their prefill reads
+/// K/V the step's kv_append writes), and every output still matches f64 attention over
+/// the K/V its history appended. (Each once prefilled the whole prompt.)
+#[test]
+fn a_burst_with_one_system_prompt_computes_it_once_and_reads_it_right() {
+    for dtype in [DType::F32, DType::F16] {
+        let shape = StepShape {
+            num_q_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 64,
+            block_size: 8,
+            num_blocks: 64,
+            dtype,
+            kv_dtype: dtype,
+        };
+        let mut be = CpuBackend::new(BackendConfig::new(shape, 2, 8, 8)).unwrap();
+        let system: Vec<u32> = (0..35).map(|t| t * 3 + 1).collect();
+        let requests = (0..5u32)
+            .map(|i| {
+                let mut p = system.clone();
+                p.extend((0..3 + i).map(|t| 200 + 10 * i + t));
+                (p, 3)
+            })
+            .collect();
+        let case = ServeCase {
+            sched: SchedulerConfig {
+                num_blocks: 64,
+                block_size: 8,
+                max_num_seqs: 8,
+                max_model_len: 64,
+                enable_prefix_caching: true,
+                ..SchedulerConfig::default()
+            },
+            chunked: false,
+            requests,
+            opts: DecodeOptions::new(64),
+        };
+        let s = serve_case(&mut be, &case);
+        // Four full blocks of the system prompt (32 tokens) shared by the four later
+        // requests, in the first step.
+        assert_eq!(s.cached_first_step, 4 * 32, "{dtype}");
+        assert!(s.prefill_checked > 0 && s.checked > 0);
+    }
+}

@@ -356,3 +356,52 @@ fn lower_priority_values_are_more_urgent_and_preempted_last() {
     assert_eq!(preempted.first(), Some(&1), "{preempted:?}");
     assert!(!preempted.contains(&2), "{preempted:?}");
 }
+
+/// Identical prompts admitted in the same step share their full blocks from that step
+/// on, as vLLM shares blocks once they are allocated: the first computes them, the
+/// others start past them (their K/V is written by the step's kv_append before any
+/// attention of the step reads it). Each once prefilled the whole prompt, so a burst
+/// of requests with one system prompt computed it once per request. Another salt
+/// shares nothing.
+#[test]
+fn identical_prompts_admitted_in_one_step_share_their_full_blocks() {
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: 32,
+        block_size: 8,
+        max_num_seqs: 8,
+        max_model_len: 64,
+        enable_prefix_caching: true,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    let prompt: Vec<u32> = (0..20).collect(); // two full blocks and 4 tokens
+    let ids: Vec<u64> = (0..3)
+        .map(|i| s.add_request(Request::new(i, prompt.clone(), 2)).unwrap())
+        .collect();
+    let mut salted = Request::new(9, prompt.clone(), 2);
+    salted.cache_salt = Some(1);
+    let other = s.add_request(salted).unwrap();
+    let b = s.step().unwrap().clone();
+    let cached: Vec<(u64, u32, u32)> = b
+        .seqs
+        .iter()
+        .map(|q| (q.seq, q.num_cached_tokens, q.num_new_tokens))
+        .collect();
+    assert_eq!(
+        cached,
+        vec![
+            (ids[0], 0, 20),
+            (ids[1], 16, 4),
+            (ids[2], 16, 4),
+            (other, 0, 20)
+        ]
+    );
+    assert_eq!(b.slot_mapping.len(), 48);
+    let first = s.block_table(ids[0]).unwrap().blocks()[..2].to_vec();
+    for &q in &ids[1..] {
+        assert_eq!(s.block_table(q).unwrap().blocks()[..2], first[..]);
+    }
+    assert_eq!(s.kv().device().ref_cnt(first[0]).unwrap(), 3);
+    assert_ne!(s.block_table(other).unwrap().blocks()[0], first[0]);
+    assert_eq!(s.metrics().prefix_hit_tokens, 32);
+}

@@ -119,6 +119,9 @@ pub struct Served {
     pub prefill_checked: usize,
     /// Steps whose decode launch used split-K.
     pub split_steps: usize,
+    /// Prompt tokens served from the prefix cache, in all, and in the first step.
+    pub cached_tokens: usize,
+    pub cached_first_step: usize,
 }
 
 /// What [`serve_case`] serves: a scheduler's settings, its requests, and the attention
@@ -230,12 +233,18 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
         preempted: 0,
         split_steps: 0,
         prefill_checked: 0,
+        cached_tokens: 0,
+        cached_first_step: 0,
     };
     let mut steps = 0;
     while !sched.is_idle() {
         steps += 1;
         assert!(steps < 2000, "the scheduler does not finish");
         let batch = sched.step().unwrap().clone();
+        s.cached_tokens += batch.num_cached_tokens as usize;
+        if steps == 1 {
+            s.cached_first_step = batch.num_cached_tokens as usize;
+        }
         s.swapped_out += batch.swap_out.len();
         s.swapped_in += batch.swap_in.len();
         s.preempted += batch.preempted.len();

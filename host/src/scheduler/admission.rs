@@ -265,6 +265,12 @@ impl Scheduler {
                     self.kv
                         .allocate_prefill(&mut seq.table, &tokens[..end as usize], salt)?
                 };
+                // Its full blocks are registered now, not after the step: a prompt
+                // admitted after it in this step that begins the same way shares them
+                // (their K/V is written by this step's kv_append, before any of the
+                // step's attention reads it), as vLLM does.
+                self.kv
+                    .commit(&mut seq.table, &tokens[..end as usize], salt)?;
                 self.metrics.prefix_queried_tokens += tokens.len() as u64;
                 self.metrics.prefix_hit_tokens += cached as u64;
                 cold.prefill_end = tokens.len() as u32;

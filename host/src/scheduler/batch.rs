@@ -52,6 +52,11 @@ pub struct ScheduledSeq {
 }
 
 /// What one step runs: device-ready arrays for the kernels.
+///
+/// Rows may read blocks another row of the same step writes (prompts that begin alike,
+/// admitted in one step, share the first one's full blocks from that step on): in each
+/// layer, write every new token's K/V (`kv_append` over the whole `slot_mapping`)
+/// before that layer's attention of any row, as the backends' step path does.
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
     /// The scheduled sequences; `seqs[i]` owns row `i` of the block tables. The

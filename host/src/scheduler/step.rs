@@ -311,6 +311,15 @@ impl Scheduler {
             &mut self.batch.slot_mapping,
         )?;
         let end = seq.table.num_tokens();
+        // The chunk's full blocks are registered now (see `admit_waiting`): a prompt
+        // admitted later in this step may share them.
+        let salt = self.seqs.cold(id).salt;
+        let tokens = self.seqs.hot[(id & 0xffff_ffff) as usize].tokens.view();
+        let seq = self.seqs.slots[(id & 0xffff_ffff) as usize]
+            .as_mut()
+            .unwrap();
+        self.kv
+            .commit_parts(&mut seq.table, tokens.as_slices(), salt)?;
         let (request, samples) = (seq.request, end == prefill_end);
         // Several entries may change (new blocks, a copy, a window's releases): the
         // whole row is rewritten (chunks are few).

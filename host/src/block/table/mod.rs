@@ -10,10 +10,13 @@
 //!   step appended are `NULL_BLOCK` (released), and every later entry is held: a
 //!   step's queries read every position any of them attends to (the release rule in
 //!   `append`).
-//! * A sequence only ever writes into a block it holds alone: [`KvCacheManager::append_slot`]
-//!   copies a shared partial last block first (copy-on-write) and reports the
-//!   `(src, dst)` pair for the `copy_blocks` kernel. Full blocks are never written
-//!   again, so sharing them (fork, prefix hits) is free.
+//! * A sequence only ever writes into a block it holds alone, but for one case:
+//!   [`KvCacheManager::append_slot`] copies a shared partial last block first
+//!   (copy-on-write) and reports the `(src, dst)` pair for the `copy_blocks` kernel.
+//!   Full blocks are never written again, so sharing them (fork, prefix hits) is free.
+//!   The case: a full block a prefill computes may be shared in that same step by
+//!   prefills of the same prefix admitted after it (they read it, the computing one
+//!   writes it, with the very tokens they have there).
 //! * `hashes[i]` is the prefix-cache name of full block `i` ([`hash_block`](crate::block::hash_block): the chain
 //!   over the salt and the tokens up to its end), recorded once its
 //!   contents are computed ([`KvCacheManager::commit`]).

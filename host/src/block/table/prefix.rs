@@ -16,8 +16,12 @@
 //! * A hit is only ever a full block, and a prefill always leaves at least one token
 //!   to compute, so a prompt's last block is never a hit: a prefill's last block is
 //!   always newly allocated, its own.
-//! * A block is registered in the cache only once its contents are computed
-//!   (`commit`, after the step that wrote its last token), never at allocation.
+//! * A block is registered in the cache in the step that computes it at the earliest:
+//!   a prefill's (or a chunk's) full blocks when the scheduler schedules it, so that a
+//!   prompt admitted later in the same step shares them (their K/V is written by the
+//!   step's `kv_append`, which an engine runs for the whole step before the step's
+//!   attention in each layer; vLLM shares blocks as soon as they are allocated too);
+//!   a decode's block after the step that wrote its last token (`on_step_done`).
 //! * Prefix caching is off with a sliding window: a prefill may need cached tokens the
 //!   window has already released.
 
@@ -199,7 +203,19 @@ impl KvCacheManager {
     /// first `t.num_tokens()` tokens of `tokens`), and registers them in the prefix cache.
     /// Errors on a table of another manager.
     pub fn commit(&mut self, t: &mut BlockTable, tokens: &[u32], salt: Option<u64>) -> Result<()> {
-        self.commit_deferred(t, (tokens, &[]), salt, 0)?;
+        self.commit_parts(t, (tokens, &[]), salt)
+    }
+
+    /// [`commit`](Self::commit) of tokens in two parts, `head` then `tail` (a
+    /// scheduler's history). Not between `commit_deferred` and its flush.
+    pub(crate) fn commit_parts(
+        &mut self,
+        t: &mut BlockTable,
+        parts: (&[u32], &[u32]),
+        salt: Option<u64>,
+    ) -> Result<()> {
+        debug_assert!(self.pending.is_empty(), "commits pending");
+        self.commit_deferred(t, parts, salt, 0)?;
         self.flush_commits();
         for &(_, i, name) in &self.named {
             t.entries.set_hash(i as usize, name);
