@@ -485,3 +485,55 @@ fn a_burst_with_one_system_prompt_computes_it_once_and_reads_it_right() {
         assert!(s.prefill_checked > 0 && s.checked > 0);
     }
 }
+
+/// A size near a type's limits, or a small one.
+fn size_u32() -> impl Strategy<Value = u32> {
+    prop_oneof![
+        6 => 1u32..64,
+        1 => Just(0u32),
+        2 => (0u32..4).prop_map(|k| u32::MAX - k),
+        1 => (16u32..32).prop_map(|p| 1u32 << p),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: common::cases(256), ..ProptestConfig::default() })]
+
+    /// Every size a backend is made for near its type's limits (pool blocks, host
+    /// blocks, layers, step capacity): `CpuBackend::new` and, for a small accepted one,
+    /// `alloc_cache` either work or are an error naming the field; never a panic, an
+    /// abort or an allocation the sizes did not ask for.
+    #[test]
+    fn backend_sizes_near_the_limits_are_refused_by_name_or_work(
+        num_blocks in size_u32(),
+        num_host_blocks in size_u32(),
+        layers in prop_oneof![1usize..4, Just(0usize), Just(usize::MAX), Just(1025usize)],
+        max_seqs in size_u32(),
+        max_blocks in size_u32(),
+        max_tokens in size_u32(),
+        max_partitions in size_u32(),
+    ) {
+        let shape = StepShape { num_blocks, ..shape(DType::F32, 1) };
+        let mut c = BackendConfig::new(shape, layers, max_seqs, max_blocks);
+        c.num_host_blocks = num_host_blocks;
+        c.capacity.max_tokens = max_tokens;
+        c.capacity.max_partitions = max_partitions;
+        match CpuBackend::new(c) {
+            Err(Error::InvalidArgument { .. }) => {}
+            Err(e) => prop_assert!(false, "not an argument error: {}", e),
+            Ok(mut be) => {
+                // Only small pools are allocated here (a valid pool of 2^24 blocks is
+                // tens of GB: it would be allocated and filled).
+                let bytes = c.block_bytes().unwrap() as u128
+                    * (2 * layers as u128)
+                    * (num_blocks as u128 + num_host_blocks as u128);
+                if bytes <= 256 << 20 {
+                    match be.alloc_cache() {
+                        Ok(_) | Err(Error::InvalidArgument { .. }) => {}
+                        Err(e) => prop_assert!(false, "{}", e),
+                    }
+                }
+            }
+        }
+    }
+}

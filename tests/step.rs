@@ -494,3 +494,36 @@ fn stride() -> impl Strategy<Value = Option<u64>> {
         3 => (0u64..2048).prop_map(Some),
     ]
 }
+
+/// A capacity within every per-field limit but whose metadata is hundreds of TiB
+/// (65535 rows of 2^31 blocks) was allocated as asked: the emulator's host
+/// allocation aborted or met the OOM killer. It is refused by name, under a documented
+/// budget.
+#[test]
+fn a_capacity_beyond_the_metadata_budget_is_refused_by_name() {
+    let shape = llama(DType::F16);
+    for (max_seqs, max_blocks) in [(65535, i32::MAX as u32), (65535, 8192), (2, 1 << 28)] {
+        let cap = StepCapacity {
+            max_seqs,
+            max_blocks_per_seq: max_blocks,
+            max_tokens: 64,
+            max_partitions: 4,
+        };
+        let e = StepRunner::new(EmuDevice::new(Emulator::new()), shape, cap, 1).err();
+        match e {
+            Some(Error::InvalidArgument { arg, reason }) => {
+                assert_eq!(arg, "capacity", "{reason}");
+                assert!(reason.contains("MAX_STEP_META_BYTES"), "{reason}");
+            }
+            other => panic!("{max_seqs} x {max_blocks}: {other:?}"),
+        }
+    }
+    // Within the budget it is fine.
+    let cap = StepCapacity {
+        max_seqs: 256,
+        max_blocks_per_seq: 4096,
+        max_tokens: 64,
+        max_partitions: 4,
+    };
+    assert!(StepRunner::new(EmuDevice::new(Emulator::new()), shape, cap, 1).is_ok());
+}

@@ -127,8 +127,55 @@ pub(crate) fn reference_attention(u: &mut Unstructured) -> Result<()> {
 /// The CUDA entry points: backend creation (a CUDA error without a driver), and calls
 /// on a null backend. Never arbitrary device pointers on a real backend: those are the
 /// caller's contract, not something the library can check.
+/// A row stride: dense (0), small, or near `u64::MAX`.
+fn stride(u: &mut Unstructured) -> Result<u64> {
+    Ok(match u.int_in_range(0..=3)? {
+        0 => 0,
+        1 => u.int_in_range(0..=4096)?,
+        2 => u64::MAX - u.int_in_range(0..=4096u64)?,
+        _ => u.arbitrary()?,
+    })
+}
+
 pub(crate) fn cuda(u: &mut Unstructured) -> Result<()> {
-    match u.int_in_range(0..=3)? {
+    match u.int_in_range(0..=4)? {
+        4 => {
+            // The strided decode with any strides: without a backend (no GPU here)
+            // refused as null before anything else is read; on a GPU machine, with
+            // one, the strides' span is checked arithmetic (a dead device pointer
+            // would be the caller's bug, so none is passed: the shape refuses first).
+            let sh = pagedkv_decode_shape {
+                num_seqs: u.int_in_range(0..=3)?,
+                num_q_heads: 1,
+                num_kv_heads: 1,
+                head_dim: 64,
+                block_size: 16,
+                num_blocks: 1,
+                max_blocks_per_seq: 1,
+                reserved: 0,
+            };
+            let (bt, cl) = ([0i32; 3], [1i32; 3]);
+            // SAFETY: a null backend is refused first.
+            let r = unsafe {
+                pagedkv_cuda_decode_attention_strided(
+                    null_mut(),
+                    &sh,
+                    u.arbitrary()?,
+                    u.arbitrary()?,
+                    u.arbitrary()?,
+                    stride(u)?,
+                    u.arbitrary()?,
+                    u.arbitrary()?,
+                    bt.as_ptr(),
+                    sh.num_seqs as u64,
+                    cl.as_ptr(),
+                    sh.num_seqs as u64,
+                    u.arbitrary()?,
+                    stride(u)?,
+                )
+            };
+            assert_eq!(check(r, "cuda_decode_attention_strided"), PAGEDKV_ERR_NULL);
+        }
         0 => {
             let mut b = null_mut();
             let ordinal: i32 = if u.ratio(1, 2)? { 0 } else { u.arbitrary()? };

@@ -73,8 +73,16 @@ pub(crate) fn create(st: &mut State, u: &mut Unstructured) -> Result<()> {
     // Sizes bounded: the scheduler allocates in proportion to num_blocks and pads
     // block-table rows to max_model_len (see the report on issue #13).
     c.num_blocks = u.int_in_range(0..=2048)?;
+    if u.ratio(1, 32)? {
+        // Pools beyond the cap (2^24 blocks), near the type's limits: refused by name,
+        // never an allocation that aborts.
+        c.num_blocks = u.int_in_range((1 << 24) + 1..=u32::MAX)?;
+    }
     c.block_size = pick_u32(u, &[8, 16, 32, 0, 12, 64])?;
     c.num_host_blocks = u.int_in_range(0..=512)?;
+    if u.ratio(1, 32)? {
+        c.num_host_blocks = u.int_in_range((1 << 24) + 1..=u32::MAX)?;
+    }
     c.max_model_len = u.int_in_range(0..=4096)?;
     c.max_num_seqs = pick_u64(u, 64)?;
     c.max_tokens_per_step = pick_u64(u, 8192)?;
@@ -143,10 +151,26 @@ pub(crate) fn add_request(st: &mut State, u: &mut Unstructured) -> Result<()> {
         has_cache_salt: u.arbitrary::<u8>()? as u32 % 3,
         cache_salt: u.int_in_range(0..=3)?,
     };
+    // A buffer of the longest prompt any scheduler here accepts (`create` makes
+    // max_model_len at most 4096): prompt_len is checked against max_model_len before
+    // the prompt is read, so a prompt_len beyond it, near the type's limits, reads
+    // nothing (AddressSanitizer would report a read past the buffer; a 4-token buffer
+    // with prompt_len 2^20 once read 4 MiB past it).
+    let longest: Vec<u32> = vec![7; 4096];
     if u.ratio(1, 16)? {
         // A null prompt with any length: refused before it is read.
         r.prompt = null();
         r.prompt_len = u.arbitrary()?;
+    } else if u.ratio(1, 8)? {
+        r.prompt = longest.as_ptr();
+        r.prompt_len = match u.int_in_range(0..=4)? {
+            0 => u.arbitrary()?,
+            1 => u64::MAX - u.int_in_range(0..=8u64)?,
+            2 => 1u64 << u.int_in_range(12..=63u32)?,
+            3 => 4096 - u.int_in_range(0..=8u64)?,
+            _ => 4096 + u.int_in_range(0..=8u64)?,
+        }
+        .min(if u.ratio(1, 2)? { u64::MAX } else { 4096 });
     }
     let mut seq = 0u64;
     let (rp, op): (*const pagedkv_request, *mut u64) = match u.int_in_range(0..=15)? {
@@ -312,6 +336,8 @@ pub(crate) fn queries(st: &mut State, u: &mut Unstructured) -> Result<()> {
             let id = st.id(u, &st.ids.clone())?;
             // SAFETY: handle null, live or destroyed.
             check(unsafe { pagedkv_abort(s, id) }, "abort");
+            // SAFETY: as above.
+            check(unsafe { pagedkv_reset_prefix_cache(s) }, "reset_prefix_cache");
         }
         _ => {
             let seq = st.id(u, &st.seqs.clone())?;

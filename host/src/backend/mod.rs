@@ -128,7 +128,9 @@ impl BackendConfig {
         max_seqs: u32,
         max_blocks_per_seq: u32,
     ) -> Self {
-        let tokens = (max_seqs as u64 * max_blocks_per_seq as u64 * shape.block_size as u64)
+        let tokens = (max_seqs as u64)
+            .saturating_mul(max_blocks_per_seq as u64)
+            .saturating_mul(shape.block_size as u64)
             .min(u32::MAX as u64) as u32;
         Self {
             shape,

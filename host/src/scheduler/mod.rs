@@ -118,6 +118,27 @@
 //!   slots, which fit the pool as they did before it was swapped out), or else the
 //!   first waiting group is admitted (its prefill fits the pool and a step's budget).
 //!
+//! # Next to vLLM v1
+//! Behaviours vLLM's tests expect of its KV manager and scheduler
+//! (tests/v1/core/test_prefix_caching.py, test_scheduler.py) that pagedkv follows, each
+//! tested here: freed blocks with nothing reusable are taken before cached ones;
+//! `reset_prefix_cache` only once no request holds blocks; a lower priority value is
+//! more urgent and the least urgent is preempted first; prompts admitted in one step
+//! share the first one's full blocks. Where pagedkv differs, on purpose:
+//! * *No per-request cap on a prefill chunk* (vLLM's `long_prefill_token_threshold`):
+//!   with chunked prefill a prompt takes what the step's token budget leaves (and,
+//!   for its first chunk, what its request may hold at once). A cap would keep one
+//!   long prompt from taking a whole step's budget; it is not built yet.
+//! * *An admission watermark on by default* (`watermark` 0.01 of the blocks, kept
+//!   free while anything runs; vLLM v1 has none): it leaves running sequences room to
+//!   grow without preempting the request just admitted. Set it to 0 for vLLM's
+//!   behaviour.
+//! * *Two blocks of one name keep only the first registered* (vLLM's map keeps every
+//!   block of a hash): a second copy arises only where two sequences computed the
+//!   same prefix before either registered it, and a hit needs one copy.
+//! * *Names are a SHA-256 chain computed in Rust* (vLLM's default `sha256` hashes a
+//!   pickled tuple per block): the same guarantee, about 33 ns a 16-token block.
+//!
 //! # Where the code lives
 //! * this file: the public types, the [`Scheduler`] itself, its constructor and
 //!   read-only accessors;

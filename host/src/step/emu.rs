@@ -38,8 +38,14 @@ impl StepDevice for EmuDevice {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<u64> {
-        // 256-byte alignment, as a GPU allocation: over-allocate and round up.
-        let mut b = AlignedBuf::zeroed(bytes + 256);
+        // 256-byte alignment, as a GPU allocation: over-allocate and round up. Fallible,
+        // as a GPU's allocation is.
+        let mut b = bytes
+            .checked_add(256)
+            .and_then(AlignedBuf::try_zeroed)
+            .ok_or_else(|| {
+                Error::invalid("capacity", format!("{bytes} bytes could not be allocated"))
+            })?;
         let base = b.as_bytes_mut().as_mut_ptr() as u64;
         let addr = base.next_multiple_of(256);
         self.bufs.push(b);

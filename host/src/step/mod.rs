@@ -66,4 +66,6 @@ mod runner;
 pub use device::{DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut};
 pub use emu::EmuDevice;
 pub use prefill::{PlannedPrefill, PrefillIo, PrefillMeta};
-pub use runner::{AppendIo, DecodeIo, Planned, StepCapacity, StepMeta, StepRunner, StepShape};
+pub use runner::{
+    AppendIo, DecodeIo, MAX_STEP_META_BYTES, Planned, StepCapacity, StepMeta, StepRunner, StepShape,
+};

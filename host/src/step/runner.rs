@@ -42,8 +42,14 @@ impl StepShape {
     }
 }
 
+/// The most bytes of step metadata (block tables, lengths, slots) a [`StepRunner`]
+/// allocates for its [`StepCapacity`] (1 GiB: 65535 rows of 4096 blocks): a capacity
+/// that needs more is refused at creation.
+pub const MAX_STEP_META_BYTES: u64 = 1 << 30;
+
 /// The most a step may hold: the runner allocates its device buffers for these once,
 /// so [`StepRunner::plan`] never allocates and a captured graph's addresses stay valid.
+/// Its metadata must fit [`MAX_STEP_META_BYTES`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepCapacity {
     /// Decoding sequences per step.
@@ -204,6 +210,23 @@ impl<D: StepDevice> StepRunner<D> {
         let tables = 4 * cap.max_seqs as u64 * cap.max_blocks_per_seq as u64;
         let meta_bytes =
             align16(tables) + align16(4 * cap.max_seqs as u64) + 8 * cap.max_tokens as u64;
+        // A budget on what the capacity makes the runner allocate at once (a valid
+        // capacity of 65535 rows of 2^31 blocks asked for 512 TiB, and the emulator's
+        // host allocation of it was an abort, or the OOM killer).
+        let pmeta = super::prefill::meta_bytes(cap.max_seqs as u64, cap.max_blocks_per_seq as u64)
+            .unwrap_or(u64::MAX);
+        if meta_bytes.max(pmeta) > MAX_STEP_META_BYTES {
+            return Err(Error::invalid(
+                "capacity",
+                format!(
+                    "{} rows of {} blocks and {} tokens need {} bytes of step metadata, more than a runner allocates ({MAX_STEP_META_BYTES}, MAX_STEP_META_BYTES)",
+                    cap.max_seqs,
+                    cap.max_blocks_per_seq,
+                    cap.max_tokens,
+                    meta_bytes.max(pmeta)
+                ),
+            ));
+        }
         let meta_bytes = usize::try_from(meta_bytes).map_err(|_| too_large("capacity"))?;
         // Partials for the most (sequence, head, partition) rows any plan within `cap`
         // makes: the planner splits only small batches, so this is far below
@@ -234,8 +257,17 @@ impl<D: StepDevice> StepRunner<D> {
         }
         let out_bytes = rows
             .checked_mul(shape.head_dim as u64 * 4)
+            .filter(|&b| b <= MAX_STEP_META_BYTES)
             .and_then(|b| usize::try_from(b).ok())
-            .ok_or_else(|| too_large("capacity"))?;
+            .ok_or_else(|| {
+                Error::invalid(
+                    "max_partitions",
+                    format!(
+                        "{rows} split-K partial rows of head_dim {} exceed the {MAX_STEP_META_BYTES} bytes a runner allocates",
+                        shape.head_dim
+                    ),
+                )
+            })?;
         dev.reserve_upload(
             meta_bytes.max(4 * shape.num_q_heads as usize).max(
                 super::prefill::meta_bytes(cap.max_seqs as u64, cap.max_blocks_per_seq as u64)
