@@ -9,8 +9,11 @@
 //! reads") wherever the library cannot know the length. Counts the library must check
 //! against its own state are fuzzed freely, with buffers only as long as what the
 //! library may read once its check passed: `on_step_done`'s `n` against the last step
-//! (the buffer holds `min(n, scheduled)` entries), the reference kernels' `*_len`
-//! against the shape.
+//! (the buffer holds `min(n, scheduled)` entries), `add_request`'s `prompt_len`
+//! against `max_model_len` (near the `u64` limits, over a buffer of the longest prompt
+//! a scheduler here accepts), the reference kernels' `*_len` against the shape. Pool
+//! sizes beyond the cap, and the strided decode's row strides near `u64::MAX`, are
+//! fuzzed too (the latter reaches its stride arithmetic only on a GPU machine).
 //!
 //! The calls live in three modules and the values they are built from in a fourth,
 //! under `capi_args/`: `scheduler_calls.rs` (the scheduler's handles and calls),
