@@ -34,7 +34,7 @@
 //!   has the same fill in each, since only a block held alone is ever written).
 
 use crate::error::{Error, Result};
-use crate::mem::{prefetch, try_huge_vec};
+use crate::mem::{prefetch, try_huge_vec, try_zeroed_vec};
 
 /// A physical block id.
 pub type BlockId = u32;
@@ -108,7 +108,7 @@ pub fn pool_bookkeeping_bytes(num_blocks: u32) -> u64 {
 }
 
 /// A pool's record of one block's name: all zeros for none.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Zeroable)]
 #[repr(C, align(32))]
 struct NameSlot([u32; 8]);
 
@@ -229,7 +229,7 @@ impl PrefixMap {
     /// A map for at most `max_entries` entries; `None` when the allocation fails.
     fn new(max_entries: usize) -> Option<Self> {
         let cap = (2 * max_entries).next_power_of_two().max(16);
-        let slots = try_huge_vec(cap, [0u64; 2])?;
+        let slots = try_zeroed_vec(cap)?;
         Some(Self {
             slots,
             shift: 64 - cap.trailing_zeros(),
@@ -368,14 +368,14 @@ impl BlockPool {
             )
         };
         let mut p = BlockPool {
-            ref_cnt: try_huge_vec(n, 0).ok_or_else(oom)?,
+            ref_cnt: try_zeroed_vec(n).ok_or_else(oom)?,
             prev: try_huge_vec(n, NIL).ok_or_else(oom)?,
             next: try_huge_vec(n, NIL).ok_or_else(oom)?,
             head: NIL,
             tail: NIL,
             num_free: 0,
             reserve_null,
-            names: try_huge_vec(n, NameSlot::NONE).ok_or_else(oom)?,
+            names: try_zeroed_vec(n).ok_or_else(oom)?,
             cached: PrefixMap::new(n).ok_or_else(oom)?,
             num_cached_free: 0,
             held_fill: 0,
@@ -645,6 +645,10 @@ impl BlockPool {
         if self.is_null(b) {
             return Err(Error::InvalidState("cache of the null block".into()));
         }
+        if h == BlockHash([0; 8]) {
+            // The pool's record of "no name" (no chain makes it but by a 2^-256 chance).
+            return Err(Error::invalid("h", "the all-zero name is reserved"));
+        }
         self.register(b, h);
         Ok(())
     }
@@ -797,6 +801,14 @@ mod tests {
         );
         assert_eq!(p.lookup(h), Some(a));
         assert_eq!(p.block_hash(b).unwrap(), None);
+        // The all-zero name is the pool's "none": refused, so no map entry outlives
+        // its block's name.
+        let zero = BlockHash::from_bytes([0; 32]);
+        assert!(matches!(
+            p.cache(b, zero),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert_eq!(p.num_cached(), 1);
     }
 
     #[test]

@@ -69,6 +69,28 @@ pub(crate) fn grow_huge<T: Copy>(v: &mut Vec<T>, needed: usize) {
     }
 }
 
+/// `n` zeroed elements (`vec![zero; n]`), from zeroed memory (`alloc_zeroed`, which
+/// for large sizes is fresh pages nothing has touched: they become resident only as
+/// they are written), advised to huge pages; `None` when the allocation fails (sizes
+/// that come from a caller). A prefix map sized for a whole pool stays mostly
+/// unmapped this way, as `vec![0; n]` left it.
+pub(crate) fn try_zeroed_vec<T: bytemuck::Zeroable>(n: usize) -> Option<Vec<T>> {
+    if n == 0 || size_of::<T>() == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(n).ok()?;
+    // SAFETY: `layout` has a nonzero size (checked above).
+    let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if p.is_null() {
+        return None;
+    }
+    advise_range(p as usize, layout.size());
+    // SAFETY: 1. `p` was allocated by the global allocator with the layout of `[T; n]`,
+    // which is what a `Vec<T>` of capacity `n` frees it with; 2. its `n` elements are
+    // initialised: all-zero bytes are a valid `T` (`Zeroable`); 3. nothing else owns it.
+    Some(unsafe { Vec::from_raw_parts(p, n, n) })
+}
+
 /// `vec![value; n]`, advised to huge pages before its pages are first touched; `None`
 /// when the allocation fails (sizes that come from a caller).
 pub(crate) fn try_huge_vec<T: Clone>(n: usize, value: T) -> Option<Vec<T>> {

@@ -40,9 +40,11 @@ pub struct ScheduledSeq {
     pub context_len: u32,
     /// Offset of its first new token in `slot_mapping` (`Batch::qo_indptr[i]`).
     pub token_offset: u32,
-    /// Leading tokens of a prefill admitted this step whose K/V the prefix cache
-    /// already held (positions `0..num_cached_tokens`, not computed: `start_pos` equals
-    /// it). 0 for decodes and continuing chunks.
+    /// Leading tokens of a prefill admitted this step served from the prefix cache
+    /// (positions `0..num_cached_tokens`, not computed here: `start_pos` equals it).
+    /// Their K/V is in the pool, or written by this step's `kv_append` for another row
+    /// (a prompt admitted earlier in the step that begins the same way): see
+    /// [`Batch`]. 0 for decodes and continuing chunks.
     pub num_cached_tokens: u32,
     /// Whether the token sampled from its last new token is its next token: true for
     /// a decode and for the last (or only) chunk of a prefill; false for a non-final
@@ -85,8 +87,9 @@ pub struct Batch {
     /// when `seqs` is.
     pub qo_indptr: Vec<i32>,
     /// Tokens of this step's admitted prefills served from the prefix cache (the sum
-    /// of `seqs[i].num_cached_tokens`): their K/V is already in the pool, and they are
-    /// neither in `slot_mapping` nor counted in `max_tokens_per_step`.
+    /// of `seqs[i].num_cached_tokens`): their K/V is in the pool or written by this
+    /// step's `kv_append` for an earlier row, and they are neither in `slot_mapping`
+    /// nor counted in `max_tokens_per_step`.
     pub num_cached_tokens: u32,
     /// Copy-on-write `(src, dst)` block pairs for `copy_blocks`, to run before the
     /// kernels write.

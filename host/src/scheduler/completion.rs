@@ -20,7 +20,7 @@ impl Scheduler {
     /// With chunked prefill, a sequence scheduled with a non-final chunk of its prefill
     /// ([`ScheduledSeq::samples`](super::ScheduledSeq::samples) false) must appear too,
     /// with any token: the token is ignored (the sequence's next token is sampled after
-    /// its last chunk), but its computed blocks are committed to the prefix cache.
+    /// its last chunk; the chunk's full blocks were registered when it was scheduled).
     pub fn on_step_done(&mut self, sampled: &[(SeqId, u32)]) -> Result<Vec<(SeqId, FinishReason)>> {
         if !self.in_step {
             return Err(Error::InvalidState("on_step_done() without a step".into()));

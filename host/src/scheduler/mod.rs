@@ -63,8 +63,8 @@
 //!   recomputed one starts its prefill again, a swapped one resumes it.
 //! * Only the last chunk samples ([`ScheduledSeq::samples`]): the engine passes every
 //!   scheduled sequence to [`Scheduler::on_step_done`] as before, and the token of a
-//!   non-final chunk is ignored (its computed full blocks are still committed to the
-//!   prefix cache). The sequence decodes from the next step on.
+//!   non-final chunk is ignored (its full blocks were registered in the prefix cache
+//!   when the chunk was scheduled). The sequence decodes from the next step on.
 //! * A mid-prefill sequence cannot be forked (an error): fork after its last chunk.
 //! * A first chunk holds at most the blocks one sequence of its request may hold at
 //!   once (see liveness below: with a sliding window, fewer than a long prompt's).
@@ -84,9 +84,12 @@
 //! window released; a new or moved row whole) and lists them in [`Batch::dirty`] for
 //! an incremental upload, so a steady decode step costs O(running sequences) with no
 //! heap allocation beyond growing buffers. The common decode (a slot in the partial
-//! last block) is an inline mask and multiply; the prefix-cache registrations of a
-//! step's newly full blocks are hashed as the tokens come in and registered in one
-//! batch at the end of `on_step_done`, their cache misses overlapped.
+//! last block) is an inline mask and multiply. A prefill's (or chunk's) full blocks
+//! are named and registered in the prefix cache when it is scheduled (so a prompt
+//! admitted later in the step shares them); a decode's newly full blocks are queued
+//! as the tokens come in and named and registered in one batch at the end of
+//! `on_step_done`, their SHA-256 compressions back to back and their cache misses
+//! overlapped.
 //!
 //! After sampling, [`Scheduler::on_step_done`] takes each scheduled sequence's new token;
 //! a stop token or `max_tokens` finishes it and frees its blocks at once.

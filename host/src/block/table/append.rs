@@ -104,7 +104,8 @@ impl KvCacheManager {
     /// one position (a decode). Allocates only when the last block is full; copies a
     /// shared partial last block first and pushes the `(src, dst)` pair onto `copies`.
     /// With a sliding window, first releases the blocks wholly before the new
-    /// position's window (see the module docs). Nothing changes on error.
+    /// position's window (see the module docs). On error (the pool is out of blocks)
+    /// those releases stay done (they were due) and nothing else changes.
     ///
     /// A step that appends several positions whose queries run together (a chunk of a
     /// prefill) is [`append_chunk`](Self::append_chunk): appending them one by one

@@ -17,9 +17,10 @@
 //!   The case: a full block a prefill computes may be shared in that same step by
 //!   prefills of the same prefix admitted after it (they read it, the computing one
 //!   writes it, with the very tokens they have there).
-//! * `hashes[i]` is the prefix-cache name of full block `i` ([`hash_block`](crate::block::hash_block): the chain
-//!   over the salt and the tokens up to its end), recorded once its
-//!   contents are computed ([`KvCacheManager::commit`]).
+//! * `hashes[i]` is the prefix-cache name of full block `i`
+//!   ([`hash_block`](crate::block::hash_block): the chain over the salt and the tokens
+//!   up to its end), recorded by [`KvCacheManager::commit`] in the step that computes
+//!   the block at the earliest (see `prefix`).
 //! * Only a full block is ever shared between sequence groups (prefix hits never
 //!   include a prompt's last block); a partial last block is shared only among the
 //!   forks of one group, and all its sharers have it as their last block.
@@ -209,7 +210,8 @@ impl BlockTable {
         self.entries.set_hash(i, h);
     }
 
-    /// Prefix-cache hashes of the leading full, computed blocks.
+    /// Prefix-cache names of the leading full blocks committed so far (computed, or
+    /// being computed by the current step: see [`KvCacheManager::commit`]).
     pub fn hashes(&self) -> &[BlockHash] {
         self.entries.hashes()
     }

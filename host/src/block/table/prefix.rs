@@ -5,7 +5,9 @@
 //! * A name cannot be forged: finding another prefix with a cached block's name is
 //!   finding a SHA-256 collision, and a lookup compares the whole 256-bit name (the
 //!   map is only keyed by 64 bits of it). So a hit always holds the K/V of the very
-//!   tokens (and salt) it is served for. Why SHA-256 rather than comparing tokens on a
+//!   tokens (and salt) it is served for. (A name sharing only the 64-bit key, about
+//!   2^64 work to find for a given block, takes the key first and keeps that prefix
+//!   from being cached: a denial of hits, never a wrong one.) Why SHA-256 rather than comparing tokens on a
 //!   hit: a token comparison needs the whole prefix (a block's K/V depends on every
 //!   token before it), so each cached block would have to keep its tokens and a
 //!   verified link to its parent; a cryptographic chain carries all of that in 32
