@@ -227,13 +227,10 @@ proptest! {
     ) {
         let max_model_len = 80u32;
         let shape = StepShape {
-            num_q_heads: 4,
-            num_kv_heads: 2,
             head_dim: 32,
             block_size,
             num_blocks,
-            dtype,
-            kv_dtype: dtype,
+            ..shape(dtype, 1)
         };
         let mut be = CpuBackend::new(BackendConfig::new(
             shape,
@@ -289,13 +286,9 @@ fn the_reported_windowed_prefills_have_no_nan_rows() {
     for dtype in [DType::F32, DType::F16, DType::Bf16] {
         for (prompt, budget) in [(32usize, None), (70, Some(20usize))] {
             let shape = StepShape {
-                num_q_heads: 4,
-                num_kv_heads: 2,
-                head_dim: 64,
                 block_size: 16,
                 num_blocks: 16,
-                dtype,
-                kv_dtype: dtype,
+                ..shape(dtype, 1)
             };
             let mut be = CpuBackend::new(BackendConfig::new(shape, 1, 2, 8)).unwrap();
             let case = ServeCase {
@@ -332,11 +325,9 @@ fn fp8_caches_with_one_or_three_kv_heads_serve() {
         let shape = StepShape {
             num_q_heads: qh,
             num_kv_heads: kvh,
-            head_dim: 64,
-            block_size: 8,
             num_blocks: 32,
-            dtype: DType::F16,
             kv_dtype: DType::E4m3,
+            ..shape(DType::F16, 1)
         };
         let mut be = CpuBackend::new(BackendConfig::new(shape, 2, 4, 8)).unwrap();
         let case = ServeCase {
@@ -448,13 +439,8 @@ fn attention_over_a_windowed_batch_needs_its_window() {
 fn a_burst_with_one_system_prompt_computes_it_once_and_reads_it_right() {
     for dtype in [DType::F32, DType::F16] {
         let shape = StepShape {
-            num_q_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 64,
-            block_size: 8,
             num_blocks: 64,
-            dtype,
-            kv_dtype: dtype,
+            ..shape(dtype, 1)
         };
         let mut be = CpuBackend::new(BackendConfig::new(shape, 2, 8, 8)).unwrap();
         let system: Vec<u32> = (0..35).map(|t| t * 3 + 1).collect();

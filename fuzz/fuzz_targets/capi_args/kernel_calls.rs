@@ -127,6 +127,20 @@ pub(crate) fn reference_attention(u: &mut Unstructured) -> Result<()> {
 /// The CUDA entry points: backend creation (a CUDA error without a driver), and calls
 /// on a null backend. Never arbitrary device pointers on a real backend: those are the
 /// caller's contract, not something the library can check.
+/// A shape of `num_seqs` one-block sequences over a one-block pool (head_dim 64).
+fn one_block_shape(num_seqs: u32) -> pagedkv_decode_shape {
+    pagedkv_decode_shape {
+        num_seqs,
+        num_q_heads: 1,
+        num_kv_heads: 1,
+        head_dim: 64,
+        block_size: 16,
+        num_blocks: 1,
+        max_blocks_per_seq: 1,
+        reserved: 0,
+    }
+}
+
 /// A row stride: dense (0), small, or near `u64::MAX`.
 fn stride(u: &mut Unstructured) -> Result<u64> {
     Ok(match u.int_in_range(0..=3)? {
@@ -144,16 +158,7 @@ pub(crate) fn cuda(u: &mut Unstructured) -> Result<()> {
             // refused as null before anything else is read; on a GPU machine, with
             // one, the strides' span is checked arithmetic (a dead device pointer
             // would be the caller's bug, so none is passed: the shape refuses first).
-            let sh = pagedkv_decode_shape {
-                num_seqs: u.int_in_range(0..=3)?,
-                num_q_heads: 1,
-                num_kv_heads: 1,
-                head_dim: 64,
-                block_size: 16,
-                num_blocks: 1,
-                max_blocks_per_seq: 1,
-                reserved: 0,
-            };
+            let sh = one_block_shape(u.int_in_range(0..=3)?);
             let (bt, cl) = ([0i32; 3], [1i32; 3]);
             // SAFETY: a null backend is refused first.
             let r = unsafe {
@@ -217,16 +222,7 @@ pub(crate) fn cuda(u: &mut Unstructured) -> Result<()> {
             assert_eq!(check(r, "cuda_kv_append"), PAGEDKV_ERR_NULL);
         }
         2 => {
-            let sh = pagedkv_decode_shape {
-                num_seqs: 1,
-                num_q_heads: 1,
-                num_kv_heads: 1,
-                head_dim: 64,
-                block_size: 16,
-                num_blocks: 1,
-                max_blocks_per_seq: 1,
-                reserved: 0,
-            };
+            let sh = one_block_shape(1);
             let (bt, cl) = ([0i32], [1i32]);
             // SAFETY: a null backend is refused first.
             let r = unsafe {

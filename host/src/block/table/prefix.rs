@@ -103,7 +103,13 @@ impl KvCacheManager {
     /// were found (as a prompt of at least as many tokens: at most `(num_tokens - 1) /
     /// block_size` of them count).
     pub fn prefill_cost_with(&self, num_tokens: u32, hits: &PrefixHits) -> u32 {
-        let (n, (hits, free)) = (num_tokens, self.still_cached(num_tokens, hits));
+        let (hits, free) = self.still_cached(num_tokens, hits);
+        self.cost_of(num_tokens, hits, free)
+    }
+
+    /// Free blocks a prefill of `n` tokens takes with `hits` hit blocks, `free` of them
+    /// in the free queue.
+    fn cost_of(&self, n: u32, hits: u32, free: u32) -> u32 {
         // (No hits with a window: `dead` and `hits` are never both nonzero.)
         let dead = self.dead_before(hits * self.block_size);
         self.blocks_for(n) - dead - hits + free
@@ -166,14 +172,14 @@ impl KvCacheManager {
             ));
         }
         let n = tokens.len() as u32;
-        let cost = self.prefill_cost_with(n, found);
+        let (hits, free) = self.still_cached(n, found);
+        let cost = self.cost_of(n, hits, free);
         if cost > self.device.num_free() {
             return Err(Error::OutOfBlocks {
                 needed: cost,
                 free: self.device.num_free(),
             });
         }
-        let (hits, _) = self.still_cached(n, found);
         for &h in &found.names[..hits as usize] {
             let b = self.device.lookup(h).expect("counted hit");
             self.device.take(b, self.block_size);
