@@ -71,6 +71,7 @@ fn cpu_reference(c: &mut Criterion) {
             block_tables: &tables,
             context_lens: &lens,
             plan: None,
+            kv_scales: None,
         };
         b.iter(|| paged_decode_attention(&inputs))
     });
@@ -191,6 +192,7 @@ fn prefill_benches(gpu: &CudaBackend, r: &mut SmallRng) -> String {
                 max_blocks_per_seq: 0,
                 context_lens: &[],
                 slot_mapping: &[],
+                window: None,
             })
             .unwrap();
             run.plan_prefill(&PrefillMeta {
@@ -198,6 +200,7 @@ fn prefill_benches(gpu: &CudaBackend, r: &mut SmallRng) -> String {
                 max_blocks_per_seq: width,
                 qo_indptr: &indptr,
                 context_lens: &lens,
+                window: None,
             })
             .unwrap();
             let opts = DecodeOptions::new(d);
@@ -403,6 +406,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                                 max_blocks_per_seq: blocks_per_seq,
                                 context_lens: &lens,
                                 slot_mapping: &[],
+                                window: None,
                             })
                             .unwrap();
                             run

@@ -321,8 +321,7 @@ pub fn measure(emu: &Emulator, problem: &Problem, config: Config) -> Result<Erro
 
     let q_shape = [shape.num_seqs as usize, shape.num_q_heads as usize, d_u];
     let q = HostTensor::from_f64(config.q, &q_shape, &problem.q)?;
-    let mut opts = DecodeOptions::new(d);
-    opts.kv_scales = scales;
+    let opts = DecodeOptions::new(d);
     let lens: Vec<i32> = s.context_lens.iter().map(|&n| n as i32).collect();
     let mut out = HostTensor::full(config.q, &q_shape, f64::NAN);
     let inputs = DecodeInputs {
@@ -334,6 +333,7 @@ pub fn measure(emu: &Emulator, problem: &Problem, config: Config) -> Result<Erro
         block_tables: &tables,
         context_lens: &lens,
         plan: None,
+        kv_scales: scales.as_ref(),
     };
     decode_emulated(emu, inputs, &mut out)?;
     let got = out.to_f64();

@@ -60,6 +60,7 @@ fn run(i: &mut Inputs) -> Result<(), Error> {
         block_tables: &i.tables,
         context_lens: &i.lens,
         plan: Some(p),
+        kv_scales: None,
     };
     decode_emulated(&Emulator::new(), inputs, &mut i.out).map(|_| ())
 }

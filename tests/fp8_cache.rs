@@ -153,6 +153,7 @@ proptest! {
             block_tables: &c.tables,
             qo_indptr: &qo_indptr,
             context_lens: &c.lens,
+            kv_scales: c.scales.as_ref(),
         };
         let want = paged_prefill_attention(&inputs);
         let mut out = HostTensor::full(p.dtype, q.shape(), f64::NAN);
@@ -267,17 +268,17 @@ fn each_kv_head_is_read_with_its_own_scale() {
             }
         }
         quantise_case(&mut c, cache, true);
-        let s = c.opts.kv_scales.clone().unwrap();
+        let s = c.scales.clone().unwrap();
         assert!(s.k[2] > 1e5 * s.k[0], "{:?}", s.k);
         let want = paged_decode_attention(&c.inputs());
         let got = decode(&c, c.inputs(), &Emulator::new());
         let e = rel_l2(&got, &want);
         assert!(e <= tolerance(DType::F16), "{cache}: rel L2 {e:e}");
         // Swap two heads' scales: the kernel must notice (the values move).
-        let mut bad = c.opts.clone();
-        bad.kv_scales.as_mut().unwrap().v.swap(0, 2);
+        let mut bad = s.clone();
+        bad.v.swap(0, 2);
         let inputs = DecodeInputs {
-            opts: &bad,
+            kv_scales: Some(&bad),
             ..c.inputs()
         };
         let e = rel_l2(&decode(&c, inputs, &Emulator::new()), &want);
@@ -308,10 +309,10 @@ fn bad_cache_types_and_scales_are_errors() {
     let mut e4 = build(&p);
     quantise_case(&mut e4, DType::E4m3, true);
     let emu = Emulator::new();
-    let run = |c: &Case, opts: &pagedkv::host::ops::attention::DecodeOptions, q: &HostTensor| {
+    let run = |c: &Case, scales: Option<&KvScales>, q: &HostTensor| {
         let mut out = HostTensor::full(q.dtype(), q.shape(), f64::NAN);
         let inputs = DecodeInputs {
-            opts,
+            kv_scales: scales,
             q,
             ..c.inputs()
         };
@@ -321,16 +322,12 @@ fn bad_cache_types_and_scales_are_errors() {
         }
     };
     // fp8 cache without scales.
-    let mut no_scales = e4.opts.clone();
-    no_scales.kv_scales = None;
     assert!(
-        run(&e4, &no_scales, &e4.q).starts_with("kv_scales"),
+        run(&e4, None, &e4.q).starts_with("kv_scales"),
         "missing scales"
     );
     // Scales with an f16 cache.
-    let mut with_scales = f16.opts.clone();
-    with_scales.kv_scales = e4.opts.kv_scales.clone();
-    assert!(run(&f16, &with_scales, &f16.q).starts_with("kv_scales"));
+    assert!(run(&f16, e4.scales.as_ref(), &f16.q).starts_with("kv_scales"));
     // Wrong count, zero, NaN, infinite scales.
     for bad in [
         vec![1.0],
@@ -339,22 +336,25 @@ fn bad_cache_types_and_scales_are_errors() {
         vec![1.0, f32::INFINITY],
         vec![-1.0, 1.0],
     ] {
-        let mut o = e4.opts.clone();
-        o.kv_scales.as_mut().unwrap().k = bad.clone();
-        assert!(run(&e4, &o, &e4.q).starts_with("kv_scales.k"), "{bad:?}");
+        let mut o = e4.scales.clone().unwrap();
+        o.k = bad.clone();
+        assert!(
+            run(&e4, Some(&o), &e4.q).starts_with("kv_scales.k"),
+            "{bad:?}"
+        );
     }
     // f32 queries over an fp8 cache; fp8 queries.
     let q32 = HostTensor::full(DType::F32, e4.q.shape(), 0.5);
-    assert!(run(&e4, &e4.opts, &q32).starts_with("dtype"));
+    assert!(run(&e4, e4.scales.as_ref(), &q32).starts_with("dtype"));
     let q8 = HostTensor::full(DType::E4m3, e4.q.shape(), 0.5);
-    assert!(run(&e4, &e4.opts, &q8).starts_with("dtype"));
+    assert!(run(&e4, e4.scales.as_ref(), &q8).starts_with("dtype"));
     // A bf16 cache with f16 queries.
     let mut bf = build(&Params {
         dtype: DType::Bf16,
         ..p.clone()
     });
     bf.q = f16.q.clone();
-    assert!(run(&bf, &bf.opts, &bf.q).starts_with("q:"));
+    assert!(run(&bf, None, &bf.q).starts_with("q:"));
     // The same checks guard kv_append.
     let l = e4.shape.layout();
     let k = HostTensor::full(DType::F16, &[1, 2 * 64], 1.0);

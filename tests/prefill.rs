@@ -114,6 +114,7 @@ impl Prefill {
             block_tables: &self.c.tables,
             qo_indptr: &self.qo_indptr,
             context_lens: &self.c.lens,
+            kv_scales: self.c.scales.as_ref(),
         }
     }
 
@@ -161,6 +162,7 @@ proptest! {
                 block_tables: &pc.c.tables[s * w..(s + 1) * w],
                 context_lens: &pc.c.lens[s..s + 1],
                 plan: None,
+                kv_scales: None,
             };
             decode_emulated(&Emulator::new(), inputs, &mut out).unwrap();
             let e = rel_l2(&got[row * qh * d..(row + 1) * qh * d], &out.to_f64());

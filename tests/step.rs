@@ -57,6 +57,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
             max_blocks_per_seq: width,
             context_lens: &lens,
             slot_mapping: &slots,
+            window: None,
         })
         .unwrap();
         let planned = r.device().take();
@@ -190,6 +191,7 @@ proptest! {
             max_blocks_per_seq: c.shape.max_blocks_per_seq,
             context_lens: &c.lens,
             slot_mapping: &[],
+            window: None,
         }).unwrap();
         let rows = c.shape.num_seqs as usize;
         let row = (c.shape.num_q_heads * c.shape.head_dim) as usize;
@@ -253,6 +255,7 @@ fn bad_views_and_metadata_are_errors_naming_the_argument() {
         max_blocks_per_seq: 2,
         context_lens: &[5],
         slot_mapping: &[52],
+        window: None,
     };
     // Over capacity; block ids outside the pool; a slot written twice.
     let big = [0i32; 3];
@@ -425,6 +428,7 @@ fn two_rows() -> StepMeta<'static> {
         max_blocks_per_seq: 2,
         context_lens: &[5, 3],
         slot_mapping: &[52, 66],
+        window: None,
     }
 }
 

@@ -409,7 +409,6 @@ unsafe fn decode_on(
     };
     let mut opts = DecodeOptions::new(c.head_dim.max(1));
     opts.scale = io.scale;
-    opts.kv_scales = t.scales;
     g.paged_decode_attention(
         DecodeInputs {
             shape: &sh,
@@ -420,6 +419,7 @@ unsafe fn decode_on(
             block_tables: bt,
             context_lens: cl,
             plan: None,
+            kv_scales: t.scales.as_ref(),
         },
         &mut ot,
     )
@@ -526,6 +526,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
             max_blocks_per_seq: c.max_blocks_per_seq,
             context_lens: cl,
             slot_mapping: &[],
+            window: None,
         })
         .map_err(m)?;
         let space = r.device().space();

@@ -230,6 +230,7 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         block_tables: &[0, 4, 2, 5, 1, 3],
         context_lens: &[37, 20],
         plan: None,
+        kv_scales: None,
     });
     let got: Vec<f64> = line(&out, "attention")
         .split_whitespace()

@@ -617,8 +617,8 @@ mod gpu {
         let n = lens.len() * (qh * d) as usize;
         let qt = HostTensor::from_f64(q, &[n], &sample(23, n / d as usize, 1, d as usize, &[2.0]))
             .unwrap();
-        let mut opts = DecodeOptions::new(d);
-        opts.kv_scales = Some(KvScales { k: ks, v: vs });
+        let opts = DecodeOptions::new(d);
+        let scales = KvScales { k: ks, v: vs };
         let want = paged_decode_attention(&DecodeInputs {
             shape: &sh,
             opts: &opts,
@@ -628,6 +628,7 @@ mod gpu {
             block_tables: &tables,
             context_lens: lens,
             plan: None,
+            kv_scales: Some(&scales),
         });
         let out = HostTensor::full(q, &[n], f64::NAN);
         let (dq, dkc, dvc, dout) = (g.upload(&qt), g.upload(&kc), g.upload(&vc), g.upload(&out));
@@ -641,7 +642,7 @@ mod gpu {
             max_blocks_per_seq: w,
             reserved: 0,
         };
-        let sc = c_scales(opts.kv_scales.as_ref().unwrap());
+        let sc = c_scales(&scales);
         // SAFETY: device buffers of the shapes' sizes, host arrays of their lengths.
         let st = unsafe {
             pagedkv_cuda_decode_attention_fp8(

@@ -145,6 +145,7 @@ pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64>
         value_cache,
         block_tables,
         context_lens,
+        kv_scales,
         plan: _,
     } = inputs;
     let (qh, kvh, d) = (
@@ -166,7 +167,7 @@ pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64>
         let (k, v) = gather_from(
             shape,
             (key_cache, value_cache),
-            opts.kv_scales.as_ref(),
+            kv_scales,
             block_tables,
             seq,
             (first, ctx),
@@ -236,7 +237,7 @@ pub fn paged_prefill_attention(
         let (k, v) = gather_from(
             sh,
             (inputs.key_cache, inputs.value_cache),
-            inputs.opts.kv_scales.as_ref(),
+            inputs.kv_scales,
             inputs.block_tables,
             s,
             (first, ctx),

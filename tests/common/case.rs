@@ -4,6 +4,7 @@
 //! it), soft-cap and ALiBi.
 
 use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
+use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::{DType, HostTensor};
 use rand::Rng;
 use rand::seq::SliceRandom;
@@ -40,6 +41,8 @@ pub struct Case {
     pub tables: Vec<i32>,
     pub lens: Vec<i32>,
     pub windowed: bool,
+    /// An fp8 cache's scales (`fp8::quantise_case` sets them).
+    pub scales: Option<KvScales>,
 }
 
 pub fn build(p: &Params) -> Case {
@@ -152,6 +155,7 @@ pub fn build(p: &Params) -> Case {
         tables,
         lens,
         windowed,
+        scales: None,
     }
 }
 
@@ -167,6 +171,7 @@ impl Case {
             block_tables: &self.tables,
             context_lens: &self.lens,
             plan: None,
+            kv_scales: self.scales.as_ref(),
         }
     }
 }

@@ -48,12 +48,12 @@ pub fn quantise(l: &PagedLayout, c: &HostTensor, cache: DType, scales: &[f32]) -
     q
 }
 
-/// Turns a case's caches into `cache` (fp8) with calibrated scales, set in its options.
+/// Turns a case's caches into `cache` (fp8) with calibrated scales, kept in the case.
 pub fn quantise_case(c: &mut Case, cache: DType, per_head: bool) {
     let l = c.shape.layout();
     let ks = calibrate(&l, &c.kc, cache, per_head);
     let vs = calibrate(&l, &c.vc, cache, per_head);
     c.kc = quantise(&l, &c.kc, cache, &ks);
     c.vc = quantise(&l, &c.vc, cache, &vs);
-    c.opts.kv_scales = Some(KvScales { k: ks, v: vs });
+    c.scales = Some(KvScales { k: ks, v: vs });
 }

@@ -150,6 +150,7 @@ fn fp8_decode_awkward_shapes_split_and_unsplit() {
                     block_tables: &c.tables,
                     context_lens: &c.lens,
                     plan,
+                    kv_scales: c.scales.as_ref(),
                 },
                 &mut out,
             )

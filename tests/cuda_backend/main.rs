@@ -86,6 +86,7 @@ fn decode_case(
                 block_tables: &c.tables,
                 context_lens: &c.lens,
                 plan: None,
+                kv_scales: c.scales.as_ref(),
             },
             &mut out,
         )
@@ -164,6 +165,7 @@ fn decode_awkward_shapes_with_every_option() {
                     block_tables: &c.tables,
                     context_lens: &c.lens,
                     plan,
+                    kv_scales: c.scales.as_ref(),
                 },
                 &mut out,
             )
@@ -346,6 +348,7 @@ fn sanitizer_decode(parts: u32, heads_per_block: u32) {
             block_tables: &c.tables,
             context_lens: &c.lens,
             plan: Some(plan),
+            kv_scales: c.scales.as_ref(),
         },
         &mut out,
     )

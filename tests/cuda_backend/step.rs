@@ -68,6 +68,7 @@ fn the_runner_on_the_gpu_matches_the_reference_split_and_unsplit() {
             max_blocks_per_seq: c.shape.max_blocks_per_seq,
             context_lens: &c.lens,
             slot_mapping: &[],
+            window: None,
         })
         .unwrap();
         let (q, kc, vc) = (
@@ -161,6 +162,7 @@ fn a_captured_step_replays_like_direct_launches_after_the_tables_change() {
             max_blocks_per_seq: width as u32,
             context_lens: lens,
             slot_mapping: &[],
+            window: None,
         })
         .map(|_| ())
     };
@@ -266,6 +268,7 @@ fn sanitizer_small_prefill() {
             block_tables: &c.tables,
             qo_indptr: &indptr,
             context_lens: &c.lens,
+            kv_scales: c.scales.as_ref(),
         });
         let cap = StepCapacity {
             max_seqs: 3,
@@ -287,6 +290,7 @@ fn sanitizer_small_prefill() {
             max_blocks_per_seq: 0,
             context_lens: &[],
             slot_mapping: &[],
+            window: None,
         })
         .unwrap();
         run.plan_prefill(&PrefillMeta {
@@ -294,6 +298,7 @@ fn sanitizer_small_prefill() {
             max_blocks_per_seq: c.shape.max_blocks_per_seq,
             qo_indptr: &indptr,
             context_lens: &c.lens,
+            window: None,
         })
         .unwrap();
         let (kc, vc) = (
@@ -348,6 +353,7 @@ fn views_of_an_engines_cuda_slices_match_the_reference() {
         max_blocks_per_seq: c.shape.max_blocks_per_seq,
         context_lens: &c.lens,
         slot_mapping: &[],
+        window: None,
     })
     .unwrap();
     // Four elements (16 bytes) of padding before q and out: the views start at an offset.

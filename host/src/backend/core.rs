@@ -43,8 +43,6 @@ pub(crate) struct StepCore<D: StepDevice> {
     ptables: Vec<i32>,
     pindptr: Vec<i32>,
     plens: Vec<i32>,
-    /// The sliding window of the planned batch ([`Batch::sliding_window`]).
-    window: Option<u32>,
 }
 
 impl<D: StepDevice> StepCore<D> {
@@ -67,7 +65,6 @@ impl<D: StepDevice> StepCore<D> {
             ptables: Vec::with_capacity(cap.max_seqs as usize * cap.max_blocks_per_seq as usize),
             pindptr: Vec::with_capacity(cap.max_seqs as usize + 1),
             plens: Vec::with_capacity(cap.max_seqs as usize),
-            window: None,
         })
     }
 
@@ -86,7 +83,6 @@ impl<D: StepDevice> StepCore<D> {
                 ),
             ));
         }
-        self.window = batch.sliding_window;
         self.tables.clear();
         self.lens.clear();
         for i in super::decode_rows(batch) {
@@ -100,6 +96,7 @@ impl<D: StepDevice> StepCore<D> {
             max_blocks_per_seq: width,
             context_lens: &self.lens,
             slot_mapping: &batch.slot_mapping,
+            window: batch.sliding_window,
         };
         let planned = self.runner.plan(&meta).copied()?;
         // The prefilling rows: one prefill launch over their new tokens.
@@ -121,13 +118,13 @@ impl<D: StepDevice> StepCore<D> {
                 max_blocks_per_seq: w as u32,
                 qo_indptr: &self.pindptr,
                 context_lens: &self.plens,
+                window: batch.sliding_window,
             })?;
         }
         Ok(planned)
     }
 
     pub(crate) fn prefill<T: AsView>(&mut self, args: PrefillArgs<'_, T>) -> Result<()> {
-        self.check_window(args.opts)?;
         self.sync_slopes(args.opts)?;
         self.runner.prefill(
             args.opts,
@@ -139,22 +136,6 @@ impl<D: StepDevice> StepCore<D> {
                 out: args.out.view_mut(),
             },
         )
-    }
-
-    /// Attention over the planned batch's tables reads only what its sliding window
-    /// kept: a window of at most the batch's (none, or a wider one, would read the
-    /// released `NULL_BLOCK` entries: garbage, NaN in a fresh cache).
-    fn check_window(&self, opts: &crate::ops::attention::DecodeOptions) -> Result<()> {
-        match self.window {
-            Some(w) if opts.window.is_none_or(|x| x > w) => Err(Error::invalid(
-                "window",
-                format!(
-                    "{:?}, but the batch was scheduled with a sliding window of {w} tokens (its blocks before the window are released): attend with a window of at most {w}",
-                    opts.window
-                ),
-            )),
-            _ => Ok(()),
-        }
     }
 
     /// Uploads `opts`' ALiBi slopes when they differ from the runner's (once, in the
@@ -219,7 +200,6 @@ impl<D: StepDevice> StepCore<D> {
     }
 
     pub(crate) fn decode_views<T: AsView>(&mut self, args: DecodeViews<'_, T>) -> Result<()> {
-        self.check_window(args.opts)?;
         self.sync_slopes(args.opts)?;
         self.runner.decode(
             args.opts,

@@ -4,8 +4,6 @@
 use std::cell::RefCell;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PinnedHostSlice};
-use pagedkv_kernels::GlobalSlice;
-use pagedkv_kernels::kernels::{CopyBlocks, CopyBlocksParams};
 
 use super::{CudaBackend, DeviceTensor, cuda};
 use crate::error::{Error, Result};
@@ -52,45 +50,21 @@ impl CudaBackend {
         block_bytes: u64,
         pairs: &[(u32, u32)],
     ) -> Result<()> {
-        let lens: Vec<u64> = pools.iter().map(|p| p.num_bytes() as u64).collect();
-        let num_blocks = copy_blocks::pool_blocks(&lens, block_bytes)?;
-        copy_blocks::validate(num_blocks, block_bytes, pairs)?;
-        if pairs.is_empty() || pools.is_empty() {
-            return Ok(());
-        }
-        let flat: Vec<i64> = pairs
-            .iter()
-            .flat_map(|&(s, d)| [s as i64, d as i64])
-            .collect();
-        let num_pools = pools.len();
         let s = &self.stream;
         let mut guards = Vec::with_capacity(pools.len());
-        // Each PoolView is `#[repr(C)] { ptr, len }`: two u64 words on the device.
-        let mut views: Vec<u64> = Vec::with_capacity(2 * pools.len());
+        let mut raw = Vec::with_capacity(pools.len());
         for p in pools.iter_mut() {
             let len = p.buf.len() as u64;
             let (ptr, g) = p.buf.device_ptr_mut(s);
-            views.extend([ptr, len]);
+            raw.push((ptr, len));
             guards.push(g);
         }
-        let dev_views = self.upload("upload pools", &views)?;
-        let dev_pairs = self.upload("upload pairs", &flat)?;
-        let (vp, _gv) = dev_views.device_ptr(s);
-        let (pp, _gp) = dev_pairs.device_ptr(s);
-        // SAFETY: `dev_views` holds `pools.len()` PoolViews (16 bytes each, the layout
-        // of GlobalSliceMut<u8>) and `dev_pairs` the flattened pairs, both owned here.
-        let params = unsafe {
-            CopyBlocksParams {
-                pools: GlobalSlice::from_raw_parts(vp as *const _, num_pools as u64),
-                pairs: GlobalSlice::from_raw_parts(pp as *const i64, flat.len() as u64),
-                block_bytes,
-            }
-        };
-        // SAFETY: (1) pools borrowed mutably, tables owned, for the call; (2) validated
-        // (ids in range, destinations distinct and never sources); (3) as (1); (4) own config.
-        unsafe {
-            self.launch::<CopyBlocks>(copy_blocks::launch_config(pairs.len(), num_pools), params)
-        }
+        let mut dev = super::CudaStepDevice::new(self);
+        // SAFETY: (1) device buffers of this backend's context (cudarc's allocations
+        // are 256-byte aligned), borrowed mutably for the call, their guards alive
+        // until the launch is issued on the stream every use orders on; (2) distinct
+        // `&mut` borrows, so no two overlap and nothing else touches them.
+        unsafe { crate::step::once::copy_blocks(&mut dev, &raw, block_bytes, pairs) }
     }
 
     /// Allocates pinned host memory for `num_host_blocks` swapped blocks of `num_pools`

@@ -47,21 +47,18 @@ pub use step::{CudaStepDevice, StepGraph};
 pub use tensor::{BorrowedDeviceTensor, DeviceTensor};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    DriverError, LaunchConfig as CuConfig, PushKernelArg, sys,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError,
+    LaunchConfig as CuConfig, PushKernelArg, sys,
 };
 use cudarc::nvrtc::Ptx;
-use pagedkv_kernels::kernels::{
-    CopyBlocks, DecodeParams, DecodeReduce, KvAppend, KvAppendParams, PagedDecode, ReduceParams,
-};
-use pagedkv_kernels::{Bf16, F16, GlobalSlice, GlobalSliceMut, Kernel, PagedLayout};
+use pagedkv_kernels::kernels::{CopyBlocks, DecodeReduce, KvAppend, PagedDecode};
+use pagedkv_kernels::{Bf16, F16, Kernel, PagedLayout};
 
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
-use crate::ops::attention::{self, DecodeInputs, SplitPlan};
-use crate::ops::kv_append::{self, KvAppendIo};
-use crate::ops::scales::{KvScales, with_kv};
-use crate::tensor::{DType, TensorDesc};
+use crate::ops::attention::{DecodeInputs, SplitPlan};
+use crate::ops::kv_append::KvAppendIo;
+use crate::tensor::DType;
 
 /// Whether the CUDA driver library is there, so that the first driver call cannot
 /// panic (cudarc's dynamic loading panics when it finds no `libcuda`), under each of
@@ -404,205 +401,27 @@ impl CudaBackend {
     }
 
     /// Appends tokens' K and V to one layer's cache (see `ops::kv_append`), the slot
-    /// mapping from the batch. A per-call convenience that uploads the slot mapping;
-    /// the step path ([`CudaAttention`]) uploads it once per step.
+    /// mapping from the batch. A per-call convenience, one step of a
+    /// [`StepRunner`](crate::step::StepRunner) made for the call (it allocates and
+    /// uploads the slot mapping each call); the step path ([`CudaAttention`]) keeps one
+    /// runner and uploads once per step.
     pub fn kv_append(&self, io: KvAppendIo<'_, DeviceTensor>) -> Result<()> {
-        kv_append::validate(&io)?;
-        let KvAppendIo {
-            layout,
-            key,
-            value,
-            slot_mapping,
-            key_cache,
-            value_cache,
-            scales,
-        } = io;
-        if slot_mapping.is_empty() {
-            return Ok(());
-        }
-        let slots = self.upload("upload slot_mapping", slot_mapping)?;
-        let scales = self.upload_scales(scales)?;
-        let scale_views = scales
-            .as_ref()
-            .map(|(k, v)| (k.device_ptr(&self.stream), v.device_ptr(&self.stream)));
-        let heads = layout.num_kv_heads as u64;
-        let s = &self.stream;
-        let (kp, _gk) = key.buf.device_ptr(s);
-        let (vp, _gv) = value.buf.device_ptr(s);
-        let (sp, _gs) = slots.device_ptr(s);
-        let (kcp, _gkc) = key_cache.buf.device_ptr_mut(s);
-        let (vcp, _gvc) = value_cache.buf.device_ptr_mut(s);
-        let n = TensorDesc::len(key) as u64;
-        let pool = layout.pool_elems();
-        let cfg = kv_append::launch_config(slot_mapping.len());
-        with_kv!(key.dtype, key_cache.dtype, T, K => {
-            // SAFETY: device addresses of buffers borrowed for this call (the scales
-            // owned), with their validated lengths in elements of the validated dtypes.
-            let params = unsafe {
-                let (k_scales, v_scales) = scale_slices(&scale_views, heads);
-                KvAppendParams::<T, K> {
-                    key: GlobalSlice::from_raw_parts(kp as *const T, n),
-                    value: GlobalSlice::from_raw_parts(vp as *const T, n),
-                    slot_mapping: GlobalSlice::from_raw_parts(sp as *const i64, slot_mapping.len() as u64),
-                    key_cache: GlobalSliceMut::from_raw_parts(kcp as *mut K, pool),
-                    value_cache: GlobalSliceMut::from_raw_parts(vcp as *mut K, pool),
-                    k_scales,
-                    v_scales,
-                    layout: *layout,
-                }
-            };
-            // SAFETY: (1) above; (2) validated; (3) the buffers are borrowed (caches
-            // mutably) until return and `slots` lives until the stream's next sync point
-            // through cudarc's stream-ordered free; (4) kv_append's own config.
-            unsafe { self.launch::<KvAppend<T, K>>(cfg, params)? };
-        });
-        Ok(())
+        crate::step::once::kv_append(CudaStepDevice::new(self), io)
     }
 
     /// Paged decode attention over one layer's cache (see `ops::attention`). Without
     /// `inputs.plan`, plans split-K from this device's SM count. Returns the plan used.
     ///
-    /// A per-call convenience: it uploads the metadata and allocates the split-K
-    /// workspace each call. An engine's layer loop uses the step path
-    /// ([`CudaAttention`]), which does that once per step.
+    /// A per-call convenience, one step of a [`StepRunner`](crate::step::StepRunner)
+    /// made for the call: it allocates the metadata and split-K workspace and uploads
+    /// them each call. An engine's layer loop uses the step path ([`CudaAttention`]),
+    /// which does that once per step.
     pub fn paged_decode_attention(
         &self,
         inputs: DecodeInputs<'_, DeviceTensor>,
         out: &mut DeviceTensor,
     ) -> Result<SplitPlan> {
-        let p = attention::validate_launch(&inputs, out, Some(self.sm_count))?;
-        let DecodeInputs {
-            shape,
-            opts,
-            q,
-            key_cache,
-            value_cache,
-            block_tables,
-            context_lens,
-            plan: _,
-        } = inputs;
-        let (dtype, qd) = (key_cache.dtype, q.dtype);
-        let tables = self.upload("upload block_tables", block_tables)?;
-        let scales = self.upload_scales(opts.kv_scales.as_ref())?;
-        let scale_views = scales
-            .as_ref()
-            .map(|(k, v)| (k.device_ptr(&self.stream), v.device_ptr(&self.stream)));
-        let kv_heads = shape.num_kv_heads as u64;
-        let lens = self.upload("upload context_lens", context_lens)?;
-        let slopes: Option<CudaSlice<f32>> = match &opts.alibi_slopes {
-            Some(v) => Some(self.upload("upload alibi_slopes", v)?),
-            None => None,
-        };
-        let heads = shape.num_seqs as usize * shape.num_q_heads as usize;
-        let parts = p.num_partitions as usize;
-        let (mut part_out, mut part_ml) = if p.is_split() {
-            (
-                Some(
-                    self.stream
-                        .alloc_zeros::<f32>(heads * parts * shape.head_dim as usize)
-                        .map_err(cuda("cuMemAlloc"))?,
-                ),
-                Some(
-                    self.stream
-                        .alloc_zeros::<f32>(heads * parts * 2)
-                        .map_err(cuda("cuMemAlloc"))?,
-                ),
-            )
-        } else {
-            (None, None)
-        };
-        let s = &self.stream;
-        let (qp, _gq) = q.buf.device_ptr(s);
-        let (kp, _gk) = key_cache.buf.device_ptr(s);
-        let (vp, _gv) = value_cache.buf.device_ptr(s);
-        let (tp, _gt) = tables.device_ptr(s);
-        let (lp, _gl) = lens.device_ptr(s);
-        let slope_ptr = slopes.as_ref().map(|x| x.device_ptr(s));
-        let part_out_ptr = part_out.as_mut().map(|x| (x.len(), x.device_ptr_mut(s)));
-        let part_ml_ptr = part_ml.as_mut().map(|x| (x.len(), x.device_ptr_mut(s)));
-        let (op, _go) = out.buf.device_ptr_mut(s);
-        let pool = shape.layout().pool_elems();
-        let qn = TensorDesc::len(q) as u64;
-        with_kv!(qd, dtype, T, K => {
-            // SAFETY: device addresses of buffers borrowed or owned for this call, with
-            // their validated lengths in elements of the validated dtypes.
-            let params = unsafe {
-                let (k_scales, v_scales) = scale_slices(&scale_views, kv_heads);
-                DecodeParams::<T, K> {
-                    q: GlobalSlice::from_raw_parts(qp as *const T, qn),
-                    key_cache: GlobalSlice::from_raw_parts(kp as *const K, pool),
-                    value_cache: GlobalSlice::from_raw_parts(vp as *const K, pool),
-                    k_scales,
-                    v_scales,
-                    block_tables: GlobalSlice::from_raw_parts(tp as *const i32, block_tables.len() as u64),
-                    context_lens: GlobalSlice::from_raw_parts(lp as *const i32, context_lens.len() as u64),
-                    alibi_slopes: match &slope_ptr {
-                        Some((ptr, _)) => GlobalSlice::from_raw_parts(*ptr as *const f32, shape.num_q_heads as u64),
-                        None => GlobalSlice::empty(),
-                    },
-                    out: if p.is_split() { GlobalSliceMut::empty() } else { GlobalSliceMut::from_raw_parts(op as *mut T, qn) },
-                    part_out: match &part_out_ptr {
-                        Some((len, (ptr, _))) => GlobalSliceMut::from_raw_parts(*ptr as *mut f32, *len as u64),
-                        None => GlobalSliceMut::empty(),
-                    },
-                    part_ml: match &part_ml_ptr {
-                        Some((len, (ptr, _))) => GlobalSliceMut::from_raw_parts(*ptr as *mut f32, *len as u64),
-                        None => GlobalSliceMut::empty(),
-                    },
-                    layout: shape.layout(),
-                    num_q_heads: shape.num_q_heads,
-                    max_blocks_per_seq: shape.max_blocks_per_seq,
-                    heads_per_block: p.heads_per_block,
-                    partition_tokens: p.partition_tokens,
-                    num_partitions: p.num_partitions,
-                    scale: opts.scale,
-                    softcap: opts.softcap.unwrap_or(0.0),
-                    inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
-                    window: opts.window.unwrap_or(0),
-                    q_row_stride: shape.row_elems(),
-                    out_row_stride: shape.row_elems(),
-                }
-            };
-            let cfg = attention::decode_launch_config(shape, dtype, &p);
-            if p.is_split() {
-                // SAFETY: (1) above; (2) validated shapes and plan; (3) inputs borrowed,
-                // `out` borrowed mutably, partials owned until return; (4) own config.
-                unsafe { self.launch::<PagedDecode<T, true, K>>(cfg, params)? };
-                // SAFETY: as above; the reduce reads the partials the decode wrote
-                // (ordered on the same stream) and writes `out`.
-                let rp = unsafe {
-                    ReduceParams::<T> {
-                        part_out: params.part_out.as_const(),
-                        part_ml: params.part_ml.as_const(),
-                        out: GlobalSliceMut::from_raw_parts(op as *mut T, qn),
-                        num_q_heads: shape.num_q_heads,
-                        head_dim: shape.head_dim,
-                        num_partitions: p.num_partitions,
-                        out_row_stride: shape.row_elems(),
-                    }
-                };
-                // SAFETY: as above.
-                unsafe { self.launch::<DecodeReduce<T>>(attention::reduce_launch_config(shape, qd), rp)? };
-            } else {
-                // SAFETY: as for the split launch.
-                unsafe { self.launch::<PagedDecode<T, false, K>>(cfg, params)? };
-            }
-        });
-        Ok(p)
-    }
-
-    /// Uploads an fp8 cache's scales (K, then V), or nothing.
-    fn upload_scales(
-        &self,
-        s: Option<&KvScales>,
-    ) -> Result<Option<(CudaSlice<f32>, CudaSlice<f32>)>> {
-        s.map(|s| {
-            Ok((
-                self.upload("upload kv_scales.k", &s.k)?,
-                self.upload("upload kv_scales.v", &s.v)?,
-            ))
-        })
-        .transpose()
+        crate::step::once::decode(CudaStepDevice::new(self), Some(self.sm_count), inputs, out)
     }
 
     /// Times `f` on the stream with CUDA events, in milliseconds (for benchmarks).
@@ -626,31 +445,6 @@ impl CudaBackend {
         self.stream
             .memcpy_dtod(&src.buf, &mut dst.buf)
             .map_err(cuda("cuMemcpyDtoD"))
-    }
-}
-
-/// A device address with the guard that orders its use on the stream.
-type GuardedPtr<G> = (sys::CUdeviceptr, G);
-
-/// Kernel views of an fp8 cache's uploaded scales (`heads` each), or empty views when
-/// the cache is unscaled.
-///
-/// # Safety
-/// Each pointer is the device address of `heads` f32 that stay allocated (and are not
-/// written) while a launch uses the views.
-unsafe fn scale_slices<G>(
-    s: &Option<(GuardedPtr<G>, GuardedPtr<G>)>,
-    heads: u64,
-) -> (GlobalSlice<f32>, GlobalSlice<f32>) {
-    match s {
-        // SAFETY: the caller's contract.
-        Some(((k, _), (v, _))) => unsafe {
-            (
-                GlobalSlice::from_raw_parts(*k as *const f32, heads),
-                GlobalSlice::from_raw_parts(*v as *const f32, heads),
-            )
-        },
-        None => (GlobalSlice::empty(), GlobalSlice::empty()),
     }
 }
 

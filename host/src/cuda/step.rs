@@ -141,13 +141,7 @@ impl StepDevice for CudaStepDevice<'_> {
     }
 
     fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()> {
-        if src.len() > self.staging_len {
-            return Err(Error::InvalidState(format!(
-                "upload of {} bytes, {} reserved",
-                src.len(),
-                self.staging_len
-            )));
-        }
+        crate::step::check_reserved(src.len(), self.staging_len)?;
         let i = self.next;
         self.next = 1 - i;
         // This buffer's previous upload read it asynchronously: wait for it (issued two

@@ -22,8 +22,7 @@
 
 use std::collections::HashSet;
 
-use pagedkv_kernels::kernels::{CopyBlocks, CopyBlocksParams, PoolView};
-use pagedkv_kernels::{Dim3, GlobalSlice, GlobalSliceMut};
+use pagedkv_kernels::Dim3;
 
 use crate::buffer::AlignedBuf;
 use crate::emulator::{Emulator, LaunchConfig};
@@ -139,42 +138,24 @@ pub fn copy_blocks_reference(
     Ok(())
 }
 
-/// Runs the real `copy_blocks` kernel body in the emulator over host pools.
+/// Runs the real `copy_blocks` kernel body in the emulator over host pools: the one
+/// `copy_blocks` launch (`step::once::copy_blocks`) on an
+/// [`EmuDevice`](crate::step::EmuDevice).
 pub fn copy_blocks_emulated(
     emu: &Emulator,
     pools: &mut [AlignedBuf],
     block_bytes: u64,
     pairs: &[(u32, u32)],
 ) -> Result<()> {
-    let num_blocks = pools_num_blocks(pools, block_bytes)?;
-    validate(num_blocks, block_bytes, pairs)?;
-    if pairs.is_empty() || pools.is_empty() {
-        return Ok(());
-    }
-    let views: Vec<PoolView> = pools
+    let raw: Vec<(u64, u64)> = pools
         .iter_mut()
         .map(|p| {
             let b = p.as_bytes_mut();
-            // SAFETY: the view covers exactly the pool's bytes, which are 16-byte
-            // aligned (AlignedBuf) and borrowed mutably for the whole launch below.
-            unsafe { GlobalSliceMut::from_raw_parts(b.as_mut_ptr(), b.len() as u64) }
+            (b.as_mut_ptr() as u64, b.len() as u64)
         })
         .collect();
-    let flat: Vec<i64> = pairs
-        .iter()
-        .flat_map(|&(s, d)| [s as i64, d as i64])
-        .collect();
-    // SAFETY: `views` and `flat` outlive the launch and are only read by it.
-    let params = unsafe {
-        CopyBlocksParams {
-            pools: GlobalSlice::from_raw_parts(views.as_ptr(), views.len() as u64),
-            pairs: GlobalSlice::from_raw_parts(flat.as_ptr(), flat.len() as u64),
-            block_bytes,
-        }
-    };
-    // SAFETY: (1) every view is valid for the launch (above); (2) `pools` is borrowed
-    // mutably, so nothing else touches it; (3) validation guarantees each destination
-    // block is written by one thread block, each 16 bytes by one thread.
-    unsafe { emu.launch::<CopyBlocks>(launch_config(pairs.len(), pools.len()), params)? };
-    Ok(())
+    let mut dev = crate::step::EmuDevice::new(emu.clone());
+    // SAFETY: (1) each pool is an AlignedBuf (16-byte aligned host memory) borrowed
+    // mutably for this call, so (2) nothing else touches it and no two overlap.
+    unsafe { crate::step::once::copy_blocks(&mut dev, &raw, block_bytes, pairs) }
 }

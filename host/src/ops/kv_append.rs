@@ -31,11 +31,10 @@
 use std::collections::HashSet;
 
 use pagedkv_kernels::kernels::kv_append::THREADS;
-use pagedkv_kernels::kernels::{KvAppend, KvAppendParams};
 use pagedkv_kernels::{Dim3, PagedLayout};
 
-use super::scales::{KvScales, check_cache_types, with_kv};
-use super::{check_layout, check_tensor, slice_view, view, view_mut};
+use super::scales::{KvScales, check_cache_types};
+use super::{check_layout, check_tensor};
 use crate::emulator::{Emulator, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::reference;
@@ -157,45 +156,9 @@ pub fn kv_append_reference(io: KvAppendIo<'_, HostTensor>) -> Result<()> {
     Ok(())
 }
 
-/// Runs the real `kv_append` kernel body in the emulator.
+/// Runs the real `kv_append` kernel body in the emulator: a one-shot use of the step
+/// path ([`StepRunner::kv_append`](crate::step::StepRunner::kv_append) on an
+/// [`EmuDevice`](crate::step::EmuDevice)), so this is the launch engines run.
 pub fn kv_append_emulated(emu: &Emulator, io: KvAppendIo<'_, HostTensor>) -> Result<()> {
-    validate(&io)?;
-    let KvAppendIo {
-        layout,
-        key,
-        value,
-        slot_mapping,
-        key_cache,
-        value_cache,
-        scales,
-    } = io;
-    if slot_mapping.is_empty() {
-        return Ok(());
-    }
-    let cfg = launch_config(slot_mapping.len());
-    let (k_scales, v_scales): (&[f32], &[f32]) = match scales {
-        Some(s) => (&s.k, &s.v),
-        None => (&[], &[]),
-    };
-    with_kv!(key.dtype(), key_cache.dtype(), T, K => {
-        // SAFETY: every view covers a tensor or slice borrowed for this whole function,
-        // of the element type its dtype names (checked by `validate`).
-        let params = unsafe {
-            KvAppendParams::<T, K> {
-                key: view(key),
-                value: view(value),
-                slot_mapping: slice_view(slot_mapping),
-                key_cache: view_mut(key_cache),
-                value_cache: view_mut(value_cache),
-                k_scales: slice_view(k_scales),
-                v_scales: slice_view(v_scales),
-                layout: *layout,
-            }
-        };
-        // SAFETY: (1) views valid for the launch (above); (2) the caches are borrowed
-        // mutably and the inputs immutably, so nothing else touches them; (3) slots are
-        // unique (validated), so each cache element is written by one thread.
-        unsafe { emu.launch::<KvAppend<T, K>>(cfg, params)? };
-    });
-    Ok(())
+    crate::step::once::kv_append(crate::step::EmuDevice::new(emu.clone()), io)
 }

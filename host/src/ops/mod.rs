@@ -10,10 +10,10 @@ pub mod kv_append;
 pub mod prefill;
 pub mod scales;
 
-use pagedkv_kernels::{GlobalSlice, GlobalSliceMut, PagedLayout};
+use pagedkv_kernels::PagedLayout;
 
 use crate::error::{Error, Result};
-use crate::tensor::{DType, HostTensor, TensorDesc};
+use crate::tensor::{DType, TensorDesc};
 
 /// Head dimensions the kernels support.
 pub const SUPPORTED_HEAD_DIMS: [u32; 7] = [32, 64, 80, 96, 112, 128, 256];
@@ -97,38 +97,4 @@ pub(crate) fn check_tensor(
         ));
     }
     Ok(())
-}
-
-/// A read-only kernel view of a host tensor's storage as elements of `T`.
-///
-/// # Safety
-/// `T` is the kernel element type matching `t.dtype()`, and the view must not be used
-/// after `t` is dropped or while `t` is written other than through a kernel launch that
-/// the caller's contract covers.
-pub(crate) unsafe fn view<T>(t: &HostTensor) -> GlobalSlice<T> {
-    let b = t.buf().as_bytes();
-    // SAFETY: the pointer and length cover `t`'s 16-byte aligned storage; the caller
-    // upholds the lifetime and aliasing rules.
-    unsafe { GlobalSlice::from_raw_parts(b.as_ptr().cast(), (b.len() / size_of::<T>()) as u64) }
-}
-
-/// A writable kernel view of a host tensor's storage as elements of `T`.
-///
-/// # Safety
-/// As [`view`], and nothing else reads or writes `t` while a launch uses the view.
-pub(crate) unsafe fn view_mut<T>(t: &mut HostTensor) -> GlobalSliceMut<T> {
-    let b = t.buf_mut().as_bytes_mut();
-    // SAFETY: as above.
-    unsafe {
-        GlobalSliceMut::from_raw_parts(b.as_mut_ptr().cast(), (b.len() / size_of::<T>()) as u64)
-    }
-}
-
-/// A read-only kernel view of a host slice.
-///
-/// # Safety
-/// The view must not outlive `s`.
-pub(crate) unsafe fn slice_view<T>(s: &[T]) -> GlobalSlice<T> {
-    // SAFETY: pointer and length of a live slice; the caller bounds the lifetime.
-    unsafe { GlobalSlice::from_raw_parts(s.as_ptr(), s.len() as u64) }
 }

@@ -23,20 +23,17 @@
 //! let opts = DecodeOptions::new(64);
 //! prefill_emulated(&Emulator::new(), PrefillInputs { shape: &shape, opts: &opts, q: &q,
 //!     key_cache: &kc, value_cache: &vc, block_tables: &[1], qo_indptr: &[0, 3],
-//!     context_lens: &[5] }, &mut out)?;
+//!     context_lens: &[5], kv_scales: None }, &mut out)?;
 //! assert!(out.to_f64().iter().all(|&x| x == 3.0));
 //! # Ok::<(), pagedkv_host::Error>(())
 //! ```
 
-use pagedkv_kernels::kernels::prefill::{
-    MMA_THREADS, PagedPrefill, PagedPrefillSimt, PrefillParams, ROWS, SIMT_THREADS,
-    mma_shared_bytes,
-};
-use pagedkv_kernels::{Bf16, Dim3, E4m3, E5m2, F16};
+use pagedkv_kernels::Dim3;
+use pagedkv_kernels::kernels::prefill::{MMA_THREADS, ROWS, SIMT_THREADS, mma_shared_bytes};
 
 use super::attention::{DecodeOptions, DecodeShape, validate_options};
-use super::scales::check_cache_types;
-use super::{MAX_GRID_YZ, check_layout, check_tensor, slice_view, view, view_mut};
+use super::scales::{KvScales, check_cache_types};
+use super::{MAX_GRID_YZ, check_layout, check_tensor};
 use crate::emulator::{Emulator, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, HostTensor, TensorDesc};
@@ -62,6 +59,9 @@ pub struct PrefillInputs<'a, T> {
     pub qo_indptr: &'a [i32],
     /// `[num_seqs]`: tokens in each sequence's cache, its new ones included.
     pub context_lens: &'a [i32],
+    /// The per-KV-head scales of an fp8 cache, as
+    /// [`DecodeInputs::kv_scales`](super::attention::DecodeInputs::kv_scales).
+    pub kv_scales: Option<&'a KvScales>,
 }
 
 impl<T> Clone for PrefillInputs<'_, T> {
@@ -107,7 +107,7 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
     let (dtype, qd) = (inputs.key_cache.dtype(), inputs.q.dtype());
     check_tensor("key_cache", inputs.key_cache, dtype, l.pool_elems())?;
     check_tensor("value_cache", inputs.value_cache, dtype, l.pool_elems())?;
-    check_cache_types(qd, dtype, inputs.opts.kv_scales.as_ref(), sh.num_kv_heads)?;
+    check_cache_types(qd, dtype, inputs.kv_scales, sh.num_kv_heads)?;
     check_tensor("q", inputs.q, qd, qn)?;
     check_tensor("out", out, qd, qn)?;
     Ok(max_rows)
@@ -227,79 +227,13 @@ pub fn launch_config(shape: &DecodeShape, q_dtype: DType, max_rows: u32) -> Laun
     }
 }
 
-/// Runs the real prefill kernel in the emulator, after [`validate`].
+/// Runs the real prefill kernel in the emulator, after [`validate`]: a one-shot use
+/// of the step path ([`StepRunner::prefill`](crate::step::StepRunner::prefill) on an
+/// [`EmuDevice`](crate::step::EmuDevice)), so this is the launch engines run.
 pub fn prefill_emulated(
     emu: &Emulator,
     inputs: PrefillInputs<'_, HostTensor>,
     out: &mut HostTensor,
 ) -> Result<()> {
-    let max_rows = validate(&inputs, out)?;
-    if max_rows == 0 {
-        return Ok(());
-    }
-    let (qd, cache) = (inputs.q.dtype(), inputs.key_cache.dtype());
-    let cfg = launch_config(inputs.shape, qd, max_rows);
-    macro_rules! launch {
-        ($kernel:ty) => {
-            // SAFETY: (1) every view covers a tensor or slice borrowed for this call, of
-            // the element type its dtype names (the match below is over the validated
-            // dtypes); (2) `out` is borrowed mutably; (3) each output element belongs to
-            // one (row, column) of one block's thread (validated shapes).
-            unsafe {
-                emu.launch::<$kernel>(cfg, params(&inputs, out))
-                    .map_err(Into::into)
-            }
-        };
-    }
-    use DType as D;
-    match (qd, cache) {
-        (D::F32, D::F32) => launch!(PagedPrefillSimt<f32>),
-        (D::F16, D::F16) => launch!(PagedPrefill<F16>),
-        (D::Bf16, D::Bf16) => launch!(PagedPrefill<Bf16>),
-        (D::F16, D::E4m3) => launch!(PagedPrefill<F16, E4m3>),
-        (D::F16, D::E5m2) => launch!(PagedPrefill<F16, E5m2>),
-        (D::Bf16, D::E4m3) => launch!(PagedPrefill<Bf16, E4m3>),
-        (D::Bf16, D::E5m2) => launch!(PagedPrefill<Bf16, E5m2>),
-        (q, c) => Err(Error::invalid(
-            "dtype",
-            format!("no prefill kernel for {q} queries over {c} caches"),
-        )),
-    }
-}
-
-/// The kernel parameters over host tensors.
-///
-/// # Safety
-/// `T` is the element type of the tensors' dtype; the views must not outlive them.
-unsafe fn params<T: Copy, K: Copy>(
-    i: &PrefillInputs<'_, HostTensor>,
-    out: &mut HostTensor,
-) -> PrefillParams<T, K> {
-    let o = i.opts;
-    let (k_scales, v_scales): (&[f32], &[f32]) = match &o.kv_scales {
-        Some(s) => (&s.k, &s.v),
-        None => (&[], &[]),
-    };
-    // SAFETY: the caller's contract.
-    unsafe {
-        PrefillParams {
-            q: view(i.q),
-            key_cache: view(i.key_cache),
-            value_cache: view(i.value_cache),
-            k_scales: slice_view(k_scales),
-            v_scales: slice_view(v_scales),
-            block_tables: slice_view(i.block_tables),
-            qo_indptr: slice_view(i.qo_indptr),
-            context_lens: slice_view(i.context_lens),
-            alibi_slopes: slice_view(o.alibi_slopes.as_deref().unwrap_or(&[])),
-            out: view_mut::<T>(out),
-            layout: i.shape.layout(),
-            num_q_heads: i.shape.num_q_heads,
-            max_blocks_per_seq: i.shape.max_blocks_per_seq,
-            scale: o.scale,
-            softcap: o.softcap.unwrap_or(0.0),
-            inv_softcap: o.softcap.map_or(0.0, |c| 1.0 / c),
-            window: o.window.unwrap_or(0),
-        }
-    }
+    crate::step::once::prefill(crate::step::EmuDevice::new(emu.clone()), inputs, out)
 }

@@ -41,11 +41,11 @@ pub trait StepDevice {
     fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()>;
 
     /// Makes room for uploads of up to `bytes` (pinned staging memory on a GPU), so
-    /// [`upload`](StepDevice::upload) never allocates. Called once by the runner.
-    fn reserve_upload(&mut self, bytes: usize) -> Result<()> {
-        let _ = bytes;
-        Ok(())
-    }
+    /// [`upload`](StepDevice::upload) never allocates: an upload of more bytes than
+    /// the largest reservation so far is an error on every device (the emulator's and
+    /// the [`Recorder`] too, so a CPU test catches what would fail on a GPU). Called
+    /// once by the runner.
+    fn reserve_upload(&mut self, bytes: usize) -> Result<()>;
 
     /// Launches kernel `K` (ordered after every earlier upload and launch).
     ///
@@ -287,6 +287,17 @@ impl<'a> TensorViewMut<'a> {
     }
 }
 
+/// The check every device makes of an upload of `bytes` against its `reserved`
+/// staging room ([`StepDevice::reserve_upload`]).
+pub(crate) fn check_reserved(bytes: usize, reserved: usize) -> Result<()> {
+    if bytes > reserved {
+        return Err(Error::InvalidState(format!(
+            "upload of {bytes} bytes, {reserved} reserved"
+        )));
+    }
+    Ok(())
+}
+
 /// What a [`Recorder`] was asked to do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceOp {
@@ -305,6 +316,7 @@ pub enum DeviceOp {
 pub struct Recorder {
     next: u64,
     ops: RefCell<Vec<DeviceOp>>,
+    reserved: usize,
 }
 
 impl Recorder {
@@ -313,6 +325,7 @@ impl Recorder {
         Self {
             next: 1 << 20,
             ops: RefCell::new(Vec::new()),
+            reserved: 0,
         }
     }
 
@@ -344,7 +357,12 @@ impl StepDevice for Recorder {
         if dst == 0 {
             return Err(Error::InvalidState("upload to a null address".into()));
         }
+        check_reserved(src.len(), self.reserved)?;
         self.ops.borrow_mut().push(DeviceOp::Upload(src.len()));
+        Ok(())
+    }
+    fn reserve_upload(&mut self, bytes: usize) -> Result<()> {
+        self.reserved = self.reserved.max(bytes);
         Ok(())
     }
     unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, _params: K::Params) -> Result<()> {
@@ -387,6 +405,7 @@ mod tests {
             max_blocks_per_seq: 1,
             context_lens: &[3],
             slot_mapping: &[32, 33, 34],
+            window: None,
         })
         .unwrap();
         r

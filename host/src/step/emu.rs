@@ -15,6 +15,8 @@ pub struct EmuDevice {
     /// Every allocation, kept until the device is dropped (addresses stay valid: an
     /// `AlignedBuf`'s storage does not move when the list grows).
     bufs: Vec<AlignedBuf>,
+    /// The staging room reserved ([`StepDevice::reserve_upload`]), enforced as a GPU's.
+    reserved: usize,
 }
 
 impl EmuDevice {
@@ -23,6 +25,7 @@ impl EmuDevice {
         Self {
             emu,
             bufs: Vec::new(),
+            reserved: 0,
         }
     }
 
@@ -52,7 +55,13 @@ impl StepDevice for EmuDevice {
         Ok(addr)
     }
 
+    fn reserve_upload(&mut self, bytes: usize) -> Result<()> {
+        self.reserved = self.reserved.max(bytes);
+        Ok(())
+    }
+
     fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()> {
+        super::device::check_reserved(src.len(), self.reserved)?;
         let inside = self.bufs.iter().any(|b| {
             let base = b.as_bytes().as_ptr() as u64;
             dst >= base && dst + src.len() as u64 <= base + b.len() as u64

@@ -40,7 +40,7 @@
 //! let (mut kc, mut vc) = (HostTensor::full(DType::F32, &pool, 0.0), HostTensor::full(DType::F32, &pool, 0.0));
 //! // One sequence of 3 tokens in block 5: append all three, then decode.
 //! runner.plan(&StepMeta { block_tables: &[5], max_blocks_per_seq: 1, context_lens: &[3],
-//!                         slot_mapping: &[80, 81, 82] })?;
+//!                         slot_mapping: &[80, 81, 82], window: None })?;
 //! let k = HostTensor::full(DType::F32, &[3, 2, 64], 0.5);
 //! let v = HostTensor::full(DType::F32, &[3, 2, 64], 2.0);
 //! let (mut kv, mut vv) = (TensorViewMut::of_host(&mut kc), TensorViewMut::of_host(&mut vc));
@@ -59,10 +59,12 @@
 
 mod device;
 mod emu;
+pub(crate) mod once;
 mod prefill;
 mod run;
 mod runner;
 
+pub(crate) use device::check_reserved;
 pub use device::{DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut};
 pub use emu::EmuDevice;
 pub use prefill::{PlannedPrefill, PrefillIo, PrefillMeta};

@@ -25,6 +25,10 @@ pub struct PrefillMeta<'a> {
     pub qo_indptr: &'a [i32],
     /// `[num_seqs]`: tokens in each sequence's cache, its new ones included.
     pub context_lens: &'a [i32],
+    /// The sliding window the tables were built for, as
+    /// [`StepMeta::window`](super::StepMeta::window): blocks no new token's window
+    /// reaches may be released, and the prefill must attend within it.
+    pub window: Option<u32>,
 }
 
 /// The tensors of one layer's prefill.
@@ -51,6 +55,8 @@ pub struct PlannedPrefill {
     pub num_tokens: u32,
     /// The most query rows of one sequence's KV head (sizes the grid).
     pub max_rows: u32,
+    /// The window the metadata was validated for ([`PrefillMeta::window`]).
+    pub window: Option<u32>,
 }
 
 /// Bytes of the prefill metadata buffer for `max_seqs` rows of `width` blocks:
@@ -61,8 +67,8 @@ pub(super) fn meta_bytes(max_seqs: u64, width: u64) -> Option<u64> {
 }
 
 impl<D: StepDevice> StepRunner<D> {
-    /// Plans this step's prefill: validates `meta` (as `ops::prefill` does, without a
-    /// window: every block up to each context must be in the pool) and uploads it with
+    /// Plans this step's prefill: validates `meta` (as `ops::prefill` does: every block
+    /// a new token's window reaches must be in the pool) and uploads it with
     /// one asynchronous copy into the runner's prefill buffer. Call it after
     /// [`plan`](Self::plan) (which forgets the previous step's prefill).
     pub fn plan_prefill(&mut self, meta: &PrefillMeta<'_>) -> Result<PlannedPrefill> {
@@ -87,9 +93,12 @@ impl<D: StepDevice> StepRunner<D> {
             num_blocks: self.shape.num_blocks,
             max_blocks_per_seq: width,
         };
+        if meta.window == Some(0) {
+            return Err(Error::invalid("window", "must be at least 1 token"));
+        }
         let max_rows = prefill::validate_metadata(
             &shape,
-            None,
+            meta.window,
             meta.block_tables,
             meta.qo_indptr,
             meta.context_lens,
@@ -127,6 +136,7 @@ impl<D: StepDevice> StepRunner<D> {
             shape,
             num_tokens,
             max_rows,
+            window: meta.window,
         };
         self.planned_prefill = Some((planned, [0, t_bytes as u64, (t_bytes + i_bytes) as u64]));
         Ok(planned)
@@ -139,6 +149,7 @@ impl<D: StepDevice> StepRunner<D> {
             .planned_prefill
             .ok_or_else(|| Error::InvalidState("no prefill planned: call plan_prefill()".into()))?;
         validate_options(opts, pp.shape.num_q_heads)?;
+        super::runner::check_window(pp.window, opts.window)?;
         if opts.alibi_slopes != self.slopes_host {
             return Err(Error::invalid(
                 "alibi_slopes",
@@ -150,7 +161,7 @@ impl<D: StepDevice> StepRunner<D> {
         self.check_view("q", &io.q.raw, rows, row, false)?;
         self.check_view("out", &io.out.raw, rows, row, false)?;
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
-        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref(), Some(opts))?;
+        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
         if pp.max_rows == 0 {
             return Ok(());
         }

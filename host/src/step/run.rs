@@ -46,20 +46,12 @@ impl<D: StepDevice> StepRunner<D> {
     }
 
     /// Checks a layer's fp8 scales view (`[2, num_kv_heads]` f32, there exactly when
-    /// the cache is fp8) and the options (the step path reads the scales from the
-    /// layer, not from `opts.kv_scales`); returns the K and V scale slices (empty for
-    /// an unscaled cache).
+    /// the cache is fp8); returns the K and V scale slices (empty for an unscaled
+    /// cache).
     pub(super) fn scale_slices(
         &self,
         scales: Option<&TensorView<'_>>,
-        opts: Option<&DecodeOptions>,
     ) -> Result<(GlobalSlice<f32>, GlobalSlice<f32>)> {
-        if opts.is_some_and(|o| o.kv_scales.is_some()) {
-            return Err(Error::invalid(
-                "kv_scales",
-                "set in the options: the step path reads each layer's scales from its io (kv_scales), e.g. set by AttentionBackend::set_kv_scales",
-            ));
-        }
         let h = self.shape.num_kv_heads as u64;
         match (self.shape.kv_dtype.is_fp8(), scales) {
             (false, None) => Ok((GlobalSlice::empty(), GlobalSlice::empty())),
@@ -196,7 +188,7 @@ impl<D: StepDevice> StepRunner<D> {
         self.check_view("key", &io.key.raw, n, row, false)?;
         self.check_view("value", &io.value.raw, n, row, false)?;
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
-        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref(), None)?;
+        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
         if n == 0 {
             return Ok(());
         }
@@ -236,6 +228,7 @@ impl<D: StepDevice> StepRunner<D> {
             return Ok(None);
         };
         attention::validate_options(opts, ds.num_q_heads)?;
+        super::runner::check_window(planned.window, opts.window)?;
         if opts.alibi_slopes != self.slopes_host {
             return Err(Error::invalid(
                 "alibi_slopes",
@@ -248,7 +241,7 @@ impl<D: StepDevice> StepRunner<D> {
         let q_stride = self.check_view("q", &io.q.raw, rows, row, true)?;
         let out_stride = self.check_view("out", &io.out.raw, rows, row, true)?;
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
-        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref(), Some(opts))?;
+        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
         let (dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
         let tables = self.meta + planned.offsets[0];
         let lens = self.meta + planned.offsets[1];

@@ -76,6 +76,12 @@ pub struct StepMeta<'a> {
     pub context_lens: &'a [i32],
     /// `[num_tokens]`: slot of each new token (negative: skip).
     pub slot_mapping: &'a [i64],
+    /// The sliding window the tables were built for (the scheduler's
+    /// `Batch::sliding_window`): with one, a sequence's blocks wholly before its last
+    /// `window` tokens may be released (any id), and the step's decode must attend
+    /// with a window of at most this many tokens. `None`: every block up to each
+    /// context is in the pool, any window may be used.
+    pub window: Option<u32>,
 }
 
 /// The tensors of one layer's `kv_append`.
@@ -118,6 +124,8 @@ pub struct Planned {
     pub decode: Option<(DecodeShape, SplitPlan)>,
     /// New tokens `kv_append` writes.
     pub num_tokens: u32,
+    /// The window the metadata was validated for ([`StepMeta::window`]).
+    pub window: Option<u32>,
     /// Byte offsets of the block tables, context lengths and slot mapping in the
     /// metadata buffer.
     pub(super) offsets: [u64; 3],
@@ -177,10 +185,23 @@ impl<D: StepDevice> StepRunner<D> {
     /// [`new`](Self::new), planning split-K for `sm_count` SMs, or never splitting when
     /// it is `None` (the CPU: split-K exists to fill a GPU's SMs).
     pub fn with_split(
+        dev: D,
+        shape: StepShape,
+        cap: StepCapacity,
+        sm_count: Option<u32>,
+    ) -> Result<Self> {
+        Self::with_workspace(dev, shape, cap, sm_count, 0)
+    }
+
+    /// [`with_split`](Self::with_split), with a split-K workspace of at least
+    /// `min_rows` (sequence, head, partition) rows: room for a plan the caller forces
+    /// ([`plan_split`](Self::plan_split)) beyond what the planner makes for `cap`.
+    pub(crate) fn with_workspace(
         mut dev: D,
         shape: StepShape,
         cap: StepCapacity,
         sm_count: Option<u32>,
+        min_rows: u64,
     ) -> Result<Self> {
         check_layout(&shape.layout())?;
         check_cache_pair(shape.dtype, shape.kv_dtype)?;
@@ -231,7 +252,7 @@ impl<D: StepDevice> StepRunner<D> {
         // Partials for the most (sequence, head, partition) rows any plan within `cap`
         // makes: the planner splits only small batches, so this is far below
         // max_seqs * num_q_heads * max_partitions.
-        let mut rows = 0u64;
+        let mut rows = min_rows;
         let decode_shape = |n| DecodeShape {
             num_seqs: n,
             num_q_heads: shape.num_q_heads,
@@ -353,6 +374,17 @@ impl<D: StepDevice> StepRunner<D> {
     /// inside the pool and distinct), decides the split, and uploads the metadata with
     /// one asynchronous copy into the runner's persistent buffer. No allocation.
     pub fn plan(&mut self, meta: &StepMeta<'_>) -> Result<&Planned> {
+        self.plan_split(meta, None)
+    }
+
+    /// [`plan`](Self::plan), launching the decode with `split` instead of the
+    /// planner's choice when it is given (validated against the step; the workspace
+    /// must hold it: [`with_workspace`](Self::with_workspace)).
+    pub(crate) fn plan_split(
+        &mut self,
+        meta: &StepMeta<'_>,
+        split: Option<SplitPlan>,
+    ) -> Result<&Planned> {
         self.planned = None;
         self.planned_prefill = None;
         let n = meta.context_lens.len();
@@ -396,16 +428,25 @@ impl<D: StepDevice> StepRunner<D> {
             if width == 0 {
                 return Err(Error::invalid("max_blocks_per_seq", "must be at least 1"));
             }
-            let max_len =
-                attention::validate_metadata(&ds, None, meta.block_tables, meta.context_lens)?;
-            let p = clamp_partitions(
-                match self.sm_count {
-                    Some(sms) => attention::plan(&ds, self.shape.kv_dtype, max_len, sms),
-                    None => attention::plan_unsplit(&ds, self.shape.kv_dtype, max_len),
-                },
-                max_len,
-                self.cap.max_partitions,
-            );
+            if meta.window == Some(0) {
+                return Err(Error::invalid("window", "must be at least 1 token"));
+            }
+            let max_len = attention::validate_metadata(
+                &ds,
+                meta.window,
+                meta.block_tables,
+                meta.context_lens,
+            )?;
+            let p = split.unwrap_or_else(|| {
+                clamp_partitions(
+                    match self.sm_count {
+                        Some(sms) => attention::plan(&ds, self.shape.kv_dtype, max_len, sms),
+                        None => attention::plan_unsplit(&ds, self.shape.kv_dtype, max_len),
+                    },
+                    max_len,
+                    self.cap.max_partitions,
+                )
+            });
             attention::validate_plan(&ds, self.shape.kv_dtype, &p, max_len)?;
             Some((ds, p))
         };
@@ -452,8 +493,24 @@ impl<D: StepDevice> StepRunner<D> {
         Ok(self.planned.insert(Planned {
             decode,
             num_tokens: tokens as u32,
+            window: meta.window,
             offsets,
         }))
+    }
+}
+
+/// Attention over tables validated for `planned` (a sliding window's, or `None`) reads
+/// only what that window kept: `asked` must be a window of at most `planned` (none, or
+/// a wider one, would read released blocks: garbage, NaN in a fresh cache).
+pub(super) fn check_window(planned: Option<u32>, asked: Option<u32>) -> Result<()> {
+    match planned {
+        Some(w) if asked.is_none_or(|x| x > w) => Err(Error::invalid(
+            "window",
+            format!(
+                "{asked:?}, but the step was planned with a sliding window of {w} tokens (its blocks before the window may be released): attend with a window of at most {w}"
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 

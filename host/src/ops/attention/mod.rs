@@ -33,7 +33,8 @@
 //! let opts = DecodeOptions::new(64);
 //! let mut out = HostTensor::full(DType::F32, &[2, 4, 64], f64::NAN);
 //! let inputs = DecodeInputs { shape: &shape, opts: &opts, q: &q, key_cache: &kc,
-//!     value_cache: &vc, block_tables: &tables, context_lens: &lens, plan: None };
+//!     value_cache: &vc, block_tables: &tables, context_lens: &lens, kv_scales: None,
+//!     plan: None };
 //! decode_emulated(&Emulator::new(), inputs, &mut out).unwrap();
 //! let want = paged_decode_attention(&inputs);
 //! let err = out.to_f64().iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
@@ -112,9 +113,6 @@ pub struct DecodeOptions {
     pub window: Option<u32>,
     /// ALiBi: one slope per query head; the bias is `slope * (t - (ctx - 1))`.
     pub alibi_slopes: Option<Vec<f32>>,
-    /// The per-KV-head scales of an fp8 cache (required for one, refused otherwise):
-    /// the kernels read K as `decode(b) * kv_scales.k[h]`, V likewise.
-    pub kv_scales: Option<KvScales>,
 }
 
 impl DecodeOptions {
@@ -125,7 +123,6 @@ impl DecodeOptions {
             softcap: None,
             window: None,
             alibi_slopes: None,
-            kv_scales: None,
         }
     }
 }
@@ -150,6 +147,11 @@ pub struct DecodeInputs<'a, T> {
     pub block_tables: &'a [i32],
     /// `[num_seqs]`: tokens in each sequence's cache, the new one included.
     pub context_lens: &'a [i32],
+    /// The per-KV-head scales of an fp8 cache (required for one, refused otherwise):
+    /// the kernels read K as `decode(b) * kv_scales.k[h]`, V likewise. The step path
+    /// takes the same scales as a `[2, num_kv_heads]` f32 tensor of the layer
+    /// ([`DecodeIo::kv_scales`](crate::step::DecodeIo::kv_scales)).
+    pub kv_scales: Option<&'a KvScales>,
     /// How to cut the launch up; `None`: the backend decides (the emulator never
     /// splits, the CUDA backend plans for its GPU's SMs with [`plan`]).
     pub plan: Option<SplitPlan>,
@@ -165,7 +167,7 @@ impl<T> Copy for DecodeInputs<'_, T> {}
 
 ///
 /// `q`, `out`: `[num_seqs, num_q_heads, head_dim]`, one dtype; caches: `[num_blocks,
-/// num_kv_heads, block_size, head_dim]`, of q's dtype or fp8 with `opts.kv_scales` (see
+/// num_kv_heads, block_size, head_dim]`, of q's dtype or fp8 with `kv_scales` (see
 /// [`check_cache_types`]); `block_tables`: `[num_seqs,
 /// max_blocks_per_seq]`; `context_lens`: `[num_seqs]`, each in `1..=max_blocks_per_seq *
 /// block_size`. Every block id a sequence reads (those covering its window) must be
@@ -179,6 +181,7 @@ pub fn validate<T: TensorDesc>(inputs: &DecodeInputs<'_, T>, out: &T) -> Result<
         value_cache,
         block_tables,
         context_lens,
+        kv_scales,
         plan: _,
     } = *inputs;
     let l = shape.layout();
@@ -205,12 +208,7 @@ pub fn validate<T: TensorDesc>(inputs: &DecodeInputs<'_, T>, out: &T) -> Result<
     let qn = shape.num_seqs as u64 * shape.num_q_heads as u64 * shape.head_dim as u64;
     check_tensor("key_cache", key_cache, dtype, l.pool_elems())?;
     check_tensor("value_cache", value_cache, dtype, l.pool_elems())?;
-    check_cache_types(
-        q.dtype(),
-        dtype,
-        opts.kv_scales.as_ref(),
-        shape.num_kv_heads,
-    )?;
+    check_cache_types(q.dtype(), dtype, kv_scales, shape.num_kv_heads)?;
     check_tensor("q", q, q.dtype(), qn)?;
     check_tensor("out", out, q.dtype(), qn)?;
     validate_options(opts, shape.num_q_heads)?;

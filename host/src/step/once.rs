@@ -1,0 +1,327 @@
+//! The per-call conveniences as one-shot uses of the step path: a [`StepRunner`] sized
+//! for one call, planned once, run once, dropped. The emulator's `ops::*_emulated` and
+//! the CUDA backend's per-call methods go through here, so every kernel has one place
+//! that builds its parameters and issues its launches ([`StepRunner`]'s runs) whatever
+//! the device, and a test of a per-call function is a test of the path engines use.
+//!
+//! Each function first runs the operation's own argument checks (`ops::*::validate`:
+//! the tensors' shapes and dtypes, the fp8 scales), which the runner cannot see in its
+//! views, then lets the runner validate the metadata and the views as it does for every
+//! step.
+
+use super::device::{StepDevice, TensorView};
+use super::prefill::PrefillMeta;
+use super::runner::{AppendIo, DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
+use crate::backend::AsView;
+use crate::error::Result;
+use crate::ops::attention::{self, DecodeInputs, DecodeShape, SplitPlan};
+use crate::ops::kv_append::{self, KvAppendIo};
+use crate::ops::prefill::{self, PrefillInputs};
+use crate::ops::scales::KvScales;
+use crate::step::PrefillIo;
+use crate::tensor::{DType, TensorDesc};
+
+/// The step shape of a per-call decode or prefill over `shape`.
+fn step_shape(shape: &DecodeShape, dtype: DType, kv_dtype: DType) -> StepShape {
+    StepShape {
+        num_q_heads: shape.num_q_heads,
+        num_kv_heads: shape.num_kv_heads,
+        head_dim: shape.head_dim,
+        block_size: shape.block_size,
+        num_blocks: shape.num_blocks,
+        dtype,
+        kv_dtype,
+    }
+}
+
+/// Uploads an fp8 cache's scales (`[2, num_kv_heads]` f32: K's, then V's) into a
+/// buffer of the runner's device, and views it for one run. The view must not outlive
+/// `runner` (each function here drops both together when it returns).
+fn upload_scales<D: StepDevice>(
+    runner: &mut StepRunner<D>,
+    scales: Option<&KvScales>,
+) -> Result<Option<TensorView<'static>>> {
+    let Some(s) = scales else {
+        return Ok(None);
+    };
+    let bytes: Vec<u8> =
+        s.k.iter()
+            .chain(&s.v)
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+    let dev = runner.device_mut();
+    dev.reserve_upload(bytes.len())?;
+    let addr = dev.alloc(bytes.len())?;
+    dev.upload(addr, &bytes)?;
+    let space = dev.space();
+    // SAFETY: `addr` holds the `2 * heads` f32 just uploaded, in a buffer the device
+    // keeps as long as it lives: the runner (which owns it) outlives every run of the
+    // view, and nothing else writes it.
+    Ok(Some(unsafe {
+        TensorView::from_raw(addr, (s.k.len() + s.v.len()) as u64, DType::F32, space)
+    }))
+}
+
+/// One decode call on `dev` (whose GPU has `sm_count` SMs; `None`: never split): the
+/// inputs checked, the plan made (or `inputs.plan` taken) and validated, then one step
+/// of a runner with room for exactly that plan. Returns the plan it ran.
+pub(crate) fn decode<D: StepDevice, T: AsView + TensorDesc>(
+    dev: D,
+    sm_count: Option<u32>,
+    inputs: DecodeInputs<'_, T>,
+    out: &mut T,
+) -> Result<SplitPlan> {
+    let p = attention::validate_launch(&inputs, out, sm_count)?;
+    let s = inputs.shape;
+    let cap = StepCapacity {
+        max_seqs: s.num_seqs,
+        max_blocks_per_seq: s.max_blocks_per_seq,
+        max_tokens: 1,
+        max_partitions: p.num_partitions,
+    };
+    let rows = if p.is_split() {
+        s.num_seqs as u64 * s.num_q_heads as u64 * p.num_partitions as u64
+    } else {
+        0
+    };
+    let shape = step_shape(s, inputs.q.dtype(), inputs.key_cache.dtype());
+    let mut runner = StepRunner::with_workspace(dev, shape, cap, None, rows)?;
+    runner.set_alibi_slopes(inputs.opts.alibi_slopes.as_deref())?;
+    let kv_scales = upload_scales(&mut runner, inputs.kv_scales)?;
+    runner.plan_split(
+        &StepMeta {
+            block_tables: inputs.block_tables,
+            max_blocks_per_seq: s.max_blocks_per_seq,
+            context_lens: inputs.context_lens,
+            slot_mapping: &[],
+            window: inputs.opts.window,
+        },
+        Some(p),
+    )?;
+    runner.decode(
+        inputs.opts,
+        DecodeIo {
+            q: inputs.q.view(),
+            key_cache: inputs.key_cache.view(),
+            value_cache: inputs.value_cache.view(),
+            kv_scales,
+            out: out.view_mut(),
+        },
+    )?;
+    Ok(p)
+}
+
+/// One `kv_append` call on `dev`: the arguments checked, then one step of a runner
+/// whose metadata is the slot mapping alone.
+pub(crate) fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
+    dev: D,
+    io: KvAppendIo<'_, T>,
+) -> Result<()> {
+    kv_append::validate(&io)?;
+    if io.slot_mapping.is_empty() {
+        return Ok(());
+    }
+    let l = io.layout;
+    let shape = StepShape {
+        num_q_heads: l.num_kv_heads,
+        num_kv_heads: l.num_kv_heads,
+        head_dim: l.head_dim,
+        block_size: l.block_size,
+        num_blocks: l.num_blocks,
+        dtype: io.key.dtype(),
+        kv_dtype: io.key_cache.dtype(),
+    };
+    let cap = StepCapacity {
+        max_seqs: 1,
+        max_blocks_per_seq: 1,
+        max_tokens: u32::try_from(io.slot_mapping.len()).unwrap_or(u32::MAX),
+        max_partitions: 1,
+    };
+    let mut runner = StepRunner::with_split(dev, shape, cap, None)?;
+    let kv_scales = upload_scales(&mut runner, io.scales)?;
+    runner.plan(&StepMeta {
+        block_tables: &[],
+        max_blocks_per_seq: 0,
+        context_lens: &[],
+        slot_mapping: io.slot_mapping,
+        window: None,
+    })?;
+    runner.kv_append(AppendIo {
+        key: io.key.view(),
+        value: io.value.view(),
+        key_cache: io.key_cache.view_mut(),
+        value_cache: io.value_cache.view_mut(),
+        kv_scales,
+    })
+}
+
+/// One prefill call on `dev`: the inputs checked, then one step of a runner that
+/// prefills every sequence of the call.
+pub(crate) fn prefill<D: StepDevice, T: AsView + TensorDesc>(
+    dev: D,
+    inputs: PrefillInputs<'_, T>,
+    out: &mut T,
+) -> Result<()> {
+    let max_rows = prefill::validate(&inputs, out)?;
+    if max_rows == 0 {
+        return Ok(());
+    }
+    let s = inputs.shape;
+    let tokens = inputs.qo_indptr[s.num_seqs as usize];
+    let cap = StepCapacity {
+        max_seqs: s.num_seqs,
+        max_blocks_per_seq: s.max_blocks_per_seq,
+        max_tokens: (tokens as u32).max(1),
+        max_partitions: 1,
+    };
+    let shape = step_shape(s, inputs.q.dtype(), inputs.key_cache.dtype());
+    let mut runner = StepRunner::with_split(dev, shape, cap, None)?;
+    runner.set_alibi_slopes(inputs.opts.alibi_slopes.as_deref())?;
+    let kv_scales = upload_scales(&mut runner, inputs.kv_scales)?;
+    runner.plan(&StepMeta {
+        block_tables: &[],
+        max_blocks_per_seq: 0,
+        context_lens: &[],
+        slot_mapping: &[],
+        window: None,
+    })?;
+    runner.plan_prefill(&PrefillMeta {
+        block_tables: inputs.block_tables,
+        max_blocks_per_seq: s.max_blocks_per_seq,
+        qo_indptr: inputs.qo_indptr,
+        context_lens: inputs.context_lens,
+        window: inputs.opts.window,
+    })?;
+    runner.prefill(
+        inputs.opts,
+        PrefillIo {
+            q: inputs.q.view(),
+            key_cache: inputs.key_cache.view(),
+            value_cache: inputs.value_cache.view(),
+            kv_scales,
+            out: out.view_mut(),
+        },
+    )
+}
+
+/// One `copy_blocks` launch on `dev` over `pools` (`(address, bytes)` of each, every
+/// pool the pairs apply to): the pools and pairs checked
+/// ([`copy_blocks::validate`](crate::ops::copy_blocks::validate)), the pool views and
+/// the pairs uploaded into buffers of `dev`, one launch. The only place its
+/// parameters are built, for the emulator and CUDA alike.
+///
+/// # Safety
+/// 1. Each `(addr, bytes)` is `bytes` bytes of `dev`'s [`Space`](super::Space),
+///    16-byte aligned and writable until the launch completes.
+/// 2. Until then nothing else reads or writes them, and no two pools overlap.
+pub(crate) unsafe fn copy_blocks<D: StepDevice>(
+    dev: &mut D,
+    pools: &[(u64, u64)],
+    block_bytes: u64,
+    pairs: &[(u32, u32)],
+) -> Result<()> {
+    use crate::ops::copy_blocks as ops;
+    use pagedkv_kernels::kernels::{CopyBlocks, CopyBlocksParams, PoolView};
+    use pagedkv_kernels::{GlobalSlice, GlobalSliceMut};
+
+    let lens: Vec<u64> = pools.iter().map(|p| p.1).collect();
+    let num_blocks = ops::pool_blocks(&lens, block_bytes)?;
+    ops::validate(num_blocks, block_bytes, pairs)?;
+    if pairs.is_empty() || pools.is_empty() {
+        return Ok(());
+    }
+    // Each PoolView is `#[repr(C)] { ptr, len }`: two u64 words.
+    let views: Vec<u8> = pools
+        .iter()
+        .flat_map(|&(a, n)| [a, n])
+        .flat_map(u64::to_le_bytes)
+        .collect();
+    let flat: Vec<u8> = pairs
+        .iter()
+        .flat_map(|&(s, d)| [s as i64, d as i64])
+        .flat_map(i64::to_le_bytes)
+        .collect();
+    dev.reserve_upload(views.len().max(flat.len()))?;
+    let views_at = dev.alloc(views.len())?;
+    dev.upload(views_at, &views)?;
+    let pairs_at = dev.alloc(flat.len())?;
+    dev.upload(pairs_at, &flat)?;
+    const _: () = assert!(size_of::<PoolView>() == 16);
+    // SAFETY: both buffers are the device's, live as long as it, and hold `pools.len()`
+    // PoolViews (the layout of GlobalSliceMut<u8>: address, length) and the flattened
+    // pairs.
+    let params = unsafe {
+        CopyBlocksParams {
+            pools: GlobalSlice::from_raw_parts(
+                views_at as *const GlobalSliceMut<u8>,
+                pools.len() as u64,
+            ),
+            pairs: GlobalSlice::from_raw_parts(pairs_at as *const i64, 2 * pairs.len() as u64),
+            block_bytes,
+        }
+    };
+    let cfg = ops::launch_config(pairs.len(), pools.len());
+    // SAFETY: (1) the caller's 1 for the pools, the device's own buffers above; (2)
+    // validated: ids in range, destinations distinct and never sources, so each
+    // destination block is written by one thread block; (3) the caller's 2; (4) the
+    // kernel's own configuration.
+    unsafe { dev.launch::<CopyBlocks>(cfg, params) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::step::{DeviceOp, Recorder};
+
+    /// `copy_blocks` reserves staging room for what it uploads (the pool views, the
+    /// pairs), as a GPU's pinned staging requires: the recorder, like the CUDA device,
+    /// refuses an upload beyond the reservation.
+    #[test]
+    fn copy_blocks_reserves_its_uploads_and_launches_once() {
+        let mut dev = Recorder::new();
+        let pools: Vec<(u64, u64)> = (0..6).map(|i| ((i + 1) << 24, 4 * 256)).collect();
+        // SAFETY: the recorder never dereferences an address.
+        unsafe { copy_blocks(&mut dev, &pools, 256, &[(0, 3), (1, 2)]) }.unwrap();
+        let ops = dev.take();
+        assert_eq!(
+            ops.iter()
+                .filter(|o| matches!(o, DeviceOp::Upload(_)))
+                .count(),
+            2
+        );
+        assert!(
+            matches!(ops.last(), Some(DeviceOp::Launch("copy_blocks", _))),
+            "{ops:?}"
+        );
+        // Bad pairs are refused before anything reaches the device.
+        // SAFETY: as above.
+        assert!(unsafe { copy_blocks(&mut dev, &pools, 256, &[(0, 9)]) }.is_err());
+        assert!(dev.take().is_empty());
+    }
+
+    /// The fp8 scales of a one-shot call fit the staging room even where they are
+    /// larger than the step's metadata (one token, 32 KV heads: 256 bytes of scales).
+    #[test]
+    fn scales_larger_than_the_metadata_are_uploaded() {
+        let shape = StepShape {
+            num_q_heads: 32,
+            num_kv_heads: 32,
+            head_dim: 64,
+            block_size: 16,
+            num_blocks: 2,
+            dtype: DType::F16,
+            kv_dtype: DType::E4m3,
+        };
+        let cap = StepCapacity {
+            max_seqs: 1,
+            max_blocks_per_seq: 1,
+            max_tokens: 1,
+            max_partitions: 1,
+        };
+        let mut runner = StepRunner::with_split(Recorder::new(), shape, cap, None).unwrap();
+        let v = upload_scales(&mut runner, Some(&KvScales::per_tensor(32, 0.5, 2.0)))
+            .unwrap()
+            .unwrap();
+        assert_eq!((v.elems(), v.dtype()), (64, DType::F32));
+    }
+}
