@@ -13,12 +13,19 @@
 //! * [`cuda`]: the CUDA backend (cudarc; dynamic loading unless a `cuda-*` feature
 //!   picks another linking mode) with the embedded PTX.
 //! * [`ptx`]: the committed, validated PTX per architecture, as typed constants.
-//! * [`sim`]: the serving simulator behind `pagedkv simulate` (paged vs contiguous KV
-//!   memory), [`plot`], its SVG figure, and [`output`], how the command writes files.
-//! * [`accuracy`]: end-to-end error of the KV cache types (fp8 vs 16-bit), behind
-//!   `examples/fp8_accuracy.rs` and the README's table.
-//! * [`tiny`]: `pagedkv run`, decode of a small random transformer through the kernels
-//!   over the paged cache.
+//!
+//! The command line (`pagedkv simulate`, `pagedkv run`, the fp8 accuracy study) is the
+//! separate crate `pagedkv-cli` (cli/ in the repository), so an engine that depends on
+//! this crate builds none of its dependencies: this crate's normal dependencies are
+//! its two workspace crates, and theirs (cudarc with dynamic loading, thiserror,
+//! bytemuck, sha2, corosensei and a few small ones).
+//!
+//! **The emulator is always in.** The SIMT emulator ([`host::emulator`]) is what the
+//! CPU backend ([`host::backend::CpuBackend`]) runs the kernels on, so an engine gets
+//! a working backend, and its tests a device, with no GPU. It costs one small
+//! dependency (corosensei, for the warps' coroutines) and no build step, so it is not
+//! behind a feature: a feature would only make `cargo test` of an engine on a machine
+//! without a GPU fail to find a backend.
 //!
 //! ## A first run: copy cache blocks in the emulator
 //! ```
@@ -38,13 +45,8 @@
 //! # Ok::<(), pagedkv::host::Error>(())
 //! ```
 
-pub mod accuracy;
 pub mod cuda;
-pub mod output;
-pub mod plot;
 pub mod ptx;
-pub mod sim;
-pub mod tiny;
 
 pub use pagedkv_host as host;
 pub use pagedkv_kernels as kernels;

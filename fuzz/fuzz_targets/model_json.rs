@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pagedkv::sim::{GpuSpec, ModelSpec, SimConfig, limits};
+use pagedkv_cli::sim::{GpuSpec, ModelSpec, SimConfig, limits};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {

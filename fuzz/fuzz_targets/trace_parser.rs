@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pagedkv::sim::{Workload, limits};
+use pagedkv_cli::sim::{Workload, limits};
 
 fuzz_target!(|data: &[u8]| {
     let (head, body) = data.split_at(data.len().min(2));

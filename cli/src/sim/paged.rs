@@ -1,7 +1,7 @@
 //! The paged policy: pagedkv's real [`Scheduler`] and block pool, driven step by step
 //! over a workload.
 
-use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};
+use pagedkv::host::scheduler::{Request, Scheduler, SchedulerConfig};
 
 use super::policy::Stats;
 use super::{Policy, PolicyResult, SimConfig, SimError, Workload, err};

@@ -7,7 +7,7 @@
 //! ```
 //! Runs the real `kv_append` and decode kernels in the emulator (exact math) at head_dim
 //! 128, 8 KV heads, GQA group 4, block 16, 4 sequences of 900–1100 tokens over a
-//! shuffled pool, on three data sets (see [`pagedkv::accuracy`]): standard normal
+//! shuffled pool, on three data sets (see [`pagedkv_cli::accuracy`]): standard normal
 //! q/K/V, and the same with channel 0 of KV head 0's K and V 100x, and 10^4x, the rest. Prints progress to
 //! stderr and a Markdown table to stdout; `--json PATH` also writes the numbers.
 
@@ -16,8 +16,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use pagedkv::accuracy::{CONFIGS, Config, Data, Errors, Problem, Setup, measure};
 use pagedkv::host::emulator::Emulator;
+use pagedkv_cli::accuracy::{CONFIGS, Config, Data, Errors, Problem, Setup, measure};
 use serde::Serialize;
 
 /// Command line.
@@ -124,7 +124,7 @@ fn main() -> ExitCode {
             rows: &rows,
         })
         .expect("the report serialises");
-        if let Err(e) = pagedkv::output::write_all(&[(path, json)]) {
+        if let Err(e) = pagedkv_cli::output::write_all(&[(path, json)]) {
             eprintln!("fp8_accuracy: {e}");
             return ExitCode::FAILURE;
         }

@@ -1,11 +1,11 @@
 //! The cached run: each step computes only the new tokens; K/V of earlier tokens come
 //! from the paged cache (`kv_append`, then decode and prefill attention through it).
 
-use pagedkv_host::HostTensor;
-use pagedkv_host::backend::{
+use pagedkv::host::HostTensor;
+use pagedkv::host::backend::{
     AppendArgs, AttentionBackend, DecodeArgs, PagedCache, PrefillArgs, decode_rows, prefill_rows,
 };
-use pagedkv_host::scheduler::Batch;
+use pagedkv::host::scheduler::Batch;
 
 use super::driver::{StepCtx, to_host};
 use super::model::{finish_layer, matmul};

@@ -9,11 +9,11 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use pagedkv::sim::{
+use pagedkv_cli::sim::{
     GpuSpec, KvDtype, ModelSpec, Policy, ScenarioReport, SimConfig, SimError, Workload,
     WorkloadKind, check_range, limits, run_scenario_kv_dtypes,
 };
-use pagedkv::tiny::{Backend, RunConfig};
+use pagedkv_cli::tiny::{Backend, RunConfig};
 
 #[derive(Parser)]
 #[command(
@@ -144,14 +144,14 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         step_tokens: a.step_tokens,
         ..RunConfig::default()
     };
-    let report = pagedkv::tiny::run(&cfg, &mut |line| eprintln!("{line}"))?;
+    let report = pagedkv_cli::tiny::run(&cfg, &mut |line| eprintln!("{line}"))?;
     println!("{report}");
     if !report.verified() {
         return Err("verification against dense attention failed".into());
     }
     if a.no_cache {
         eprintln!("the same requests without a KV cache (every step recomputes every token):");
-        let slow = pagedkv::tiny::run_without_cache(&cfg, &mut |line| eprintln!("{line}"))?;
+        let slow = pagedkv_cli::tiny::run_without_cache(&cfg, &mut |line| eprintln!("{line}"))?;
         println!("without a cache: {slow}");
         if !slow.verified() {
             return Err("verification of the run without a cache failed".into());
@@ -169,8 +169,8 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             report.outputs.len()
         );
         if let Some(p) = &a.plot {
-            let svg = pagedkv::tiny::render_step_times(&report, &slow)?;
-            pagedkv::output::write_all(&[(p.clone(), svg.into_bytes())])?;
+            let svg = pagedkv_cli::tiny::render_step_times(&report, &slow)?;
+            pagedkv_cli::output::write_all(&[(p.clone(), svg.into_bytes())])?;
             println!("wrote {}", p.display());
         }
     }
@@ -295,9 +295,12 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
         ));
     }
     if let Some(p) = &a.plot {
-        outputs.push((p.clone(), pagedkv::plot::render_svg(&reports)?.into_bytes()));
+        outputs.push((
+            p.clone(),
+            pagedkv_cli::plot::render_svg(&reports)?.into_bytes(),
+        ));
     }
-    for p in pagedkv::output::write_all(&outputs)? {
+    for p in pagedkv_cli::output::write_all(&outputs)? {
         println!("wrote {}", p.display());
     }
     Ok(())

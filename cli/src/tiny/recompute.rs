@@ -3,9 +3,9 @@
 //! attends over all of it with the prefill kernel. The paged cache is only scratch space
 //! here: each step rewrites the positions it reads.
 
-use pagedkv_host::HostTensor;
-use pagedkv_host::backend::{AppendArgs, AttentionBackend, PagedCache, PrefillArgs};
-use pagedkv_host::scheduler::Batch;
+use pagedkv::host::HostTensor;
+use pagedkv::host::backend::{AppendArgs, AttentionBackend, PagedCache, PrefillArgs};
+use pagedkv::host::scheduler::Batch;
 
 use super::driver::{StepCtx, to_host};
 use super::model::{finish_layer, matmul};

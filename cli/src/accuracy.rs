@@ -14,12 +14,12 @@
 //! `examples/fp8_accuracy.rs` prints the README's table from it; `tests/fp8_accuracy.rs`
 //! asserts its qualitative facts on small shapes.
 
-use pagedkv_host::emulator::Emulator;
-use pagedkv_host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape, decode_emulated};
-use pagedkv_host::ops::kv_append::{KvAppendIo, kv_append_emulated};
-use pagedkv_host::ops::scales::KvScales;
-use pagedkv_host::reference::{dense_decode_attention, paged_decode_attention};
-use pagedkv_host::{DType, HostTensor, Result};
+use pagedkv::host::emulator::Emulator;
+use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape, decode_emulated};
+use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_emulated};
+use pagedkv::host::ops::scales::KvScales;
+use pagedkv::host::reference::{dense_decode_attention, paged_decode_attention};
+use pagedkv::host::{DType, HostTensor, Result};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

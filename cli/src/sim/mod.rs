@@ -4,7 +4,7 @@
 //! per step and finish. The same workload runs under several KV-memory policies:
 //!
 //! * **paged** (block sizes 8, 16, 32): pagedkv's real
-//!   [`Scheduler`](pagedkv_host::scheduler::Scheduler) and block pool;
+//!   [`Scheduler`](pagedkv::host::scheduler::Scheduler) and block pool;
 //! * **contiguous reservation**, as in Orca: each request reserves one contiguous range
 //!   of token slots when admitted, first fit, and keeps it until it finishes:
 //!   **Max** reserves the model's maximum length, **Pow2** the next power of two of the
@@ -30,7 +30,7 @@
 //!
 //! # Source layout
 //! The code is cut by concern into private modules, each public item re-exported here
-//! (`pagedkv::sim::X`): `workload` (requests, synthetic workloads, JSONL traces), `spec`
+//! (`pagedkv_cli::sim::X`): `workload` (requests, synthetic workloads, JSONL traces), `spec`
 //! (GPU and model specs, [`SimConfig`] and the step-time model), `policy` ([`Policy`],
 //! [`PolicyResult`], [`simulate`]), `contiguous` and `paged` (the two kinds of policy),
 //! and `report` ([`ScenarioReport`], its table, the paper's figures).

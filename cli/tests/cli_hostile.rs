@@ -399,12 +399,12 @@ fn run_max_tokens_outside_its_range_names_the_flag_and_help_gives_it() {
     let help = String::from_utf8_lossy(&help.stdout);
     let want = format!(
         "{} to {}",
-        pagedkv::tiny::MIN_TOKENS,
-        pagedkv::tiny::MAX_TOKENS
+        pagedkv_cli::tiny::MIN_TOKENS,
+        pagedkv_cli::tiny::MAX_TOKENS
     );
     assert!(help.contains(&want), "--help lacks `{want}`:\n{help}");
     assert!(
-        help.contains(&pagedkv::tiny::MAX_REQUESTS.to_string()),
+        help.contains(&pagedkv_cli::tiny::MAX_REQUESTS.to_string()),
         "{help}"
     );
 }

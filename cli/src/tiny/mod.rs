@@ -32,10 +32,10 @@ pub use plot::render_step_times;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use pagedkv_host::DType;
-use pagedkv_host::backend::{BackendConfig, CpuBackend, SplitPolicy};
-use pagedkv_host::cuda::CudaAttention;
-use pagedkv_host::step::{StepCapacity, StepShape};
+use pagedkv::host::DType;
+use pagedkv::host::backend::{BackendConfig, CpuBackend, SplitPolicy};
+use pagedkv::host::cuda::CudaAttention;
+use pagedkv::host::step::{StepCapacity, StepShape};
 
 /// Where the kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,7 +138,7 @@ impl RunConfig {
                 1 << 16
             ));
         }
-        pagedkv_host::ops::check_layout(&pagedkv_kernels::PagedLayout {
+        pagedkv::host::ops::check_layout(&pagedkv::kernels::PagedLayout {
             num_blocks: self.num_blocks,
             num_kv_heads: self.num_kv_heads,
             block_size: self.block_size,
@@ -302,7 +302,7 @@ fn run_mode(
     match cfg.backend {
         Backend::Cpu => on!(&mut CpuBackend::new(backend)?),
         Backend::Cuda => {
-            let gpu = crate::cuda::backend(0)?;
+            let gpu = pagedkv::cuda::backend(0)?;
             on!(&mut CudaAttention::new(&gpu, backend)?)
         }
     }

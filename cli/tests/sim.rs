@@ -1,7 +1,7 @@
 //! The simulator's parts: workload statistics, the contiguous allocator's limits, the
 //! step-time model, and paged memory use.
 
-use pagedkv::sim::{
+use pagedkv_cli::sim::{
     GpuSpec, KvDtype, KvFootprint, ModelSpec, Policy, RequestKv, SimConfig, Workload, WorkloadKind,
     binary_size, run_scenario, run_scenario_kv_dtypes, simulate,
 };

@@ -1,4 +1,4 @@
-//! The qualitative facts of the README's fp8 accuracy table (`examples/fp8_accuracy.rs`),
+//! The qualitative facts of the README's fp8 accuracy table (`cli/examples/fp8_accuracy.rs`),
 //! on small shapes: decode through the real `kv_append` and decode kernels in the
 //! emulator against exact f64 attention over the original K/V.
 //!
@@ -12,9 +12,9 @@
 //!   nothing (e4m3 still represents them at full precision), at 10^4x it pushes them
 //!   into e4m3's subnormals and per-head scales win clearly; e5m2's range covers both.
 
-use pagedkv::accuracy::{CONFIGS, Config, Data, Errors, Problem, Scaling, Setup, measure};
 use pagedkv::host::DType::{self, Bf16, E4m3, E5m2, F16};
 use pagedkv::host::emulator::Emulator;
+use pagedkv_cli::accuracy::{CONFIGS, Config, Data, Errors, Problem, Scaling, Setup, measure};
 
 fn setup() -> Setup {
     Setup {

@@ -6,11 +6,11 @@ use std::time::Instant;
 
 use rand::Rng;
 
-use pagedkv_host::backend::{AttentionBackend, PagedCache};
-use pagedkv_host::ops::attention::{DecodeOptions, DecodeShape};
-use pagedkv_host::reference::{dense_decode_attention, gather};
-use pagedkv_host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
-use pagedkv_host::{DType, HostTensor};
+use pagedkv::host::backend::{AttentionBackend, PagedCache};
+use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv::host::reference::{dense_decode_attention, gather};
+use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
+use pagedkv::host::{DType, HostTensor};
 
 use super::model::Model;
 use super::{MAX_MODEL_LEN, MAX_PROMPT_LEN, RunConfig, RunReport, SHARED_PREFIX};
@@ -78,7 +78,7 @@ pub(super) fn to_host(
     dtype: DType,
     shape: &[usize],
     v: &[f32],
-) -> pagedkv_host::Result<HostTensor> {
+) -> pagedkv::host::Result<HostTensor> {
     HostTensor::from_f64(
         dtype,
         shape,
