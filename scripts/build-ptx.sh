@@ -9,7 +9,7 @@
 # Installs the pinned nightly (with rust-src, for -Zbuild-std=core) through rustup if it
 # is missing: a rust-toolchain.toml alone installs nothing here. Uses rustc's own NVPTX
 # backend: `cargo rustc --crate-type cdylib --emit=asm` with the `ptx` profile (fat LTO,
-# one codegen unit, panic=abort), see the README's "Toolchain" section.
+# one codegen unit, panic=abort), see docs/kernels.md, "Toolchain".
 set -euo pipefail
 
 TOOLCHAIN=nightly-2026-05-19

@@ -52,7 +52,12 @@ pub use pagedkv_host as host;
 pub use pagedkv_kernels as kernels;
 
 /// The README's Rust examples, compiled and run as doctests (`cargo test --doc`), so
-/// the "Use from Rust" section cannot drift from the API.
+/// the quickstart cannot drift from the API.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The Rust examples of docs/rust.md, doctested like the README's.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/rust.md")]
+pub struct RustDocDoctests;

@@ -1,5 +1,5 @@
 //! The embedded PTX matches the kernels: every `Kernel::NAME` is an entry point of
-//! every module, and the modules are the architectures the README promises.
+//! every module, and the modules are the architectures docs/kernels.md promises.
 
 use pagedkv::kernels::kernels::{
     CopyBlocks, DecodeReduce, KvAppend, PagedDecode, PagedPrefill, PagedPrefillSimt,

@@ -1,5 +1,5 @@
 //! C programs linked against `libpagedkv_c.a`, compiled with the `cc` crate's compiler
-//! discovery: the README's minimal example, a driver that exercises the scheduler,
+//! discovery: the minimal example of docs/c.md, a driver that exercises the scheduler,
 //! the prefix cache, the CPU reference attention (compared here with values computed in
 //! Rust) and the error paths with their messages, and a hostile program (threads that
 //! destroy a scheduler while others call it, wrong counts, a panic inside a call, a
@@ -103,15 +103,15 @@ fn run(exe: &Path) -> String {
 }
 
 #[test]
-fn the_readme_example_compiles_runs_and_is_the_readme_text() {
+fn the_documented_example_compiles_runs_and_is_the_documented_text() {
     let src = root().join("examples/minimal.c");
     let out = run(&build(&src, "minimal"));
     assert_eq!(out.trim(), "finished after 3 steps");
-    let readme = std::fs::read_to_string(root().join("../README.md")).unwrap();
+    let doc = std::fs::read_to_string(root().join("../docs/c.md")).unwrap();
     let code = std::fs::read_to_string(&src).unwrap();
     assert!(
-        readme.contains(code.trim()),
-        "README's C example differs from capi/examples/minimal.c"
+        doc.contains(code.trim()),
+        "docs/c.md's C example differs from capi/examples/minimal.c"
     );
 }
 

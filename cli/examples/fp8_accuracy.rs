@@ -1,6 +1,6 @@
 //! End-to-end decode error of fp8 KV caches (e4m3, e5m2; per-KV-head and per-tensor
 //! scales) vs f16 and bf16 caches, against exact f64 attention over the original K/V:
-//! the README's "fp8 KV cache: accuracy" table.
+//! docs/fp8.md's accuracy table.
 //!
 //! ```sh
 //! cargo run --release --example fp8_accuracy [-- --seed N] [-- --json PATH]

@@ -11,7 +11,7 @@
 //! engine pays: q, K, V and the output to 16 bits, K/V to fp8 with their scales, and the
 //! kernels' f32 arithmetic.
 //!
-//! `examples/fp8_accuracy.rs` prints the README's table from it; `tests/fp8_accuracy.rs`
+//! `examples/fp8_accuracy.rs` prints docs/fp8.md's table from it; `tests/fp8_accuracy.rs`
 //! asserts its qualitative facts on small shapes.
 
 use pagedkv::host::emulator::Emulator;
@@ -44,7 +44,7 @@ pub struct Setup {
 }
 
 impl Setup {
-    /// The README's shape: head_dim 128, 8 KV heads, GQA group 4 (32 query heads),
+    /// docs/fp8.md's shape: head_dim 128, 8 KV heads, GQA group 4 (32 query heads),
     /// block 16, a batch of 4 sequences with contexts drawn from 900..=1100.
     pub fn readme(seed: u64) -> Self {
         let mut r = SmallRng::seed_from_u64(seed ^ 0x5eed);

@@ -1,4 +1,4 @@
-//! The qualitative facts of the README's fp8 accuracy table (`cli/examples/fp8_accuracy.rs`),
+//! The qualitative facts of docs/fp8.md's accuracy table (`cli/examples/fp8_accuracy.rs`),
 //! on small shapes: decode through the real `kv_append` and decode kernels in the
 //! emulator against exact f64 attention over the original K/V.
 //!

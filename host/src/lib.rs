@@ -8,8 +8,12 @@
 //!   thread by thread on the CPU, so the tests prove the real kernel source.
 //! * [`block`]: the block pool, block tables, prefix caching, copy-on-write, swap.
 //! * [`buffer`]: 16-byte aligned host buffers, the emulator's stand-in for device memory.
+//! * [`step`]: the step path every backend runs on: [`step::StepRunner`] plans a step
+//!   once (validates its metadata, one upload) and launches each layer's kernels over
+//!   any [`step::StepDevice`] (the emulator, CUDA, a recorder). Each kernel's
+//!   parameters are built there and nowhere else.
 //! * [`ops`]: the host API of each kernel: input validation (shared by every backend),
-//!   the CPU reference, and the emulator entry point.
+//!   the CPU reference, and the per-call entry points (one-shot uses of the step path).
 //! * [`scheduler`]: the decode scheduler (continuous batching, preemption, swap).
 //! * [`tensor`]: [`DType`] and [`HostTensor`], typed host buffers.
 //! * [`reference`](mod@reference): the CPU references (f64), the ground truth of the tests.

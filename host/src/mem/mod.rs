@@ -10,7 +10,7 @@
 //!   dozen TLB entries instead of thousands of 4 KiB ones. On a virtual machine a TLB
 //!   miss walks two page tables (guest and host); on the 2-core development VM a
 //!   dependent load at random in 64 MiB costs about 175 ns on 2 MiB pages against
-//!   about 500 ns on 4 KiB ones (C pointer chase; see the README's scheduler section).
+//!   about 500 ns on 4 KiB ones (C pointer chase; see docs/scheduler.md).
 //!   Where THP is off (or not Linux) nothing changes. [`SeqAlloc`] puts the
 //!   sequences' own growing arrays on such pages too, in fresh mappings (`pages`).
 //! * [`LineWriter`]: whole cache lines of token history written without reading them

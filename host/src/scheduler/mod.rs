@@ -331,7 +331,7 @@ pub struct Metrics {
     pub prefix_hit_tokens: u64,
     /// Host memory (bytes) the scheduler's arena holds from the system for the
     /// sequences' token histories and block tables and its per-slot arrays: in use or
-    /// free for reuse (see the README's scheduler memory layout). Depends on the
+    /// free for reuse (see docs/scheduler.md, memory layout). Depends on the
     /// allocation history, not only on the scheduler's state.
     pub arena_bytes: usize,
 }

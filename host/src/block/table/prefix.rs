@@ -13,7 +13,7 @@
 //!   verified link to its parent; a cryptographic chain carries all of that in 32
 //!   bytes, is the same on every machine (a block export carries the name), and costs
 //!   one compression per 16-token block (about 2 µs a step at 1024 decoding sequences,
-//!   64 of which fill a block each step; see the README's scheduler numbers).
+//!   64 of which fill a block each step; see docs/performance.md).
 //!
 //! * A hit is only ever a full block, and a prefill always leaves at least one token
 //!   to compute, so a prompt's last block is never a hit: a prefill's last block is
