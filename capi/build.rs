@@ -6,7 +6,7 @@
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
-    println!("cargo::rerun-if-changed=../include/pagedkv.h");
+    println!("cargo::rerun-if-changed=include/pagedkv.h");
     // The C test compiles its program for the same target with the `cc` crate.
     for k in ["TARGET", "HOST", "PROFILE"] {
         println!(
@@ -22,7 +22,7 @@ fn main() {
 fn generate() {
     use std::path::PathBuf;
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
-    let header = "../include/pagedkv.h";
+    let header = "include/pagedkv.h";
     bindgen::Builder::default()
         .header(header)
         .allowlist_type("pagedkv_.*")

@@ -81,7 +81,7 @@ fail=0
 run() {
   local name=$1 src=$2 expect=$3
   local exe=$OUT/$name
-  "$CC" -std=c11 -Wall -Werror "${SAN[@]}" -pthread -I include "$src" "$lib" \
+  "$CC" -std=c11 -Wall -Werror "${SAN[@]}" -pthread -I capi/include "$src" "$lib" \
     -lpthread -ldl -lm -o "$exe"
   local rc=0
   "$exe" >"$exe.out" 2>"$exe.err" || rc=$?

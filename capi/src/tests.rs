@@ -159,3 +159,36 @@ fn a_panic_inside_a_call_prints_nothing_to_stderr() {
     assert_eq!(err.matches("panicked").count(), 1, "{err}");
     assert!(err.contains("loud outside"), "{err}");
 }
+
+/// The header's version macros are the crate's version, which `pagedkv_version()`
+/// returns: a header shipped with another library version would fail this.
+#[test]
+fn the_header_version_macros_are_the_library_version() {
+    let header = include_str!("../include/pagedkv.h");
+    let define = |name: &str| -> String {
+        let prefix = format!("#define {name} ");
+        header
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .unwrap_or_else(|| panic!("{name} is not defined"))
+            .trim()
+            .to_owned()
+    };
+    assert_eq!(
+        define("PAGEDKV_VERSION_MAJOR"),
+        env!("CARGO_PKG_VERSION_MAJOR")
+    );
+    assert_eq!(
+        define("PAGEDKV_VERSION_MINOR"),
+        env!("CARGO_PKG_VERSION_MINOR")
+    );
+    assert_eq!(
+        define("PAGEDKV_VERSION_PATCH"),
+        env!("CARGO_PKG_VERSION_PATCH")
+    );
+    let v = format!("\"{}\"", env!("CARGO_PKG_VERSION"));
+    assert_eq!(define("PAGEDKV_VERSION_STRING"), v);
+    // SAFETY: a static NUL-terminated string.
+    let lib = unsafe { std::ffi::CStr::from_ptr(pagedkv_version()) };
+    assert_eq!(lib.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+}

@@ -8,7 +8,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
 use pagedkv::host::reference::paged_decode_attention;
@@ -18,41 +17,20 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
 }
 
-/// A fresh `libpagedkv_c.a`, with the test-only entry points (feature `testing`).
-/// `cargo test` builds only the rlib of this crate, so the static library is built here
-/// with a nested `cargo build`, into its own target folder (the outer cargo holds the
-/// lock on the usual one); incremental after the first time.
+/// The `libpagedkv_c.a` this test run built, with the test-only entry points: cargo
+/// builds every crate type of the library this test depends on into the test's own
+/// `deps` folder, and the crate's dev-dependency on itself turns on `testing`. (A
+/// nested `cargo build` with its own target folder used to build the whole graph a
+/// second time: 414 s of a cold `cargo test --workspace` on a loaded 2-core machine.)
 fn static_lib() -> PathBuf {
-    static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        // target/<profile>/deps/<test> -> target/
-        let target = exe.parent().unwrap().parent().unwrap().parent().unwrap();
-        let dir = target.join("capi-staticlib");
-        let o = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "-p",
-                "pagedkv-capi",
-                "--lib",
-                "--features",
-                "testing",
-            ])
-            .arg("--target-dir")
-            .arg(&dir)
-            .current_dir(root())
-            .output()
-            .expect("run cargo");
-        assert!(
-            o.status.success(),
-            "building libpagedkv_c.a:\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let lib = dir.join("debug/libpagedkv_c.a");
-        assert!(lib.exists(), "{} is missing", lib.display());
-        lib
-    })
-    .clone()
+    let exe = std::env::current_exe().unwrap();
+    let lib = exe.parent().unwrap().join("libpagedkv_c.a");
+    assert!(
+        lib.exists(),
+        "{} is missing: cargo builds it with the library for this test",
+        lib.display()
+    );
+    lib
 }
 
 /// Compiles and links `src` against the static library; returns the executable.
@@ -70,7 +48,7 @@ fn build(src: &Path, name: &str) -> PathBuf {
         .arg("-Wall")
         .arg("-Werror")
         .arg("-I")
-        .arg(root().join("../include"))
+        .arg(root().join("include"))
         .arg(src)
         .arg(static_lib())
         .args(["-pthread", "-lpthread", "-ldl", "-lm", "-o"])

@@ -37,9 +37,18 @@
  *   Rust side matches this header field by field).
  *
  * Stability
- * Before 1.0 a MINOR version (pagedkv_version(): "0.MINOR.PATCH") may change what a
- * function or field means; a PATCH version never does. Every such change is listed
- * here, with the version that made it:
+ * The version of this header is PAGEDKV_VERSION_MAJOR.MINOR.PATCH (below); the linked
+ * library's is pagedkv_version(). Check at start-up that their MAJOR and, before 1.0,
+ * MINOR agree.
+ * - A PATCH version changes nothing a caller can see here: no signature, struct
+ *   layout, enum value or meaning.
+ * - Before 1.0, a MINOR version may add functions, add struct fields in place of
+ *   reserved ones, and change what a function or field means or how a struct is laid
+ *   out. pagedkv_batch is expected to change (hybrid models, cascade, speculative
+ *   decoding). Status codes are never reused, and a function is never removed
+ *   without being listed.
+ * - From 1.0 on, semantic versioning: any incompatible change is a MAJOR version.
+ * Every change of meaning or layout is listed here, with the version that made it:
  * - 0.2: pagedkv_request.priority: a LOWER value is more urgent (vLLM's convention),
  *   under the priority policy; in 0.1 a higher value was. Preemption now takes the
  *   least urgent running request first (it took the newest).
@@ -51,6 +60,12 @@
  */
 #ifndef PAGEDKV_H
 #define PAGEDKV_H
+
+/* The version of the library this header declares (see Stability above). */
+#define PAGEDKV_VERSION_MAJOR 0
+#define PAGEDKV_VERSION_MINOR 2
+#define PAGEDKV_VERSION_PATCH 0
+#define PAGEDKV_VERSION_STRING "0.2.0"
 
 #include <stdint.h>
 
