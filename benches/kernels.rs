@@ -26,9 +26,9 @@
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use pagedkv::cuda::{CudaBackend, CudaStepDevice, DeviceTensor, backend};
-use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape, decode_bytes};
-use pagedkv::host::ops::kv_append::KvAppendIo;
+use pagedkv::cuda::{CudaDevice, CudaStepDevice, DeviceTensor, device};
+use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape, decode_bytes};
+use pagedkv::host::ops::kv_append::KvAppendInputs;
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::step::{
     DecodeIo, PrefillIo, PrefillMeta, StepCapacity, StepMeta, StepRunner, StepShape,
@@ -60,7 +60,7 @@ fn cpu_reference(c: &mut Criterion) {
     let q = HostTensor::from_f64(DType::F16, &[4, 32, 128], &vals[..4 * 32 * 128]).unwrap();
     let tables: Vec<i32> = (0..4 * 32).collect();
     let lens = [512; 4];
-    let opts = DecodeOptions::new(128);
+    let opts = AttentionOptions::new(128);
     c.bench_function("cpu_reference_attention_b4_ctx512_gqa32_8_d128", |b| {
         let inputs = DecodeInputs {
             shape: &shape,
@@ -79,7 +79,7 @@ fn cpu_reference(c: &mut Criterion) {
 
 /// Fills a device tensor with random values (never zeros): a 64 MiB random chunk of
 /// the tensor's dtype, repeated on the device.
-fn fill_random(gpu: &CudaBackend, t: &mut DeviceTensor, r: &mut SmallRng) {
+fn fill_random(gpu: &CudaDevice, t: &mut DeviceTensor, r: &mut SmallRng) {
     let dtype = t.dtype();
     let chunk_elems = ((64usize << 20) / dtype.size())
         .min(t.num_bytes() / dtype.size())
@@ -135,7 +135,7 @@ fn spec_tflops(name: &str) -> Option<f64> {
 /// Prefill on the step path (metadata planned once): batch x new tokens x cached prefix,
 /// GQA 32/8, head_dim 128, block 16; FLOPs `4 * head_dim * q_heads * Σ pairs`, where a
 /// new token at position `p` attends to `p + 1` positions. Returns a markdown table.
-fn prefill_benches(gpu: &CudaBackend, r: &mut SmallRng) -> String {
+fn prefill_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
     let peak = spec_tflops(gpu.device_name());
     let mut md = format!(
         "| prefill shape (batch x new x cached) | dtype | GFLOP | median GPU time (ms) | TFLOP/s | % of tensor-core peak ({}) |\n|---|---|---|---|---|---|\n",
@@ -203,7 +203,7 @@ fn prefill_benches(gpu: &CudaBackend, r: &mut SmallRng) -> String {
                 window: None,
             })
             .unwrap();
-            let opts = DecodeOptions::new(d);
+            let opts = AttentionOptions::new(d);
             let pairs: u64 =
                 (0..new as u64).map(|i| cached as u64 + i + 1).sum::<u64>() * batch as u64;
             let flops = 4.0 * d as f64 * qh as f64 * pairs as f64;
@@ -231,7 +231,7 @@ fn prefill_benches(gpu: &CudaBackend, r: &mut SmallRng) -> String {
     md
 }
 
-fn median_ms(gpu: &CudaBackend, reps: usize, mut f: impl FnMut(usize)) -> f64 {
+fn median_ms(gpu: &CudaDevice, reps: usize, mut f: impl FnMut(usize)) -> f64 {
     for i in 0..3 {
         f(i);
     }
@@ -249,7 +249,7 @@ fn median_ms(gpu: &CudaBackend, reps: usize, mut f: impl FnMut(usize)) -> f64 {
 }
 
 /// Times `iters` launches with CUDA events, for criterion's `iter_custom`.
-fn timed(gpu: &CudaBackend, iters: u64, launch: &mut impl FnMut(usize)) -> Duration {
+fn timed(gpu: &CudaDevice, iters: u64, launch: &mut impl FnMut(usize)) -> Duration {
     let ms = gpu
         .time_ms(|| {
             for i in 0..iters as usize {
@@ -261,7 +261,7 @@ fn timed(gpu: &CudaBackend, iters: u64, launch: &mut impl FnMut(usize)) -> Durat
     Duration::from_secs_f64(ms as f64 * 1e-3)
 }
 
-fn copy_bandwidth(gpu: &CudaBackend) -> f64 {
+fn copy_bandwidth(gpu: &CudaDevice) -> f64 {
     let n = 1usize << 30;
     let mut r = SmallRng::seed_from_u64(2);
     let mut a = DeviceTensor::zeros(gpu, DType::F16, &[n / 2]).unwrap();
@@ -271,7 +271,7 @@ fn copy_bandwidth(gpu: &CudaBackend) -> f64 {
     2.0 * n as f64 / (ms * 1e-3) / 1e9
 }
 
-fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
+fn gpu_benches(c: &mut Criterion, gpu: &CudaDevice) {
     let max_gib: f64 = std::env::var("PAGEDKV_BENCH_MAX_GIB")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -374,7 +374,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                     )
                     .unwrap();
                     let mut out = DeviceTensor::zeros(gpu, dtype, &[qn]).unwrap();
-                    let opts = DecodeOptions::new(128);
+                    let opts = AttentionOptions::new(128);
                     let step_shape = StepShape {
                         num_q_heads: qh,
                         num_kv_heads: kvh,
@@ -490,7 +490,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
                     slots.chunks(tokens).take(64).map(|c| c.to_vec()).collect();
                 let bytes = 4 * (tokens * row * dtype.size()) as u64 + 8 * tokens as u64;
                 let mut launch = |i: usize| {
-                    gpu.kv_append(KvAppendIo {
+                    gpu.kv_append(KvAppendInputs {
                         layout: &layout,
                         key: &k,
                         value: &v,
@@ -557,7 +557,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaBackend) {
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     cpu_reference(&mut c);
-    match backend(0) {
+    match device(0) {
         Ok(gpu) => gpu_benches(&mut c, &gpu),
         Err(e) => println!("GPU benchmarks skipped: {e}"),
     }

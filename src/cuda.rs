@@ -1,8 +1,9 @@
-//! The CUDA backend with the PTX embedded in this crate.
+//! The CUDA device and backend with the PTX embedded in this crate.
 //!
-//! Everything of [`pagedkv_host::cuda`] is re-exported; [`backend`] builds a
-//! [`CudaBackend`] from [`crate::ptx::ALL`], so an engine writes
-//! `let gpu = pagedkv::cuda::backend(0)?;` and gets the newest PTX its GPU can run.
+//! Everything of [`pagedkv_host::cuda`] is re-exported; [`device`] opens a
+//! [`CudaDevice`] with [`crate::ptx::ALL`] loaded, so an engine writes
+//! `let gpu = pagedkv::cuda::device(0)?;` and gets the newest PTX its GPU can run,
+//! then `CudaBackend::new(&gpu, config)` for the attention backend on it.
 //! Without an NVIDIA driver or device it returns `Error::NoCudaDriver` /
 //! `Error::NoCudaDevice` instead of panicking.
 
@@ -22,21 +23,21 @@ pub fn ptx_sources() -> Vec<PtxSource> {
         .collect()
 }
 
-/// A backend on device `ordinal` with the embedded PTX.
-pub fn backend(ordinal: usize) -> Result<CudaBackend> {
-    CudaBackend::new(ordinal, &ptx_sources())
+/// Device `ordinal` with the embedded PTX loaded.
+pub fn device(ordinal: usize) -> Result<CudaDevice> {
+    CudaDevice::new(ordinal, &ptx_sources())
 }
 
-/// A backend on device `ordinal` with the embedded PTX, on a raw `CUstream` the caller
+/// Device `ordinal` with the embedded PTX loaded, on a raw `CUstream` the caller
 /// owns (null: the context's default stream).
 ///
 /// # Safety
-/// As [`CudaBackend::on_raw_stream`]: a non-null `stream` is a live stream of device
-/// `ordinal`'s primary context, kept alive as long as the backend.
-pub unsafe fn backend_on_stream(
+/// As [`CudaDevice::on_raw_stream`]: a non-null `stream` is a live stream of device
+/// `ordinal`'s primary context, kept alive as long as the device.
+pub unsafe fn device_on_stream(
     ordinal: usize,
     stream: *mut std::ffi::c_void,
-) -> Result<CudaBackend> {
+) -> Result<CudaDevice> {
     // SAFETY: the caller's conditions.
-    unsafe { CudaBackend::on_raw_stream(ordinal, stream, &ptx_sources()) }
+    unsafe { CudaDevice::on_raw_stream(ordinal, stream, &ptx_sources()) }
 }

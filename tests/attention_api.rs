@@ -3,7 +3,7 @@
 
 use pagedkv::host::emulator::Emulator;
 use pagedkv::host::ops::attention::{
-    DecodeInputs, DecodeOptions, DecodeShape, SplitPlan, decode_emulated, plan, validate_plan,
+    AttentionOptions, DecodeInputs, DecodeShape, SplitPlan, decode_emulated, plan, validate_plan,
 };
 use pagedkv::host::{DType, Error, HostTensor};
 
@@ -21,7 +21,7 @@ fn shape() -> DecodeShape {
 
 struct Inputs {
     shape: DecodeShape,
-    opts: DecodeOptions,
+    opts: AttentionOptions,
     q: HostTensor,
     kc: HostTensor,
     vc: HostTensor,
@@ -36,7 +36,7 @@ fn good() -> Inputs {
     let pool = [s.layout().pool_elems() as usize];
     Inputs {
         shape: s,
-        opts: DecodeOptions::new(64),
+        opts: AttentionOptions::new(64),
         q: HostTensor::full(DType::F16, &[2, 8, 64], 0.5),
         kc: HostTensor::full(DType::F16, &pool, 0.25),
         vc: HostTensor::full(DType::F16, &pool, 0.75),

@@ -8,9 +8,9 @@ use common::serve::{
     serve_case, shape,
 };
 use pagedkv::host::backend::{
-    AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, SplitPolicy, decode_rows,
+    AsView, AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, SplitPolicy, decode_rows,
 };
-use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::scheduler::{Request, Scheduler, SchedulerConfig};
 use pagedkv::host::step::StepShape;
 use pagedkv::host::{DType, Error, HostTensor};
@@ -81,9 +81,9 @@ fn fp8_scales_are_required_and_checked() {
     let k = HostTensor::full(DType::F16, &[3, 2, 64], 0.5);
     let append = |be: &mut CpuBackend,
                   cache: &mut pagedkv::host::backend::PagedCache<HostTensor>| {
-        be.kv_append(pagedkv::host::backend::AppendArgs {
-            key: &k,
-            value: &k,
+        be.kv_append(pagedkv::host::backend::KvAppendArgs {
+            key: k.view(),
+            value: k.view(),
             cache: &mut cache.layers[0],
         })
     };
@@ -154,12 +154,12 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
     // A decode before any step is planned is an error, not a launch on stale metadata.
     let q = HostTensor::full(DType::F32, &[1, 4, 64], 1.0);
     let mut out = q.clone();
-    let opts = DecodeOptions::new(64);
+    let opts = AttentionOptions::new(64);
     let e = be.decode(DecodeArgs {
         opts: &opts,
-        q: &q,
+        q: q.view(),
         cache: &cache.layers[0],
-        out: &mut out,
+        out: out.view_mut(),
     });
     assert!(matches!(e, Err(Error::InvalidState(_))), "{e:?}");
 
@@ -182,9 +182,9 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
     let mut out2 = HostTensor::full(DType::F32, &[2, 4, 64], -3.0);
     let e = be.decode(DecodeArgs {
         opts: &opts,
-        q: &q2,
+        q: q2.view(),
         cache: &cache.layers[0],
-        out: &mut out2,
+        out: out2.view_mut(),
     });
     assert!(
         matches!(&e, Err(Error::InvalidArgument { arg: "q", .. })),
@@ -268,9 +268,9 @@ proptest! {
             sched,
             chunked: budget.is_some(),
             requests,
-            opts: DecodeOptions {
+            opts: AttentionOptions {
                 window: Some(window),
-                ..DecodeOptions::new(32)
+                ..AttentionOptions::new(32)
             },
         };
         let s = serve_case(&mut be, &case);
@@ -303,9 +303,9 @@ fn the_reported_windowed_prefills_have_no_nan_rows() {
                 },
                 chunked: budget.is_some(),
                 requests: vec![((0..prompt as u32).collect(), 3)],
-                opts: DecodeOptions {
+                opts: AttentionOptions {
                     window: Some(16),
-                    ..DecodeOptions::new(64)
+                    ..AttentionOptions::new(64)
                 },
             };
             let s = serve_case(&mut be, &case);
@@ -340,7 +340,7 @@ fn fp8_caches_with_one_or_three_kv_heads_serve() {
             },
             chunked: false,
             requests: vec![((0..13).collect(), 4), ((5..30).collect(), 3)],
-            opts: DecodeOptions::new(64),
+            opts: AttentionOptions::new(64),
         };
         let s = serve_case(&mut be, &case);
         assert!(s.checked > 0 && s.prefill_checked > 0, "{kvh} KV heads");
@@ -392,9 +392,9 @@ fn attention_over_a_windowed_batch_needs_its_window() {
     be.begin_step(&prefill, &mut cache).unwrap();
     let k = HostTensor::full(DType::F32, &[40, 2, 64], 0.5);
     for layer in cache.layers.iter_mut() {
-        be.kv_append(pagedkv::host::backend::AppendArgs {
-            key: &k,
-            value: &k,
+        be.kv_append(pagedkv::host::backend::KvAppendArgs {
+            key: k.view(),
+            value: k.view(),
             cache: layer,
         })
         .unwrap();
@@ -410,15 +410,15 @@ fn attention_over_a_windowed_batch_needs_its_window() {
         (Some(16), true),
         (Some(8), true),
     ] {
-        let opts = DecodeOptions {
+        let opts = AttentionOptions {
             window,
-            ..DecodeOptions::new(64)
+            ..AttentionOptions::new(64)
         };
         let e = be.decode(DecodeArgs {
             opts: &opts,
-            q: &q,
+            q: q.view(),
             cache: &cache.layers[0],
-            out: &mut out,
+            out: out.view_mut(),
         });
         match e {
             Ok(()) => assert!(ok, "window {window:?} accepted"),
@@ -462,7 +462,7 @@ fn a_burst_with_one_system_prompt_computes_it_once_and_reads_it_right() {
             },
             chunked: false,
             requests,
-            opts: DecodeOptions::new(64),
+            opts: AttentionOptions::new(64),
         };
         let s = serve_case(&mut be, &case);
         // Four full blocks of the system prompt (32 tokens) shared by the four later

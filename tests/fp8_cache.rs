@@ -16,7 +16,7 @@ use common::{approx_tolerance, cases, rel_l2, rng, split_tolerance, tolerance, u
 use pagedkv::host::emulator::{BlockOrder, Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{DecodeInputs, decode_emulated, plan};
-use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_emulated, kv_append_reference};
+use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_emulated, kv_append_reference};
 use pagedkv::host::ops::prefill::{PrefillInputs, prefill_emulated};
 use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::{paged_decode_attention, paged_prefill_attention};
@@ -199,9 +199,9 @@ proptest! {
         let pool = [l.pool_elems() as usize];
         let (mut kr, mut vr) = (HostTensor::full(cache, &pool, f64::NAN), HostTensor::full(cache, &pool, f64::NAN));
         let (mut kc, mut vc) = (kr.clone(), vr.clone());
-        kv_append_reference(KvAppendIo { layout: &l, key: &k, value: &v, slot_mapping: &slots,
+        kv_append_reference(KvAppendInputs { layout: &l, key: &k, value: &v, slot_mapping: &slots,
             key_cache: &mut kr, value_cache: &mut vr, scales: Some(&scales) }).unwrap();
-        kv_append_emulated(&Emulator::new(), KvAppendIo { layout: &l, key: &k, value: &v,
+        kv_append_emulated(&Emulator::new(), KvAppendInputs { layout: &l, key: &k, value: &v,
             slot_mapping: &slots, key_cache: &mut kc, value_cache: &mut vc, scales: Some(&scales) }).unwrap();
         prop_assert_eq!(kc.buf().as_bytes(), kr.buf().as_bytes());
         prop_assert_eq!(vc.buf().as_bytes(), vr.buf().as_bytes());
@@ -361,7 +361,7 @@ fn bad_cache_types_and_scales_are_errors() {
     let (mut kc, mut vc) = (e4.kc.clone(), e4.vc.clone());
     let r = kv_append_emulated(
         &emu,
-        KvAppendIo {
+        KvAppendInputs {
             layout: &l,
             key: &k,
             value: &k,

@@ -7,7 +7,7 @@ mod common;
 use common::{cases, rng, uniform};
 use pagedkv::host::emulator::{BlockOrder, Emulator};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
-use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_emulated, kv_append_reference};
+use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_emulated, kv_append_reference};
 use pagedkv::host::{DType, Error, HostTensor};
 use pagedkv::kernels::PagedLayout;
 use proptest::prelude::*;
@@ -41,7 +41,7 @@ proptest! {
         let pool = [l.pool_elems() as usize];
         let (mut kc, mut vc) = (HostTensor::full(dtype, &pool, f64::NAN), HostTensor::full(dtype, &pool, f64::NAN));
         let (mut kr, mut vr) = (kc.clone(), vc.clone());
-        kv_append_reference(KvAppendIo {
+        kv_append_reference(KvAppendInputs {
             layout: &l,
             key: &k,
             value: &v,
@@ -51,7 +51,7 @@ proptest! {
             scales: None,
         }).unwrap();
         let emu = Emulator::new().with_order(BlockOrder::Shuffled(seed));
-        kv_append_emulated(&emu, KvAppendIo {
+        kv_append_emulated(&emu, KvAppendInputs {
             layout: &l,
             key: &k,
             value: &v,
@@ -125,7 +125,7 @@ fn bad_arguments_are_rejected_before_any_launch() {
         let v = k.clone();
         match kv_append_emulated(
             &Emulator::new(),
-            KvAppendIo {
+            KvAppendInputs {
                 layout: &layout,
                 key: &k,
                 value: &v,

@@ -8,10 +8,10 @@ use common::case::{Params, build};
 use common::{cases, rel_l2, tolerance};
 use pagedkv::host::emulator::Emulator;
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
-use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::step::{
-    AppendIo, DecodeIo, DeviceOp, EmuDevice, Recorder, Space, StepCapacity, StepMeta, StepRunner,
+    DecodeIo, DeviceOp, EmuDevice, KvAppendIo, Recorder, Space, StepCapacity, StepMeta, StepRunner,
     StepShape, TensorView, TensorViewMut,
 };
 use pagedkv::host::{DType, Error, HostTensor};
@@ -81,7 +81,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
         let layers = 32;
         let mut split = false;
         for _ in 0..layers {
-            r.kv_append(AppendIo {
+            r.kv_append(KvAppendIo {
                 key: k.as_view(),
                 value: v.as_view(),
                 key_cache: kc.reborrow(),
@@ -91,7 +91,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
             .unwrap();
             let p = r
                 .decode(
-                    &DecodeOptions::new(128),
+                    &AttentionOptions::new(128),
                     DecodeIo {
                         q: qkv.as_view(),
                         key_cache: kc.as_view(),
@@ -292,7 +292,7 @@ fn bad_views_and_metadata_are_errors_naming_the_argument() {
     let kc_view = TensorView::of_host(&kc);
     let run = |r: &StepRunner<EmuDevice>, q: TensorView<'_>, out: TensorViewMut<'_>| {
         r.decode(
-            &DecodeOptions::new(64),
+            &AttentionOptions::new(64),
             DecodeIo {
                 q,
                 key_cache: kc_view,
@@ -397,7 +397,7 @@ fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
     let mut out = HostTensor::full(DType::F16, &[2, 4, 64], 0.0);
     for stride in [u64::MAX - 255, u64::MAX - 7, 1 << 63, u64::MAX] {
         let e = r.decode(
-            &DecodeOptions::new(64),
+            &AttentionOptions::new(64),
             DecodeIo {
                 q: TensorView::of_host(&q).with_row_stride(stride),
                 key_cache: TensorView::of_host(&kc),
@@ -408,7 +408,7 @@ fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
         );
         names(e.unwrap_err(), "q");
         let e = r.decode(
-            &DecodeOptions::new(64),
+            &AttentionOptions::new(64),
             DecodeIo {
                 q: TensorView::of_host(&q),
                 key_cache: TensorView::of_host(&kc),
@@ -466,7 +466,7 @@ proptest! {
             ov = ov.with_row_stride(s);
         }
         let res = r.decode(
-            &DecodeOptions::new(64),
+            &AttentionOptions::new(64),
             DecodeIo {
                 q: qv,
                 key_cache: TensorView::of_host(&kc),

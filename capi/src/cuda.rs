@@ -1,6 +1,6 @@
 //! The CUDA backend handle: a context, a stream and the loaded kernels, for C.
 //!
-//! A [`pagedkv_cuda_backend`] wraps the crate's `CudaBackend`: device `ordinal`'s
+//! A [`pagedkv_cuda_backend`] wraps the crate's `CudaDevice`: device `ordinal`'s
 //! primary context, a stream, and the PTX embedded in the library, loaded. The driver
 //! is loaded at run time, so the same library works on machines without a GPU: there
 //! creation fails cleanly with `PAGEDKV_ERR_CUDA` ("no CUDA driver found ..." or "no
@@ -73,7 +73,7 @@ pub(crate) fn dtype_of(d: i32) -> Result<DType, pagedkv_status> {
 
 /// An opaque CUDA backend handle (a context, a stream, the loaded kernels).
 pub struct pagedkv_cuda_backend {
-    inner: pagedkv::cuda::CudaBackend,
+    inner: pagedkv::cuda::CudaDevice,
 }
 
 static CUDA_BACKENDS: Registry = Registry::new();
@@ -87,7 +87,7 @@ impl Handle for pagedkv_cuda_backend {
 
 pub(crate) fn with_cuda(
     b: *mut pagedkv_cuda_backend,
-    f: impl FnOnce(&pagedkv::cuda::CudaBackend) -> Result<(), pagedkv_status>,
+    f: impl FnOnce(&pagedkv::cuda::CudaDevice) -> Result<(), pagedkv_status>,
 ) -> pagedkv_status {
     enter(b, |h| f(&h.inner).err().unwrap_or(PAGEDKV_OK))
 }
@@ -110,7 +110,7 @@ pub unsafe extern "C" fn pagedkv_cuda_backend_create(
         if ordinal < 0 {
             return fail(PAGEDKV_ERR_INVALID_ARGUMENT, format!("ordinal {ordinal}"));
         }
-        let inner = match pagedkv::cuda::backend(ordinal as usize) {
+        let inner = match pagedkv::cuda::device(ordinal as usize) {
             Ok(b) => b,
             Err(e) => return from_error(&e),
         };
@@ -143,7 +143,7 @@ pub unsafe extern "C" fn pagedkv_cuda_backend_create_on_stream(
             return fail(PAGEDKV_ERR_INVALID_ARGUMENT, format!("ordinal {ordinal}"));
         }
         // SAFETY: the caller's contract on `stream`.
-        let inner = match unsafe { pagedkv::cuda::backend_on_stream(ordinal as usize, stream) } {
+        let inner = match unsafe { pagedkv::cuda::device_on_stream(ordinal as usize, stream) } {
             Ok(b) => b,
             Err(e) => return from_error(&e),
         };

@@ -40,10 +40,10 @@
 //! decode, whose step path serves no fp8 cache yet) would be fp8 queries:
 //! `PAGEDKV_ERR_INVALID_ARGUMENT` pointing to the `_fp8` functions.
 
-use pagedkv::cuda::CudaBackend;
+use pagedkv::cuda::CudaDevice;
 use pagedkv::host::Error;
-use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
-use pagedkv::host::ops::kv_append::KvAppendIo;
+use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape};
+use pagedkv::host::ops::kv_append::KvAppendInputs;
 use pagedkv::kernels::PagedLayout;
 
 use crate::args::{check_len, checked_elems, pagedkv_decode_shape, pool_elems, slice, token_elems};
@@ -180,7 +180,7 @@ struct AppendPtrs {
 /// `num_tokens` and `t` imply, unused by other work until the launch completes;
 /// `slot_mapping` is null or valid for `num_tokens` reads.
 unsafe fn kv_append_on(
-    g: &CudaBackend,
+    g: &CudaDevice,
     layout: &PagedLayout,
     t: KvTypes,
     io: AppendPtrs,
@@ -212,7 +212,7 @@ unsafe fn kv_append_on(
             B::new(g, io.value_cache, t.cache, &pool).map_err(m)?,
         )
     };
-    g.kv_append(KvAppendIo {
+    g.kv_append(KvAppendInputs {
         layout,
         key: &k,
         value: &v,
@@ -361,7 +361,7 @@ unsafe fn read_shape(
 /// imply, unused by other work until the launch completes; its host arrays are null or
 /// valid for their `*_len` reads.
 unsafe fn decode_on(
-    g: &CudaBackend,
+    g: &CudaDevice,
     c: pagedkv_decode_shape,
     t: KvTypes,
     io: DecodePtrs,
@@ -407,7 +407,7 @@ unsafe fn decode_on(
             B::new(g, io.out, t.q, &qs).map_err(m)?,
         )
     };
-    let mut opts = DecodeOptions::new(c.head_dim.max(1));
+    let mut opts = AttentionOptions::new(c.head_dim.max(1));
     opts.scale = io.scale;
     g.paged_decode_attention(
         DecodeInputs {
@@ -540,7 +540,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
                 TensorViewMut::from_raw(out, out_elems, dt, space).with_row_stride(out_stride),
             )
         };
-        let mut opts = DecodeOptions::new(c.head_dim.max(1));
+        let mut opts = AttentionOptions::new(c.head_dim.max(1));
         opts.scale = scale;
         r.decode(
             &opts,

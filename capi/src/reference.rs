@@ -28,8 +28,8 @@
 //! and the result is copied back into the caller's output buffer(s): simple, and the
 //! caller's memory is only touched through checked slices.
 
-use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
-use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_reference};
+use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape};
+use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::{DType, HostTensor};
 use pagedkv::kernels::PagedLayout;
@@ -115,7 +115,7 @@ pub unsafe extern "C" fn pagedkv_reference_decode_attention(
             let kt = tensor(kc, &[kc.len()]);
             let vt = tensor(vc, &[vc.len()]);
             let mut ot = HostTensor::full(DType::F32, &[o.len()], 0.0);
-            let mut opts = DecodeOptions::new(sh.head_dim.max(1));
+            let mut opts = AttentionOptions::new(sh.head_dim.max(1));
             opts.scale = scale;
             let inputs = DecodeInputs {
                 shape: &sh,
@@ -188,7 +188,7 @@ pub unsafe extern "C" fn pagedkv_reference_kv_append(
             };
             let (kt, vt) = (tensor(k, &[k.len()]), tensor(v, &[v.len()]));
             let (mut kct, mut vct) = (tensor(kc, &[kc.len()]), tensor(vc, &[vc.len()]));
-            kv_append_reference(KvAppendIo {
+            kv_append_reference(KvAppendInputs {
                 layout: &layout,
                 key: &kt,
                 value: &vt,

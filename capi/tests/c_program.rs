@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
+use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape};
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::{DType, HostTensor};
 
@@ -197,7 +197,7 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
     let q = f((0..512)
         .map(|i| (0.5 * i as f64 + 1.0).sin() as f32 as f64)
         .collect());
-    let mut opts = DecodeOptions::new(64);
+    let mut opts = AttentionOptions::new(64);
     opts.scale = 0.125;
     let want = paged_decode_attention(&DecodeInputs {
         shape: &shape,

@@ -379,9 +379,9 @@ mod gpu {
     use std::ptr::{null, null_mut};
 
     use cudarc::driver::{CudaSlice, DevicePtr};
-    use pagedkv::cuda::{CudaBackend, DeviceTensor, backend};
-    use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
-    use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_reference};
+    use pagedkv::cuda::{CudaDevice, DeviceTensor, device};
+    use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape};
+    use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
     use pagedkv::host::ops::scales::KvScales;
     use pagedkv::host::reference::paged_decode_attention;
     use pagedkv::host::{DType, HostTensor};
@@ -392,7 +392,7 @@ mod gpu {
     use super::{expect, f32s, last_error, sample};
 
     struct Gpu {
-        rs: CudaBackend,
+        rs: CudaDevice,
         c: *mut pagedkv_cuda_backend,
     }
 
@@ -405,7 +405,7 @@ mod gpu {
 
     impl Gpu {
         fn new() -> Self {
-            let rs = backend(0).expect("this test needs an NVIDIA GPU");
+            let rs = device(0).expect("this test needs an NVIDIA GPU");
             let mut c = null_mut();
             // SAFETY: the backend's own stream, which outlives the handle (destroyed
             // first, in `drop`).
@@ -527,7 +527,7 @@ mod gpu {
                     HostTensor::full(cache, &[pool], f64::NAN),
                 );
                 let (dk, dv, dkc, dvc) = (g.upload(&k), g.upload(&v), g.upload(&kr), g.upload(&vr));
-                kv_append_reference(KvAppendIo {
+                kv_append_reference(KvAppendInputs {
                     layout: &l,
                     key: &k,
                     value: &v,
@@ -617,7 +617,7 @@ mod gpu {
         let n = lens.len() * (qh * d) as usize;
         let qt = HostTensor::from_f64(q, &[n], &sample(23, n / d as usize, 1, d as usize, &[2.0]))
             .unwrap();
-        let opts = DecodeOptions::new(d);
+        let opts = AttentionOptions::new(d);
         let scales = KvScales { k: ks, v: vs };
         let want = paged_decode_attention(&DecodeInputs {
             shape: &sh,

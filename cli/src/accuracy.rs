@@ -15,8 +15,8 @@
 //! asserts its qualitative facts on small shapes.
 
 use pagedkv::host::emulator::Emulator;
-use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape, decode_emulated};
-use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_emulated};
+use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape, decode_emulated};
+use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_emulated};
 use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::{dense_decode_attention, paged_decode_attention};
 use pagedkv::host::{DType, HostTensor, Result};
@@ -130,7 +130,7 @@ impl Problem {
                 v[i] *= factor;
             }
         }
-        let opts = DecodeOptions::new(setup.head_dim);
+        let opts = AttentionOptions::new(setup.head_dim);
         let (row_q, row_kv) = (setup.num_q_heads() * d, kvh * d);
         let mut exact = Vec::with_capacity(q.len());
         let mut first = 0;
@@ -308,7 +308,7 @@ pub fn measure(emu: &Emulator, problem: &Problem, config: Config) -> Result<Erro
     let mut value_cache = HostTensor::full(config.cache, &pool_shape, f64::NAN);
     kv_append_emulated(
         emu,
-        KvAppendIo {
+        KvAppendInputs {
             layout: &layout,
             key: &key,
             value: &value,
@@ -321,7 +321,7 @@ pub fn measure(emu: &Emulator, problem: &Problem, config: Config) -> Result<Erro
 
     let q_shape = [shape.num_seqs as usize, shape.num_q_heads as usize, d_u];
     let q = HostTensor::from_f64(config.q, &q_shape, &problem.q)?;
-    let opts = DecodeOptions::new(d);
+    let opts = AttentionOptions::new(d);
     let lens: Vec<i32> = s.context_lens.iter().map(|&n| n as i32).collect();
     let mut out = HostTensor::full(config.q, &q_shape, f64::NAN);
     let inputs = DecodeInputs {

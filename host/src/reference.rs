@@ -12,7 +12,7 @@
 //! kernels see; only the kernels' own arithmetic (f32, fast exp2) and output rounding
 //! separate their results from these.
 
-use crate::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
+use crate::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape};
 use crate::ops::scales::KvScales;
 use crate::tensor::HostTensor;
 use pagedkv_kernels::PagedLayout;
@@ -29,7 +29,7 @@ pub fn dense_decode_attention(
     num_q_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
-    opts: &DecodeOptions,
+    opts: &AttentionOptions,
 ) -> Vec<f64> {
     let ctx = k.len() / (num_kv_heads * head_dim);
     let group = num_q_heads / num_kv_heads;

@@ -47,7 +47,7 @@ fn a_layout_whose_pool_wraps_is_refused() {
 fn kv_append_with_a_wrapping_layout_is_an_error_not_a_panic() {
     let empty = HostTensor::full(DType::F16, &[0], 0.0);
     let (mut kc, mut vc) = (empty.clone(), empty.clone());
-    let e = kv_append::validate(&kv_append::KvAppendIo {
+    let e = kv_append::validate(&kv_append::KvAppendInputs {
         layout: &WRAPPING,
         key: &empty,
         value: &empty,

@@ -3,7 +3,7 @@
 //! garbage in unused block-table entries, optional window (freeing the blocks before
 //! it), soft-cap and ALiBi.
 
-use pagedkv::host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape};
+use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape};
 use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::{DType, HostTensor};
 use rand::Rng;
@@ -34,7 +34,7 @@ pub struct Params {
 /// A built case: shapes, options, inputs.
 pub struct Case {
     pub shape: DecodeShape,
-    pub opts: DecodeOptions,
+    pub opts: AttentionOptions,
     pub q: HostTensor,
     pub kc: HostTensor,
     pub vc: HostTensor,
@@ -111,7 +111,7 @@ pub fn build(p: &Params) -> Case {
             }
         }
     }
-    let mut opts = DecodeOptions::new(p.head_dim);
+    let mut opts = AttentionOptions::new(p.head_dim);
     opts.scale *= r.random_range(0.5..2.0);
     opts.softcap = p.softcap;
     opts.window = p.window;

@@ -10,10 +10,10 @@
 
 use super::{rel_l2, tolerance};
 use pagedkv::host::backend::{
-    AppendArgs, AttentionBackend, BackendConfig, DecodeArgs, PrefillArgs, SplitPolicy, decode_rows,
-    prefill_rows,
+    AsView, AttentionBackend, BackendConfig, DecodeArgs, KvAppendArgs, PrefillArgs, SplitPolicy,
+    decode_rows, prefill_rows,
 };
-use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::dense_decode_attention;
 use pagedkv::host::scheduler::{PreemptionMode, Request, Scheduler, SchedulerConfig};
@@ -134,7 +134,7 @@ pub struct ServeCase {
     /// Each request's prompt and `max_tokens`.
     pub requests: Vec<(Vec<u32>, u32)>,
     /// Scale, window, soft-cap, ALiBi.
-    pub opts: DecodeOptions,
+    pub opts: AttentionOptions,
 }
 
 /// The base case at `scale`: seven requests, four of them sharing a 17-token prefix
@@ -176,10 +176,10 @@ pub fn shared_prefix_case(scale: u32) -> ServeCase {
         },
         chunked: false,
         requests,
-        opts: DecodeOptions {
+        opts: AttentionOptions {
             softcap: Some(8.0),
             alibi_slopes: Some(vec![0.25, 0.125, 0.0625, 0.03125]),
-            ..DecodeOptions::new(64)
+            ..AttentionOptions::new(64)
         },
     }
 }
@@ -273,9 +273,9 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
             let salt = 10 * li as u64;
             let key = be.upload(&rows(dtype, kvh * d, &new, salt + 1)).unwrap();
             let value = be.upload(&rows(dtype, kvh * d, &new, salt + 2)).unwrap();
-            be.kv_append(AppendArgs {
-                key: &key,
-                value: &value,
+            be.kv_append(KvAppendArgs {
+                key: key.view(),
+                value: value.view(),
                 cache: layer,
             })
             .unwrap();
@@ -300,9 +300,9 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                 let mut out = be.upload(&nan).unwrap();
                 be.prefill(PrefillArgs {
                     opts,
-                    q: &q,
+                    q: q.view(),
                     cache: layer,
-                    out: &mut out,
+                    out: out.view_mut(),
                 })
                 .unwrap();
                 let got = be.download(&out).unwrap().to_f64();
@@ -331,9 +331,9 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
             let mut out = be.upload(&nan).unwrap();
             be.decode(DecodeArgs {
                 opts,
-                q: &q,
+                q: q.view(),
                 cache: layer,
-                out: &mut out,
+                out: out.view_mut(),
             })
             .unwrap();
             let got = be.download(&out).unwrap().to_f64();

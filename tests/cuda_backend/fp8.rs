@@ -9,7 +9,7 @@ use super::common::{rel_l2, rng, tolerance, uniform};
 use super::gpu;
 use pagedkv::cuda::DeviceTensor;
 use pagedkv::host::ops::attention::{DecodeInputs, SplitPlan};
-use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_reference};
+use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
 use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::{DType, HostTensor};
@@ -67,7 +67,7 @@ fn fp8_kv_append_writes_the_reference_bytes() {
         let mut vr = kr.clone();
         let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
         let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
-        kv_append_reference(KvAppendIo {
+        kv_append_reference(KvAppendInputs {
             layout: &l,
             key: &k,
             value: &v,
@@ -81,7 +81,7 @@ fn fp8_kv_append_writes_the_reference_bytes() {
             DeviceTensor::from_host(&gpu, &k).unwrap(),
             DeviceTensor::from_host(&gpu, &v).unwrap(),
         );
-        gpu.kv_append(KvAppendIo {
+        gpu.kv_append(KvAppendInputs {
             layout: &l,
             key: &kd,
             value: &vd,

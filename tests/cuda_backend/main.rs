@@ -10,9 +10,9 @@ mod step;
 
 use common::case::{Params, build};
 use common::{approx_tolerance, rel_l2, rng, tolerance, uniform};
-use pagedkv::cuda::{CudaBackend, DeviceTensor, backend};
+use pagedkv::cuda::{CudaDevice, DeviceTensor, device};
 use pagedkv::host::ops::attention::DecodeInputs;
-use pagedkv::host::ops::kv_append::{KvAppendIo, kv_append_reference};
+use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
 use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::{DType, Error, HostTensor};
 use pagedkv::kernels::PagedLayout;
@@ -20,7 +20,7 @@ use rand::seq::SliceRandom;
 
 #[test]
 fn constructing_the_backend_without_a_gpu_is_an_error_not_a_panic() {
-    match backend(0) {
+    match device(0) {
         // On a machine with a GPU the backend comes up and knows its SMs.
         Ok(gpu) => assert!(gpu.sm_count() > 0 && !gpu.device_name().is_empty()),
         Err(e @ (Error::NoCudaDriver | Error::NoCudaDevice(_))) => {
@@ -34,17 +34,17 @@ fn constructing_the_backend_without_a_gpu_is_an_error_not_a_panic() {
     }
     // A device that does not exist is an error on every machine.
     assert!(matches!(
-        backend(1 << 20),
+        device(1 << 20),
         Err(Error::NoCudaDriver | Error::NoCudaDevice(_))
     ));
 }
 
-pub(crate) fn gpu() -> CudaBackend {
-    backend(0).expect("this test needs an NVIDIA GPU")
+pub(crate) fn gpu() -> CudaDevice {
+    device(0).expect("this test needs an NVIDIA GPU")
 }
 
 fn decode_case(
-    gpu: &CudaBackend,
+    gpu: &CudaDevice,
     dtype: DType,
     batch: u32,
     len: u32,
@@ -202,7 +202,7 @@ fn kv_append_matches_the_reference_every_dtype() {
         let mut vr = kr.clone();
         let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
         let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
-        kv_append_reference(KvAppendIo {
+        kv_append_reference(KvAppendInputs {
             layout: &l,
             key: &k,
             value: &v,
@@ -216,7 +216,7 @@ fn kv_append_matches_the_reference_every_dtype() {
             DeviceTensor::from_host(&gpu, &k).unwrap(),
             DeviceTensor::from_host(&gpu, &v).unwrap(),
         );
-        gpu.kv_append(KvAppendIo {
+        gpu.kv_append(KvAppendInputs {
             layout: &l,
             key: &kd,
             value: &vd,
@@ -401,7 +401,7 @@ fn sanitizer_small_append() {
     let mut vr = kr.clone();
     let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
     let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
-    kv_append_reference(KvAppendIo {
+    kv_append_reference(KvAppendInputs {
         layout: &l,
         key: &k,
         value: &v,
@@ -415,7 +415,7 @@ fn sanitizer_small_append() {
         DeviceTensor::from_host(&gpu, &k).unwrap(),
         DeviceTensor::from_host(&gpu, &v).unwrap(),
     );
-    gpu.kv_append(KvAppendIo {
+    gpu.kv_append(KvAppendInputs {
         layout: &l,
         key: &kd,
         value: &vd,

@@ -195,7 +195,7 @@ fn a_captured_step_replays_like_direct_launches_after_the_tables_change() {
 fn attention_backend_serves_a_batch_through_swaps_and_prefix_hits() {
     let gpu = gpu();
     for dtype in [DType::F32, DType::F16] {
-        let mut be = pagedkv::cuda::CudaAttention::new(
+        let mut be = pagedkv::cuda::CudaBackend::new(
             &gpu,
             common::serve::config(dtype, pagedkv::host::backend::SplitPolicy::Auto, 4),
         )
@@ -212,7 +212,7 @@ fn attention_backend_serves_a_batch_through_swaps_and_prefix_hits() {
 fn attention_backend_serves_from_fp8_caches() {
     let gpu = gpu();
     for (dtype, kv) in [(DType::F16, DType::E4m3), (DType::Bf16, DType::E5m2)] {
-        let mut be = pagedkv::cuda::CudaAttention::new(
+        let mut be = pagedkv::cuda::CudaBackend::new(
             &gpu,
             common::serve::config_kv(dtype, kv, pagedkv::host::backend::SplitPolicy::Auto, 4),
         )

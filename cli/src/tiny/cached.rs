@@ -3,7 +3,8 @@
 
 use pagedkv::host::HostTensor;
 use pagedkv::host::backend::{
-    AppendArgs, AttentionBackend, DecodeArgs, PagedCache, PrefillArgs, decode_rows, prefill_rows,
+    AsView, AttentionBackend, DecodeArgs, KvAppendArgs, PagedCache, PrefillArgs, decode_rows,
+    prefill_rows,
 };
 use pagedkv::host::scheduler::Batch;
 
@@ -48,9 +49,9 @@ pub(super) fn step<B: AttentionBackend>(
         let key = be.upload(&to_host(cfg.dtype, &[n_new, kvh, d], &k)?)?;
         let value = be.upload(&to_host(cfg.dtype, &[n_new, kvh, d], &v)?)?;
         let lc = &mut cache.layers[li];
-        be.kv_append(AppendArgs {
-            key: &key,
-            value: &value,
+        be.kv_append(KvAppendArgs {
+            key: key.view(),
+            value: value.view(),
             cache: lc,
         })?;
         let mut attn = vec![0.0f32; n_new * hidden];
@@ -68,9 +69,9 @@ pub(super) fn step<B: AttentionBackend>(
             let mut out = be.upload(&nan)?;
             be.decode(DecodeArgs {
                 opts: c.opts,
-                q: &qd,
+                q: qd.view(),
                 cache: lc,
-                out: &mut out,
+                out: out.view_mut(),
             })?;
             outv = be.download(&out)?.to_f64();
             for (j, &i) in decode.iter().enumerate() {
@@ -96,9 +97,9 @@ pub(super) fn step<B: AttentionBackend>(
             let mut out = be.upload(&nan)?;
             be.prefill(PrefillArgs {
                 opts: c.opts,
-                q: &qd,
+                q: qd.view(),
                 cache: lc,
-                out: &mut out,
+                out: out.view_mut(),
             })?;
             pout = be.download(&out)?.to_f64();
             let mut j = 0;

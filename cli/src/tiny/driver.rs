@@ -7,7 +7,7 @@ use std::time::Instant;
 use rand::Rng;
 
 use pagedkv::host::backend::{AttentionBackend, PagedCache};
-use pagedkv::host::ops::attention::{DecodeOptions, DecodeShape};
+use pagedkv::host::ops::attention::{AttentionOptions, DecodeShape};
 use pagedkv::host::reference::{dense_decode_attention, gather};
 use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
 use pagedkv::host::{DType, HostTensor};
@@ -29,7 +29,7 @@ impl Check {
     pub(super) fn one(
         &mut self,
         cfg: &RunConfig,
-        opts: &DecodeOptions,
+        opts: &AttentionOptions,
         (kc, vc): (&HostTensor, &HostTensor),
         row: &[i32],
         upto: usize,
@@ -69,7 +69,7 @@ pub(super) struct StepCtx<'a> {
     pub(super) cfg: &'a RunConfig,
     pub(super) model: &'a Model,
     pub(super) sched: &'a Scheduler,
-    pub(super) opts: &'a DecodeOptions,
+    pub(super) opts: &'a AttentionOptions,
     pub(super) check: &'a mut Check,
 }
 
@@ -133,7 +133,7 @@ pub(super) fn serve<B: AttentionBackend>(
             .collect();
         sched.add_request(Request::new(i as u64, prompt, cfg.max_tokens))?;
     }
-    let opts = DecodeOptions::new(cfg.head_dim);
+    let opts = AttentionOptions::new(cfg.head_dim);
     let mut check = Check {
         verified: 0,
         max_error: 0.0,

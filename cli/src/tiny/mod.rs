@@ -15,7 +15,7 @@
 //!
 //! The layer loop is written once, over `AttentionBackend`: `Backend::Cpu` runs it on
 //! [`CpuBackend`] (the real kernel bodies in the SIMT emulator), `Backend::Cuda` on
-//! [`CudaAttention`] (a GPU). [`run_without_cache`] serves the same requests without a
+//! [`CudaBackend`] (a GPU). [`run_without_cache`] serves the same requests without a
 //! KV cache (every step recomputes every token's K/V: the O(n²) way) for comparison. The cache stays in the backend's memory; only layer 0's
 //! comes back to the host, for the check: after every step a sample of decoding
 //! sequences and the first and last new token of a prefilling one are checked against
@@ -34,7 +34,7 @@ use std::fmt;
 
 use pagedkv::host::DType;
 use pagedkv::host::backend::{BackendConfig, CpuBackend, SplitPolicy};
-use pagedkv::host::cuda::CudaAttention;
+use pagedkv::host::cuda::CudaBackend;
 use pagedkv::host::step::{StepCapacity, StepShape};
 
 /// Where the kernels run.
@@ -302,8 +302,8 @@ fn run_mode(
     match cfg.backend {
         Backend::Cpu => on!(&mut CpuBackend::new(backend)?),
         Backend::Cuda => {
-            let gpu = pagedkv::cuda::backend(0)?;
-            on!(&mut CudaAttention::new(&gpu, backend)?)
+            let gpu = pagedkv::cuda::device(0)?;
+            on!(&mut CudaBackend::new(&gpu, backend)?)
         }
     }
 }

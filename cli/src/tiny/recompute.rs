@@ -4,7 +4,7 @@
 //! here: each step rewrites the positions it reads.
 
 use pagedkv::host::HostTensor;
-use pagedkv::host::backend::{AppendArgs, AttentionBackend, PagedCache, PrefillArgs};
+use pagedkv::host::backend::{AsView, AttentionBackend, KvAppendArgs, PagedCache, PrefillArgs};
 use pagedkv::host::scheduler::Batch;
 
 use super::driver::{StepCtx, to_host};
@@ -65,9 +65,9 @@ pub(super) fn step<B: AttentionBackend>(
         let key = be.upload(&to_host(cfg.dtype, &[n, kvh, d], &k)?)?;
         let value = be.upload(&to_host(cfg.dtype, &[n, kvh, d], &v)?)?;
         let lc = &mut cache.layers[li];
-        be.kv_append(AppendArgs {
-            key: &key,
-            value: &value,
+        be.kv_append(KvAppendArgs {
+            key: key.view(),
+            value: value.view(),
             cache: lc,
         })?;
         let qt = to_host(cfg.dtype, &[n, qh, d], &q)?;
@@ -75,9 +75,9 @@ pub(super) fn step<B: AttentionBackend>(
         let mut out = be.upload(&HostTensor::full(cfg.dtype, &[n, qh, d], f64::NAN))?;
         be.prefill(PrefillArgs {
             opts: c.opts,
-            q: &qd,
+            q: qd.view(),
             cache: lc,
-            out: &mut out,
+            out: out.view_mut(),
         })?;
         let outv = be.download(&out)?.to_f64();
         if li == 0 {

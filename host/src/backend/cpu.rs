@@ -2,8 +2,8 @@
 //! host tensors: the real kernel bodies, with no GPU.
 
 use super::{
-    AppendArgs, AppendViews, AttentionBackend, BackendConfig, DecodeArgs, DecodeViews, PagedCache,
-    PrefillArgs, StepCore, check_pairs,
+    AttentionBackend, BackendConfig, DecodeArgs, KvAppendArgs, PagedCache, PrefillArgs, StepCore,
+    check_pairs,
 };
 use crate::buffer::AlignedBuf;
 use crate::emulator::Emulator;
@@ -111,7 +111,7 @@ impl AttentionBackend for CpuBackend {
         self.core.plan_batch(batch)
     }
 
-    fn kv_append(&mut self, args: AppendArgs<'_, HostTensor>) -> Result<()> {
+    fn kv_append(&mut self, args: KvAppendArgs<'_, HostTensor>) -> Result<()> {
         self.core.kv_append(args)
     }
 
@@ -121,14 +121,6 @@ impl AttentionBackend for CpuBackend {
 
     fn prefill(&mut self, args: PrefillArgs<'_, HostTensor>) -> Result<()> {
         self.core.prefill(args)
-    }
-
-    fn kv_append_views(&mut self, args: AppendViews<'_, HostTensor>) -> Result<()> {
-        self.core.kv_append_views(args)
-    }
-
-    fn decode_views(&mut self, args: DecodeViews<'_, HostTensor>) -> Result<()> {
-        self.core.decode_views(args)
     }
 
     fn copy_blocks(
@@ -191,8 +183,8 @@ impl AttentionBackend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{AppendArgs, AppendViews, DecodeArgs, DecodeViews, decode_rows};
-    use crate::ops::attention::DecodeOptions;
+    use crate::backend::{AsView, DecodeArgs, KvAppendArgs, decode_rows};
+    use crate::ops::attention::AttentionOptions;
     use crate::scheduler::{Request, Scheduler, SchedulerConfig};
     use crate::step::{StepShape, TensorView, TensorViewMut};
     use crate::tensor::DType;
@@ -210,7 +202,7 @@ mod tests {
             dtype: DType::F32,
             kv_dtype: DType::F32,
         };
-        let opts = DecodeOptions::new(64);
+        let opts = AttentionOptions::new(64);
         let mut results = Vec::new();
         for by_view in [false, true] {
             let mut be = CpuBackend::new(BackendConfig::new(shape, 1, 4, 4)).unwrap();
@@ -247,7 +239,7 @@ mod tests {
                         t.to_f64().iter().map(|&x| x as f32).collect()
                     };
                     let (kf, vf) = (f(&k), f(&v));
-                    be.kv_append_views(AppendViews {
+                    be.kv_append(KvAppendArgs {
                         key: TensorView::from_slice(&kf),
                         value: TensorView::from_slice(&vf),
                         cache: layer,
@@ -255,7 +247,7 @@ mod tests {
                     .unwrap();
                     let bytes = out.buf_mut().as_bytes_mut();
                     let qb = q.buf().as_bytes();
-                    be.decode_views(DecodeViews {
+                    be.decode(DecodeArgs {
                         opts: &opts,
                         q: TensorView::from_host_bytes(qb, DType::F32).unwrap(),
                         cache: &cache.layers[0],
@@ -263,17 +255,17 @@ mod tests {
                     })
                     .unwrap();
                 } else {
-                    be.kv_append(AppendArgs {
-                        key: &k,
-                        value: &v,
+                    be.kv_append(KvAppendArgs {
+                        key: k.view(),
+                        value: v.view(),
                         cache: layer,
                     })
                     .unwrap();
                     be.decode(DecodeArgs {
                         opts: &opts,
-                        q: &q,
+                        q: q.view(),
                         cache: &cache.layers[0],
-                        out: &mut out,
+                        out: out.view_mut(),
                     })
                     .unwrap();
                 }

@@ -12,7 +12,7 @@
 //!    for the decoding sequences: launches only, nothing allocated or uploaded.
 //!
 //! Two backends implement it: [`CpuBackend`] (the real kernel bodies in the SIMT
-//! emulator, on [`HostTensor`]s) and [`crate::cuda::CudaAttention`] (a GPU, on
+//! emulator, on [`HostTensor`]s) and [`crate::cuda::CudaBackend`] (a GPU, on
 //! [`DeviceTensor`](crate::cuda::DeviceTensor)s). Both are the step path of
 //! [`crate::step`] over a different [`StepDevice`](crate::step::StepDevice), so what
 //! the emulator proves is the code a GPU runs. A test body written once over
@@ -28,12 +28,13 @@
 //! prefill kernel).
 //!
 //! ## Options
-//! [`DecodeOptions`] are defined once for every backend (scale, sliding window,
+//! [`AttentionOptions`] are defined once for every backend (scale, sliding window,
 //! soft-cap then ALiBi: see [`crate::ops::attention`]).
 //!
 //! ```
-//! use pagedkv_host::backend::{AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, AppendArgs};
-//! use pagedkv_host::ops::attention::DecodeOptions;
+//! use pagedkv_host::backend::{AsView, AttentionBackend, BackendConfig, CpuBackend, DecodeArgs,
+//!                             KvAppendArgs};
+//! use pagedkv_host::ops::attention::AttentionOptions;
 //! use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};
 //! use pagedkv_host::step::StepShape;
 //! use pagedkv_host::{DType, HostTensor};
@@ -45,7 +46,7 @@
 //! let mut sched = Scheduler::new(SchedulerConfig { num_blocks: 32, block_size: 16,
 //!     max_model_len: 128, ..SchedulerConfig::default() })?;
 //! sched.add_request(Request::new(7, vec![1, 2, 3], 4))?;
-//! let opts = DecodeOptions::new(64);
+//! let opts = AttentionOptions::new(64);
 //! let mut decoded = 0;
 //! while !sched.is_idle() {
 //!     let batch = sched.step()?.clone();
@@ -53,12 +54,13 @@
 //!     let n = batch.slot_mapping.len();
 //!     let k = be.upload(&HostTensor::full(DType::F32, &[n, 2, 64], 0.5))?;
 //!     let v = be.upload(&HostTensor::full(DType::F32, &[n, 2, 64], 2.0))?;
-//!     be.kv_append(AppendArgs { key: &k, value: &v, cache: &mut cache.layers[0] })?;
+//!     be.kv_append(KvAppendArgs { key: k.view(), value: v.view(), cache: &mut cache.layers[0] })?;
 //!     let rows = pagedkv_host::backend::decode_rows(&batch).count();
 //!     if rows > 0 {
 //!         let q = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], 1.0))?;
 //!         let mut out = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], f64::NAN))?;
-//!         be.decode(DecodeArgs { opts: &opts, q: &q, cache: &cache.layers[0], out: &mut out })?;
+//!         be.decode(DecodeArgs { opts: &opts, q: q.view(), cache: &cache.layers[0],
+//!                                out: out.view_mut() })?;
 //!         // Every cached V is 2.0, so attention returns 2.0 whatever the scores.
 //!         assert!(be.download(&out)?.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));
 //!         decoded += rows;
@@ -70,18 +72,19 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod core;
 mod cpu;
+mod step_core;
 
 pub use cpu::CpuBackend;
 
-pub(crate) use core::{AsView, StepCore};
+pub use step_core::AsView;
+pub(crate) use step_core::StepCore;
 
 use pagedkv_kernels::PagedLayout;
 
 use crate::block::MAX_POOL_BLOCKS;
 use crate::error::{Error, Result};
-use crate::ops::attention::DecodeOptions;
+use crate::ops::attention::AttentionOptions;
 use crate::ops::scales::{KvScales, check_cache_types};
 use crate::scheduler::Batch;
 use crate::step::{Planned, StepCapacity, StepShape, TensorView, TensorViewMut};
@@ -256,43 +259,48 @@ impl<T> PagedCache<T> {
 }
 
 /// The inputs of [`AttentionBackend::kv_append`]: this step's new tokens' K and V,
-/// and the layer's cache they go into (at the slots of the step's batch).
+/// and the layer's cache they go into (at the slots of the step's batch). K and V are
+/// views ([`AsView::view`] of the backend's tensors, or of an engine's own buffers:
+/// `TensorView::from_slice`, `TensorView::of_cuda_slice`), so they reach the cache
+/// with no copy; views of another memory space than the backend's are refused.
 #[derive(Debug)]
-pub struct AppendArgs<'a, T> {
+pub struct KvAppendArgs<'a, T> {
     /// `[num_new_tokens, num_kv_heads, head_dim]`, in `batch.slot_mapping` order.
-    pub key: &'a T,
+    pub key: TensorView<'a>,
     /// `[num_new_tokens, num_kv_heads, head_dim]`.
-    pub value: &'a T,
+    pub value: TensorView<'a>,
     /// The layer's cache.
     pub cache: &'a mut LayerCache<T>,
 }
 
-/// The inputs of [`AttentionBackend::decode`] for one layer.
+/// The inputs of [`AttentionBackend::decode`] for one layer (q and out as views, see
+/// [`KvAppendArgs`]; q and out may be row-strided: [`TensorView::with_row_stride`]).
 #[derive(Debug)]
 pub struct DecodeArgs<'a, T> {
     /// Scale, window, soft-cap, ALiBi (the same every layer, usually).
-    pub opts: &'a DecodeOptions,
+    pub opts: &'a AttentionOptions,
     /// `[num_decode_rows, num_q_heads, head_dim]`: one query per decoding sequence, in
     /// [`decode_rows`] order.
-    pub q: &'a T,
+    pub q: TensorView<'a>,
     /// The layer's cache.
     pub cache: &'a LayerCache<T>,
     /// `[num_decode_rows, num_q_heads, head_dim]`: written.
-    pub out: &'a mut T,
+    pub out: TensorViewMut<'a>,
 }
 
-/// The inputs of [`AttentionBackend::prefill`] for one layer.
+/// The inputs of [`AttentionBackend::prefill`] for one layer (q and out as views, see
+/// [`KvAppendArgs`]; dense).
 #[derive(Debug)]
 pub struct PrefillArgs<'a, T> {
     /// Scale, window, soft-cap, ALiBi (as for decode).
-    pub opts: &'a DecodeOptions,
+    pub opts: &'a AttentionOptions,
     /// `[num_prefill_tokens, num_q_heads, head_dim]`: the new tokens of the prefilling
     /// rows ([`prefill_rows`]), row after row, each row's tokens in order.
-    pub q: &'a T,
+    pub q: TensorView<'a>,
     /// The layer's cache (this step's tokens appended first).
     pub cache: &'a LayerCache<T>,
     /// `[num_prefill_tokens, num_q_heads, head_dim]`: written.
-    pub out: &'a mut T,
+    pub out: TensorViewMut<'a>,
 }
 
 /// The rows of `batch` that prefill (a prompt or a chunk of one), in batch order: their
@@ -304,33 +312,6 @@ pub fn prefill_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
         .enumerate()
         .filter(|(_, s)| s.is_prefill)
         .map(|(i, _)| i)
-}
-
-/// The inputs of [`AttentionBackend::kv_append_views`]: as [`AppendArgs`], with K and V
-/// as views of the engine's own buffers (no copy).
-#[derive(Debug)]
-pub struct AppendViews<'a, T> {
-    /// `[num_new_tokens, num_kv_heads, head_dim]`, in `batch.slot_mapping` order.
-    pub key: TensorView<'a>,
-    /// `[num_new_tokens, num_kv_heads, head_dim]`.
-    pub value: TensorView<'a>,
-    /// The layer's cache.
-    pub cache: &'a mut LayerCache<T>,
-}
-
-/// The inputs of [`AttentionBackend::decode_views`]: as [`DecodeArgs`], with q and out
-/// as views of the engine's own buffers (q may be row-strided: see
-/// [`TensorView::with_row_stride`]).
-#[derive(Debug)]
-pub struct DecodeViews<'a, T> {
-    /// Scale, window, soft-cap, ALiBi.
-    pub opts: &'a DecodeOptions,
-    /// `[num_decode_rows, num_q_heads, head_dim]` (rows may be strided).
-    pub q: TensorView<'a>,
-    /// The layer's cache.
-    pub cache: &'a LayerCache<T>,
-    /// `[num_decode_rows, num_q_heads, head_dim]`: written (rows may be strided).
-    pub out: TensorViewMut<'a>,
 }
 
 /// The rows of `batch` that decode (one query token each), in batch order: the rows
@@ -352,8 +333,8 @@ pub fn decode_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
 /// backend's own ([`Self::Tensor`]); [`upload`](Self::upload) and
 /// [`download`](Self::download) move them to and from the host.
 pub trait AttentionBackend {
-    /// The backend's tensor type.
-    type Tensor: TensorDesc;
+    /// The backend's tensor type (viewed for the runs: [`AsView`]).
+    type Tensor: TensorDesc + AsView;
 
     /// A short name for reports (`"cpu-emulator"`, `"cuda:NVIDIA H200"`).
     fn name(&self) -> String;
@@ -419,7 +400,7 @@ pub trait AttentionBackend {
     }
 
     /// Writes this step's new tokens' K and V into one layer's cache: launches only.
-    fn kv_append(&mut self, args: AppendArgs<'_, Self::Tensor>) -> Result<()>;
+    fn kv_append(&mut self, args: KvAppendArgs<'_, Self::Tensor>) -> Result<()>;
 
     /// Decode attention of the step's decoding sequences over one layer's cache:
     /// launches only (the ALiBi slopes are uploaded the first time they change).
@@ -428,17 +409,6 @@ pub trait AttentionBackend {
     /// Prefill attention of the step's prefilling rows over one layer's cache: each
     /// new token attends causally to its sequence's cache up to itself (launches only).
     fn prefill(&mut self, args: PrefillArgs<'_, Self::Tensor>) -> Result<()>;
-
-    /// [`kv_append`](Self::kv_append) from views of the engine's own buffers, so its
-    /// tensors reach the cache with no copy: a candle CPU tensor's storage through
-    /// [`TensorView::from_slice`] on [`CpuBackend`], a `CudaSlice` through
-    /// `TensorView::of_cuda_slice` on the GPU backend. Views of another memory space
-    /// than the backend's are refused.
-    fn kv_append_views(&mut self, args: AppendViews<'_, Self::Tensor>) -> Result<()>;
-
-    /// [`decode`](Self::decode) reading q from, and writing out to, views of the
-    /// engine's own buffers (see [`kv_append_views`](Self::kv_append_views)).
-    fn decode_views(&mut self, args: DecodeViews<'_, Self::Tensor>) -> Result<()>;
 
     /// Copies blocks `src -> dst` in every pool of `cache` (copy-on-write).
     fn copy_blocks(

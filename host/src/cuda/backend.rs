@@ -1,10 +1,10 @@
-//! [`CudaAttention`]: the [`AttentionBackend`] on a GPU: the step path over a
+//! [`CudaBackend`]: the [`AttentionBackend`] on a GPU: the step path over a
 //! [`CudaStepDevice`], the cache in [`DeviceTensor`]s, swap space in pinned host memory.
 
-use super::{CudaBackend, CudaStepDevice, DeviceTensor, HostSwapPool, LayerCache, PagedCache};
+use super::{CudaDevice, CudaStepDevice, DeviceTensor, HostSwapPool, LayerCache, PagedCache};
 use crate::backend::{
-    AppendArgs, AppendViews, AsView, AttentionBackend, BackendConfig, DecodeArgs, DecodeViews,
-    PrefillArgs, StepCore, check_pairs,
+    AsView, AttentionBackend, BackendConfig, DecodeArgs, KvAppendArgs, PrefillArgs, StepCore,
+    check_pairs,
 };
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
@@ -21,31 +21,31 @@ impl AsView for DeviceTensor {
 }
 
 /// The CUDA backend behind the engine-facing [`AttentionBackend`] API: everything runs
-/// on `gpu`'s stream (an engine's own with [`CudaBackend::with_stream`]); decode
+/// on `gpu`'s stream (an engine's own with [`CudaDevice::with_stream`]); decode
 /// launches split for the GPU's SM count unless the config says otherwise.
 ///
 /// A run ([`kv_append`](AttentionBackend::kv_append),
 /// [`decode`](AttentionBackend::decode)) only launches, so a step can be captured
 /// with [`capture`](Self::capture) and replayed after the next `begin_step`.
-pub struct CudaAttention<'g> {
-    gpu: &'g CudaBackend,
+pub struct CudaBackend<'g> {
+    gpu: &'g CudaDevice,
     core: StepCore<CudaStepDevice<'g>>,
     swap: Option<HostSwapPool>,
 }
 
-impl std::fmt::Debug for CudaAttention<'_> {
+impl std::fmt::Debug for CudaBackend<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaAttention")
+        f.debug_struct("CudaBackend")
             .field("device", &self.gpu.device_name())
             .field("config", &self.core.config)
             .finish_non_exhaustive()
     }
 }
 
-impl<'g> CudaAttention<'g> {
+impl<'g> CudaBackend<'g> {
     /// A backend for `config` on `gpu`: allocates the step buffers (metadata, split-K
     /// workspace, ALiBi slopes) once.
-    pub fn new(gpu: &'g CudaBackend, config: BackendConfig) -> Result<Self> {
+    pub fn new(gpu: &'g CudaDevice, config: BackendConfig) -> Result<Self> {
         Ok(Self {
             gpu,
             core: StepCore::new(CudaStepDevice::new(gpu), config, Some(gpu.sm_count()))?,
@@ -54,7 +54,7 @@ impl<'g> CudaAttention<'g> {
     }
 
     /// The GPU.
-    pub fn gpu(&self) -> &'g CudaBackend {
+    pub fn gpu(&self) -> &'g CudaDevice {
         self.gpu
     }
 
@@ -71,7 +71,7 @@ impl<'g> CudaAttention<'g> {
     }
 }
 
-impl AttentionBackend for CudaAttention<'_> {
+impl AttentionBackend for CudaBackend<'_> {
     type Tensor = DeviceTensor;
 
     fn name(&self) -> String {
@@ -127,7 +127,7 @@ impl AttentionBackend for CudaAttention<'_> {
         self.core.plan_batch(batch)
     }
 
-    fn kv_append(&mut self, args: AppendArgs<'_, DeviceTensor>) -> Result<()> {
+    fn kv_append(&mut self, args: KvAppendArgs<'_, DeviceTensor>) -> Result<()> {
         self.core.kv_append(args)
     }
 
@@ -137,14 +137,6 @@ impl AttentionBackend for CudaAttention<'_> {
 
     fn prefill(&mut self, args: PrefillArgs<'_, DeviceTensor>) -> Result<()> {
         self.core.prefill(args)
-    }
-
-    fn kv_append_views(&mut self, args: AppendViews<'_, DeviceTensor>) -> Result<()> {
-        self.core.kv_append_views(args)
-    }
-
-    fn decode_views(&mut self, args: DecodeViews<'_, DeviceTensor>) -> Result<()> {
-        self.core.decode_views(args)
     }
 
     fn copy_blocks(&mut self, cache: &mut PagedCache, pairs: &[(u32, u32)]) -> Result<()> {

@@ -1,11 +1,11 @@
-//! Whole-block copies on the GPU: copy-on-write inside the pools ([`CudaBackend::copy_blocks`])
+//! Whole-block copies on the GPU: copy-on-write inside the pools ([`CudaDevice::copy_blocks`])
 //! and swapping blocks to and from pinned host memory ([`HostSwapPool`]).
 
 use std::cell::RefCell;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PinnedHostSlice};
 
-use super::{CudaBackend, DeviceTensor, cuda};
+use super::{CudaDevice, DeviceTensor, cuda};
 use crate::error::{Error, Result};
 use crate::ops::copy_blocks;
 
@@ -42,7 +42,7 @@ impl std::fmt::Debug for HostSwapPool {
     }
 }
 
-impl CudaBackend {
+impl CudaDevice {
     /// Copies whole blocks for `(src, dst)` pairs in every pool (copy-on-write).
     pub fn copy_blocks(
         &self,

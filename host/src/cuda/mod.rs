@@ -5,30 +5,30 @@
 //! `cuda-dynamic-linking` and `cuda-fallback-dynamic-loading` pick cudarc's other modes
 //! (to build next to candle-core's `cuda` feature, which links), and
 //! [`driver_library_present`] works under each. Without a driver or a device,
-//! [`CudaBackend::new`] returns [`Error::NoCudaDriver`] or [`Error::NoCudaDevice`];
+//! [`CudaDevice::new`] returns [`Error::NoCudaDriver`] or [`Error::NoCudaDevice`];
 //! it never panics.
 //!
 //! ```no_run
 //! # fn ptx() -> Vec<pagedkv_host::cuda::PtxSource> { Vec::new() }
-//! use pagedkv_host::cuda::{CudaBackend, DeviceTensor};
+//! use pagedkv_host::cuda::{CudaDevice, DeviceTensor};
 //! use pagedkv_host::{DType, HostTensor};
 //!
-//! // `pagedkv::cuda::backend(0)` does this with the PTX embedded in the `pagedkv` crate.
-//! let gpu = CudaBackend::new(0, &ptx())?;
+//! // `pagedkv::cuda::device(0)` does this with the PTX embedded in the `pagedkv` crate.
+//! let gpu = CudaDevice::new(0, &ptx())?;
 //! let q = DeviceTensor::from_host(&gpu, &HostTensor::full(DType::F16, &[8, 32, 128], 0.5))?;
 //! # Ok::<(), pagedkv_host::Error>(())
 //! ```
 //!
 //! # Layers
 //! cudarc's safe driver API is the raw layer. This module adds the one `unsafe` launch
-//! (`CudaBackend::launch`, with its numbered safety conditions) and, above it, a safe
+//! (`CudaDevice::launch`, with its numbered safety conditions) and, above it, a safe
 //! API whose every entry point runs the same validation as the emulator path
 //! (`ops::*::validate`) before it uploads or launches anything.
 //!
 //! # Buffers
 //! A [`DeviceTensor`] is a `CudaSlice<u8>` with a dtype and a shape. Engines that already
 //! use cudarc wrap their own allocations with [`DeviceTensor::from_cuda_slice`] (no copy)
-//! and can build the backend on their own stream with [`CudaBackend::with_stream`].
+//! and can build the backend on their own stream with [`CudaDevice::with_stream`].
 //! Small per-step metadata (slot mapping, block tables, context lengths) comes from the
 //! scheduler's [`Batch`](crate::scheduler::Batch) on the host: it is validated there and
 //! uploaded on the backend's stream.
@@ -41,7 +41,7 @@ mod tensor;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-pub use backend::CudaAttention;
+pub use backend::CudaBackend;
 pub use blocks::HostSwapPool;
 pub use step::{CudaStepDevice, StepGraph};
 pub use tensor::{BorrowedDeviceTensor, DeviceTensor};
@@ -57,7 +57,7 @@ use pagedkv_kernels::{Bf16, F16, Kernel, PagedLayout};
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::ops::attention::{DecodeInputs, SplitPlan};
-use crate::ops::kv_append::KvAppendIo;
+use crate::ops::kv_append::KvAppendInputs;
 use crate::tensor::DType;
 
 /// Whether the CUDA driver library is there, so that the first driver call cannot
@@ -163,7 +163,7 @@ pub type LayerCache = crate::backend::LayerCache<DeviceTensor>;
 /// The paged cache of a model on the GPU: every layer's K and V pools, one layout.
 pub type PagedCache = crate::backend::PagedCache<DeviceTensor>;
 
-/// A loaded kernel as the driver sees it (see [`CudaBackend::kernel_info`]).
+/// A loaded kernel as the driver sees it (see [`CudaDevice::kernel_info`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelInfo {
     /// Registers per thread.
@@ -174,7 +174,7 @@ pub struct KernelInfo {
 
 /// The CUDA backend: a context, a stream, and the loaded kernels.
 #[derive(Debug)]
-pub struct CudaBackend {
+pub struct CudaDevice {
     stream: Arc<CudaStream>,
     funcs: HashMap<&'static str, CudaFunction>,
     arch: &'static str,
@@ -182,7 +182,7 @@ pub struct CudaBackend {
     device_name: String,
 }
 
-impl CudaBackend {
+impl CudaDevice {
     /// A backend on device `ordinal`'s primary context and default stream, with the
     /// newest of `modules` the device can run (an error below compute capability 8.0).
     pub fn new(ordinal: usize, modules: &[PtxSource]) -> Result<Self> {
@@ -403,9 +403,9 @@ impl CudaBackend {
     /// Appends tokens' K and V to one layer's cache (see `ops::kv_append`), the slot
     /// mapping from the batch. A per-call convenience, one step of a
     /// [`StepRunner`](crate::step::StepRunner) made for the call (it allocates and
-    /// uploads the slot mapping each call); the step path ([`CudaAttention`]) keeps one
+    /// uploads the slot mapping each call); the step path ([`CudaBackend`]) keeps one
     /// runner and uploads once per step.
-    pub fn kv_append(&self, io: KvAppendIo<'_, DeviceTensor>) -> Result<()> {
+    pub fn kv_append(&self, io: KvAppendInputs<'_, DeviceTensor>) -> Result<()> {
         crate::step::once::kv_append(CudaStepDevice::new(self), io)
     }
 
@@ -414,7 +414,7 @@ impl CudaBackend {
     ///
     /// A per-call convenience, one step of a [`StepRunner`](crate::step::StepRunner)
     /// made for the call: it allocates the metadata and split-K workspace and uploads
-    /// them each call. An engine's layer loop uses the step path ([`CudaAttention`]),
+    /// them each call. An engine's layer loop uses the step path ([`CudaBackend`]),
     /// which does that once per step.
     pub fn paged_decode_attention(
         &self,

@@ -4,21 +4,21 @@
 use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, DevicePtr, PinnedHostSlice, sys};
 use pagedkv_kernels::Kernel;
 
-use super::{CudaBackend, DeviceTensor, cuda};
+use super::{CudaDevice, DeviceTensor, cuda};
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::step::{Space, StepDevice, TensorView, TensorViewMut};
 use crate::tensor::TensorDesc;
 
-/// A [`StepDevice`] on a [`CudaBackend`]'s stream: allocations are stream-ordered
+/// A [`StepDevice`] on a [`CudaDevice`]'s stream: allocations are stream-ordered
 /// device buffers kept for the device's life, uploads go through two pinned staging
 /// buffers in turn with asynchronous copies (a step's decode and prefill metadata never
 /// wait for each other), launches are the backend's.
 ///
 /// Everything runs on the backend's stream (an engine's own, with
-/// [`CudaBackend::with_stream`]), so a step orders with the engine's work.
+/// [`CudaDevice::with_stream`]), so a step orders with the engine's work.
 pub struct CudaStepDevice<'a> {
-    gpu: &'a CudaBackend,
+    gpu: &'a CudaDevice,
     bufs: Vec<CudaSlice<u8>>,
     staging: [Option<PinnedHostSlice<u8>>; 2],
     staging_len: usize,
@@ -52,13 +52,13 @@ impl std::fmt::Debug for CudaStepDevice<'_> {
 }
 
 /// The memory space of a backend's context.
-fn space_of(gpu: &CudaBackend) -> Space {
+fn space_of(gpu: &CudaDevice) -> Space {
     Space::Cuda(gpu.stream.context().cu_ctx() as u64)
 }
 
 impl<'a> CudaStepDevice<'a> {
     /// A step device on `gpu`'s stream.
-    pub fn new(gpu: &'a CudaBackend) -> Self {
+    pub fn new(gpu: &'a CudaDevice) -> Self {
         Self {
             gpu,
             bufs: Vec::new(),
@@ -175,7 +175,7 @@ impl StepDevice for CudaStepDevice<'_> {
     }
 
     unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, params: K::Params) -> Result<()> {
-        // SAFETY: the caller's conditions 1-4 are `CudaBackend::launch`'s.
+        // SAFETY: the caller's conditions 1-4 are `CudaDevice::launch`'s.
         unsafe { self.gpu.launch::<K>(cfg, params) }
     }
 }

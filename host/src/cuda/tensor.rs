@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 
-use super::{CudaBackend, cuda};
+use super::{CudaDevice, cuda};
 use crate::error::{Error, Result};
 use crate::step::{Space, TensorView, TensorViewMut};
 use crate::tensor::{DType, HostTensor, TensorDesc};
@@ -28,7 +28,7 @@ impl TensorDesc for DeviceTensor {
 
 impl DeviceTensor {
     /// A zero-filled tensor.
-    pub fn zeros(gpu: &CudaBackend, dtype: DType, shape: &[usize]) -> Result<Self> {
+    pub fn zeros(gpu: &CudaDevice, dtype: DType, shape: &[usize]) -> Result<Self> {
         let n = HostTensor::checked_elems(dtype, shape)?;
         let buf = gpu
             .stream
@@ -42,7 +42,7 @@ impl DeviceTensor {
     }
 
     /// A copy of a host tensor.
-    pub fn from_host(gpu: &CudaBackend, t: &HostTensor) -> Result<Self> {
+    pub fn from_host(gpu: &CudaDevice, t: &HostTensor) -> Result<Self> {
         let buf = gpu
             .stream
             .clone_htod(t.buf().as_bytes())
@@ -55,7 +55,7 @@ impl DeviceTensor {
     }
 
     /// Copies the tensor back to the host (waits for the stream).
-    pub fn to_host(&self, gpu: &CudaBackend) -> Result<HostTensor> {
+    pub fn to_host(&self, gpu: &CudaDevice) -> Result<HostTensor> {
         let bytes = gpu
             .stream
             .clone_dtoh(&self.buf)
@@ -64,7 +64,7 @@ impl DeviceTensor {
     }
 
     /// Overwrites the tensor with a host tensor of the same dtype and length.
-    pub fn copy_from_host(&mut self, gpu: &CudaBackend, t: &HostTensor) -> Result<()> {
+    pub fn copy_from_host(&mut self, gpu: &CudaDevice, t: &HostTensor) -> Result<()> {
         if t.dtype() != self.dtype || t.len() != TensorDesc::len(self) {
             return Err(Error::invalid(
                 "t",
@@ -84,7 +84,7 @@ impl DeviceTensor {
 
     /// Fills the tensor with `pattern` repeated (uploaded once, then copied on the
     /// device), e.g. random data for benchmarks without a host copy of the whole tensor.
-    pub fn fill_repeat(&mut self, gpu: &CudaBackend, pattern: &[u8]) -> Result<()> {
+    pub fn fill_repeat(&mut self, gpu: &CudaDevice, pattern: &[u8]) -> Result<()> {
         if pattern.is_empty() {
             return Err(Error::invalid("pattern", "must not be empty"));
         }
@@ -152,7 +152,7 @@ impl BorrowedDeviceTensor {
     /// 1. `ptr` is a device allocation in `gpu`'s context, valid for reads and writes of
     ///    the shape's bytes for as long as the wrapper lives.
     /// 2. Nothing else uses that memory while a launch that uses the wrapper runs.
-    pub unsafe fn new(gpu: &CudaBackend, ptr: u64, dtype: DType, shape: &[usize]) -> Result<Self> {
+    pub unsafe fn new(gpu: &CudaDevice, ptr: u64, dtype: DType, shape: &[usize]) -> Result<Self> {
         if ptr == 0 {
             return Err(Error::invalid("ptr", "device pointer is null"));
         }
@@ -200,7 +200,7 @@ impl Drop for BorrowedDeviceTensor {
 /// Checks that a `CudaSlice<E>` holds `offset + len` elements of `dtype` on `gpu`'s
 /// stream, and returns the device address of element `offset`.
 fn cuda_slice_addr<E: DeviceRepr>(
-    gpu: &CudaBackend,
+    gpu: &CudaDevice,
     slice: &CudaSlice<E>,
     offset: usize,
     len: usize,
@@ -232,7 +232,7 @@ fn cuda_slice_addr<E: DeviceRepr>(
         return Err(Error::invalid(
             "slice",
             "the slice lives on another stream than the backend's: build the backend on \
-             the engine's stream (CudaBackend::with_stream)",
+             the engine's stream (CudaDevice::with_stream)",
         ));
     }
     let (base, _guard) = slice.device_ptr(&gpu.stream);
@@ -244,12 +244,12 @@ impl<'a> TensorView<'a> {
     /// no copy: e.g. a candle tensor's `CudaStorage` slice
     /// (`storage.as_cuda_slice::<f32>()`) and its layout's `start_offset()`. The
     /// elements are read as `dtype` (same size as `E`). The slice must be on `gpu`'s
-    /// stream (the backend built with [`CudaBackend::with_stream`] on the engine's
+    /// stream (the backend built with [`CudaDevice::with_stream`] on the engine's
     /// stream), so a launch through the view is ordered between the slice's earlier and
     /// later work; the borrow keeps the slice alive and unwritten until the view is
     /// gone. The runs check the length and 16-byte alignment.
     pub fn of_cuda_slice<E: DeviceRepr>(
-        gpu: &CudaBackend,
+        gpu: &CudaDevice,
         slice: &'a CudaSlice<E>,
         offset: usize,
         len: usize,
@@ -270,7 +270,7 @@ impl<'a> TensorViewMut<'a> {
     /// `offset` (see [`TensorView::of_cuda_slice`]; `as_cuda_slice_mut` on a candle
     /// `CudaStorage`).
     pub fn of_cuda_slice_mut<E: DeviceRepr>(
-        gpu: &CudaBackend,
+        gpu: &CudaDevice,
         slice: &'a mut CudaSlice<E>,
         offset: usize,
         len: usize,

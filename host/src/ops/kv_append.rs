@@ -2,7 +2,7 @@
 //!
 //! ```
 //! use pagedkv_host::{DType, HostTensor, emulator::Emulator};
-//! use pagedkv_host::ops::kv_append::{KvAppendIo, kv_append_emulated};
+//! use pagedkv_host::ops::kv_append::{KvAppendInputs, kv_append_emulated};
 //! use pagedkv_host::ops::scales::KvScales;
 //! use pagedkv_kernels::PagedLayout;
 //!
@@ -12,7 +12,7 @@
 //! let k = HostTensor::full(DType::F16, &[3, 2, 64], 1.5);
 //! let v = HostTensor::full(DType::F16, &[3, 2, 64], -2.0);
 //! // Token 1 is padding (slot -1).
-//! kv_append_emulated(&Emulator::new(), KvAppendIo { layout: &layout, key: &k, value: &v,
+//! kv_append_emulated(&Emulator::new(), KvAppendInputs { layout: &layout, key: &k, value: &v,
 //!     slot_mapping: &[9, -1, 30], key_cache: &mut kc, value_cache: &mut vc,
 //!     scales: None }).unwrap();
 //! assert_eq!(kc.get(layout.slot_offset(9, 1) as usize), 1.5);
@@ -21,7 +21,7 @@
 //! // An fp8 cache stores x / scale: 1.5 / 0.25 = 6 and -2 / 0.5 = -4 are exact in e4m3.
 //! let (mut kc, mut vc) = (HostTensor::full(DType::E4m3, &pool, f64::NAN), HostTensor::full(DType::E4m3, &pool, f64::NAN));
 //! let scales = KvScales::per_tensor(2, 0.25, 0.5);
-//! kv_append_emulated(&Emulator::new(), KvAppendIo { layout: &layout, key: &k, value: &v,
+//! kv_append_emulated(&Emulator::new(), KvAppendInputs { layout: &layout, key: &k, value: &v,
 //!     slot_mapping: &[9, -1, 30], key_cache: &mut kc, value_cache: &mut vc,
 //!     scales: Some(&scales) }).unwrap();
 //! assert_eq!(kc.get(layout.slot_offset(30, 0) as usize), 6.0);
@@ -46,7 +46,7 @@ pub const MAX_TOKENS: usize = i32::MAX as usize;
 /// The tensors of one `kv_append` call, by name (for every backend: `T` is its tensor),
 /// so K and V, or the two caches, cannot be swapped by position.
 #[derive(Debug)]
-pub struct KvAppendIo<'a, T> {
+pub struct KvAppendInputs<'a, T> {
     /// The caches' layout.
     pub layout: &'a PagedLayout,
     /// `[num_tokens, num_kv_heads, head_dim]`: the new tokens' keys.
@@ -70,8 +70,8 @@ pub struct KvAppendIo<'a, T> {
 /// (negative: skip); caches: `[num_blocks, num_kv_heads, block_size, head_dim]`, of
 /// the keys' dtype, or fp8 with `scales` (see [`check_cache_types`]). Every non-negative
 /// slot must be inside the pool and appear once.
-pub fn validate<T: TensorDesc>(io: &KvAppendIo<'_, T>) -> Result<()> {
-    let KvAppendIo {
+pub fn validate<T: TensorDesc>(io: &KvAppendInputs<'_, T>) -> Result<()> {
+    let KvAppendInputs {
         layout,
         key,
         value,
@@ -135,9 +135,9 @@ pub fn launch_config(num_tokens: usize) -> LaunchConfig {
 }
 
 /// The reference path: validation, then [`reference::kv_append`].
-pub fn kv_append_reference(io: KvAppendIo<'_, HostTensor>) -> Result<()> {
+pub fn kv_append_reference(io: KvAppendInputs<'_, HostTensor>) -> Result<()> {
     validate(&io)?;
-    let KvAppendIo {
+    let KvAppendInputs {
         layout,
         key,
         value,
@@ -159,6 +159,6 @@ pub fn kv_append_reference(io: KvAppendIo<'_, HostTensor>) -> Result<()> {
 /// Runs the real `kv_append` kernel body in the emulator: a one-shot use of the step
 /// path ([`StepRunner::kv_append`](crate::step::StepRunner::kv_append) on an
 /// [`EmuDevice`](crate::step::EmuDevice)), so this is the launch engines run.
-pub fn kv_append_emulated(emu: &Emulator, io: KvAppendIo<'_, HostTensor>) -> Result<()> {
+pub fn kv_append_emulated(emu: &Emulator, io: KvAppendInputs<'_, HostTensor>) -> Result<()> {
     crate::step::once::kv_append(crate::step::EmuDevice::new(emu.clone()), io)
 }

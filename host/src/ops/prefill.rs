@@ -9,7 +9,7 @@
 //!
 //! ```
 //! use pagedkv_host::{DType, HostTensor, emulator::Emulator};
-//! use pagedkv_host::ops::attention::{DecodeOptions, DecodeShape};
+//! use pagedkv_host::ops::attention::{AttentionOptions, DecodeShape};
 //! use pagedkv_host::ops::prefill::{PrefillInputs, prefill_emulated};
 //!
 //! // One sequence: 3 new tokens after 2 cached ones, all in block 1 of 2.
@@ -20,7 +20,7 @@
 //! let vc = HostTensor::full(DType::F16, &pool, 3.0);
 //! let q = HostTensor::full(DType::F16, &[3, 2, 64], 1.0);
 //! let mut out = HostTensor::full(DType::F16, &[3, 2, 64], f64::NAN);
-//! let opts = DecodeOptions::new(64);
+//! let opts = AttentionOptions::new(64);
 //! prefill_emulated(&Emulator::new(), PrefillInputs { shape: &shape, opts: &opts, q: &q,
 //!     key_cache: &kc, value_cache: &vc, block_tables: &[1], qo_indptr: &[0, 3],
 //!     context_lens: &[5], kv_scales: None }, &mut out)?;
@@ -31,7 +31,7 @@
 use pagedkv_kernels::Dim3;
 use pagedkv_kernels::kernels::prefill::{MMA_THREADS, ROWS, SIMT_THREADS, mma_shared_bytes};
 
-use super::attention::{DecodeOptions, DecodeShape, validate_options};
+use super::attention::{AttentionOptions, DecodeShape, validate_options};
 use super::scales::{KvScales, check_cache_types};
 use super::{MAX_GRID_YZ, check_layout, check_tensor};
 use crate::emulator::{Emulator, LaunchConfig};
@@ -45,7 +45,7 @@ pub struct PrefillInputs<'a, T> {
     /// The shapes (as for decode; `num_seqs` sequences).
     pub shape: &'a DecodeShape,
     /// Scale, window, soft-cap, ALiBi.
-    pub opts: &'a DecodeOptions,
+    pub opts: &'a AttentionOptions,
     /// `[total_tokens, num_q_heads, head_dim]`: the new tokens, sequence by sequence.
     pub q: &'a T,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`, the new tokens appended.

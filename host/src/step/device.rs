@@ -375,9 +375,9 @@ impl StepDevice for Recorder {
 mod tests {
     use super::*;
     use crate::emulator::Emulator;
-    use crate::ops::attention::DecodeOptions;
+    use crate::ops::attention::AttentionOptions;
     use crate::step::{
-        AppendIo, DecodeIo, EmuDevice, StepCapacity, StepMeta, StepRunner, StepShape,
+        DecodeIo, EmuDevice, KvAppendIo, StepCapacity, StepMeta, StepRunner, StepShape,
     };
 
     const SHAPE: StepShape = StepShape {
@@ -428,7 +428,7 @@ mod tests {
         let k = values(3 * 128, |i| ((i * 7) % 13) as f64 / 13.0 - 0.5);
         let v = values(3 * 128, |i| ((i * 5) % 11) as f64 / 11.0);
         let q = values(256, |i| ((i * 3) % 17) as f64 / 17.0 - 0.3);
-        let opts = DecodeOptions::new(64);
+        let opts = AttentionOptions::new(64);
         let mut outs = Vec::new();
         for by_slice in [false, true] {
             let r = runner(EmuDevice::new(Emulator::new()));
@@ -450,7 +450,7 @@ mod tests {
                     TensorView::of_host(&q),
                 )
             };
-            r.kv_append(AppendIo {
+            r.kv_append(KvAppendIo {
                 key,
                 value,
                 key_cache: kcv.reborrow(),
@@ -495,7 +495,7 @@ mod tests {
         let mut vcv = TensorViewMut::of_host(&mut vc);
         let off = &f32s(&k)[1..];
         let e = r
-            .kv_append(AppendIo {
+            .kv_append(KvAppendIo {
                 key: TensorView::from_slice(off),
                 value: TensorView::from_slice(off),
                 key_cache: kcv.reborrow(),
@@ -521,7 +521,7 @@ mod tests {
         let r = runner(rec);
         let whole = &f32s(&k)[..3 * 128];
         let e = r
-            .kv_append(AppendIo {
+            .kv_append(KvAppendIo {
                 key: TensorView::from_slice(whole),
                 value: TensorView::from_slice(whole),
                 key_cache: kr,

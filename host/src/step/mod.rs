@@ -24,9 +24,9 @@
 //!
 //! ```
 //! use pagedkv_host::emulator::Emulator;
-//! use pagedkv_host::ops::attention::DecodeOptions;
+//! use pagedkv_host::ops::attention::AttentionOptions;
 //! use pagedkv_host::step::{
-//!     AppendIo, DecodeIo, EmuDevice, StepCapacity, StepMeta, StepRunner, StepShape,
+//!     KvAppendIo, DecodeIo, EmuDevice, StepCapacity, StepMeta, StepRunner, StepShape,
 //!     TensorView, TensorViewMut,
 //! };
 //! use pagedkv_host::{DType, HostTensor};
@@ -44,12 +44,12 @@
 //! let k = HostTensor::full(DType::F32, &[3, 2, 64], 0.5);
 //! let v = HostTensor::full(DType::F32, &[3, 2, 64], 2.0);
 //! let (mut kv, mut vv) = (TensorViewMut::of_host(&mut kc), TensorViewMut::of_host(&mut vc));
-//! runner.kv_append(AppendIo { key: TensorView::of_host(&k), value: TensorView::of_host(&v),
+//! runner.kv_append(KvAppendIo { key: TensorView::of_host(&k), value: TensorView::of_host(&v),
 //!                             key_cache: kv.reborrow(), value_cache: vv.reborrow(),
 //!                             kv_scales: None })?;
 //! let q = HostTensor::full(DType::F32, &[1, 4, 64], 1.0);
 //! let mut out = HostTensor::full(DType::F32, &[1, 4, 64], f64::NAN);
-//! runner.decode(&DecodeOptions::new(64), DecodeIo { q: TensorView::of_host(&q),
+//! runner.decode(&AttentionOptions::new(64), DecodeIo { q: TensorView::of_host(&q),
 //!     key_cache: kv.as_view(), value_cache: vv.as_view(), kv_scales: None,
 //!     out: TensorViewMut::of_host(&mut out) })?;
 //! drop((kv, vv));
@@ -69,5 +69,6 @@ pub use device::{DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView,
 pub use emu::EmuDevice;
 pub use prefill::{PlannedPrefill, PrefillIo, PrefillMeta};
 pub use runner::{
-    AppendIo, DecodeIo, MAX_STEP_META_BYTES, Planned, StepCapacity, StepMeta, StepRunner, StepShape,
+    DecodeIo, KvAppendIo, MAX_STEP_META_BYTES, Planned, StepCapacity, StepMeta, StepRunner,
+    StepShape,
 };

@@ -11,11 +11,11 @@
 
 use super::device::{StepDevice, TensorView};
 use super::prefill::PrefillMeta;
-use super::runner::{AppendIo, DecodeIo, StepCapacity, StepMeta, StepRunner, StepShape};
+use super::runner::{DecodeIo, KvAppendIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use crate::backend::AsView;
 use crate::error::Result;
 use crate::ops::attention::{self, DecodeInputs, DecodeShape, SplitPlan};
-use crate::ops::kv_append::{self, KvAppendIo};
+use crate::ops::kv_append::{self, KvAppendInputs};
 use crate::ops::prefill::{self, PrefillInputs};
 use crate::ops::scales::KvScales;
 use crate::step::PrefillIo;
@@ -115,7 +115,7 @@ pub(crate) fn decode<D: StepDevice, T: AsView + TensorDesc>(
 /// whose metadata is the slot mapping alone.
 pub(crate) fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
     dev: D,
-    io: KvAppendIo<'_, T>,
+    io: KvAppendInputs<'_, T>,
 ) -> Result<()> {
     kv_append::validate(&io)?;
     if io.slot_mapping.is_empty() {
@@ -146,7 +146,7 @@ pub(crate) fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
         slot_mapping: io.slot_mapping,
         window: None,
     })?;
-    runner.kv_append(AppendIo {
+    runner.kv_append(KvAppendIo {
         key: io.key.view(),
         value: io.value.view(),
         key_cache: io.key_cache.view_mut(),

@@ -9,7 +9,7 @@ use super::device::{StepDevice, TensorView, TensorViewMut};
 use super::runner::StepRunner;
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
-use crate::ops::attention::{DecodeOptions, DecodeShape, validate_options};
+use crate::ops::attention::{AttentionOptions, DecodeShape, validate_options};
 use crate::ops::prefill;
 use crate::tensor::DType;
 
@@ -40,7 +40,7 @@ pub struct PrefillIo<'a> {
     pub key_cache: TensorView<'a>,
     /// The layer's value cache.
     pub value_cache: TensorView<'a>,
-    /// The layer's fp8 scales, as [`AppendIo::kv_scales`](super::AppendIo::kv_scales).
+    /// The layer's fp8 scales, as [`KvAppendIo::kv_scales`](super::KvAppendIo::kv_scales).
     pub kv_scales: Option<TensorView<'a>>,
     /// `[qo_indptr[num_seqs], num_q_heads, head_dim]`, dense: written.
     pub out: TensorViewMut<'a>,
@@ -144,7 +144,7 @@ impl<D: StepDevice> StepRunner<D> {
 
     /// Prefill attention for one layer: one launch, with the options `opts` (ALiBi
     /// slopes as uploaded with `set_alibi_slopes`).
-    pub fn prefill(&self, opts: &DecodeOptions, io: PrefillIo<'_>) -> Result<()> {
+    pub fn prefill(&self, opts: &AttentionOptions, io: PrefillIo<'_>) -> Result<()> {
         let (pp, offsets) = self
             .planned_prefill
             .ok_or_else(|| Error::InvalidState("no prefill planned: call plan_prefill()".into()))?;

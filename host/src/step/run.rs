@@ -7,10 +7,10 @@ use pagedkv_kernels::kernels::{
 use pagedkv_kernels::{GlobalSlice, GlobalSliceMut};
 
 use super::device::{RawView, StepDevice};
-use super::runner::{AppendIo, DecodeIo, Planned, StepRunner};
+use super::runner::{DecodeIo, KvAppendIo, Planned, StepRunner};
 use crate::error::{Error, Result};
 use crate::ops::attention::{
-    self, DecodeOptions, SplitPlan, decode_launch_config, reduce_launch_config,
+    self, AttentionOptions, SplitPlan, decode_launch_config, reduce_launch_config,
 };
 use crate::ops::scales::with_kv;
 use crate::ops::{checked_pool_elems, kv_append};
@@ -180,7 +180,7 @@ impl<D: StepDevice> StepRunner<D> {
     }
 
     /// Appends this step's new tokens' K and V to one layer's cache: one launch.
-    pub fn kv_append(&self, io: AppendIo<'_>) -> Result<()> {
+    pub fn kv_append(&self, io: KvAppendIo<'_>) -> Result<()> {
         let planned = self.current()?;
         let n = planned.num_tokens as u64;
         let l = self.shape.layout();
@@ -222,7 +222,7 @@ impl<D: StepDevice> StepRunner<D> {
     /// Decode attention for one layer: one launch (two with split-K), with the options
     /// `opts` (`opts.alibi_slopes` must equal what [`set_alibi_slopes`](Self::set_alibi_slopes)
     /// uploaded). Returns the split plan used.
-    pub fn decode(&self, opts: &DecodeOptions, io: DecodeIo<'_>) -> Result<Option<SplitPlan>> {
+    pub fn decode(&self, opts: &AttentionOptions, io: DecodeIo<'_>) -> Result<Option<SplitPlan>> {
         let planned = self.current()?;
         let Some((ds, p)) = planned.decode else {
             return Ok(None);

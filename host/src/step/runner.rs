@@ -26,7 +26,7 @@ pub struct StepShape {
     pub dtype: DType,
     /// Element type of the caches: `dtype`, or fp8 ([`DType::E4m3`], [`DType::E5m2`])
     /// under f16 / bf16 queries, each layer's cache then with its per-KV-head scales
-    /// ([`AppendIo::kv_scales`]).
+    /// ([`KvAppendIo::kv_scales`]).
     pub kv_dtype: DType,
 }
 
@@ -86,7 +86,7 @@ pub struct StepMeta<'a> {
 
 /// The tensors of one layer's `kv_append`.
 #[derive(Debug)]
-pub struct AppendIo<'a> {
+pub struct KvAppendIo<'a> {
     /// `[num_tokens, num_kv_heads, head_dim]`, dense.
     pub key: TensorView<'a>,
     /// `[num_tokens, num_kv_heads, head_dim]`, dense.
@@ -111,7 +111,7 @@ pub struct DecodeIo<'a> {
     pub key_cache: TensorView<'a>,
     /// The layer's value cache.
     pub value_cache: TensorView<'a>,
-    /// The layer's fp8 scales, as [`AppendIo::kv_scales`].
+    /// The layer's fp8 scales, as [`KvAppendIo::kv_scales`].
     pub kv_scales: Option<TensorView<'a>>,
     /// `[num_seqs, row_stride]`: the output rows (row stride as for `q`).
     pub out: TensorViewMut<'a>,

@@ -5,18 +5,18 @@
 //! `integrations/cuda-graph-check` is the cheap form CI runs.
 
 use candle_core::{CudaDevice, Storage, Tensor};
-use pagedkv::cuda::CudaBackend;
+use pagedkv::cuda::CudaDevice as PagedkvDevice;
 use pagedkv::host::DType;
 use pagedkv::host::step::TensorView;
 
 /// An error of candle or pagedkv.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// pagedkv's backend on candle's stream, so pagedkv's launches order with candle's
+/// pagedkv's device on candle's stream, so pagedkv's launches order with candle's
 /// work and views of candle's buffers are allowed ([`TensorView::of_cuda_slice`]
 /// refuses a slice of another stream).
-pub fn backend_on(dev: &CudaDevice) -> Result<CudaBackend, Error> {
-    Ok(CudaBackend::with_stream(
+pub fn device_on(dev: &CudaDevice) -> Result<PagedkvDevice, Error> {
+    Ok(PagedkvDevice::with_stream(
         dev.cuda_stream(),
         &pagedkv::cuda::ptx_sources(),
     )?)
@@ -26,7 +26,7 @@ pub fn backend_on(dev: &CudaDevice) -> Result<CudaBackend, Error> {
 /// `CudaSlice<f32>` from its layout's start offset, no copy. The storage's read lock is
 /// held while `f` runs.
 pub fn with_view<R>(
-    gpu: &CudaBackend,
+    gpu: &PagedkvDevice,
     t: &Tensor,
     f: impl FnOnce(TensorView<'_>) -> R,
 ) -> Result<R, Error> {

@@ -12,8 +12,8 @@
 //! stream; this crate builds candle for the CPU only (candle's CUDA build needs nvcc).
 
 use candle_core::{Device, Layout, Storage, Tensor};
-use pagedkv::host::backend::{AppendViews, AttentionBackend, CpuBackend, DecodeViews, LayerCache};
-use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::backend::{AttentionBackend, CpuBackend, DecodeArgs, KvAppendArgs, LayerCache};
+use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::step::{TensorView, TensorViewMut};
 use pagedkv::host::{DType, HostTensor};
 
@@ -48,7 +48,7 @@ pub trait CandleBackend: AttentionBackend {
     /// head_dim]`; returns the output of the same shape.
     fn decode_q(
         &mut self,
-        opts: &DecodeOptions,
+        opts: &AttentionOptions,
         q: &Tensor,
         cache: &LayerCache<Self::Tensor>,
         copies: &mut Copies,
@@ -113,14 +113,14 @@ impl CandleBackend for CpuBackend {
         let key = host_view(cpu_f32(&ks, kl)?, &mut kc, copies)?;
         let value = host_view(cpu_f32(&vs, vl)?, &mut vc, copies)?;
         let t = std::time::Instant::now();
-        self.kv_append_views(AppendViews { key, value, cache })?;
+        self.kv_append(KvAppendArgs { key, value, cache })?;
         copies.kernel_time += t.elapsed();
         Ok(())
     }
 
     fn decode_q(
         &mut self,
-        opts: &DecodeOptions,
+        opts: &AttentionOptions,
         q: &Tensor,
         cache: &LayerCache<HostTensor>,
         copies: &mut Copies,
@@ -132,7 +132,7 @@ impl CandleBackend for CpuBackend {
         let t = std::time::Instant::now();
         if aligned(&out) {
             copies.borrowed += 1;
-            self.decode_views(DecodeViews {
+            self.decode(DecodeArgs {
                 opts,
                 q: qv,
                 cache,
@@ -141,7 +141,7 @@ impl CandleBackend for CpuBackend {
         } else {
             copies.copied += 1;
             let mut t = HostTensor::full(DType::F32, &[out.len()], 0.0);
-            self.decode_views(DecodeViews {
+            self.decode(DecodeArgs {
                 opts,
                 q: qv,
                 cache,

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use candle_transformers::models::llama::Config;
 use pagedkv::host::DType;
 use pagedkv::host::backend::{BackendConfig, CpuBackend, PagedCache};
-use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::scheduler::{
     Metrics, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig,
 };
@@ -73,7 +73,7 @@ pub struct Engine<B: CandleBackend> {
     be: B,
     cache: PagedCache<B::Tensor>,
     sched: Scheduler,
-    opts: DecodeOptions,
+    opts: AttentionOptions,
     live: HashMap<RequestId, Live>,
     done: Vec<Generated>,
     /// How candle tensors reached the backend so far.
@@ -136,7 +136,7 @@ impl<B: CandleBackend> Engine<B> {
         {
             return Err("the backend was not made for this model and scheduler".into());
         }
-        let opts = DecodeOptions::new(c.shape.head_dim);
+        let opts = AttentionOptions::new(c.shape.head_dim);
         let cache = be.alloc_cache()?;
         Ok(Self {
             model,

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder, embedding, linear_no_bias, rms_norm};
 use candle_transformers::models::llama::Config;
 use pagedkv::host::backend::PagedCache;
-use pagedkv::host::ops::attention::DecodeOptions;
+use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::scheduler::Batch;
 
 use crate::Result;
@@ -113,7 +113,7 @@ impl PagedLlama {
         cache: &mut PagedCache<B::Tensor>,
         batch: &Batch,
         tokens: &[u32],
-        opts: &DecodeOptions,
+        opts: &AttentionOptions,
         copies: &mut Copies,
     ) -> Result<Tensor> {
         let dev = Device::Cpu;

@@ -7,14 +7,14 @@
 //! (`.ci/run` does; nothing is linked or run, so no CUDA is needed).
 
 use cudarc::driver::CudaSlice;
-use pagedkv::cuda::CudaBackend;
+use pagedkv::cuda::CudaDevice;
 use pagedkv::host::DType;
 use pagedkv::host::step::{TensorView, TensorViewMut};
 
 /// What an engine on candle's CUDA backend does with a tensor: its storage's
 /// `CudaSlice<f32>` and its layout's start offset become a pagedkv view, no copy.
 pub fn view_of<'a>(
-    gpu: &CudaBackend,
+    gpu: &CudaDevice,
     slice: &'a CudaSlice<f32>,
     start_offset: usize,
     len: usize,
@@ -24,7 +24,7 @@ pub fn view_of<'a>(
 
 /// The writable form, for attention's output.
 pub fn view_mut_of<'a>(
-    gpu: &CudaBackend,
+    gpu: &CudaDevice,
     slice: &'a mut CudaSlice<f32>,
     start_offset: usize,
     len: usize,
@@ -36,8 +36,8 @@ pub fn view_mut_of<'a>(
 /// `CudaDevice::cuda_stream()`), with cuBLAS from the same graph next to it.
 pub fn backend_and_blas(
     stream: std::sync::Arc<cudarc::driver::CudaStream>,
-) -> Result<(CudaBackend, cudarc::cublas::CudaBlas), Box<dyn std::error::Error>> {
-    let gpu = CudaBackend::with_stream(stream.clone(), &pagedkv::cuda::ptx_sources())?;
+) -> Result<(CudaDevice, cudarc::cublas::CudaBlas), Box<dyn std::error::Error>> {
+    let gpu = CudaDevice::with_stream(stream.clone(), &pagedkv::cuda::ptx_sources())?;
     let blas = cudarc::cublas::CudaBlas::new(stream)?;
     Ok((gpu, blas))
 }

@@ -17,7 +17,7 @@
 //!
 //! ```
 //! use pagedkv_host::{DType, HostTensor, emulator::Emulator};
-//! use pagedkv_host::ops::attention::{DecodeInputs, DecodeOptions, DecodeShape, decode_emulated};
+//! use pagedkv_host::ops::attention::{DecodeInputs, AttentionOptions, DecodeShape, decode_emulated};
 //! use pagedkv_host::reference::paged_decode_attention;
 //!
 //! // 2 sequences, GQA 4/2, head_dim 64, blocks of 8 tokens.
@@ -30,7 +30,7 @@
 //! let q = HostTensor::from_f64(DType::F32, &[2, 4, 64], &f(512, 0.5)).unwrap();
 //! let tables = [0, 4, 2, /* seq 1: */ 5, 1, 3];
 //! let lens = [19, 9];
-//! let opts = DecodeOptions::new(64);
+//! let opts = AttentionOptions::new(64);
 //! let mut out = HostTensor::full(DType::F32, &[2, 4, 64], f64::NAN);
 //! let inputs = DecodeInputs { shape: &shape, opts: &opts, q: &q, key_cache: &kc,
 //!     value_cache: &vc, block_tables: &tables, context_lens: &lens, kv_scales: None,
@@ -104,7 +104,7 @@ impl DecodeShape {
 
 /// Options of decode attention.
 #[derive(Clone, Debug, PartialEq)]
-pub struct DecodeOptions {
+pub struct AttentionOptions {
     /// Score scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
     /// Logit soft-capping: `s = cap * tanh(s / cap)`.
@@ -115,10 +115,10 @@ pub struct DecodeOptions {
     pub alibi_slopes: Option<Vec<f32>>,
 }
 
-impl DecodeOptions {
+impl AttentionOptions {
     /// Plain attention with scale `1 / sqrt(head_dim)`.
     pub fn new(head_dim: u32) -> Self {
-        DecodeOptions {
+        AttentionOptions {
             scale: 1.0 / (head_dim as f32).sqrt(),
             softcap: None,
             window: None,
@@ -136,7 +136,7 @@ pub struct DecodeInputs<'a, T> {
     /// The launch's shapes.
     pub shape: &'a DecodeShape,
     /// Scale, window, soft-cap, ALiBi.
-    pub opts: &'a DecodeOptions,
+    pub opts: &'a AttentionOptions,
     /// `[num_seqs, num_q_heads, head_dim]`: one query token per sequence.
     pub q: &'a T,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`.
@@ -217,7 +217,7 @@ pub fn validate<T: TensorDesc>(inputs: &DecodeInputs<'_, T>, out: &T) -> Result<
 
 /// Checks decode options: a finite non-zero scale, a finite positive soft-cap, a window
 /// of at least one token, one finite ALiBi slope per query head.
-pub fn validate_options(opts: &DecodeOptions, num_q_heads: u32) -> Result<()> {
+pub fn validate_options(opts: &AttentionOptions, num_q_heads: u32) -> Result<()> {
     if !(opts.scale.is_finite() && opts.scale != 0.0) {
         return Err(Error::invalid(
             "scale",

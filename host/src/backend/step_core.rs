@@ -3,21 +3,23 @@
 //! the per-layer calls on views of the backend's tensors.
 
 use super::{
-    AppendArgs, AppendViews, BackendConfig, DecodeArgs, DecodeViews, LayerCache, PagedCache,
-    PrefillArgs, SplitPolicy,
+    BackendConfig, DecodeArgs, KvAppendArgs, LayerCache, PagedCache, PrefillArgs, SplitPolicy,
 };
 use crate::error::{Error, Result};
 use crate::scheduler::Batch;
 use crate::step::{
-    AppendIo, DecodeIo, Planned, PrefillIo, PrefillMeta, StepDevice, StepMeta, StepRunner,
+    DecodeIo, KvAppendIo, Planned, PrefillIo, PrefillMeta, StepDevice, StepMeta, StepRunner,
     TensorView, TensorViewMut,
 };
 use crate::tensor::{HostTensor, TensorDesc};
 
-/// A tensor the step path can view: host tensors on the emulator, device tensors on a
-/// GPU.
-pub(crate) trait AsView {
+/// A tensor the runs can view: [`HostTensor`]s on the emulator, `DeviceTensor`s on a
+/// GPU. Every backend's [`Tensor`](super::AttentionBackend::Tensor) is one, so a layer
+/// loop generic over the backend passes `q.view()` and `out.view_mut()`.
+pub trait AsView {
+    /// A read-only view of the whole tensor, for as long as it is borrowed.
     fn view(&self) -> TensorView<'_>;
+    /// A writable view of the whole tensor, for as long as it is borrowed mutably.
     fn view_mut(&mut self) -> TensorViewMut<'_>;
 }
 
@@ -129,18 +131,18 @@ impl<D: StepDevice> StepCore<D> {
         self.runner.prefill(
             args.opts,
             PrefillIo {
-                q: args.q.view(),
+                q: args.q,
                 key_cache: args.cache.key.view(),
                 value_cache: args.cache.value.view(),
                 kv_scales: args.cache.kv_scales.as_ref().map(|s| s.view()),
-                out: args.out.view_mut(),
+                out: args.out,
             },
         )
     }
 
     /// Uploads `opts`' ALiBi slopes when they differ from the runner's (once, in the
     /// first layer of the first step that uses them).
-    fn sync_slopes(&mut self, opts: &crate::ops::attention::DecodeOptions) -> Result<()> {
+    fn sync_slopes(&mut self, opts: &crate::ops::attention::AttentionOptions) -> Result<()> {
         if self.runner.alibi_slopes() != opts.alibi_slopes.as_deref() {
             self.runner.set_alibi_slopes(opts.alibi_slopes.as_deref())?;
         }
@@ -166,22 +168,13 @@ impl<D: StepDevice> StepCore<D> {
         Ok(())
     }
 
-    pub(crate) fn kv_append<T: AsView>(&self, args: AppendArgs<'_, T>) -> Result<()> {
-        self.kv_append_views(AppendViews {
-            key: args.key.view(),
-            value: args.value.view(),
-            cache: args.cache,
-        })
-    }
-
-    pub(crate) fn kv_append_views<T: AsView>(&self, args: AppendViews<'_, T>) -> Result<()> {
-        let cache = args.cache;
+    pub(crate) fn kv_append<T: AsView>(&self, args: KvAppendArgs<'_, T>) -> Result<()> {
         let LayerCache {
             key,
             value,
             kv_scales,
-        } = cache;
-        self.runner.kv_append(AppendIo {
+        } = args.cache;
+        self.runner.kv_append(KvAppendIo {
             key: args.key,
             value: args.value,
             key_cache: key.view_mut(),
@@ -191,15 +184,6 @@ impl<D: StepDevice> StepCore<D> {
     }
 
     pub(crate) fn decode<T: AsView>(&mut self, args: DecodeArgs<'_, T>) -> Result<()> {
-        self.decode_views(DecodeViews {
-            opts: args.opts,
-            q: args.q.view(),
-            cache: args.cache,
-            out: args.out.view_mut(),
-        })
-    }
-
-    pub(crate) fn decode_views<T: AsView>(&mut self, args: DecodeViews<'_, T>) -> Result<()> {
         self.sync_slopes(args.opts)?;
         self.runner.decode(
             args.opts,
