@@ -124,8 +124,6 @@ struct Model {
     next_token: u32,
     /// Accepted requests: prompt length and `max_tokens`.
     accepted: HashMap<u64, (usize, u32)>,
-    /// A device copy of the block tables, updated only through `Batch::dirty`.
-    mirror: Vec<i32>,
     /// Per live sequence, the context length it had when last scheduled (0 after a
     /// recompute): the next step's new tokens must start there, with no gap.
     ctx: HashMap<u64, u32>,
@@ -149,7 +147,6 @@ impl Model {
             next_req: 0,
             next_token: 1000,
             accepted: HashMap::new(),
-            mirror: Vec::new(),
         }
     }
 
@@ -201,21 +198,6 @@ impl Model {
         prop_assert_eq!(slots.len(), real.len(), "two tokens got the same slot");
         let w = batch.max_blocks_per_seq as usize;
         prop_assert_eq!(batch.block_tables.len(), batch.seqs.len() * w);
-        // The dirty ranges bring the previous batch's tables up to date (an engine
-        // uploads only those), padding included.
-        self.mirror
-            .resize(batch.block_tables.len(), NULL_BLOCK as i32 - 1);
-        for r in &batch.dirty {
-            prop_assert!(r.start < r.end && r.end as usize <= w, "range {:?}", r);
-            let at = r.row as usize * w;
-            let (a, b) = (at + r.start as usize, at + r.end as usize);
-            self.mirror[a..b].copy_from_slice(&batch.block_tables[a..b]);
-        }
-        prop_assert_eq!(
-            &self.mirror,
-            &batch.block_tables,
-            "dirty ranges missed a change"
-        );
         for (row, q) in batch.seqs.iter().enumerate() {
             let tokens = self.s.tokens(q.seq).unwrap().to_vec();
             prop_assert_eq!(batch.context_lens[row] as u32, q.context_len);

@@ -17,6 +17,7 @@ fn whole_history(batch: &Batch, block_size: u32) -> Batch {
     let mut full = batch.clone();
     let w = batch.max_blocks_per_seq as usize;
     full.slot_mapping.clear();
+    full.num_decodes = 0; // every row prefills
     let mut written = std::collections::HashSet::new();
     let mut offset = 0;
     for (i, s) in full.seqs.iter_mut().enumerate() {

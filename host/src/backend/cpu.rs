@@ -278,4 +278,41 @@ mod tests {
         }
         assert_eq!(results[0], results[1]);
     }
+
+    /// `decode_rows` and `prefill_rows` read `num_decodes` (the scheduler lists the
+    /// decodes first): a batch where that does not hold is refused at plan, not run
+    /// with prefill rows read as decodes.
+    #[test]
+    fn a_batch_whose_decodes_are_not_its_first_rows_is_refused() {
+        let shape = StepShape {
+            num_q_heads: 2,
+            num_kv_heads: 2,
+            head_dim: 64,
+            block_size: 16,
+            num_blocks: 8,
+            dtype: DType::F32,
+            kv_dtype: DType::F32,
+        };
+        let mut be = CpuBackend::new(BackendConfig::new(shape, 1, 2, 2)).unwrap();
+        let mut cache = be.alloc_cache().unwrap();
+        let mut sched = Scheduler::new(SchedulerConfig {
+            num_blocks: 8,
+            block_size: 16,
+            max_model_len: 32,
+            ..SchedulerConfig::default()
+        })
+        .unwrap();
+        sched
+            .add_request(Request::new(1, vec![1, 2, 3], 3))
+            .unwrap();
+        let mut batch = sched.step().unwrap().clone();
+        assert_eq!((batch.num_decodes, batch.seqs.len()), (0, 1));
+        be.begin_step(&batch, &mut cache).unwrap();
+        batch.num_decodes = 1; // the prefill row claimed as a decode
+        let e = be.plan(&batch).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { arg: "batch", .. }),
+            "{e:?}"
+        );
+    }
 }

@@ -303,26 +303,39 @@ pub struct PrefillArgs<'a, T> {
     pub out: TensorViewMut<'a>,
 }
 
-/// The rows of `batch` that prefill (a prompt or a chunk of one), in batch order: their
-/// new tokens are the rows of [`PrefillArgs::q`] and [`PrefillArgs::out`].
-pub fn prefill_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
-    batch
-        .seqs
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| s.is_prefill)
-        .map(|(i, _)| i)
+/// The rows of `batch` that prefill (a prompt or a chunk of one), in batch order: the
+/// rows after the decodes, `num_decodes..seqs.len()` (a backend's `plan` refuses a
+/// batch where that does not hold). Their new tokens are the rows of
+/// [`PrefillArgs::q`] and [`PrefillArgs::out`].
+pub fn prefill_rows(batch: &Batch) -> std::ops::Range<usize> {
+    decode_rows(batch).end..batch.seqs.len()
 }
 
-/// The rows of `batch` that decode (one query token each), in batch order: the rows
+/// The rows of `batch` that decode (one query token each): the first
+/// [`num_decodes`](Batch::num_decodes), as the scheduler lists them. They are the rows
 /// of [`DecodeArgs::q`] and [`DecodeArgs::out`].
-pub fn decode_rows(batch: &Batch) -> impl Iterator<Item = usize> + '_ {
-    batch
-        .seqs
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| !s.is_prefill)
-        .map(|(i, _)| i)
+pub fn decode_rows(batch: &Batch) -> std::ops::Range<usize> {
+    0..(batch.num_decodes as usize).min(batch.seqs.len())
+}
+
+/// `batch` lists its decodes first and only there, as [`decode_rows`] and
+/// [`prefill_rows`] read it (`Batch`'s fields are public: a batch an engine built or
+/// edited may not).
+pub(crate) fn check_rows(batch: &Batch) -> Result<()> {
+    let nd = batch.num_decodes as usize;
+    let ok = nd <= batch.seqs.len()
+        && batch.seqs[..nd].iter().all(|s| !s.is_prefill)
+        && batch.seqs[nd..].iter().all(|s| s.is_prefill);
+    if !ok {
+        return Err(Error::invalid(
+            "batch",
+            format!(
+                "num_decodes {nd} of {} rows: the decodes must be exactly the first num_decodes rows",
+                batch.seqs.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A KV-cache and attention backend: the one API an engine's layer loop is written

@@ -85,13 +85,13 @@ impl<D: StepDevice> StepCore<D> {
                 ),
             ));
         }
+        super::check_rows(batch)?;
+        // The decodes are the leading rows: their tables and lengths in one copy each.
+        let nd = super::decode_rows(batch).end;
         self.tables.clear();
+        self.tables.extend_from_slice(&batch.block_tables[..nd * w]);
         self.lens.clear();
-        for i in super::decode_rows(batch) {
-            self.tables
-                .extend_from_slice(&batch.block_tables[i * w..(i + 1) * w]);
-            self.lens.push(batch.context_lens[i]);
-        }
+        self.lens.extend_from_slice(&batch.context_lens[..nd]);
         let width = if self.lens.is_empty() { 0 } else { w as u32 };
         let meta = StepMeta {
             block_tables: &self.tables,

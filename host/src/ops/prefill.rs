@@ -33,7 +33,7 @@ use pagedkv_kernels::kernels::prefill::{MMA_THREADS, ROWS, SIMT_THREADS, mma_sha
 
 use super::attention::{AttentionOptions, DecodeShape, validate_options};
 use super::scales::{KvScales, check_cache_types};
-use super::{MAX_GRID_YZ, check_layout, check_tensor};
+use super::{MAX_GRID_YZ, check_tensor};
 use crate::emulator::{Emulator, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, HostTensor, TensorDesc};
@@ -77,22 +77,7 @@ impl<T> Copy for PrefillInputs<'_, T> {}
 pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result<u32> {
     let sh = inputs.shape;
     let l = sh.layout();
-    check_layout(&l)?;
-    if sh.num_seqs == 0 || sh.num_seqs > MAX_GRID_YZ {
-        return Err(Error::invalid(
-            "num_seqs",
-            format!("{} (must be 1..={MAX_GRID_YZ})", sh.num_seqs),
-        ));
-    }
-    if sh.num_q_heads == 0 || !sh.num_q_heads.is_multiple_of(sh.num_kv_heads) {
-        return Err(Error::invalid(
-            "num_q_heads",
-            format!(
-                "{} is not a positive multiple of num_kv_heads {}",
-                sh.num_q_heads, sh.num_kv_heads
-            ),
-        ));
-    }
+    sh.check()?;
     validate_options(inputs.opts, sh.num_q_heads)?;
     let max_rows = validate_metadata(
         sh,

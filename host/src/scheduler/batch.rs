@@ -5,10 +5,10 @@
 //! to the next. A sequence joins at the end (`push_row`); one that leaves is replaced
 //! by the last row (`remove_row`), so the rows stay dense.
 //!
-//! Every entry that changes is recorded in [`Batch::dirty`] (a pushed or moved row
-//! whole, a decode only the entries it changed): the list collects the changes since
-//! the last `step()` handed one out, so a device copy kept up to date batch by batch
-//! never misses a change made between steps (a fork, an abort).
+//! A step rewrites only the entries that changed (a pushed or moved row whole, a
+//! decode only the entries it changed). (A list of those changes for an incremental
+//! upload, `Batch::dirty`, existed until 0.2 but no backend read it: the step path
+//! packs the decode rows, `seqs[..num_decodes]`, with one copy a step.)
 //!
 //! A batch `step()` handed out stays as it was until the next `step()` (the C ABI
 //! hands out pointers into it): a sequence that leaves between steps (it finished in
@@ -100,15 +100,6 @@ pub struct Batch {
     pub swap_in: Vec<(u32, u32)>,
     /// Requests preempted this step, and how.
     pub preempted: Vec<(RequestId, PreemptionMode)>,
-    /// The entries of `block_tables` that changed since the previous batch: uploading
-    /// `block_tables[r.row * max_blocks_per_seq ..][r.start..r.end]` for each range
-    /// brings a device copy of the previous batch's tables up to date (ranges may
-    /// overlap; rows past `seqs.len()` are gone). A new or moved row is dirty whole; a
-    /// decode step dirties only the entry of a new block (or a copied-on-write one) and
-    /// the entries a sliding window released.
-    pub dirty: Vec<RowRange>,
-    /// `dirty` was handed out by the last `step()`: the next change starts a new list.
-    pub(super) dirty_sent: bool,
     /// The batch is handed out (from `step()` until the next one begins): row removals
     /// wait in `moves`.
     pub(super) out: bool,
@@ -117,37 +108,9 @@ pub struct Batch {
     pub(super) moves: Vec<(u32, u32)>,
 }
 
-/// A run of changed entries in one block-table row of a [`Batch`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RowRange {
-    /// The row (the sequence's index in `Batch::seqs`).
-    pub row: u32,
-    /// First changed entry.
-    pub start: u32,
-    /// One past the last changed entry.
-    pub end: u32,
-}
-
-impl Batch {
-    /// Records entries `start..end` of row `row` as changed.
-    pub(super) fn mark_dirty(&mut self, row: usize, start: usize, end: usize) {
-        if self.dirty_sent {
-            self.dirty.clear();
-            self.dirty_sent = false;
-        }
-        if start < end {
-            self.dirty.push(RowRange {
-                row: row as u32,
-                start: start as u32,
-                end: end as u32,
-            });
-        }
-    }
-}
-
 impl Scheduler {
     /// Writes sequence `seq`'s block table and context length into batch row `row`
-    /// (the whole row, marked dirty).
+    /// (the whole row).
     pub(super) fn write_row(&mut self, row: usize, seq: SeqId) {
         let w = self.batch.max_blocks_per_seq as usize;
         let s = &self.seqs[&seq];
@@ -160,7 +123,6 @@ impl Scheduler {
             *dst = NULL_BLOCK as i32;
         }
         self.batch.context_lens[row] = s.table.num_tokens() as i32;
-        self.batch.mark_dirty(row, 0, w);
         let commit_at = self.kv.commit_at(&s.table);
         self.seqs.set_commit_at(seq, commit_at);
     }
@@ -179,7 +141,6 @@ impl Scheduler {
             let (dst, src) = (b.moves[i].0 as usize, b.moves[i].1 as usize);
             b.block_tables.copy_within(src * w..(src + 1) * w, dst * w);
             b.context_lens[dst] = b.context_lens[src];
-            b.mark_dirty(dst, 0, w);
         }
         b.moves.clear();
         b.block_tables.truncate(rows * w);
@@ -202,7 +163,7 @@ impl Scheduler {
         self.write_row(row, seq);
     }
 
-    /// Exchanges batch rows `a` and `b` (both dirty whole).
+    /// Exchanges batch rows `a` and `b`.
     pub(super) fn swap_rows(&mut self, a: usize, b: usize) {
         let w = self.batch.max_blocks_per_seq as usize;
         let (lo, hi) = (a.min(b), a.max(b));
@@ -213,12 +174,11 @@ impl Scheduler {
         for r in [lo, hi] {
             let id = self.rows[r];
             self.seqs.cold_mut(id).row = r;
-            self.batch.mark_dirty(r, 0, w);
         }
     }
 
     /// Takes sequence `seq` out of the batch rows: the last row moves into its place
-    /// (and is dirty whole there). While the batch is out the arrays' part waits for
+    /// (rewritten whole there). While the batch is out the arrays' part waits for
     /// [`settle_rows`](Self::settle_rows) (see the module docs).
     pub(super) fn remove_row(&mut self, seq: SeqId) {
         let row = self.seqs.cold(seq).row;
@@ -235,7 +195,6 @@ impl Scheduler {
                     .block_tables
                     .copy_within(last * w..(last + 1) * w, row * w);
                 self.batch.context_lens[row] = self.batch.context_lens[last];
-                self.batch.mark_dirty(row, 0, w);
             }
         }
         self.rows.pop();

@@ -74,15 +74,14 @@
 //!   [`KvCacheManager::append_chunk`](crate::block::KvCacheManager::append_chunk)).
 //!
 //! A step's [`Batch`] lists its decodes first ([`Batch::num_decodes`] of them), then the
-//! continuing chunks (their rows are moved after the decoding rows when needed, dirty
-//! whole), then the admitted prefills, with [`Batch::qo_indptr`] for the prefill kernel
+//! continuing chunks (their rows are moved after the decoding rows when needed,
+//! rewritten whole), then the admitted prefills, with [`Batch::qo_indptr`] for the prefill kernel
 //! and [`Batch::num_cached_tokens`].
 //!
 //! The result is a [`Batch`]: flat, device-ready arrays. Its block tables are
 //! *persistent* rows (one per running sequence, `NULL_BLOCK`-padded): a step rewrites
 //! only the entries that changed (a new block's, a copied-on-write block's, those a
-//! window released; a new or moved row whole) and lists them in [`Batch::dirty`] for
-//! an incremental upload, so a steady decode step costs O(running sequences) with no
+//! window released; a new or moved row whole), so a steady decode step costs O(running sequences) with no
 //! heap allocation beyond growing buffers. The common decode (a slot in the partial
 //! last block) is an inline mask and multiply. A prefill's (or chunk's) full blocks
 //! are named and registered in the prefix cache when it is scheduled (so a prompt
@@ -169,7 +168,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap as HashMap;
 
-pub use batch::{Batch, RowRange, ScheduledSeq};
+pub use batch::{Batch, ScheduledSeq};
 use seqs::{Group, GroupKey, SeqSlab};
 pub use tokens::Tokens;
 

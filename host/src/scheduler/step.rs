@@ -5,8 +5,8 @@
 //! chunked prefill) the continuing chunks of the mid-prefill sequences, whose rows
 //! `plan_chunks` moves after the decoding ones, then the admitted prefills in the
 //! order their rows were pushed. The common decode (a free slot in a partial last
-//! block this sequence holds alone) changes no block-table entry; any other marks only
-//! the entries it changed dirty; a chunk rewrites its row whole.
+//! block this sequence holds alone) changes no block-table entry; any other rewrites
+//! only the entries it changed; a chunk rewrites its row whole.
 
 use super::{Batch, ScheduledSeq, Scheduler};
 use crate::block::NULL_BLOCK;
@@ -51,7 +51,6 @@ impl Scheduler {
         // The rows that left since the last step leave the arrays now.
         self.settle_rows();
         let b = &mut self.batch;
-        b.mark_dirty(0, 0, 0); // starts a new list if the last one was handed out
         b.seqs.clear();
         b.slot_mapping.clear();
         b.qo_indptr.clear();
@@ -95,9 +94,6 @@ impl Scheduler {
             b.qo_indptr.push(b.slot_mapping.len() as i32);
         }
 
-        let rows = self.rows.len() as u32;
-        self.batch.dirty.retain(|r| r.row < rows);
-        self.batch.dirty_sent = true;
         self.batch.out = true;
         self.in_step = !self.batch.seqs.is_empty();
         self.update_metrics();
@@ -163,7 +159,6 @@ impl Scheduler {
                 let last = n - 1;
                 if (n != before || self.batch.copies.len() != copies_before) && last < w {
                     self.batch.block_tables[row * w + last] = seq.table.last_block() as i32;
-                    self.batch.mark_dirty(row, last, last + 1);
                 }
                 // (Its hashes, and so its hot `commit_at`, are as they were: a new
                 // or copied block is partial.)
@@ -199,7 +194,6 @@ impl Scheduler {
             if released > 0 && live > live_before {
                 self.batch.block_tables[row * w + live_before..row * w + live]
                     .fill(NULL_BLOCK as i32);
-                self.batch.mark_dirty(row, live_before, live);
             }
         }
         Ok(())

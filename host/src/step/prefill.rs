@@ -59,6 +59,18 @@ pub struct PlannedPrefill {
     pub window: Option<u32>,
 }
 
+/// Byte offsets of a step's prefill metadata sections in the runner's prefill buffer
+/// (`[tables | qo_indptr | lens]`, each 16-byte aligned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct PrefillOffsets {
+    /// `[num_seqs, max_blocks_per_seq]` i32 block tables.
+    pub(super) tables: u64,
+    /// `[num_seqs + 1]` i32 query offsets.
+    pub(super) qo_indptr: u64,
+    /// `[num_seqs]` i32 context lengths.
+    pub(super) lens: u64,
+}
+
 /// Bytes of the prefill metadata buffer for `max_seqs` rows of `width` blocks:
 /// `[tables | qo_indptr | lens]`, 16-byte aligned sections.
 pub(super) fn meta_bytes(max_seqs: u64, width: u64) -> Option<u64> {
@@ -138,7 +150,14 @@ impl<D: StepDevice> StepRunner<D> {
             max_rows,
             window: meta.window,
         };
-        self.planned_prefill = Some((planned, [0, t_bytes as u64, (t_bytes + i_bytes) as u64]));
+        self.planned_prefill = Some((
+            planned,
+            PrefillOffsets {
+                tables: 0,
+                qo_indptr: t_bytes as u64,
+                lens: (t_bytes + i_bytes) as u64,
+            },
+        ));
         Ok(planned)
     }
 
@@ -166,7 +185,6 @@ impl<D: StepDevice> StepRunner<D> {
             return Ok(());
         }
         let n = pp.shape.num_seqs as u64;
-        let at = |i: usize| self.pmeta + offsets[i];
         let cfg = prefill::launch_config(&pp.shape, self.shape.dtype, pp.max_rows);
         // SAFETY: checked views of this device's space; the metadata `plan_prefill`
         // validated and uploaded into the runner's buffer; the slopes buffer it owns.
@@ -186,11 +204,17 @@ impl<D: StepDevice> StepRunner<D> {
                         k_scales,
                         v_scales,
                         block_tables: GlobalSlice::from_raw_parts(
-                            at(0) as *const i32,
+                            (self.pmeta + offsets.tables) as *const i32,
                             n * pp.shape.max_blocks_per_seq as u64,
                         ),
-                        qo_indptr: GlobalSlice::from_raw_parts(at(1) as *const i32, n + 1),
-                        context_lens: GlobalSlice::from_raw_parts(at(2) as *const i32, n),
+                        qo_indptr: GlobalSlice::from_raw_parts(
+                            (self.pmeta + offsets.qo_indptr) as *const i32,
+                            n + 1,
+                        ),
+                        context_lens: GlobalSlice::from_raw_parts(
+                            (self.pmeta + offsets.lens) as *const i32,
+                            n,
+                        ),
                         alibi_slopes: if opts.alibi_slopes.is_some() {
                             GlobalSlice::from_raw_parts(
                                 self.slopes as *const f32,

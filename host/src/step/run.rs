@@ -192,7 +192,7 @@ impl<D: StepDevice> StepRunner<D> {
         if n == 0 {
             return Ok(());
         }
-        let slots = self.meta + planned.offsets[2];
+        let slots = self.meta + planned.offsets.slots;
         let cfg = kv_append::launch_config(n as usize);
         with_kv!(self.shape.dtype, self.shape.kv_dtype, T, K => {
             // SAFETY: every address was checked to be of this device's space, aligned
@@ -243,8 +243,8 @@ impl<D: StepDevice> StepRunner<D> {
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
         let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
         let (dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
-        let tables = self.meta + planned.offsets[0];
-        let lens = self.meta + planned.offsets[1];
+        let tables = self.meta + planned.offsets.tables;
+        let lens = self.meta + planned.offsets.lens;
         with_kv!(dtype, kv_dtype, T, K => {
             // SAFETY: checked views of this device's space; the tables and lengths in the
             // metadata buffer `plan` uploaded and validated; the workspace and slopes

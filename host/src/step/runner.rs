@@ -126,9 +126,20 @@ pub struct Planned {
     pub num_tokens: u32,
     /// The window the metadata was validated for ([`StepMeta::window`]).
     pub window: Option<u32>,
-    /// Byte offsets of the block tables, context lengths and slot mapping in the
-    /// metadata buffer.
-    pub(super) offsets: [u64; 3],
+    /// Where the step's metadata sections start in the metadata buffer.
+    pub(super) offsets: MetaOffsets,
+}
+
+/// Byte offsets of a step's metadata sections in the runner's metadata buffer
+/// (`[tables | lens | slots]`, each 16-byte aligned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct MetaOffsets {
+    /// `[num_seqs, max_blocks_per_seq]` i32 block tables.
+    pub(super) tables: u64,
+    /// `[num_seqs]` i32 context lengths.
+    pub(super) lens: u64,
+    /// `[num_tokens]` i64 slot mapping.
+    pub(super) slots: u64,
 }
 
 /// Plans a step once on the host and runs every layer's kernels with nothing but
@@ -153,7 +164,7 @@ pub struct StepRunner<D: StepDevice> {
     /// `[tables | qo_indptr | lens]` of the step's prefill, 16-byte aligned sections.
     pub(super) pmeta: u64,
     /// What `plan_prefill` decided, and its sections' byte offsets in `pmeta`.
-    pub(super) planned_prefill: Option<(super::PlannedPrefill, [u64; 3])>,
+    pub(super) planned_prefill: Option<(super::PlannedPrefill, super::prefill::PrefillOffsets)>,
 }
 
 impl<D: StepDevice> std::fmt::Debug for StepRunner<D> {
@@ -205,15 +216,7 @@ impl<D: StepDevice> StepRunner<D> {
     ) -> Result<Self> {
         check_layout(&shape.layout())?;
         check_cache_pair(shape.dtype, shape.kv_dtype)?;
-        if shape.num_q_heads == 0 || !shape.num_q_heads.is_multiple_of(shape.num_kv_heads) {
-            return Err(Error::invalid(
-                "num_q_heads",
-                format!(
-                    "{} is not a positive multiple of num_kv_heads {}",
-                    shape.num_q_heads, shape.num_kv_heads
-                ),
-            ));
-        }
+        attention::check_heads(shape.num_q_heads, shape.num_kv_heads)?;
         for (what, v, max) in [
             ("max_seqs", cap.max_seqs, MAX_GRID_YZ),
             ("max_partitions", cap.max_partitions, MAX_GRID_YZ),
@@ -347,22 +350,7 @@ impl<D: StepDevice> StepRunner<D> {
     /// or clears them. Not a run: call it once, outside the layer loop.
     pub fn set_alibi_slopes(&mut self, slopes: Option<&[f32]>) -> Result<()> {
         if let Some(s) = slopes {
-            if s.len() != self.shape.num_q_heads as usize {
-                return Err(Error::invalid(
-                    "alibi_slopes",
-                    format!(
-                        "{} slopes for {} query heads",
-                        s.len(),
-                        self.shape.num_q_heads
-                    ),
-                ));
-            }
-            if let Some(x) = s.iter().find(|x| !x.is_finite()) {
-                return Err(Error::invalid(
-                    "alibi_slopes",
-                    format!("slope {x} is not finite"),
-                ));
-            }
+            attention::check_alibi_slopes(s, self.shape.num_q_heads)?;
             let bytes: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
             self.dev.upload(self.slopes, &bytes)?;
         }
@@ -452,12 +440,12 @@ impl<D: StepDevice> StepRunner<D> {
         };
         // Pack [tables | lens | slots] and upload it in one copy.
         let t_bytes = 4 * meta.block_tables.len() as u64;
-        let offsets = [
-            0,
-            align16(t_bytes),
-            align16(t_bytes) + align16(4 * n as u64),
-        ];
-        let used = offsets[2] as usize + 8 * tokens;
+        let offsets = MetaOffsets {
+            tables: 0,
+            lens: align16(t_bytes),
+            slots: align16(t_bytes) + align16(4 * n as u64),
+        };
+        let used = offsets.slots as usize + 8 * tokens;
         debug_assert!(used <= self.meta_bytes);
         self.staging.clear();
         self.staging.resize(used, 0);
@@ -467,15 +455,15 @@ impl<D: StepDevice> StepRunner<D> {
             }
         };
         put(
-            offsets[0],
+            offsets.tables,
             &mut meta.block_tables.iter().flat_map(|x| x.to_le_bytes()),
         );
         put(
-            offsets[1],
+            offsets.lens,
             &mut meta.context_lens.iter().flat_map(|x| x.to_le_bytes()),
         );
         put(
-            offsets[2],
+            offsets.slots,
             &mut meta.slot_mapping.iter().flat_map(|x| x.to_le_bytes()),
         );
         if used > 0 {

@@ -100,6 +100,50 @@ impl DecodeShape {
     pub fn group(&self) -> u32 {
         self.num_q_heads / self.num_kv_heads.max(1)
     }
+
+    /// Checks what every launch over these shapes needs (decode and prefill alike): a
+    /// valid cache layout, `1..=65535` sequences (a grid axis), and query heads a
+    /// positive multiple of the KV heads.
+    pub fn check(&self) -> Result<()> {
+        check_layout(&self.layout())?;
+        if self.num_seqs == 0 || self.num_seqs > MAX_GRID_YZ {
+            return Err(Error::invalid(
+                "num_seqs",
+                format!("{} (must be 1..={MAX_GRID_YZ})", self.num_seqs),
+            ));
+        }
+        check_heads(self.num_q_heads, self.num_kv_heads)
+    }
+}
+
+/// Query heads must be a positive multiple of the KV heads (each KV head serves a
+/// group of them): the one check of it, for every shape type.
+pub(crate) fn check_heads(num_q_heads: u32, num_kv_heads: u32) -> Result<()> {
+    if num_q_heads == 0 || !num_q_heads.is_multiple_of(num_kv_heads) {
+        return Err(Error::invalid(
+            "num_q_heads",
+            format!("{num_q_heads} is not a positive multiple of num_kv_heads {num_kv_heads}"),
+        ));
+    }
+    Ok(())
+}
+
+/// ALiBi slopes: one finite slope per query head (the one check, for the options and
+/// for the step runner's upload).
+pub(crate) fn check_alibi_slopes(slopes: &[f32], num_q_heads: u32) -> Result<()> {
+    if slopes.len() != num_q_heads as usize {
+        return Err(Error::invalid(
+            "alibi_slopes",
+            format!("{} slopes for {} query heads", slopes.len(), num_q_heads),
+        ));
+    }
+    if let Some(x) = slopes.iter().find(|x| !x.is_finite()) {
+        return Err(Error::invalid(
+            "alibi_slopes",
+            format!("slope {x} is not finite"),
+        ));
+    }
+    Ok(())
 }
 
 /// Options of decode attention.
@@ -185,22 +229,7 @@ pub fn validate<T: TensorDesc>(inputs: &DecodeInputs<'_, T>, out: &T) -> Result<
         plan: _,
     } = *inputs;
     let l = shape.layout();
-    check_layout(&l)?;
-    if shape.num_seqs == 0 || shape.num_seqs > MAX_GRID_YZ {
-        return Err(Error::invalid(
-            "num_seqs",
-            format!("{} (must be 1..={MAX_GRID_YZ})", shape.num_seqs),
-        ));
-    }
-    if shape.num_q_heads == 0 || !shape.num_q_heads.is_multiple_of(shape.num_kv_heads) {
-        return Err(Error::invalid(
-            "num_q_heads",
-            format!(
-                "{} is not a positive multiple of num_kv_heads {}",
-                shape.num_q_heads, shape.num_kv_heads
-            ),
-        ));
-    }
+    shape.check()?;
     if shape.max_blocks_per_seq == 0 {
         return Err(Error::invalid("max_blocks_per_seq", "must be at least 1"));
     }
@@ -236,18 +265,7 @@ pub fn validate_options(opts: &AttentionOptions, num_q_heads: u32) -> Result<()>
         return Err(Error::invalid("window", "must be at least 1 token"));
     }
     if let Some(s) = &opts.alibi_slopes {
-        if s.len() != num_q_heads as usize {
-            return Err(Error::invalid(
-                "alibi_slopes",
-                format!("{} slopes for {} query heads", s.len(), num_q_heads),
-            ));
-        }
-        if let Some(x) = s.iter().find(|x| !x.is_finite()) {
-            return Err(Error::invalid(
-                "alibi_slopes",
-                format!("slope {x} is not finite"),
-            ));
-        }
+        check_alibi_slopes(s, num_q_heads)?;
     }
     Ok(())
 }
