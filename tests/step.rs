@@ -174,15 +174,7 @@ proptest! {
     ) {
         let c = build(&p);
         let want = paged_decode_attention(&c.inputs());
-        let shape = StepShape {
-            num_q_heads: c.shape.num_q_heads,
-            num_kv_heads: c.shape.num_kv_heads,
-            head_dim: c.shape.head_dim,
-            block_size: c.shape.block_size,
-            num_blocks: c.shape.num_blocks,
-            dtype: p.dtype,
-            kv_dtype: p.dtype,
-        };
+        let shape = c.shape.with_dtypes(p.dtype, p.dtype);
         let cap = StepCapacity { max_seqs: 32, max_blocks_per_seq: 64, max_tokens: 64, max_partitions: 4 };
         // sm_count 64: small batches split, so both paths run.
         let mut r = StepRunner::new(EmuDevice::new(Emulator::new()), shape, cap, 64).unwrap();

@@ -73,15 +73,6 @@ fn block_of(block_tables: &[i32], shape: &DecodeShape, seq: usize, t: usize) -> 
     block_tables[seq * shape.max_blocks_per_seq as usize + t / shape.block_size as usize] as u32
 }
 
-fn layout(shape: &DecodeShape) -> PagedLayout {
-    PagedLayout {
-        num_blocks: shape.num_blocks,
-        num_kv_heads: shape.num_kv_heads,
-        block_size: shape.block_size,
-        head_dim: shape.head_dim,
-    }
-}
-
 /// Sequence `seq`'s K and V rows gathered from the paged cache: `[ctx, num_kv_heads,
 /// head_dim]` each, token by token through the block table (the stored values: an
 /// fp8 cache's are before its scales).
@@ -115,7 +106,7 @@ fn gather_from(
     seq: usize,
     (first, ctx): (usize, usize),
 ) -> (Vec<f64>, Vec<f64>) {
-    let l = layout(shape);
+    let l = shape.layout();
     let (kvh, d) = (shape.num_kv_heads as usize, shape.head_dim as usize);
     let mut k = vec![0.0; ctx * kvh * d];
     let mut v = vec![0.0; ctx * kvh * d];

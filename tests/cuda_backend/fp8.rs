@@ -8,7 +8,7 @@ use super::common::fp8::quantise_case;
 use super::common::{rel_l2, rng, tolerance, uniform};
 use super::gpu;
 use pagedkv::cuda::DeviceTensor;
-use pagedkv::host::ops::attention::{DecodeInputs, SplitPlan};
+use pagedkv::host::ops::attention::SplitPlan;
 use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
 use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::paged_decode_attention;
@@ -129,33 +129,13 @@ fn fp8_decode_awkward_shapes_split_and_unsplit() {
         let mut c = build(&p);
         quantise_case(&mut c, cache, i % 2 == 0);
         let want = paged_decode_attention(&c.inputs());
-        let q = DeviceTensor::from_host(&gpu, &c.q).unwrap();
-        let kc = DeviceTensor::from_host(&gpu, &c.kc).unwrap();
-        let vc = DeviceTensor::from_host(&gpu, &c.vc).unwrap();
         for parts in [None, Some(128u32)] {
-            let nan = HostTensor::full(dtype, c.q.shape(), f64::NAN);
-            let mut out = DeviceTensor::from_host(&gpu, &nan).unwrap();
             let plan = parts.map(|t| SplitPlan {
                 heads_per_block: c.shape.group().min(2),
                 partition_tokens: t,
                 num_partitions: 900u32.div_ceil(t),
             });
-            gpu.paged_decode_attention(
-                DecodeInputs {
-                    shape: &c.shape,
-                    opts: &c.opts,
-                    q: &q,
-                    key_cache: &kc,
-                    value_cache: &vc,
-                    block_tables: &c.tables,
-                    context_lens: &c.lens,
-                    plan,
-                    kv_scales: c.scales.as_ref(),
-                },
-                &mut out,
-            )
-            .unwrap();
-            let e = rel_l2(&out.to_host(&gpu).unwrap().to_f64(), &want);
+            let e = rel_l2(&super::decode_on_gpu(&gpu, &c, plan), &want);
             assert!(e <= tolerance(dtype), "{dtype}/{cache} {parts:?}: {e:e}");
         }
     }

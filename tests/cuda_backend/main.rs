@@ -143,34 +143,13 @@ fn decode_awkward_shapes_with_every_option() {
         };
         let c = build(&p);
         let want = paged_decode_attention(&c.inputs());
-        let q = DeviceTensor::from_host(&gpu, &c.q).unwrap();
-        let kc = DeviceTensor::from_host(&gpu, &c.kc).unwrap();
-        let vc = DeviceTensor::from_host(&gpu, &c.vc).unwrap();
         for parts in [None, Some(128u32)] {
-            let mut out =
-                DeviceTensor::from_host(&gpu, &HostTensor::full(dtype, c.q.shape(), f64::NAN))
-                    .unwrap();
             let plan = parts.map(|t| pagedkv::host::ops::attention::SplitPlan {
                 heads_per_block: c.shape.group(),
                 partition_tokens: t,
                 num_partitions: 700u32.div_ceil(t),
             });
-            gpu.paged_decode_attention(
-                DecodeInputs {
-                    shape: &c.shape,
-                    opts: &c.opts,
-                    q: &q,
-                    key_cache: &kc,
-                    value_cache: &vc,
-                    block_tables: &c.tables,
-                    context_lens: &c.lens,
-                    plan,
-                    kv_scales: c.scales.as_ref(),
-                },
-                &mut out,
-            )
-            .unwrap();
-            let e = rel_l2(&out.to_host(&gpu).unwrap().to_f64(), &want);
+            let e = rel_l2(&decode_on_gpu(&gpu, &c, plan), &want);
             assert!(e <= tolerance(dtype), "{dtype} {parts:?}: {e:e}");
         }
     }
@@ -180,63 +159,96 @@ fn decode_awkward_shapes_with_every_option() {
 #[ignore = "needs an NVIDIA GPU"]
 fn kv_append_matches_the_reference_every_dtype() {
     let gpu = gpu();
+    let l = PagedLayout {
+        num_blocks: 512,
+        num_kv_heads: 8,
+        block_size: 16,
+        head_dim: 128,
+    };
     for dtype in DType::ALL {
-        let l = PagedLayout {
-            num_blocks: 512,
-            num_kv_heads: 8,
-            block_size: 16,
-            head_dim: 128,
-        };
-        let mut r = rng(3);
-        let mut slots: Vec<i64> = (0..l.num_slots() as i64).collect();
-        slots.shuffle(&mut r);
-        let n = 1000;
-        let mapping: Vec<i64> = (0..n)
-            .map(|i| if i % 17 == 0 { -1 } else { slots[i] })
-            .collect();
-        let shape = [n, 8, 128];
-        let k = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * 8 * 128)).unwrap();
-        let v = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * 8 * 128)).unwrap();
-        let pool = [l.pool_elems() as usize];
-        let mut kr = HostTensor::full(dtype, &pool, f64::NAN);
-        let mut vr = kr.clone();
-        let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
-        let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
-        kv_append_reference(KvAppendInputs {
-            layout: &l,
-            key: &k,
-            value: &v,
-            slot_mapping: &mapping,
-            key_cache: &mut kr,
-            value_cache: &mut vr,
-            scales: None,
-        })
-        .unwrap();
-        let (kd, vd) = (
-            DeviceTensor::from_host(&gpu, &k).unwrap(),
-            DeviceTensor::from_host(&gpu, &v).unwrap(),
-        );
-        gpu.kv_append(KvAppendInputs {
-            layout: &l,
-            key: &kd,
-            value: &vd,
-            slot_mapping: &mapping,
-            key_cache: &mut kc,
-            value_cache: &mut vc,
-            scales: None,
-        })
-        .unwrap();
-        assert_eq!(
-            kc.to_host(&gpu).unwrap().buf().as_bytes(),
-            kr.buf().as_bytes(),
-            "{dtype} K"
-        );
-        assert_eq!(
-            vc.to_host(&gpu).unwrap().buf().as_bytes(),
-            vr.buf().as_bytes(),
-            "{dtype} V"
-        );
+        append_matches_the_reference(&gpu, dtype, &l, 1000, 3, |i| i % 17 == 0);
     }
+}
+
+/// The case's decode on the GPU with `plan` (`None`: the backend plans): the output.
+pub fn decode_on_gpu(
+    gpu: &CudaDevice,
+    c: &common::case::Case,
+    plan: Option<pagedkv::host::ops::attention::SplitPlan>,
+) -> Vec<f64> {
+    let q = DeviceTensor::from_host(gpu, &c.q).unwrap();
+    let kc = DeviceTensor::from_host(gpu, &c.kc).unwrap();
+    let vc = DeviceTensor::from_host(gpu, &c.vc).unwrap();
+    let nan = HostTensor::full(c.q.dtype(), c.q.shape(), f64::NAN);
+    let mut out = DeviceTensor::from_host(gpu, &nan).unwrap();
+    gpu.paged_decode_attention(
+        DecodeInputs {
+            shape: &c.shape,
+            opts: &c.opts,
+            q: &q,
+            key_cache: &kc,
+            value_cache: &vc,
+            block_tables: &c.tables,
+            context_lens: &c.lens,
+            plan,
+            kv_scales: c.scales.as_ref(),
+        },
+        &mut out,
+    )
+    .unwrap();
+    out.to_host(gpu).unwrap().to_f64()
+}
+
+/// `n` random tokens of `dtype` (those where `pad(i)` are padding, slot -1) appended
+/// on the GPU and by the reference into NaN caches of layout `l`: the bytes agree.
+fn append_matches_the_reference(
+    gpu: &CudaDevice,
+    dtype: DType,
+    l: &PagedLayout,
+    n: usize,
+    seed: u64,
+    pad: impl Fn(usize) -> bool,
+) {
+    let mut r = rng(seed);
+    let mut slots: Vec<i64> = (0..l.num_slots() as i64).collect();
+    slots.shuffle(&mut r);
+    let mapping: Vec<i64> = (0..n).map(|i| if pad(i) { -1 } else { slots[i] }).collect();
+    let row = (l.num_kv_heads * l.head_dim) as usize;
+    let shape = [n, l.num_kv_heads as usize, l.head_dim as usize];
+    let k = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * row)).unwrap();
+    let v = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * row)).unwrap();
+    let pool = [l.pool_elems() as usize];
+    let mut kr = HostTensor::full(dtype, &pool, f64::NAN);
+    let mut vr = kr.clone();
+    let mut kc = DeviceTensor::from_host(gpu, &kr).unwrap();
+    let mut vc = DeviceTensor::from_host(gpu, &vr).unwrap();
+    kv_append_reference(KvAppendInputs {
+        layout: l,
+        key: &k,
+        value: &v,
+        slot_mapping: &mapping,
+        key_cache: &mut kr,
+        value_cache: &mut vr,
+        scales: None,
+    })
+    .unwrap();
+    let (kd, vd) = (
+        DeviceTensor::from_host(gpu, &k).unwrap(),
+        DeviceTensor::from_host(gpu, &v).unwrap(),
+    );
+    gpu.kv_append(KvAppendInputs {
+        layout: l,
+        key: &kd,
+        value: &vd,
+        slot_mapping: &mapping,
+        key_cache: &mut kc,
+        value_cache: &mut vc,
+        scales: None,
+    })
+    .unwrap();
+    let bytes = |t: &DeviceTensor| t.to_host(gpu).unwrap().buf().as_bytes().to_vec();
+    assert_eq!(bytes(&kc), kr.buf().as_bytes(), "{dtype} K");
+    assert_eq!(bytes(&vc), vr.buf().as_bytes(), "{dtype} V");
 }
 
 #[test]
@@ -377,62 +389,14 @@ fn sanitizer_small_decode_split() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn sanitizer_small_append() {
-    let gpu = gpu();
-    let dtype = DType::F16;
     let l = PagedLayout {
         num_blocks: 8,
         num_kv_heads: 2,
         block_size: 16,
         head_dim: 128,
     };
-    let mut r = rng(13);
-    let mut slots: Vec<i64> = (0..l.num_slots() as i64).collect();
-    slots.shuffle(&mut r);
-    let n = 37;
     // Some tokens are padding (-1) and write nothing.
-    let mapping: Vec<i64> = (0..n)
-        .map(|i| if i % 9 == 4 { -1 } else { slots[i] })
-        .collect();
-    let shape = [n, 2, 128];
-    let k = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * 2 * 128)).unwrap();
-    let v = HostTensor::from_f64(dtype, &shape, &uniform(&mut r, n * 2 * 128)).unwrap();
-    let pool = [l.pool_elems() as usize];
-    let mut kr = HostTensor::full(dtype, &pool, f64::NAN);
-    let mut vr = kr.clone();
-    let mut kc = DeviceTensor::from_host(&gpu, &kr).unwrap();
-    let mut vc = DeviceTensor::from_host(&gpu, &vr).unwrap();
-    kv_append_reference(KvAppendInputs {
-        layout: &l,
-        key: &k,
-        value: &v,
-        slot_mapping: &mapping,
-        key_cache: &mut kr,
-        value_cache: &mut vr,
-        scales: None,
-    })
-    .unwrap();
-    let (kd, vd) = (
-        DeviceTensor::from_host(&gpu, &k).unwrap(),
-        DeviceTensor::from_host(&gpu, &v).unwrap(),
-    );
-    gpu.kv_append(KvAppendInputs {
-        layout: &l,
-        key: &kd,
-        value: &vd,
-        slot_mapping: &mapping,
-        key_cache: &mut kc,
-        value_cache: &mut vc,
-        scales: None,
-    })
-    .unwrap();
-    assert_eq!(
-        kc.to_host(&gpu).unwrap().buf().as_bytes(),
-        kr.buf().as_bytes()
-    );
-    assert_eq!(
-        vc.to_host(&gpu).unwrap().buf().as_bytes(),
-        vr.buf().as_bytes()
-    );
+    append_matches_the_reference(&gpu(), DType::F16, &l, 37, 13, |i| i % 9 == 4);
 }
 
 #[test]

@@ -31,15 +31,39 @@ fn step_case(dtype: DType, batch: u32, len: u32, seed: u64) -> common::case::Cas
 }
 
 fn shape_of(c: &common::case::Case, dtype: DType) -> StepShape {
-    StepShape {
-        num_q_heads: c.shape.num_q_heads,
-        num_kv_heads: c.shape.num_kv_heads,
-        head_dim: c.shape.head_dim,
-        block_size: c.shape.block_size,
-        num_blocks: c.shape.num_blocks,
-        dtype,
-        kv_dtype: dtype,
-    }
+    c.shape.with_dtypes(dtype, dtype)
+}
+
+/// A runner on `g` for the case's shapes (room for `max_seqs` sequences), planned
+/// for the case's decode.
+fn planned_runner<'g>(
+    g: &'g pagedkv::cuda::CudaDevice,
+    c: &common::case::Case,
+    dtype: DType,
+    max_seqs: u32,
+) -> StepRunner<CudaStepDevice<'g>> {
+    let cap = StepCapacity {
+        max_seqs,
+        max_blocks_per_seq: c.shape.max_blocks_per_seq,
+        max_tokens: max_seqs,
+        max_partitions: 64,
+    };
+    let mut r = StepRunner::new(
+        CudaStepDevice::new(g),
+        shape_of(c, dtype),
+        cap,
+        g.sm_count(),
+    )
+    .unwrap();
+    r.plan(&StepMeta {
+        block_tables: &c.tables,
+        max_blocks_per_seq: c.shape.max_blocks_per_seq,
+        context_lens: &c.lens,
+        slot_mapping: &[],
+        window: None,
+    })
+    .unwrap();
+    r
 }
 
 #[test]
@@ -50,27 +74,7 @@ fn the_runner_on_the_gpu_matches_the_reference_split_and_unsplit() {
         let dtype = DType::F16;
         let c = step_case(dtype, batch, len, 11);
         let want = paged_decode_attention(&c.inputs());
-        let cap = StepCapacity {
-            max_seqs: 64,
-            max_blocks_per_seq: c.shape.max_blocks_per_seq,
-            max_tokens: 64,
-            max_partitions: 64,
-        };
-        let mut r = StepRunner::new(
-            CudaStepDevice::new(&g),
-            shape_of(&c, dtype),
-            cap,
-            g.sm_count(),
-        )
-        .unwrap();
-        r.plan(&StepMeta {
-            block_tables: &c.tables,
-            max_blocks_per_seq: c.shape.max_blocks_per_seq,
-            context_lens: &c.lens,
-            slot_mapping: &[],
-            window: None,
-        })
-        .unwrap();
+        let r = planned_runner(&g, &c, dtype, 64);
         let (q, kc, vc) = (
             DeviceTensor::from_host(&g, &c.q).unwrap(),
             DeviceTensor::from_host(&g, &c.kc).unwrap(),
@@ -335,27 +339,7 @@ fn views_of_an_engines_cuda_slices_match_the_reference() {
     let dtype = DType::F32;
     let c = step_case(dtype, 4, 300, 5);
     let want = paged_decode_attention(&c.inputs());
-    let cap = StepCapacity {
-        max_seqs: 4,
-        max_blocks_per_seq: c.shape.max_blocks_per_seq,
-        max_tokens: 4,
-        max_partitions: 64,
-    };
-    let mut r = StepRunner::new(
-        CudaStepDevice::new(&g),
-        shape_of(&c, dtype),
-        cap,
-        g.sm_count(),
-    )
-    .unwrap();
-    r.plan(&StepMeta {
-        block_tables: &c.tables,
-        max_blocks_per_seq: c.shape.max_blocks_per_seq,
-        context_lens: &c.lens,
-        slot_mapping: &[],
-        window: None,
-    })
-    .unwrap();
+    let r = planned_runner(&g, &c, dtype, 4);
     // Four elements (16 bytes) of padding before q and out: the views start at an offset.
     let f32s = |t: &HostTensor, pad: usize| -> Vec<f32> {
         let mut v = vec![0.0f32; pad];

@@ -7,7 +7,7 @@ use std::time::Instant;
 use rand::Rng;
 
 use pagedkv::host::backend::{AttentionBackend, PagedCache};
-use pagedkv::host::ops::attention::{AttentionOptions, DecodeShape};
+use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::reference::{dense_decode_attention, gather};
 use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
 use pagedkv::host::{DType, HostTensor};
@@ -36,15 +36,7 @@ impl Check {
         q: &[f64],
         got: &[f64],
     ) {
-        let shape = DecodeShape {
-            num_seqs: 1,
-            num_q_heads: cfg.num_q_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            block_size: cfg.block_size,
-            num_blocks: cfg.num_blocks,
-            max_blocks_per_seq: row.len() as u32,
-        };
+        let shape = cfg.shape().batch(1, row.len() as u32);
         let (kg, vg) = gather(&shape, kc, vc, row, upto, 0);
         let (qh, kvh, d) = (
             cfg.num_q_heads as usize,

@@ -93,6 +93,19 @@ pub struct RunConfig {
 }
 
 impl RunConfig {
+    /// The model's attention geometry and dtype (the cache of the query type).
+    pub fn shape(&self) -> StepShape {
+        StepShape {
+            num_q_heads: self.num_q_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            dtype: self.dtype,
+            kv_dtype: self.dtype,
+        }
+    }
+
     /// Checks every setting; an error names the `pagedkv run` flag or the field.
     pub fn check(&self) -> Result<(), String> {
         if !(1..=MAX_REQUESTS).contains(&self.num_requests) {
@@ -265,15 +278,7 @@ fn run_mode(
     cfg.check()?;
     let max_seqs = cfg.num_requests as u32;
     let backend = BackendConfig {
-        shape: StepShape {
-            num_q_heads: cfg.num_q_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            block_size: cfg.block_size,
-            num_blocks: cfg.num_blocks,
-            dtype: cfg.dtype,
-            kv_dtype: cfg.dtype,
-        },
+        shape: cfg.shape(),
         num_layers: cfg.num_layers,
         capacity: StepCapacity {
             max_seqs,

@@ -14,25 +14,12 @@ use super::prefill::PrefillMeta;
 use super::runner::{DecodeIo, KvAppendIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use crate::backend::AsView;
 use crate::error::Result;
-use crate::ops::attention::{self, DecodeInputs, DecodeShape, SplitPlan};
+use crate::ops::attention::{self, DecodeInputs, SplitPlan};
 use crate::ops::kv_append::{self, KvAppendInputs};
 use crate::ops::prefill::{self, PrefillInputs};
 use crate::ops::scales::KvScales;
 use crate::step::PrefillIo;
 use crate::tensor::{DType, TensorDesc};
-
-/// The step shape of a per-call decode or prefill over `shape`.
-fn step_shape(shape: &DecodeShape, dtype: DType, kv_dtype: DType) -> StepShape {
-    StepShape {
-        num_q_heads: shape.num_q_heads,
-        num_kv_heads: shape.num_kv_heads,
-        head_dim: shape.head_dim,
-        block_size: shape.block_size,
-        num_blocks: shape.num_blocks,
-        dtype,
-        kv_dtype,
-    }
-}
 
 /// Uploads an fp8 cache's scales (`[2, num_kv_heads]` f32: K's, then V's) into a
 /// buffer of the runner's device, and views it for one run. The view must not outlive
@@ -84,7 +71,7 @@ pub(crate) fn decode<D: StepDevice, T: AsView + TensorDesc>(
     } else {
         0
     };
-    let shape = step_shape(s, inputs.q.dtype(), inputs.key_cache.dtype());
+    let shape = s.with_dtypes(inputs.q.dtype(), inputs.key_cache.dtype());
     let mut runner = StepRunner::with_workspace(dev, shape, cap, None, rows)?;
     runner.set_alibi_slopes(inputs.opts.alibi_slopes.as_deref())?;
     let kv_scales = upload_scales(&mut runner, inputs.kv_scales)?;
@@ -174,7 +161,7 @@ pub(crate) fn prefill<D: StepDevice, T: AsView + TensorDesc>(
         max_tokens: (tokens as u32).max(1),
         max_partitions: 1,
     };
-    let shape = step_shape(s, inputs.q.dtype(), inputs.key_cache.dtype());
+    let shape = s.with_dtypes(inputs.q.dtype(), inputs.key_cache.dtype());
     let mut runner = StepRunner::with_split(dev, shape, cap, None)?;
     runner.set_alibi_slopes(inputs.opts.alibi_slopes.as_deref())?;
     let kv_scales = upload_scales(&mut runner, inputs.kv_scales)?;

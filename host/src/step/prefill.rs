@@ -96,15 +96,7 @@ impl<D: StepDevice> StepRunner<D> {
                 ),
             ));
         }
-        let shape = DecodeShape {
-            num_seqs: n as u32,
-            num_q_heads: self.shape.num_q_heads,
-            num_kv_heads: self.shape.num_kv_heads,
-            head_dim: self.shape.head_dim,
-            block_size: self.shape.block_size,
-            num_blocks: self.shape.num_blocks,
-            max_blocks_per_seq: width,
-        };
+        let shape = self.shape.batch(n as u32, width);
         if meta.window == Some(0) {
             return Err(Error::invalid("window", "must be at least 1 token"));
         }

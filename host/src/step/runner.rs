@@ -33,11 +33,21 @@ pub struct StepShape {
 impl StepShape {
     /// One layer's cache layout.
     pub fn layout(&self) -> PagedLayout {
-        PagedLayout {
-            num_blocks: self.num_blocks,
+        self.batch(0, 0).layout()
+    }
+
+    /// The shape of a launch over `num_seqs` sequences of block-table rows
+    /// `max_blocks_per_seq` long, with this geometry (the one place a
+    /// [`DecodeShape`] is made from a step shape).
+    pub fn batch(&self, num_seqs: u32, max_blocks_per_seq: u32) -> DecodeShape {
+        DecodeShape {
+            num_seqs,
+            num_q_heads: self.num_q_heads,
             num_kv_heads: self.num_kv_heads,
-            block_size: self.block_size,
             head_dim: self.head_dim,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            max_blocks_per_seq,
         }
     }
 }
@@ -256,15 +266,7 @@ impl<D: StepDevice> StepRunner<D> {
         // makes: the planner splits only small batches, so this is far below
         // max_seqs * num_q_heads * max_partitions.
         let mut rows = min_rows;
-        let decode_shape = |n| DecodeShape {
-            num_seqs: n,
-            num_q_heads: shape.num_q_heads,
-            num_kv_heads: shape.num_kv_heads,
-            head_dim: shape.head_dim,
-            block_size: shape.block_size,
-            num_blocks: shape.num_blocks,
-            max_blocks_per_seq: cap.max_blocks_per_seq,
-        };
+        let decode_shape = |n| shape.batch(n, cap.max_blocks_per_seq);
         let longest = cap.max_blocks_per_seq.saturating_mul(shape.block_size);
         let sms = sm_count.unwrap_or(0);
         for n in (1..=cap.max_seqs).take_while(|_| sm_count.is_some()) {
@@ -404,15 +406,7 @@ impl<D: StepDevice> StepRunner<D> {
             }
             None
         } else {
-            let ds = DecodeShape {
-                num_seqs: n as u32,
-                num_q_heads: self.shape.num_q_heads,
-                num_kv_heads: self.shape.num_kv_heads,
-                head_dim: self.shape.head_dim,
-                block_size: self.shape.block_size,
-                num_blocks: self.shape.num_blocks,
-                max_blocks_per_seq: width,
-            };
+            let ds = self.shape.batch(n as u32, width);
             if width == 0 {
                 return Err(Error::invalid("max_blocks_per_seq", "must be at least 1"));
             }

@@ -96,6 +96,20 @@ impl DecodeShape {
         self.num_q_heads as u64 * self.head_dim as u64
     }
 
+    /// The step shape of these sequences' geometry with q of `dtype` over caches of
+    /// `kv_dtype` (the inverse of [`StepShape::batch`](crate::step::StepShape::batch)).
+    pub fn with_dtypes(&self, dtype: DType, kv_dtype: DType) -> crate::step::StepShape {
+        crate::step::StepShape {
+            num_q_heads: self.num_q_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            dtype,
+            kv_dtype,
+        }
+    }
+
     /// Query heads per KV head.
     pub fn group(&self) -> u32 {
         self.num_q_heads / self.num_kv_heads.max(1)
