@@ -1,5 +1,5 @@
 /* Minimal use of pagedkv from C: one request through the scheduler to completion.
- * docs/c.md shows this file; capi/tests/c_program.rs compiles and runs it. */
+ * docs/c.md shows this file; capi/tests/c_abi/c_program.rs compiles and runs it. */
 #include <stdio.h>
 #include "pagedkv.h"
 

@@ -1,7 +1,7 @@
 //! The step path on a GPU: the runner against the CPU reference, a whole step
 //! captured in a CUDA graph whose replays, after the next plan updates the metadata in
 //! place, give the same outputs as direct launches, and the engine-facing
-//! `AttentionBackend` serving a scheduler (the body `tests/backend.rs` runs on the CPU).
+//! `AttentionBackend` serving a scheduler (the body `tests/serving/backend.rs` runs on the CPU).
 
 use super::common::case::{Params, build};
 use super::common::{self, rel_l2, tolerance};

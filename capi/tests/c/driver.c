@@ -1,6 +1,6 @@
 /* The C test program: drives the scheduler, the prefix cache, the CPU reference
  * attention and the error paths through the C ABI, printing what it sees. The Rust
- * test (capi/tests/c_program.rs) checks the output. */
+ * test (capi/tests/c_abi/c_program.rs) checks the output. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>

@@ -1,6 +1,6 @@
 /* Hostile use of the C ABI (issue #13): destroy racing calls from other threads, a
  * count that disagrees with the library's state, a panic inside a call, a layout whose
- * size overflows. Prints one line per check; the Rust test (capi/tests/c_program.rs)
+ * size overflows. Prints one line per check; the Rust test (capi/tests/c_abi/c_program.rs)
  * checks them and that nothing reached stderr, and scripts/sanitize-c.sh runs it under
  * AddressSanitizer and UndefinedBehaviorSanitizer.
  *

@@ -16,7 +16,7 @@
 //! [`DeviceTensor`](crate::cuda::DeviceTensor)s). Both are the step path of
 //! [`crate::step`] over a different [`StepDevice`](crate::step::StepDevice), so what
 //! the emulator proves is the code a GPU runs. A test body written once over
-//! `B: AttentionBackend` runs on both (see `tests/backend.rs`).
+//! `B: AttentionBackend` runs on both (see `tests/serving/backend.rs`).
 //!
 //! ## Which rows decode
 //! A batch mixes prefills and decodes. `kv_append` writes every new token of the batch

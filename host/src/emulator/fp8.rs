@@ -9,7 +9,7 @@
 //! with the ISA's operand order, computed with `f64` arithmetic from the ISA's rules
 //! (round to nearest even; `.satfinite`: NaN → NaN, a magnitude above the largest
 //! finite value, infinity included, → the largest finite value with the input's
-//! sign). `host/tests/fp8.rs` checks that both agree bit for bit on every input class
+//! sign). `host/tests/emulated/fp8.rs` checks that both agree bit for bit on every input class
 //! and with a third, table-based reference.
 //!
 //! NaN results use the same canonical patterns as the software path (`0x7f` for an fp8
@@ -88,7 +88,7 @@ fn decode_mag(c: u8, f: Format) -> f64 {
 
 /// One fp8 byte → f16 bits. Every value of both formats is exact in f32 and in f16, so
 /// this narrows the `f64` value with the device layer's f32 → f16 conversion (itself
-/// checked against the `half` crate in `host/tests/convert.rs`), which cannot round.
+/// checked against the `half` crate in `host/tests/emulated/convert.rs`), which cannot round.
 fn decode_f16(b: u8, f: Format, is_nan: bool, is_inf: bool) -> u16 {
     let neg = b & 0x80 != 0;
     if is_nan {

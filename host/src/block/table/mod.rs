@@ -1,7 +1,7 @@
 //! [`BlockTable`] and [`KvCacheManager`]: one sequence's blocks, and every operation
 //! that changes which sequence holds which block.
 //!
-//! # Invariants (checked by the proptests in `tests/scheduler.rs`)
+//! # Invariants (checked by the proptests in `host/tests/scheduling/scheduler.rs`)
 //! * Every entry of a device table is [`NULL_BLOCK`] or a block whose `ref_cnt` counts
 //!   it; every entry of a host (swapped) table likewise in the host pool.
 //! * Token position `p < num_tokens` of a table lives in slot

@@ -4,7 +4,7 @@
 //! blocks before a window, every head_dim, GQA groups up to 16, chunks that start
 //! mid-block, and a chunk of one token against the decode kernel.
 
-mod common;
+use crate::common;
 
 use common::case::{Params, build};
 use common::{approx_tolerance, cases, rel_l2, rng, tolerance, uniform};

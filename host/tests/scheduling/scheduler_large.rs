@@ -4,7 +4,7 @@
 //! token history and prefix-cache registration is still exact. The look-ahead only
 //! hints the CPU's caches; this checks (in a debug build, with overflow checks) that
 //! its index arithmetic never panics and never disturbs the state. The small-batch
-//! model tests are in `tests/scheduler.rs`.
+//! model tests are in `host/tests/scheduling/scheduler.rs`.
 
 use std::collections::HashMap;
 

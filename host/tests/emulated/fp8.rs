@@ -6,7 +6,7 @@
 //! the table of every finite value, ties to the even code, saturating.
 //!
 //! `fp8_every_f32_soft_matches_hardware_model` (ignored by default) compares the two
-//! encoders on all 2^32 f32 inputs: `cargo test --release -p pagedkv-host --test fp8 --
+//! encoders on all 2^32 f32 inputs: `cargo test --release -p pagedkv-host --test emulated --
 //! --ignored`.
 
 use pagedkv_host::emulator::fp8 as hw;

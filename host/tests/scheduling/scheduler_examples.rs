@@ -1,7 +1,7 @@
 //! The scheduler on small hand-made cases, each checking one behaviour exactly: prefix
 //! hits (and the one token a prefill always computes), fork's copy-on-write, and input
 //! the scheduler must refuse with an error rather than a panic. The random
-//! interleavings against a model are in `tests/scheduler.rs`.
+//! interleavings against a model are in `host/tests/scheduling/scheduler.rs`.
 
 use pagedkv_host::Error;
 use pagedkv_host::scheduler::{Request, Scheduler, SchedulerConfig};

@@ -5,7 +5,7 @@
 //! of `pagedkv_cuda_kv_append_fp8` / `pagedkv_cuda_decode_attention_fp8`, which check
 //! the types and scales before the backend handle, so a null backend reaches them.
 //!
-//! With one (`cargo test -p pagedkv-capi --test fp8 -- --ignored`): the two CUDA
+//! With one (`cargo test -p pagedkv-capi --test c_abi -- --ignored`): the two CUDA
 //! functions on device buffers against the CPU reference (`kv_append` bit-exact, decode
 //! within the 16-bit tolerance of f64 attention over the dequantised cache, unsplit and
 //! split-K), the plain call through the `_fp8` functions equal to the old ones, and the

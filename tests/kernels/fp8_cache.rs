@@ -8,7 +8,7 @@
 //! blocks, batch 1/3/17, lengths off the block size, NaN in every unused slot (fp8's
 //! NaN byte) and in the outputs, windows with freed blocks, soft-cap, ALiBi, GQA.
 
-mod common;
+use crate::common;
 
 use common::case::{Case, Params, build};
 use common::fp8::{calibrate, head_of, quantise_case};

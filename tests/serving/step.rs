@@ -2,7 +2,7 @@
 //! recording device, results proven in the emulator against the f64 reference with
 //! row-strided q and out, and every bad view an error naming the argument.
 
-mod common;
+use crate::common;
 
 use common::case::{Params, build};
 use common::{cases, rel_l2, tolerance};

@@ -1,7 +1,7 @@
 //! The shared backend test body (`tests/common/serve.rs`) on the CPU backend, and the
 //! backend API's errors.
 
-mod common;
+use crate::common;
 
 use common::serve::{
     HOST_BLOCKS, LAYERS, NUM_BLOCKS, ServeCase, config, config_kv, fp8_scales, serve_and_check,
@@ -40,7 +40,7 @@ fn the_cpu_backend_serves_a_batch_through_swaps_and_prefix_hits() {
 /// The same serving loop over fp8 caches (e4m3 under f16 queries, e5m2 under bf16):
 /// every output against f64 attention over what the cache holds (each K/V value
 /// through `encode(x / scale)`, decoded, times the layer's and head's scale), through
-/// swaps and prefix hits (split-K over fp8 is proven in `tests/fp8_cache.rs`: these
+/// swaps and prefix hits (split-K over fp8 is proven in `tests/kernels/fp8_cache.rs`: these
 /// contexts are too short to split).
 #[test]
 fn the_cpu_backend_serves_from_fp8_caches() {

@@ -7,7 +7,7 @@
 //! runs with exact math and again with the GPU's approximate `exp2`/`tanh` error model,
 //! against a tolerance derived from that model.
 
-mod common;
+use crate::common;
 
 use common::case::{Case, Params, build};
 use common::{approx_tolerance, cases, rel_l2, split_tolerance, tolerance};

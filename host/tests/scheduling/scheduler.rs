@@ -12,8 +12,8 @@
 //! budget, each sequence's new tokens starting where its last step ended, prefix hits
 //! reported, non-final chunks' sampled tokens ignored, no fork mid-prefill).
 //!
-//! Hand-made cases of single behaviours are in `tests/scheduler_examples.rs` and
-//! `tests/scheduler_chunked.rs`.
+//! Hand-made cases of single behaviours are in `host/tests/scheduling/scheduler_examples.rs` and
+//! `host/tests/scheduling/scheduler_chunked.rs`.
 
 use std::collections::{HashMap, HashSet};
 

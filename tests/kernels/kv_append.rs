@@ -2,7 +2,7 @@
 //! dtype, head_dim and block size, padding slots, random slots in a shuffled pool.
 //! Caches start as NaN; every slot not appended to must stay NaN.
 
-mod common;
+use crate::common;
 
 use common::{cases, rng, uniform};
 use pagedkv::host::emulator::{BlockOrder, Emulator};

@@ -145,7 +145,7 @@ fn prefill_runs_on_tensor_cores_with_k_and_v_through_cp_async() {
 #[test]
 fn the_planners_register_count_bounds_every_decode_kernel() {
     use pagedkv::host::ops::attention::{DECODE_REGISTERS, DECODE_REGISTERS_FP8};
-    let report = include_str!("../ptx/resources.md");
+    let report = include_str!("../../ptx/resources.md");
     // The ptxas table comes first; the SASS and occupancy tables follow it.
     let ptxas = report.split("\n## ").next().unwrap();
     let mut seen = 0;

@@ -2,7 +2,7 @@
 //! split across steps, decodes scheduled with the chunks, chunk boundaries mid-block, a
 //! prefix hit followed by a chunked remainder, preemption mid-prefill (recompute and
 //! swap), fork refused mid-prefill, and the sampled token of a non-final chunk ignored.
-//! The random interleavings (half of them chunked) are in `tests/scheduler.rs`.
+//! The random interleavings (half of them chunked) are in `host/tests/scheduling/scheduler.rs`.
 
 use pagedkv_host::Error;
 use pagedkv_host::scheduler::{

@@ -1,0 +1,13 @@
+//! The kernels in the emulator, through the path engines use, against the f64 references:
+//! one test binary for decode (`attention`, `attention_api`), prefill, `kv_append`,
+//! `copy_blocks`, fp8 caches (`fp8_cache`), and the committed PTX (`ptx`).
+
+mod attention;
+mod attention_api;
+#[path = "../common/mod.rs"]
+mod common;
+mod copy_blocks;
+mod fp8_cache;
+mod kv_append;
+mod prefill;
+mod ptx;
