@@ -7,7 +7,7 @@ use pagedkv_kernels::Kernel;
 use super::{CudaDevice, DeviceTensor, cuda};
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
-use crate::step::{Space, StepDevice, TensorView, TensorViewMut};
+use crate::step::{DeviceAddr, Space, StepDevice, TensorView, TensorViewMut};
 use crate::tensor::TensorDesc;
 
 /// A [`StepDevice`] on a [`CudaDevice`]'s stream: allocations are stream-ordered
@@ -113,14 +113,14 @@ impl StepDevice for CudaStepDevice<'_> {
         space_of(self.gpu)
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<u64> {
+    fn alloc(&mut self, bytes: usize) -> Result<DeviceAddr> {
         let s = &self.gpu.stream;
         let buf = s
             .alloc_zeros::<u8>(bytes.max(1))
             .map_err(cuda("cuMemAlloc"))?;
         let (addr, _) = buf.device_ptr(s);
         self.bufs.push(buf);
-        Ok(addr)
+        Ok(DeviceAddr::new(addr))
     }
 
     fn reserve_upload(&mut self, bytes: usize) -> Result<()> {
@@ -140,7 +140,7 @@ impl StepDevice for CudaStepDevice<'_> {
         Ok(())
     }
 
-    fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()> {
+    fn upload(&mut self, dst: DeviceAddr, src: &[u8]) -> Result<()> {
         crate::step::check_reserved(src.len(), self.staging_len)?;
         let i = self.next;
         self.next = 1 - i;
@@ -162,7 +162,7 @@ impl StepDevice for CudaStepDevice<'_> {
         // SAFETY: `dst` is an address this device allocated with room for `src` (the
         // runner's contract); the pinned source stays untouched until the event below.
         unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst, host, self.gpu.stream.cu_stream())
+            cudarc::driver::result::memcpy_htod_async(dst.get(), host, self.gpu.stream.cu_stream())
         }
         .map_err(cuda("cuMemcpyHtoDAsync"))?;
         self.uploaded[i] = Some(

@@ -22,6 +22,30 @@ pub enum Space {
     Recorder,
 }
 
+/// An address in a [`StepDevice`]'s memory, as [`StepDevice::alloc`] returns it (not a
+/// bare `u64`, so it cannot be mistaken for a size or an offset). Only a launch
+/// dereferences one, under that launch's safety conditions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DeviceAddr(u64);
+
+impl DeviceAddr {
+    /// The address `addr` of a device's memory (a device implementation makes these).
+    pub const fn new(addr: u64) -> Self {
+        Self(addr)
+    }
+
+    /// The address as a number.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The address `bytes` further on (wrapping: an address is never dereferenced
+    /// here, and a run checks every length it launches with).
+    pub const fn offset(self, bytes: u64) -> Self {
+        Self(self.0.wrapping_add(bytes))
+    }
+}
+
 /// The driver calls of the step path. [`StepRunner`](super::StepRunner) calls
 /// [`alloc`](StepDevice::alloc) only when it is made, [`upload`](StepDevice::upload)
 /// only in [`plan`](super::StepRunner::plan), and nothing but
@@ -32,13 +56,13 @@ pub trait StepDevice {
 
     /// Allocates `bytes` zeroed bytes that live as long as the device; returns their
     /// 256-byte aligned address.
-    fn alloc(&mut self, bytes: usize) -> Result<u64>;
+    fn alloc(&mut self, bytes: usize) -> Result<DeviceAddr>;
 
     /// Copies `src` to `dst` (an address [`alloc`](StepDevice::alloc) returned, with
     /// room for `src`), asynchronously where the device can: the device stages `src`
     /// first, so the caller's slice is free when this returns. Ordered before every
     /// later launch.
-    fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()>;
+    fn upload(&mut self, dst: DeviceAddr, src: &[u8]) -> Result<()>;
 
     /// Makes room for uploads of up to `bytes` (pinned staging memory on a GPU), so
     /// [`upload`](StepDevice::upload) never allocates: an upload of more bytes than
@@ -347,14 +371,14 @@ impl StepDevice for Recorder {
     fn space(&self) -> Space {
         Space::Recorder
     }
-    fn alloc(&mut self, bytes: usize) -> Result<u64> {
+    fn alloc(&mut self, bytes: usize) -> Result<DeviceAddr> {
         self.ops.borrow_mut().push(DeviceOp::Alloc(bytes));
         let addr = self.next;
         self.next += (bytes as u64).next_multiple_of(256).max(256);
-        Ok(addr)
+        Ok(DeviceAddr(addr))
     }
-    fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()> {
-        if dst == 0 {
+    fn upload(&mut self, dst: DeviceAddr, src: &[u8]) -> Result<()> {
+        if dst.0 == 0 {
             return Err(Error::InvalidState("upload to a null address".into()));
         }
         check_reserved(src.len(), self.reserved)?;

@@ -2,7 +2,7 @@
 
 use pagedkv_kernels::Kernel;
 
-use super::device::{Space, StepDevice};
+use super::device::{DeviceAddr, Space, StepDevice};
 use crate::buffer::AlignedBuf;
 use crate::emulator::{Emulator, LaunchConfig};
 use crate::error::{Error, Result};
@@ -40,7 +40,7 @@ impl StepDevice for EmuDevice {
         Space::Host
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<u64> {
+    fn alloc(&mut self, bytes: usize) -> Result<DeviceAddr> {
         // 256-byte alignment, as a GPU allocation: over-allocate and round up. Fallible,
         // as a GPU's allocation is.
         let mut b = bytes
@@ -52,7 +52,7 @@ impl StepDevice for EmuDevice {
         let base = b.as_bytes_mut().as_mut_ptr() as u64;
         let addr = base.next_multiple_of(256);
         self.bufs.push(b);
-        Ok(addr)
+        Ok(DeviceAddr::new(addr))
     }
 
     fn reserve_upload(&mut self, bytes: usize) -> Result<()> {
@@ -60,8 +60,9 @@ impl StepDevice for EmuDevice {
         Ok(())
     }
 
-    fn upload(&mut self, dst: u64, src: &[u8]) -> Result<()> {
+    fn upload(&mut self, dst: DeviceAddr, src: &[u8]) -> Result<()> {
         super::device::check_reserved(src.len(), self.reserved)?;
+        let dst = dst.get();
         let inside = self.bufs.iter().any(|b| {
             let base = b.as_bytes().as_ptr() as u64;
             dst >= base && dst + src.len() as u64 <= base + b.len() as u64

@@ -65,7 +65,9 @@ mod run;
 mod runner;
 
 pub(crate) use device::check_reserved;
-pub use device::{DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut};
+pub use device::{
+    DeviceAddr, DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut,
+};
 pub use emu::EmuDevice;
 pub use prefill::{PlannedPrefill, PrefillIo, PrefillMeta};
 pub use runner::{

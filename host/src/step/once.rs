@@ -45,7 +45,12 @@ fn upload_scales<D: StepDevice>(
     // keeps as long as it lives: the runner (which owns it) outlives every run of the
     // view, and nothing else writes it.
     Ok(Some(unsafe {
-        TensorView::from_raw(addr, (s.k.len() + s.v.len()) as u64, DType::F32, space)
+        TensorView::from_raw(
+            addr.get(),
+            (s.k.len() + s.v.len()) as u64,
+            DType::F32,
+            space,
+        )
     }))
 }
 
@@ -240,10 +245,13 @@ pub(crate) unsafe fn copy_blocks<D: StepDevice>(
     let params = unsafe {
         CopyBlocksParams {
             pools: GlobalSlice::from_raw_parts(
-                views_at as *const GlobalSliceMut<u8>,
+                views_at.get() as *const GlobalSliceMut<u8>,
                 pools.len() as u64,
             ),
-            pairs: GlobalSlice::from_raw_parts(pairs_at as *const i64, 2 * pairs.len() as u64),
+            pairs: GlobalSlice::from_raw_parts(
+                pairs_at.get() as *const i64,
+                2 * pairs.len() as u64,
+            ),
             block_bytes,
         }
     };

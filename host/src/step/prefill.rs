@@ -196,20 +196,20 @@ impl<D: StepDevice> StepRunner<D> {
                         k_scales,
                         v_scales,
                         block_tables: GlobalSlice::from_raw_parts(
-                            (self.pmeta + offsets.tables) as *const i32,
+                            self.pmeta.offset(offsets.tables).get() as *const i32,
                             n * pp.shape.max_blocks_per_seq as u64,
                         ),
                         qo_indptr: GlobalSlice::from_raw_parts(
-                            (self.pmeta + offsets.qo_indptr) as *const i32,
+                            self.pmeta.offset(offsets.qo_indptr).get() as *const i32,
                             n + 1,
                         ),
                         context_lens: GlobalSlice::from_raw_parts(
-                            (self.pmeta + offsets.lens) as *const i32,
+                            self.pmeta.offset(offsets.lens).get() as *const i32,
                             n,
                         ),
                         alibi_slopes: if opts.alibi_slopes.is_some() {
                             GlobalSlice::from_raw_parts(
-                                self.slopes as *const f32,
+                                self.slopes.get() as *const f32,
                                 pp.shape.num_q_heads as u64,
                             )
                         } else {

@@ -192,7 +192,7 @@ impl<D: StepDevice> StepRunner<D> {
         if n == 0 {
             return Ok(());
         }
-        let slots = self.meta + planned.offsets.slots;
+        let slots = self.meta.offset(planned.offsets.slots).get();
         let cfg = kv_append::launch_config(n as usize);
         with_kv!(self.shape.dtype, self.shape.kv_dtype, T, K => {
             // SAFETY: every address was checked to be of this device's space, aligned
@@ -243,8 +243,8 @@ impl<D: StepDevice> StepRunner<D> {
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
         let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
         let (dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
-        let tables = self.meta + planned.offsets.tables;
-        let lens = self.meta + planned.offsets.lens;
+        let tables = self.meta.offset(planned.offsets.tables).get();
+        let lens = self.meta.offset(planned.offsets.lens).get();
         with_kv!(dtype, kv_dtype, T, K => {
             // SAFETY: checked views of this device's space; the tables and lengths in the
             // metadata buffer `plan` uploaded and validated; the workspace and slopes
@@ -259,7 +259,7 @@ impl<D: StepDevice> StepRunner<D> {
                     block_tables: GlobalSlice::from_raw_parts(tables as *const i32, rows * ds.max_blocks_per_seq as u64),
                     context_lens: GlobalSlice::from_raw_parts(lens as *const i32, rows),
                     alibi_slopes: if opts.alibi_slopes.is_some() {
-                        GlobalSlice::from_raw_parts(self.slopes as *const f32, ds.num_q_heads as u64)
+                        GlobalSlice::from_raw_parts(self.slopes.get() as *const f32, ds.num_q_heads as u64)
                     } else {
                         GlobalSlice::empty()
                     },
@@ -268,8 +268,8 @@ impl<D: StepDevice> StepRunner<D> {
                     } else {
                         GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems)
                     },
-                    part_out: GlobalSliceMut::from_raw_parts(self.part_out.0 as *mut f32, self.part_out.1),
-                    part_ml: GlobalSliceMut::from_raw_parts(self.part_ml.0 as *mut f32, self.part_ml.1),
+                    part_out: GlobalSliceMut::from_raw_parts(self.part_out.0.get() as *mut f32, self.part_out.1),
+                    part_ml: GlobalSliceMut::from_raw_parts(self.part_ml.0.get() as *mut f32, self.part_ml.1),
                     layout: l,
                     num_q_heads: ds.num_q_heads,
                     max_blocks_per_seq: ds.max_blocks_per_seq,

@@ -2,7 +2,7 @@
 
 use pagedkv_kernels::PagedLayout;
 
-use super::device::{StepDevice, TensorView, TensorViewMut};
+use super::device::{DeviceAddr, StepDevice, TensorView, TensorViewMut};
 use crate::error::{Error, Result};
 use crate::ops::attention::{self, DecodeShape, SplitPlan};
 use crate::ops::scales::check_cache_pair;
@@ -161,18 +161,18 @@ pub struct StepRunner<D: StepDevice> {
     /// SMs the split planner plans for; `None`: never split.
     pub(super) sm_count: Option<u32>,
     /// `[tables | lens | slots]`, 16-byte aligned sections.
-    pub(super) meta: u64,
+    pub(super) meta: DeviceAddr,
     pub(super) meta_bytes: usize,
     /// Split-K partials: `[rows, head_dim]` and `[rows, 2]` f32.
-    pub(super) part_out: (u64, u64),
-    pub(super) part_ml: (u64, u64),
+    pub(super) part_out: (DeviceAddr, u64),
+    pub(super) part_ml: (DeviceAddr, u64),
     /// `[num_q_heads]` f32 ALiBi slopes on the device, and the host copy they came from.
-    pub(super) slopes: u64,
+    pub(super) slopes: DeviceAddr,
     pub(super) slopes_host: Option<Vec<f32>>,
     pub(super) staging: Vec<u8>,
     pub(super) planned: Option<Planned>,
     /// `[tables | qo_indptr | lens]` of the step's prefill, 16-byte aligned sections.
-    pub(super) pmeta: u64,
+    pub(super) pmeta: DeviceAddr,
     /// What `plan_prefill` decided, and its sections' byte offsets in `pmeta`.
     pub(super) planned_prefill: Option<(super::PlannedPrefill, super::prefill::PrefillOffsets)>,
 }
