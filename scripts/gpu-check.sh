@@ -117,7 +117,6 @@ found = set()
 for line in open(src):
     m = json.loads(line)
     name = m.get("target", {}).get("name")
-    # (cargo also builds the crate's own binary, which the integration test may run)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and name in ("cuda_backend", "kernels"):
         shutil.copy2(m["executable"], f"{dest}/{name}")
         found.add(name)

@@ -291,6 +291,11 @@ pagedkv_status pagedkv_reference_kv_append(uint32_t num_blocks, uint32_t num_kv_
 /* CUDA backend on caller-supplied device pointers                                     */
 /* ---------------------------------------------------------------------------------- */
 
+/* Every kv_append and decode function below is one-shot: each call plans a step of its
+ * own (validates the metadata, allocates and uploads it, launches, frees in stream
+ * order), through the same launch code as the library's step path. Convenient; an
+ * engine's per-layer loop pays those allocations and uploads on every call. */
+
 /* Element type of device buffers (passed as int32_t). E4M3 and E5M2 (OCP fp8, one byte)
  * are cache types only: a cache of them serves f16 or bf16 queries through the _fp8
  * functions below, with one K and one V scale per KV head (pagedkv_kv_scales). Any

@@ -22,14 +22,15 @@
 //! asynchronous on the backend's stream; the caller keeps its buffers alive until
 //! `pagedkv_cuda_synchronize`.
 //!
-//! [`pagedkv_cuda_kv_append`] and [`pagedkv_cuda_decode_attention`] wrap the device
-//! pointers as borrowed tensors and call the backend's kernels directly; split-K is
-//! planned from the device's SM count. [`pagedkv_cuda_decode_attention_strided`] lets
-//! `q` and `out` be rows a stride apart (`q` can be a view into a fused QKV
-//! projection) and runs through the crate's step path instead: a `StepRunner` on a
-//! `CudaStepDevice` plans the batch, then one launch or two, with the views' alignment
-//! and strides checked (`PAGEDKV_ERR_INVALID_ARGUMENT` naming the argument, never a
-//! misaligned-address fault).
+//! Every function here is one-shot (the header says so): [`pagedkv_cuda_kv_append`]
+//! and [`pagedkv_cuda_decode_attention`] wrap the device pointers as borrowed tensors
+//! and call the device's per-call methods, each one step of a `StepRunner` made for
+//! the call (split-K planned from the device's SM count);
+//! [`pagedkv_cuda_decode_attention_strided`] lets `q` and `out` be rows a stride apart
+//! (`q` can be a view into a fused QKV projection) and builds its `StepRunner` on a
+//! `CudaStepDevice` itself. Either way the views' alignment and strides are checked
+//! (`PAGEDKV_ERR_INVALID_ARGUMENT` naming the argument, never a misaligned-address
+//! fault), and the launches are the step path's.
 //!
 //! fp8 caches: [`pagedkv_cuda_kv_append_fp8`] and [`pagedkv_cuda_decode_attention_fp8`]
 //! take the cache's type apart from the queries' (f16 or bf16 over `PAGEDKV_E4M3` or
@@ -37,7 +38,7 @@
 //! arguments first, before the backend handle, then share the body of the plain
 //! functions (`kv_append_on`, `decode_on`), which are the same call with one type and no
 //! scales. An fp8 `dtype` in a function with one type (the plain ones, and the strided
-//! decode, whose step path serves no fp8 cache yet) would be fp8 queries:
+//! decode, which takes no scales) would be fp8 queries:
 //! `PAGEDKV_ERR_INVALID_ARGUMENT` pointing to the `_fp8` functions.
 
 use pagedkv::cuda::CudaDevice;
@@ -461,7 +462,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
         TensorViewMut,
     };
     with_cuda(b, |g| {
-        // One type for q, out and the caches: the step path serves no fp8 cache yet.
+        // One type for q, out and the caches: this function takes no fp8 scales.
         let dt = KvTypes::plain(dtype_of(dtype)?)?.q;
         // SAFETY: the caller's contract.
         let c = unsafe { read_shape(shape)? };

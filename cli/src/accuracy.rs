@@ -11,7 +11,8 @@
 //! engine pays: q, K, V and the output to 16 bits, K/V to fp8 with their scales, and the
 //! kernels' f32 arithmetic.
 //!
-//! `examples/fp8_accuracy.rs` prints docs/fp8.md's table from it; `tests/fp8_accuracy.rs`
+//! `cli/examples/fp8_accuracy.rs` prints docs/fp8.md's table from it;
+//! `cli/tests/library/fp8_accuracy.rs`
 //! asserts its qualitative facts on small shapes.
 
 use pagedkv::host::emulator::Emulator;

@@ -5,7 +5,7 @@
 //! position), as a model's would be for a given prefix, so a block that was swapped,
 //! shared by the prefix cache or recomputed must still hold exactly them.
 //!
-//! `tests/serving/backend.rs` runs it on the CPU backend; `tests/cuda_backend.rs` on the CUDA
+//! `tests/serving/backend.rs` runs it on the CPU backend; `tests/cuda_backend/` on the CUDA
 //! backend (ignored without a GPU; `scripts/gpu-check.sh` runs it).
 
 use super::{rel_l2, tolerance};

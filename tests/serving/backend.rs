@@ -40,7 +40,7 @@ fn the_cpu_backend_serves_a_batch_through_swaps_and_prefix_hits() {
 /// The same serving loop over fp8 caches (e4m3 under f16 queries, e5m2 under bf16):
 /// every output against f64 attention over what the cache holds (each K/V value
 /// through `encode(x / scale)`, decoded, times the layer's and head's scale), through
-/// swaps and prefix hits (split-K over fp8 is proven in `tests/kernels/fp8_cache.rs`: these
+/// swaps and prefix hits (split-K over fp8 is proven in `tests/ops/fp8_cache.rs`: these
 /// contexts are too short to split).
 #[test]
 fn the_cpu_backend_serves_from_fp8_caches() {

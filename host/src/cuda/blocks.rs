@@ -43,7 +43,8 @@ impl std::fmt::Debug for HostSwapPool {
 }
 
 impl CudaDevice {
-    /// Copies whole blocks for `(src, dst)` pairs in every pool (copy-on-write).
+    /// Copies whole blocks for `(src, dst)` pairs in every pool (copy-on-write). A
+    /// pool of another device's context is an error naming it.
     pub fn copy_blocks(
         &self,
         pools: &mut [&mut DeviceTensor],
@@ -51,6 +52,16 @@ impl CudaDevice {
         pairs: &[(u32, u32)],
     ) -> Result<()> {
         let s = &self.stream;
+        let ctx = s.context().cu_ctx();
+        if let Some(i) = pools
+            .iter()
+            .position(|p| p.buf.stream().context().cu_ctx() != ctx)
+        {
+            return Err(Error::invalid(
+                "pools",
+                format!("pool {i} lives in another CUDA context than this device's"),
+            ));
+        }
         let mut guards = Vec::with_capacity(pools.len());
         let mut raw = Vec::with_capacity(pools.len());
         for p in pools.iter_mut() {
@@ -60,8 +71,8 @@ impl CudaDevice {
             guards.push(g);
         }
         let mut dev = super::CudaStepDevice::new(self);
-        // SAFETY: (1) device buffers of this backend's context (cudarc's allocations
-        // are 256-byte aligned), borrowed mutably for the call, their guards alive
+        // SAFETY: (1) device buffers of this device's context (checked above; every
+        // DeviceTensor is at least 16-byte aligned), borrowed mutably for the call, their guards alive
         // until the launch is issued on the stream every use orders on; (2) distinct
         // `&mut` borrows, so no two overlap and nothing else touches them.
         unsafe { crate::step::once::copy_blocks(&mut dev, &raw, block_bytes, pairs) }

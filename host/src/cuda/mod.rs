@@ -1,4 +1,5 @@
-//! The CUDA backend: loads pagedkv's PTX with cudarc and launches the kernels.
+//! The CUDA device ([`CudaDevice`]: loads pagedkv's PTX with cudarc and launches the
+//! kernels) and the [`CudaBackend`] on it.
 //!
 //! By default cudarc is built with dynamic loading, so this module compiles everywhere
 //! and finds the driver (`libcuda`) only at run time; the crate's features
@@ -172,7 +173,8 @@ pub struct KernelInfo {
     pub blocks_per_sm: u32,
 }
 
-/// The CUDA backend: a context, a stream, and the loaded kernels.
+/// A CUDA device as pagedkv uses it: a context, a stream, and the loaded kernels (the
+/// launcher under [`CudaBackend`] and the per-call methods).
 #[derive(Debug)]
 pub struct CudaDevice {
     stream: Arc<CudaStream>,
@@ -183,7 +185,7 @@ pub struct CudaDevice {
 }
 
 impl CudaDevice {
-    /// A backend on device `ordinal`'s primary context and default stream, with the
+    /// Device `ordinal`'s primary context and default stream, with the
     /// newest of `modules` the device can run (an error below compute capability 8.0).
     pub fn new(ordinal: usize, modules: &[PtxSource]) -> Result<Self> {
         if !driver_library_present() {

@@ -181,9 +181,13 @@ impl StepDevice for CudaStepDevice<'_> {
 }
 
 impl DeviceTensor {
-    /// A read-only view for the step path. With the backend's own context (event
-    /// tracking off) this makes no driver call; on an engine's context with tracking on,
-    /// make views outside the layer loop.
+    /// A read-only view for the step path (and the per-call methods, which run on it).
+    /// With the device's own context (event tracking off) this makes no driver call; on
+    /// an engine's context with tracking on, make views outside the layer loop. A view
+    /// records no cudarc event for the launches that use it: pagedkv orders all its
+    /// work on the device's one stream, and an engine that touches the buffers from
+    /// another stream orders that stream after pagedkv's itself (an event recorded on
+    /// [`CudaDevice::stream`]).
     pub fn view(&self) -> TensorView<'_> {
         let s = self.buf.stream();
         let (addr, _) = self.buf.device_ptr(s);

@@ -48,8 +48,10 @@ impl DeviceAddr {
 
 /// The driver calls of the step path. [`StepRunner`](super::StepRunner) calls
 /// [`alloc`](StepDevice::alloc) only when it is made, [`upload`](StepDevice::upload)
-/// only in [`plan`](super::StepRunner::plan), and nothing but
-/// [`launch`](StepDevice::launch) in a run: [`Recorder`] proves it in the tests.
+/// only when it plans (`plan`, `plan_prefill`) or sets ALiBi slopes, and nothing but
+/// [`launch`](StepDevice::launch) in a run: [`Recorder`] proves it in the tests. (The
+/// one-shot per-call functions also allocate and upload an fp8 cache's scales into
+/// the runner's device they make.)
 pub trait StepDevice {
     /// The memory this device's addresses live in.
     fn space(&self) -> Space;
@@ -67,8 +69,8 @@ pub trait StepDevice {
     /// Makes room for uploads of up to `bytes` (pinned staging memory on a GPU), so
     /// [`upload`](StepDevice::upload) never allocates: an upload of more bytes than
     /// the largest reservation so far is an error on every device (the emulator's and
-    /// the [`Recorder`] too, so a CPU test catches what would fail on a GPU). Called
-    /// once by the runner.
+    /// the [`Recorder`] too, so a CPU test catches what would fail on a GPU). The
+    /// runner calls it when it is made; whoever uploads more reserves first.
     fn reserve_upload(&mut self, bytes: usize) -> Result<()>;
 
     /// Launches kernel `K` (ordered after every earlier upload and launch).

@@ -1,6 +1,6 @@
 //! The per-call conveniences as one-shot uses of the step path: a [`StepRunner`] sized
 //! for one call, planned once, run once, dropped. The emulator's `ops::*_emulated` and
-//! the CUDA backend's per-call methods go through here, so every kernel has one place
+//! the CUDA device's per-call methods go through here, so every kernel has one place
 //! that builds its parameters and issues its launches ([`StepRunner`]'s runs) whatever
 //! the device, and a test of a per-call function is a test of the path engines use.
 //!
@@ -9,7 +9,7 @@
 //! views, then lets the runner validate the metadata and the views as it does for every
 //! step.
 
-use super::device::{StepDevice, TensorView};
+use super::device::{DeviceAddr, StepDevice, TensorView};
 use super::prefill::PrefillMeta;
 use super::runner::{DecodeIo, KvAppendIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use crate::backend::AsView;
@@ -21,13 +21,37 @@ use crate::ops::scales::KvScales;
 use crate::step::PrefillIo;
 use crate::tensor::{DType, TensorDesc};
 
+/// Scales uploaded into a runner's device by [`upload_scales`]: their address and f32
+/// count, viewed by [`Uploaded::view`] for no longer than the runner is borrowed.
+#[derive(Clone, Copy, Debug)]
+struct Uploaded {
+    addr: DeviceAddr,
+    elems: u64,
+}
+
+impl Uploaded {
+    /// A view of the scales, borrowing the runner whose device holds them.
+    fn view<D: StepDevice>(self, runner: &StepRunner<D>) -> TensorView<'_> {
+        // SAFETY: `addr` holds `elems` f32 uploaded into a buffer of the runner's
+        // device, which keeps it as long as the device (and so the borrowed runner)
+        // lives; nothing writes it after the upload.
+        unsafe {
+            TensorView::from_raw(
+                self.addr.get(),
+                self.elems,
+                DType::F32,
+                runner.device().space(),
+            )
+        }
+    }
+}
+
 /// Uploads an fp8 cache's scales (`[2, num_kv_heads]` f32: K's, then V's) into a
-/// buffer of the runner's device, and views it for one run. The view must not outlive
-/// `runner` (each function here drops both together when it returns).
+/// buffer of the runner's device.
 fn upload_scales<D: StepDevice>(
     runner: &mut StepRunner<D>,
     scales: Option<&KvScales>,
-) -> Result<Option<TensorView<'static>>> {
+) -> Result<Option<Uploaded>> {
     let Some(s) = scales else {
         return Ok(None);
     };
@@ -40,17 +64,9 @@ fn upload_scales<D: StepDevice>(
     dev.reserve_upload(bytes.len())?;
     let addr = dev.alloc(bytes.len())?;
     dev.upload(addr, &bytes)?;
-    let space = dev.space();
-    // SAFETY: `addr` holds the `2 * heads` f32 just uploaded, in a buffer the device
-    // keeps as long as it lives: the runner (which owns it) outlives every run of the
-    // view, and nothing else writes it.
-    Ok(Some(unsafe {
-        TensorView::from_raw(
-            addr.get(),
-            (s.k.len() + s.v.len()) as u64,
-            DType::F32,
-            space,
-        )
+    Ok(Some(Uploaded {
+        addr,
+        elems: (s.k.len() + s.v.len()) as u64,
     }))
 }
 
@@ -79,7 +95,7 @@ pub(crate) fn decode<D: StepDevice, T: AsView + TensorDesc>(
     let shape = s.with_dtypes(inputs.q.dtype(), inputs.key_cache.dtype());
     let mut runner = StepRunner::with_workspace(dev, shape, cap, None, rows)?;
     runner.set_alibi_slopes(inputs.opts.alibi_slopes.as_deref())?;
-    let kv_scales = upload_scales(&mut runner, inputs.kv_scales)?;
+    let scales = upload_scales(&mut runner, inputs.kv_scales)?;
     runner.plan_split(
         &StepMeta {
             block_tables: inputs.block_tables,
@@ -96,7 +112,7 @@ pub(crate) fn decode<D: StepDevice, T: AsView + TensorDesc>(
             q: inputs.q.view(),
             key_cache: inputs.key_cache.view(),
             value_cache: inputs.value_cache.view(),
-            kv_scales,
+            kv_scales: scales.map(|s| s.view(&runner)),
             out: out.view_mut(),
         },
     )?;
@@ -130,7 +146,7 @@ pub(crate) fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
         max_partitions: 1,
     };
     let mut runner = StepRunner::with_split(dev, shape, cap, None)?;
-    let kv_scales = upload_scales(&mut runner, io.scales)?;
+    let scales = upload_scales(&mut runner, io.scales)?;
     runner.plan(&StepMeta {
         block_tables: &[],
         max_blocks_per_seq: 0,
@@ -143,7 +159,7 @@ pub(crate) fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
         value: io.value.view(),
         key_cache: io.key_cache.view_mut(),
         value_cache: io.value_cache.view_mut(),
-        kv_scales,
+        kv_scales: scales.map(|s| s.view(&runner)),
     })
 }
 
@@ -169,7 +185,7 @@ pub(crate) fn prefill<D: StepDevice, T: AsView + TensorDesc>(
     let shape = s.with_dtypes(inputs.q.dtype(), inputs.key_cache.dtype());
     let mut runner = StepRunner::with_split(dev, shape, cap, None)?;
     runner.set_alibi_slopes(inputs.opts.alibi_slopes.as_deref())?;
-    let kv_scales = upload_scales(&mut runner, inputs.kv_scales)?;
+    let scales = upload_scales(&mut runner, inputs.kv_scales)?;
     runner.plan(&StepMeta {
         block_tables: &[],
         max_blocks_per_seq: 0,
@@ -190,7 +206,7 @@ pub(crate) fn prefill<D: StepDevice, T: AsView + TensorDesc>(
             q: inputs.q.view(),
             key_cache: inputs.key_cache.view(),
             value_cache: inputs.value_cache.view(),
-            kv_scales,
+            kv_scales: scales.map(|s| s.view(&runner)),
             out: out.view_mut(),
         },
     )
@@ -314,9 +330,10 @@ mod tests {
             max_partitions: 1,
         };
         let mut runner = StepRunner::with_split(Recorder::new(), shape, cap, None).unwrap();
-        let v = upload_scales(&mut runner, Some(&KvScales::per_tensor(32, 0.5, 2.0)))
+        let s = upload_scales(&mut runner, Some(&KvScales::per_tensor(32, 0.5, 2.0)))
             .unwrap()
             .unwrap();
+        let v = s.view(&runner);
         assert_eq!((v.elems(), v.dtype()), (64, DType::F32));
     }
 }

@@ -211,7 +211,7 @@ pub struct DecodeInputs<'a, T> {
     /// ([`DecodeIo::kv_scales`](crate::step::DecodeIo::kv_scales)).
     pub kv_scales: Option<&'a KvScales>,
     /// How to cut the launch up; `None`: the backend decides (the emulator never
-    /// splits, the CUDA backend plans for its GPU's SMs with [`plan`]).
+    /// splits, the CUDA device plans for its GPU's SMs with [`plan`]).
     pub plan: Option<SplitPlan>,
 }
 

@@ -55,7 +55,7 @@ pub fn max_heads_per_block(head_dim: u32, dtype: DType) -> u32 {
 
 /// Registers per thread the decode kernels may use: at least what ptxas reports for
 /// every decode entry point on every architecture (`ptx/resources.md`; a test in
-/// `tests/kernels/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
+/// `tests/ops/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
 /// never optimistic.
 pub const DECODE_REGISTERS: u32 = 80;
 /// As [`DECODE_REGISTERS`], for the decode kernels over an fp8 cache (16 q and 16
