@@ -340,32 +340,12 @@ fn sanitizer_decode(parts: u32, heads_per_block: u32) {
     };
     let c = build(&p);
     let want = paged_decode_attention(&c.inputs());
-    let q = DeviceTensor::from_host(&gpu, &c.q).unwrap();
-    let kc = DeviceTensor::from_host(&gpu, &c.kc).unwrap();
-    let vc = DeviceTensor::from_host(&gpu, &c.vc).unwrap();
-    let mut out =
-        DeviceTensor::from_host(&gpu, &HostTensor::full(dtype, c.q.shape(), f64::NAN)).unwrap();
     let plan = pagedkv::host::ops::attention::SplitPlan {
         heads_per_block,
         partition_tokens: 200u32.div_ceil(parts).next_multiple_of(64),
         num_partitions: parts,
     };
-    gpu.paged_decode_attention(
-        DecodeInputs {
-            shape: &c.shape,
-            opts: &c.opts,
-            q: &q,
-            key_cache: &kc,
-            value_cache: &vc,
-            block_tables: &c.tables,
-            context_lens: &c.lens,
-            plan: Some(plan),
-            kv_scales: c.scales.as_ref(),
-        },
-        &mut out,
-    )
-    .unwrap();
-    let e = rel_l2(&out.to_host(&gpu).unwrap().to_f64(), &want);
+    let e = rel_l2(&decode_on_gpu(&gpu, &c, Some(plan)), &want);
     assert!(
         e <= approx_tolerance(dtype, p.softcap),
         "{plan:?}: rel L2 {e:e}"
