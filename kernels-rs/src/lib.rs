@@ -43,7 +43,9 @@ pub mod softmax;
 #[cfg(target_arch = "nvptx64")]
 mod entry;
 
-pub use device::{Ctx, Dim3, GlobalSlice, GlobalSliceMut, Kernel};
+pub use device::{
+    Access, Ctx, Dim3, GlobalRange, GlobalSlice, GlobalSliceMut, Kernel, KernelParams,
+};
 pub use elem::{Bf16, E4m3, E5m2, Elem, F16, KvElem};
 pub use layout::PagedLayout;
 pub use softmax::SoftmaxState;

@@ -8,6 +8,7 @@ mod attention_api;
 mod common;
 mod copy_blocks;
 mod fp8_cache;
+mod interp;
 mod kv_append;
 mod prefill;
 mod ptx;

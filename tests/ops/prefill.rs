@@ -62,13 +62,13 @@ fn params() -> impl Strategy<Value = Params> {
 /// A prefill case: the decode case's cache, tables and options, each sequence's last
 /// `qo_lens[s]` tokens new, and the blocks wholly before its first new token's window
 /// poisoned in the table (freed by the scheduler).
-struct Prefill {
-    c: common::case::Case,
-    qo_indptr: Vec<i32>,
-    q: HostTensor,
+pub(crate) struct Prefill {
+    pub(crate) c: common::case::Case,
+    pub(crate) qo_indptr: Vec<i32>,
+    pub(crate) q: HostTensor,
 }
 
-fn prefill_case(p: &Params) -> Prefill {
+pub(crate) fn prefill_case(p: &Params) -> Prefill {
     let mut c = build(&Params {
         window: None,
         ..p.clone()
@@ -104,7 +104,7 @@ fn prefill_case(p: &Params) -> Prefill {
 }
 
 impl Prefill {
-    fn inputs(&self) -> PrefillInputs<'_, HostTensor> {
+    pub(crate) fn inputs(&self) -> PrefillInputs<'_, HostTensor> {
         PrefillInputs {
             shape: &self.c.shape,
             opts: &self.c.opts,

@@ -59,7 +59,7 @@
 
 mod device;
 mod emu;
-pub(crate) mod once;
+pub mod once;
 mod prefill;
 mod run;
 mod runner;

@@ -1,6 +1,7 @@
 //! The per-call conveniences as one-shot uses of the step path: a [`StepRunner`] sized
-//! for one call, planned once, run once, dropped. The emulator's `ops::*_emulated` and
-//! the CUDA device's per-call methods go through here, so every kernel has one place
+//! for one call, planned once, run once, dropped, on any [`StepDevice`]. The emulator's
+//! `ops::*_emulated`, the CUDA device's per-call methods and the tests that run one
+//! call on several devices (the emulator, the PTX interpreter) go through here, so every kernel has one place
 //! that builds its parameters and issues its launches ([`StepRunner`]'s runs) whatever
 //! the device, and a test of a per-call function is a test of the path engines use.
 //!
@@ -73,7 +74,7 @@ fn upload_scales<D: StepDevice>(
 /// One decode call on `dev` (whose GPU has `sm_count` SMs; `None`: never split): the
 /// inputs checked, the plan made (or `inputs.plan` taken) and validated, then one step
 /// of a runner with room for exactly that plan. Returns the plan it ran.
-pub(crate) fn decode<D: StepDevice, T: AsView + TensorDesc>(
+pub fn decode<D: StepDevice, T: AsView + TensorDesc>(
     dev: D,
     sm_count: Option<u32>,
     inputs: DecodeInputs<'_, T>,
@@ -121,7 +122,7 @@ pub(crate) fn decode<D: StepDevice, T: AsView + TensorDesc>(
 
 /// One `kv_append` call on `dev`: the arguments checked, then one step of a runner
 /// whose metadata is the slot mapping alone.
-pub(crate) fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
+pub fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
     dev: D,
     io: KvAppendInputs<'_, T>,
 ) -> Result<()> {
@@ -165,7 +166,7 @@ pub(crate) fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
 
 /// One prefill call on `dev`: the inputs checked, then one step of a runner that
 /// prefills every sequence of the call.
-pub(crate) fn prefill<D: StepDevice, T: AsView + TensorDesc>(
+pub fn prefill<D: StepDevice, T: AsView + TensorDesc>(
     dev: D,
     inputs: PrefillInputs<'_, T>,
     out: &mut T,
@@ -222,7 +223,7 @@ pub(crate) fn prefill<D: StepDevice, T: AsView + TensorDesc>(
 /// 1. Each `(addr, bytes)` is `bytes` bytes of `dev`'s [`Space`](super::Space),
 ///    16-byte aligned and writable until the launch completes.
 /// 2. Until then nothing else reads or writes them, and no two pools overlap.
-pub(crate) unsafe fn copy_blocks<D: StepDevice>(
+pub unsafe fn copy_blocks<D: StepDevice>(
     dev: &mut D,
     pools: &[(u64, u64)],
     block_bytes: u64,

@@ -280,6 +280,7 @@ impl<D: StepDevice> StepRunner<D> {
                     softcap: opts.softcap.unwrap_or(0.0),
                     inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
                     window: opts.window.unwrap_or(0),
+                    _pad: 0,
                     q_row_stride: q_stride,
                     out_row_stride: out_stride,
                 }
@@ -299,6 +300,7 @@ impl<D: StepDevice> StepRunner<D> {
                         num_q_heads: ds.num_q_heads,
                         head_dim: ds.head_dim,
                         num_partitions: p.num_partitions,
+                        _pad: 0,
                         out_row_stride: out_stride,
                     }
                 };

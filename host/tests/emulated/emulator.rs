@@ -289,6 +289,14 @@ struct CpAsyncParams {
     src: pagedkv_kernels::GlobalSlice<f32>,
     out: GlobalSliceMut<f32>,
     mode: u32,
+    _pad: u32,
+}
+// SAFETY: two views and two u32s: 40 bytes, no padding; both views reported.
+unsafe impl pagedkv_kernels::KernelParams for CpAsyncParams {
+    fn globals(&self, f: &mut dyn FnMut(pagedkv_kernels::GlobalRange)) {
+        f(self.src.range("src"));
+        f(self.out.range("out"));
+    }
 }
 /// 0: commit + wait<0> (correct); 1: no wait (the copy never lands); 2: wait<1> with
 /// one group committed (too early: nothing is retired); 3: wait but no commit.
@@ -339,6 +347,7 @@ fn cp_async_run(mode: u32) -> (Result<(), EmuError>, Vec<f32>) {
         },
         out: out_view(&mut out),
         mode,
+        _pad: 0,
     };
     let r = unsafe {
         Emulator::new().launch::<CpAsyncRoundTrip>(
@@ -392,6 +401,7 @@ fn a_thread_that_exits_with_copies_in_flight_fails_the_launch() {
         },
         out: out_view(&mut out),
         mode: 0,
+        _pad: 0,
     };
     let e = unsafe {
         Emulator::new()

@@ -22,6 +22,17 @@ struct Params {
     bf16: bool,
     b_kn: bool,
     a_by_x1: bool,
+    _pad: [u8; 5],
+}
+// SAFETY: four views, three bools and 5 explicit padding bytes: 72 bytes, no padding;
+// every view reported.
+unsafe impl pagedkv_kernels::KernelParams for Params {
+    fn globals(&self, f: &mut dyn FnMut(pagedkv_kernels::GlobalRange)) {
+        f(self.a.range("a"));
+        f(self.b.range("b"));
+        f(self.c.range("c"));
+        f(self.d.range("d"));
+    }
 }
 
 /// Shared memory: A in words 0..128, B in words 128..192.
@@ -110,6 +121,7 @@ fn run(bf16: bool, b_kn: bool, a_by_x1: bool) -> (Vec<f32>, Vec<f64>) {
         bf16,
         b_kn,
         a_by_x1,
+        _pad: [0; 5],
     };
     let cfg = LaunchConfig {
         grid: Dim3::new(1, 1, 1),

@@ -345,9 +345,93 @@ pub trait Ctx {
 /// emulator, so what the tests prove is the code that runs on the GPU.
 pub trait Kernel {
     /// The `#[repr(C)]` parameter struct, passed by value to the PTX entry point.
-    type Params: Copy + 'static;
+    type Params: KernelParams;
     /// The PTX entry point's name (`.visible .entry NAME`).
     const NAME: &'static str;
     /// The kernel body, run by every thread of every block.
     fn run<C: Ctx>(ctx: &C, p: &Self::Params);
+}
+
+/// How a kernel may use one [`GlobalRange`] its parameters name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Loads only.
+    Read,
+    /// Loads and stores.
+    ReadWrite,
+    /// Loads only, and the range holds [`GlobalSliceMut<u8>`] views (address, length:
+    /// two `u64` words each) that name further ranges the kernel loads and stores.
+    Views,
+}
+
+/// One range of global memory a kernel's parameters name: a view's address and
+/// length in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GlobalRange {
+    /// The parameter field it comes from (for error messages).
+    pub name: &'static str,
+    /// First byte.
+    pub addr: u64,
+    /// Length in bytes.
+    pub bytes: u64,
+    /// What the kernel may do with it.
+    pub access: Access,
+}
+
+/// A kernel's `#[repr(C)]` parameter struct: every global range it names.
+///
+/// A checking device (the PTX interpreter, `ptx-interp/`) lets a launch touch exactly
+/// these ranges and fails it on any other address; the emulator and the GPU do not
+/// need it. A field left out shows up there as an access outside every range.
+///
+/// # Safety
+/// 1. The type has no padding: every byte of a value is initialised, so a device may
+///    read the struct as the bytes the PTX's `.param` holds (add explicit padding
+///    fields where `#[repr(C)]` would insert some).
+/// 2. `globals` reports every view the struct holds (a view left out only makes a
+///    checking device refuse the launch; it is not a soundness hole).
+pub unsafe trait KernelParams: Copy + 'static {
+    /// Calls `f` once per global view the parameters hold (empty views included).
+    fn globals(&self, f: &mut dyn FnMut(GlobalRange));
+}
+
+impl<T: 'static> GlobalSlice<T> {
+    /// This view as a read-only [`GlobalRange`] named `name`.
+    pub fn range(&self, name: &'static str) -> GlobalRange {
+        GlobalRange {
+            name,
+            addr: self.ptr as u64,
+            bytes: self.len.saturating_mul(core::mem::size_of::<T>() as u64),
+            access: Access::Read,
+        }
+    }
+}
+
+impl<T: 'static> GlobalSliceMut<T> {
+    /// This view as a read-write [`GlobalRange`] named `name`.
+    pub fn range(&self, name: &'static str) -> GlobalRange {
+        GlobalRange {
+            access: Access::ReadWrite,
+            ..self.as_const().range(name)
+        }
+    }
+}
+
+// SAFETY: zero bytes; no views.
+unsafe impl KernelParams for () {
+    fn globals(&self, _: &mut dyn FnMut(GlobalRange)) {}
+}
+
+// SAFETY: a pointer and a u64 (16 bytes, no padding); one view.
+unsafe impl<T: 'static> KernelParams for GlobalSlice<T> {
+    fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
+        f(self.range("slice"))
+    }
+}
+
+// SAFETY: as for `GlobalSlice`.
+unsafe impl<T: 'static> KernelParams for GlobalSliceMut<T> {
+    fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
+        f(self.range("slice"))
+    }
 }

@@ -11,7 +11,7 @@
 //!
 //! Bytes moved: `2 * num_pairs * num_pools * block_bytes` (read once, written once).
 
-use crate::device::{Ctx, GlobalSlice, GlobalSliceMut, Kernel};
+use crate::device::{Access, Ctx, GlobalRange, GlobalSlice, GlobalSliceMut, Kernel, KernelParams};
 
 /// Independent 16-byte loads each thread issues before it stores them.
 pub const UNROLL: u64 = 4;
@@ -32,6 +32,18 @@ pub struct CopyBlocksParams {
     pub pairs: GlobalSlice<i64>,
     /// Bytes per block in each pool; a multiple of 16.
     pub block_bytes: u64,
+}
+
+// SAFETY: two views and a u64: 40 bytes, no padding (asserted below).
+const _: () = assert!(core::mem::size_of::<CopyBlocksParams>() == 2 * 16 + 8);
+unsafe impl KernelParams for CopyBlocksParams {
+    fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
+        f(GlobalRange {
+            access: Access::Views,
+            ..self.pools.range("pools")
+        });
+        f(self.pairs.range("pairs"));
+    }
 }
 
 /// The `copy_blocks` kernel.

@@ -16,7 +16,7 @@
 
 use core::marker::PhantomData;
 
-use crate::device::{Ctx, GlobalSlice, GlobalSliceMut, Kernel};
+use crate::device::{Ctx, GlobalRange, GlobalSlice, GlobalSliceMut, Kernel, KernelParams};
 use crate::elem::{Bf16, E4m3, E5m2, Elem, F16, KvElem};
 use crate::kernels::each16;
 use crate::layout::PagedLayout;
@@ -46,6 +46,23 @@ pub struct KvAppendParams<T, K = T> {
     pub v_scales: GlobalSlice<f32>,
     /// The cache's shape.
     pub layout: PagedLayout,
+}
+
+// SAFETY: 7 views and the 16-byte layout: 128 bytes, no padding (asserted below).
+const _: () = assert!(core::mem::size_of::<KvAppendParams<f32>>() == 7 * 16 + 16);
+unsafe impl<T: 'static, K: 'static> KernelParams for KvAppendParams<T, K>
+where
+    Self: Copy,
+{
+    fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
+        f(self.key.range("key"));
+        f(self.value.range("value"));
+        f(self.slot_mapping.range("slot_mapping"));
+        f(self.key_cache.range("key_cache"));
+        f(self.value_cache.range("value_cache"));
+        f(self.k_scales.range("k_scales"));
+        f(self.v_scales.range("v_scales"));
+    }
 }
 
 /// The `kv_append` kernel for new tokens of type `T` into a cache of `K`.

@@ -53,7 +53,7 @@ mod reduce;
 
 use core::marker::PhantomData;
 
-use crate::device::{GlobalSlice, GlobalSliceMut, WARP_SIZE};
+use crate::device::{GlobalRange, GlobalSlice, GlobalSliceMut, KernelParams, WARP_SIZE};
 use crate::layout::PagedLayout;
 
 pub use reduce::DecodeReduce;
@@ -199,11 +199,36 @@ pub struct DecodeParams<T, K = T> {
     pub inv_softcap: f32,
     /// Sliding window: attend to the last `window` tokens only; 0 disables it.
     pub window: u32,
+    /// Explicit padding (0), so every byte of the struct is initialised: see
+    /// [`KernelParams`].
+    pub _pad: u32,
     /// Elements from one sequence's q row to the next (`>= num_q_heads * head_dim`, a
     /// multiple of 16 bytes).
     pub q_row_stride: u64,
     /// Elements from one sequence's out row to the next (as `q_row_stride`).
     pub out_row_stride: u64,
+}
+
+// SAFETY: 11 views (16 bytes each), the 16-byte layout, four-byte fields with the
+// explicit `_pad` (10), two u64 strides: 248 bytes, no padding (asserted below).
+const _: () = assert!(core::mem::size_of::<DecodeParams<f32>>() == 11 * 16 + 16 + 10 * 4 + 16);
+unsafe impl<T: 'static, K: 'static> KernelParams for DecodeParams<T, K>
+where
+    Self: Copy,
+{
+    fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
+        f(self.q.range("q"));
+        f(self.key_cache.range("key_cache"));
+        f(self.value_cache.range("value_cache"));
+        f(self.k_scales.range("k_scales"));
+        f(self.v_scales.range("v_scales"));
+        f(self.block_tables.range("block_tables"));
+        f(self.context_lens.range("context_lens"));
+        f(self.alibi_slopes.range("alibi_slopes"));
+        f(self.out.range("out"));
+        f(self.part_out.range("part_out"));
+        f(self.part_ml.range("part_ml"));
+    }
 }
 
 /// The decode kernel for q / out of `T` and a cache of `K`; `SPLIT` selects partial
@@ -227,6 +252,23 @@ pub struct ReduceParams<T> {
     pub head_dim: u32,
     /// Partitions per sequence.
     pub num_partitions: u32,
+    /// Explicit padding (0), so every byte of the struct is initialised: see
+    /// [`KernelParams`].
+    pub _pad: u32,
     /// Elements from one sequence's out row to the next.
     pub out_row_stride: u64,
+}
+
+// SAFETY: 3 views, 4 four-byte fields (the explicit `_pad` one), one u64: 72 bytes,
+// no padding (asserted below).
+const _: () = assert!(core::mem::size_of::<ReduceParams<f32>>() == 3 * 16 + 4 * 4 + 8);
+unsafe impl<T: 'static> KernelParams for ReduceParams<T>
+where
+    Self: Copy,
+{
+    fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
+        f(self.part_out.range("part_out"));
+        f(self.part_ml.range("part_ml"));
+        f(self.out.range("out"));
+    }
 }

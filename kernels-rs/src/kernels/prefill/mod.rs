@@ -30,7 +30,7 @@ mod simt;
 
 use core::marker::PhantomData;
 
-use crate::device::{Ctx, GlobalSlice, GlobalSliceMut};
+use crate::device::{Ctx, GlobalRange, GlobalSlice, GlobalSliceMut, KernelParams};
 use crate::elem::{Bf16, Elem, F16, KvElem};
 use crate::layout::PagedLayout;
 
@@ -94,6 +94,27 @@ pub struct PrefillParams<T, K = T> {
     pub inv_softcap: f32,
     /// Sliding window: attend to the last `window` positions only; 0 disables it.
     pub window: u32,
+}
+
+// SAFETY: 10 views, the 16-byte layout, 6 four-byte fields: 200 bytes, no padding
+// (asserted below).
+const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 10 * 16 + 16 + 6 * 4);
+unsafe impl<T: 'static, K: 'static> KernelParams for PrefillParams<T, K>
+where
+    Self: Copy,
+{
+    fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
+        f(self.q.range("q"));
+        f(self.key_cache.range("key_cache"));
+        f(self.value_cache.range("value_cache"));
+        f(self.k_scales.range("k_scales"));
+        f(self.v_scales.range("v_scales"));
+        f(self.block_tables.range("block_tables"));
+        f(self.qo_indptr.range("qo_indptr"));
+        f(self.context_lens.range("context_lens"));
+        f(self.alibi_slopes.range("alibi_slopes"));
+        f(self.out.range("out"));
+    }
 }
 
 /// Where one sequence's rows are, as a block computes them.

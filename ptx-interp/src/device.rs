@@ -1,0 +1,134 @@
+//! [`PtxDevice`]: the step path's device interface over the interpreter.
+
+use std::sync::{Arc, Mutex};
+
+use pagedkv_host::emulator::LaunchConfig;
+use pagedkv_host::step::{DeviceAddr, Space, StepDevice};
+use pagedkv_host::{AlignedBuf, Error as HostError, Result as HostResult};
+use pagedkv_kernels::Kernel;
+
+use crate::{LaunchStats, MathMode, Module};
+
+/// A `StepDevice` whose launches run the committed PTX in the interpreter, over host
+/// memory (as the emulator's device: host tensors are its tensors, `Space::Host`).
+///
+/// Every launch's [`LaunchStats`] is kept, in order, in its [`LaunchLog`].
+#[derive(Debug)]
+pub struct PtxDevice {
+    module: Arc<Module>,
+    math: MathMode,
+    bufs: Vec<AlignedBuf>,
+    reserved: usize,
+    log: LaunchLog,
+}
+
+/// One launch a [`PtxDevice`] ran.
+#[derive(Clone, Debug)]
+pub struct LaunchRecord {
+    /// The entry point.
+    pub kernel: &'static str,
+    /// Its grid, block and shared size.
+    pub cfg: LaunchConfig,
+    /// What it did.
+    pub stats: LaunchStats,
+}
+
+/// The launches of a [`PtxDevice`], readable after the device moved into a runner.
+#[derive(Clone, Debug, Default)]
+pub struct LaunchLog(Arc<Mutex<Vec<LaunchRecord>>>);
+
+impl LaunchLog {
+    /// Every launch since the last call, in order.
+    pub fn take(&self) -> Vec<LaunchRecord> {
+        std::mem::take(&mut self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl PtxDevice {
+    /// A device launching the entry points of `module` with `math`.
+    pub fn new(module: Arc<Module>, math: MathMode) -> Self {
+        Self {
+            module,
+            math,
+            bufs: Vec::new(),
+            reserved: 0,
+            log: LaunchLog::default(),
+        }
+    }
+
+    /// The module it launches from.
+    pub fn module(&self) -> &Arc<Module> {
+        &self.module
+    }
+
+    /// A handle on its launches' records.
+    pub fn log(&self) -> LaunchLog {
+        self.log.clone()
+    }
+}
+
+impl StepDevice for PtxDevice {
+    fn space(&self) -> Space {
+        Space::Host
+    }
+
+    fn alloc(&mut self, bytes: usize) -> HostResult<DeviceAddr> {
+        // 256-byte aligned, as a GPU allocation; fallible, as a GPU's is.
+        let mut b = bytes
+            .checked_add(256)
+            .and_then(AlignedBuf::try_zeroed)
+            .ok_or_else(|| {
+                HostError::invalid("capacity", format!("{bytes} bytes could not be allocated"))
+            })?;
+        let addr = (b.as_bytes_mut().as_mut_ptr() as u64).next_multiple_of(256);
+        self.bufs.push(b);
+        Ok(DeviceAddr::new(addr))
+    }
+
+    fn upload(&mut self, dst: DeviceAddr, src: &[u8]) -> HostResult<()> {
+        if src.len() > self.reserved {
+            return Err(HostError::InvalidState(format!(
+                "upload of {} bytes, {} reserved",
+                src.len(),
+                self.reserved
+            )));
+        }
+        let dst = dst.get();
+        let inside = self.bufs.iter().any(|b| {
+            let base = b.as_bytes().as_ptr() as u64;
+            dst >= base && dst + src.len() as u64 <= base + b.len() as u64
+        });
+        if !inside {
+            return Err(HostError::InvalidState(format!(
+                "upload of {} bytes to {dst:#x}: not inside an allocation of this device",
+                src.len()
+            )));
+        }
+        // SAFETY: `dst..dst + len` lies inside one of this device's live buffers
+        // (checked above), which `src` (a caller's borrow) cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn reserve_upload(&mut self, bytes: usize) -> HostResult<()> {
+        self.reserved = self.reserved.max(bytes);
+        Ok(())
+    }
+
+    unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, params: K::Params) -> HostResult<()> {
+        // SAFETY: the trait's conditions (the views valid for the launch, no other
+        // user) are the interpreter's.
+        let stats = unsafe { self.module.launch::<K>(cfg, &params, self.math) }
+            .map_err(|e| HostError::InvalidState(format!("PTX interpreter: {e}")))?;
+        self.log
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(LaunchRecord {
+                kernel: K::NAME,
+                cfg,
+                stats,
+            });
+        Ok(())
+    }
+}

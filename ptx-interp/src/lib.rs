@@ -1,0 +1,258 @@
+//! A PTX interpreter for pagedkv's committed kernels: it runs the PTX that engines
+//! load onto a GPU, on the CPU, so every test that launches through it also proves
+//! the shipped artifact (rustc's NVPTX code generation, the device layer's inline
+//! assembly, the params layout, address spaces, the shared-memory size).
+//!
+//! A test tool of the workspace, not a dependency of the library.
+//!
+//! * **Parser** ([`Module::parse`]): its own lexer and parser for the subset rustc
+//!   emits for pagedkv (one by-value `.param` struct per entry, `.reg` files, the
+//!   dynamic `smem[]`, `.global` panic-location data). Anything else is an error
+//!   naming the file, line and construct, never skipped.
+//! * **Execution**: a CTA at a time; each thread runs alone until a collective
+//!   (`bar.sync`, `shfl.sync`, `ldmatrix`, `mma`) or `exit`. A warp collective needs
+//!   every lane it names parked at that same instruction, else the launch fails
+//!   naming kernel, line and lanes; a barrier some threads reach while others exited
+//!   fails too.
+//! * **Memory**: global memory is exactly the ranges the kernel's parameters name
+//!   ([`pagedkv_kernels::KernelParams`]); every access is bounds- and
+//!   alignment-checked, generic addresses must resolve to one of them (the PTX has no
+//!   `cvta.shared`), `ld.global.nc` of a range the launch writes is an error. Shared
+//!   memory is exactly the launch's dynamic size, filled with `0xFF` (NaN) per CTA,
+//!   with a race check: a byte written by one thread and read or written by another
+//!   in the same barrier interval fails the launch. `cp.async` is asynchronous: its
+//!   bytes are unreadable until the `wait_group` that retires their group; exiting
+//!   with copies pending, or storing to a pending copy's source, is an error.
+//! * **Numerics** ([`num`](crate) module, private) written from the PTX ISA: f16 /
+//!   bf16 / fp8 conversions (round to nearest even, `satfinite`), ordered and
+//!   unordered `setp`, `.ftz`; `ex2.approx` / `tanh.approx` exact or perturbed within
+//!   the ISA's bounds ([`MathMode`]); the m8n8 and m16n8k16 fragment layouts.
+//! * **Trap and panic**: `trap`, and calls of the Rust panic functions, stop the
+//!   launch; a panic reports its Rust location decoded from the PTX's `.global` data.
+//! * **Counters** ([`LaunchStats`]): lane-instructions by class, global bytes, `cp.async`
+//!   bytes and the most in flight per CTA, barriers, `mma`s, and hits per
+//!   instruction for the basic-block coverage ([`Module::coverage`]).
+//!
+//! [`PtxDevice`] is a `StepDevice`: the step runner, and every test body generic over
+//! it, launches on the interpreter as it does on the emulator or a GPU.
+
+mod device;
+mod error;
+mod exec;
+mod ir;
+mod lex;
+mod num;
+mod parse;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use pagedkv_host::emulator::{LaunchConfig, MAX_SHARED_BYTES, MAX_THREADS_PER_BLOCK};
+use pagedkv_kernels::{GlobalRange, Kernel, KernelParams};
+
+pub use device::{LaunchLog, LaunchRecord, PtxDevice};
+pub use error::{Error, Result, Site};
+pub use exec::{LaunchStats, MathMode};
+pub use ir::InstClass;
+pub use num::{EX2_MAX_REL_ERR, TANH_MAX_REL_ERR};
+
+/// A parsed PTX module, ready to launch its entry points.
+#[derive(Debug)]
+pub struct Module {
+    name: String,
+    parsed: parse::Parsed,
+    entries: HashMap<String, usize>,
+    /// Per function: lanes that issued each instruction, over every launch so far.
+    hits: Mutex<HashMap<usize, Vec<u64>>>,
+}
+
+/// Basic-block coverage of one entry point over the launches so far.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Coverage {
+    /// The entry point.
+    pub kernel: String,
+    /// Basic blocks (straight-line runs between labels and branches).
+    pub blocks: usize,
+    /// PTX lines of the first instruction of every block no launch reached.
+    pub missed: Vec<u32>,
+}
+
+impl Module {
+    /// Parses the PTX text `src`; `name` (e.g. the file name) appears in errors.
+    pub fn parse(name: &str, src: &str) -> Result<Self> {
+        let parsed = parse::parse(name, src)?;
+        let entries = parsed
+            .funcs
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.is_entry)
+            .map(|(i, f)| (f.name.clone(), i))
+            .collect();
+        Ok(Self {
+            name: name.to_string(),
+            parsed,
+            entries,
+            hits: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The module's `.target` (e.g. `sm_90`).
+    pub fn target(&self) -> &str {
+        &self.parsed.target
+    }
+
+    /// Its name, as given to [`Module::parse`].
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The names of its entry points, sorted.
+    pub fn entry_points(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.entries.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Instructions of entry point `kernel` (None: no such entry).
+    pub fn instruction_count(&self, kernel: &str) -> Option<usize> {
+        self.entries
+            .get(kernel)
+            .map(|&i| self.parsed.funcs[i].code.len())
+    }
+
+    /// The `.maxntid` an entry point declares, if any.
+    pub fn maxntid(&self, kernel: &str) -> Option<[u32; 3]> {
+        self.entries
+            .get(kernel)
+            .and_then(|&i| self.parsed.funcs[i].maxntid)
+    }
+
+    /// Launches entry point `K::NAME` with `params` (its bytes are the `.param`
+    /// struct: size and alignment are checked against the declaration).
+    ///
+    /// # Safety
+    /// 1. Every view in `params` ([`KernelParams::globals`]) is valid host memory for
+    ///    the launch: readable, and writable where it is a mutable view.
+    /// 2. Nothing else reads or writes the views' memory during the launch.
+    pub unsafe fn launch<K: Kernel>(
+        &self,
+        cfg: LaunchConfig,
+        params: &K::Params,
+        math: MathMode,
+    ) -> Result<LaunchStats> {
+        let mut ranges: Vec<GlobalRange> = Vec::new();
+        params.globals(&mut |r| ranges.push(r));
+        // SAFETY: `KernelParams` promises no padding, so all `size_of` bytes are
+        // initialised; the slice borrows `params` for this statement only.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (params as *const K::Params).cast::<u8>(),
+                size_of::<K::Params>(),
+            )
+        }
+        .to_vec();
+        // SAFETY: the caller's conditions 1-2 cover `ranges`.
+        unsafe { self.launch_bytes(K::NAME, cfg, &bytes, align_of::<K::Params>(), &ranges, math) }
+    }
+
+    /// [`Module::launch`] with the parameter bytes and global ranges given directly.
+    ///
+    /// # Safety
+    /// Every range in `ranges` is valid host memory for the launch (readable;
+    /// writable where its access says so), used by nothing else meanwhile; a
+    /// [`pagedkv_kernels::Access::Views`] range holds views that are too.
+    pub unsafe fn launch_bytes(
+        &self,
+        kernel: &str,
+        cfg: LaunchConfig,
+        params: &[u8],
+        params_align: usize,
+        ranges: &[GlobalRange],
+        math: MathMode,
+    ) -> Result<LaunchStats> {
+        let Some(&fi) = self.entries.get(kernel) else {
+            return Err(Error::Config(format!(
+                "`{kernel}` is not an entry point of {}",
+                self.name
+            )));
+        };
+        let func = &self.parsed.funcs[fi];
+        let [p] = func.params.as_slice() else {
+            return Err(Error::Config(format!(
+                "`{kernel}` takes {} parameters; one by-value struct is supported",
+                func.params.len()
+            )));
+        };
+        if p.size != params.len() as u64 || p.align != params_align as u64 {
+            return Err(Error::Config(format!(
+                "`{kernel}`: the PTX's `.param` is {} bytes aligned to {}, the host's struct \
+                 {} bytes aligned to {params_align}",
+                p.size,
+                p.align,
+                params.len()
+            )));
+        }
+        let (g, b) = (cfg.grid, cfg.block);
+        if g.volume() == 0 || b.volume() == 0 || b.volume() > MAX_THREADS_PER_BLOCK {
+            return Err(Error::Config(format!(
+                "`{kernel}`: grid {g:?}, block {b:?} (1 to {MAX_THREADS_PER_BLOCK} threads a block)"
+            )));
+        }
+        if let Some(m) = func.maxntid
+            && (b.x > m[0] || b.y > m[1] || b.z > m[2]) {
+                return Err(Error::Config(format!(
+                    "`{kernel}`: block {b:?} above its `.maxntid` {m:?}"
+                )));
+            }
+        if cfg.shared_bytes > MAX_SHARED_BYTES {
+            return Err(Error::Config(format!(
+                "`{kernel}`: {} bytes of dynamic shared memory (at most {MAX_SHARED_BYTES})",
+                cfg.shared_bytes
+            )));
+        }
+        let launch = exec::Launch {
+            func,
+            funcs: &self.parsed.funcs,
+            globals: &self.parsed.globals,
+            grid: g,
+            block: b,
+            shared_bytes: cfg.shared_bytes,
+            params: params.to_vec(),
+            math,
+        };
+        // SAFETY: the caller's condition.
+        let stats = unsafe { launch.run(ranges) }?;
+        let mut hits = self.hits.lock().unwrap_or_else(|e| e.into_inner());
+        let h = hits.entry(fi).or_insert_with(|| vec![0; func.code.len()]);
+        for (a, b) in h.iter_mut().zip(&stats.hits) {
+            *a += b;
+        }
+        Ok(stats)
+    }
+
+    /// Basic-block coverage of every entry point, over the launches so far.
+    pub fn coverage(&self) -> Vec<Coverage> {
+        let hits = self.hits.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<Coverage> = self
+            .entries
+            .iter()
+            .map(|(name, &fi)| {
+                let f = &self.parsed.funcs[fi];
+                let h = hits.get(&fi);
+                let missed = f
+                    .blocks
+                    .iter()
+                    .filter(|&&b| h.is_none_or(|h| h[b as usize] == 0))
+                    .map(|&b| f.code[b as usize].line)
+                    .collect();
+                Coverage {
+                    kernel: name.clone(),
+                    blocks: f.blocks.len(),
+                    missed,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| a.kernel.cmp(&b.kernel));
+        out
+    }
+}
