@@ -452,10 +452,10 @@ impl Cta<'_, '_> {
                             Some(base + l),
                             inst.line,
                             format!(
-                                "shfl.sync with member mask {m:#010x}: lanes [{}] are at this \
-                                 instruction, lanes [{}] it names are not",
-                                describe(here),
-                                describe(m & !here)
+                                "shfl.sync with member mask {m:#010x} (lanes [{}]), but lanes [{}] are \
+                                 at this instruction",
+                                describe(m),
+                                describe(here)
                             ),
                         );
                     }
@@ -600,9 +600,10 @@ impl Cta<'_, '_> {
         let fits =
             |r: &Range| end.is_some_and(|e| addr >= r.start && e <= r.end) && (!write || r.write);
         if let Some(r) = self.ranges.get(self.last_range)
-            && fits(r) {
-                return Ok(self.last_range);
-            }
+            && fits(r)
+        {
+            return Ok(self.last_range);
+        }
         match self.ranges.iter().position(fits) {
             Some(i) => {
                 self.last_range = i;
@@ -942,10 +943,11 @@ impl Cta<'_, '_> {
             };
             self.stats.hits[pc] += 1;
             if let Some((p, neg)) = inst.guard
-                && (self.regs[base + p as usize] & 1 != 0) == neg {
-                    pc += 1;
-                    continue;
-                }
+                && (self.regs[base + p as usize] & 1 != 0) == neg
+            {
+                pc += 1;
+                continue;
+            }
             let line = inst.line;
             match inst.op {
                 Op::Bin { op, d, a, b } => {

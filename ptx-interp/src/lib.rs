@@ -199,11 +199,12 @@ impl Module {
             )));
         }
         if let Some(m) = func.maxntid
-            && (b.x > m[0] || b.y > m[1] || b.z > m[2]) {
-                return Err(Error::Config(format!(
-                    "`{kernel}`: block {b:?} above its `.maxntid` {m:?}"
-                )));
-            }
+            && (b.x > m[0] || b.y > m[1] || b.z > m[2])
+        {
+            return Err(Error::Config(format!(
+                "`{kernel}`: block {b:?} above its `.maxntid` {m:?}"
+            )));
+        }
         if cfg.shared_bytes > MAX_SHARED_BYTES {
             return Err(Error::Config(format!(
                 "`{kernel}`: {} bytes of dynamic shared memory (at most {MAX_SHARED_BYTES})",

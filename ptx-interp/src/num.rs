@@ -123,7 +123,7 @@ impl Format {
         let min_e = 1 - bias;
         let bits = if e < min_e {
             // Subnormal in the target: units of 2^(min_e - man).
-            
+
             (a * 2f64.powi(man - min_e)).round_ties_even() as u32 // q == 2^man is the smallest normal, which these bits also encode
         } else {
             let mut q = (a * 2f64.powi(man - e)).round_ties_even() as u32;

@@ -22,7 +22,8 @@ use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::{paged_decode_attention, paged_prefill_attention};
 use pagedkv::host::step::{EmuDevice, StepDevice, once};
 use pagedkv::host::{AlignedBuf, DType, HostTensor};
-use pagedkv::kernels::PagedLayout;
+use pagedkv::kernels::kernels::DecodeParams;
+use pagedkv::kernels::{F16, PagedLayout};
 use pagedkv_ptx_interp::{LaunchLog, MathMode, Module, PtxDevice};
 use rand::Rng;
 use rand::seq::SliceRandom;
@@ -36,20 +37,28 @@ struct Arch {
 static ARCHS: LazyLock<Vec<Arch>> = LazyLock::new(|| {
     pagedkv::ptx::ALL
         .iter()
-        .map(|m| Arch {
-            module: Arc::new(Module::parse(m.arch, m.ptx).expect("the committed PTX parses")),
-            logs: Mutex::new(Vec::new()),
-        })
+        .map(|m| Arch::new(Module::parse(m.arch, m.ptx).expect("the committed PTX parses")))
         .collect()
 });
 
-/// A fresh interpreter device over module `arch` (0: sm_80, 1: sm_90), logged.
-fn ptx(arch: usize) -> PtxDevice {
-    let a = &ARCHS[arch];
-    let dev = PtxDevice::new(a.module.clone(), MathMode::Exact);
-    a.logs.lock().unwrap().push(dev.log());
-    dev
+impl Arch {
+    fn new(module: Module) -> Self {
+        Self {
+            module: Arc::new(module),
+            logs: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A fresh interpreter device over this module, logged.
+    fn device(&self) -> PtxDevice {
+        let dev = PtxDevice::new(self.module.clone(), MathMode::Exact);
+        self.logs.lock().unwrap().push(dev.log());
+        dev
+    }
 }
+
+/// What went wrong in a family's run: the first failure, as a message.
+type Outcome = Result<(), String>;
 
 /// The first element where two outputs differ, as a message (None: bit-identical).
 fn first_difference(what: &str, got: &HostTensor, want: &HostTensor) -> Option<String> {
@@ -66,14 +75,26 @@ fn first_difference(what: &str, got: &HostTensor, want: &HostTensor) -> Option<S
     ))
 }
 
-fn decode_on<D: StepDevice>(dev: D, c: &Case, plan: SplitPlan) -> HostTensor {
+fn decode_on<D: StepDevice>(dev: D, c: &Case, plan: SplitPlan) -> Result<HostTensor, String> {
     let mut out = HostTensor::full(c.q.dtype(), c.q.shape(), f64::NAN);
     let inputs = DecodeInputs {
         plan: Some(plan),
         ..c.inputs()
     };
-    once::decode(dev, None, inputs, &mut out).expect("decode runs");
-    out
+    once::decode(dev, None, inputs, &mut out).map_err(|e| format!("decode: {e}"))?;
+    Ok(out)
+}
+
+/// The interpreter's output against the emulator's (bit for bit) and the reference.
+fn check(what: &str, got: &HostTensor, emu: &HostTensor, want: &[f64], tol: f64) -> Outcome {
+    if let Some(d) = first_difference(what, got, emu) {
+        return Err(d);
+    }
+    let e = rel_l2(&got.to_f64(), want);
+    if e.is_nan() || e > tol {
+        return Err(format!("{what}: rel L2 {e:e} vs the reference"));
+    }
+    Ok(())
 }
 
 /// The decode cases: every query dtype and fp8 cache, batch 17 with ragged lengths,
@@ -149,7 +170,7 @@ fn decode_cases() -> Vec<(Params, Option<DType>)> {
     v
 }
 
-fn decode_all(arch: usize) {
+fn decode_all(a: &Arch) -> Outcome {
     for (p, cache) in decode_cases() {
         let mut c = build(&p);
         if let Some(cache) = cache {
@@ -166,21 +187,15 @@ fn decode_all(arch: usize) {
         };
         for pl in [unsplit, split] {
             let what = format!("decode {:?} cache {cache:?}, {pl:?}", p.dtype);
-            let emu = decode_on(EmuDevice::new(Emulator::new()), &c, pl);
-            let got = decode_on(ptx(arch), &c, pl);
-            if let Some(d) = first_difference(&what, &got, &emu) {
-                panic!("{d}");
-            }
-            let e = rel_l2(&got.to_f64(), &want);
-            assert!(
-                e <= tolerance(p.dtype),
-                "{what}: rel L2 {e:e} vs the reference"
-            );
+            let emu = decode_on(EmuDevice::new(Emulator::new()), &c, pl)?;
+            let got = decode_on(a.device(), &c, pl)?;
+            check(&what, &got, &emu, &want, tolerance(p.dtype))?;
         }
     }
+    Ok(())
 }
 
-fn prefill_all(arch: usize) {
+fn prefill_all(a: &Arch) -> Outcome {
     let base = Params {
         dtype: DType::F16,
         head_dim: 128,
@@ -252,26 +267,20 @@ fn prefill_all(arch: usize) {
             p.dtype, p.window
         );
         let want = paged_prefill_attention(&pc.inputs());
-        let emu = prefill_on(EmuDevice::new(Emulator::new()), &pc);
-        let got = prefill_on(ptx(arch), &pc);
-        if let Some(d) = first_difference(&what, &got, &emu) {
-            panic!("{d}");
-        }
-        let e = rel_l2(&got.to_f64(), &want);
-        assert!(
-            e <= tolerance(p.dtype),
-            "{what}: rel L2 {e:e} vs the reference"
-        );
+        let emu = prefill_on(EmuDevice::new(Emulator::new()), &pc)?;
+        let got = prefill_on(a.device(), &pc)?;
+        check(&what, &got, &emu, &want, tolerance(p.dtype))?;
     }
+    Ok(())
 }
 
-fn prefill_on<D: StepDevice>(dev: D, pc: &Prefill) -> HostTensor {
+fn prefill_on<D: StepDevice>(dev: D, pc: &Prefill) -> Result<HostTensor, String> {
     let mut out = HostTensor::full(pc.q.dtype(), pc.q.shape(), f64::NAN);
-    once::prefill(dev, pc.inputs(), &mut out).expect("prefill runs");
-    out
+    once::prefill(dev, pc.inputs(), &mut out).map_err(|e| format!("prefill: {e}"))?;
+    Ok(out)
 }
 
-fn kv_append_all(arch: usize) {
+fn kv_append_all(a: &Arch) -> Outcome {
     let cases = [
         (DType::F32, DType::F32),
         (DType::F16, DType::F16),
@@ -307,7 +316,7 @@ fn kv_append_all(arch: usize) {
             v: (0..3).map(|h| 0.003 + 0.001 * h as f32).collect(),
         });
         let pool = (slots as usize) * row;
-        let run = |which: usize| -> (HostTensor, HostTensor) {
+        let run = |which: usize| -> Result<(HostTensor, HostTensor), String> {
             let mut kc = HostTensor::full(cache, &[pool], f64::NAN);
             let mut vc = HostTensor::full(cache, &[pool], f64::NAN);
             let io = KvAppendInputs {
@@ -320,30 +329,30 @@ fn kv_append_all(arch: usize) {
                 scales: scales.as_ref(),
             };
             match which {
-                0 => kv_append_reference(io).unwrap(),
-                1 => once::kv_append(EmuDevice::new(Emulator::new()), io).unwrap(),
-                _ => once::kv_append(ptx(arch), io).unwrap(),
+                0 => kv_append_reference(io),
+                1 => once::kv_append(EmuDevice::new(Emulator::new()), io),
+                _ => once::kv_append(a.device(), io),
             }
-            (kc, vc)
+            .map_err(|e| format!("kv_append: {e}"))?;
+            Ok((kc, vc))
         };
-        let (kr, vr) = run(0);
-        let (ke, ve) = run(1);
-        let (kg, vg) = run(2);
+        let (kr, vr) = run(0)?;
+        let (ke, ve) = run(1)?;
+        let (kg, vg) = run(2)?;
         let what = format!("kv_append {dtype} into {cache}");
         for (g, e, w) in [(&kg, &ke, &kr), (&vg, &ve, &vr)] {
             if let Some(d) = first_difference(&what, g, e) {
-                panic!("{d}");
+                return Err(d);
             }
-            assert_eq!(
-                g.buf().as_bytes(),
-                w.buf().as_bytes(),
-                "{what}: vs the reference"
-            );
+            if g.buf().as_bytes() != w.buf().as_bytes() {
+                return Err(format!("{what}: differs from the reference"));
+            }
         }
     }
+    Ok(())
 }
 
-fn copy_blocks_all(arch: usize) {
+fn copy_blocks_all(a: &Arch) -> Outcome {
     // Blocks of 600 16-byte vectors (past the 4-way unrolled loop's 512 per pass of
     // 128 threads) and of 5 (the tail only), three pools, shuffled disjoint pairs.
     for (seed, vecs) in [(70u64, 600u64), (71, 5)] {
@@ -361,7 +370,7 @@ fn copy_blocks_all(arch: usize) {
         let mut ids: Vec<u32> = (0..blocks).collect();
         ids.shuffle(&mut r);
         let pairs = vec![(ids[0], ids[5]), (ids[1], ids[6]), (ids[0], ids[7])];
-        let run = |on_ptx: bool| -> Vec<AlignedBuf> {
+        let run = |on_ptx: bool| -> Result<Vec<AlignedBuf>, String> {
             let mut pools = pools.clone();
             let raw: Vec<(u64, u64)> = pools
                 .iter_mut()
@@ -369,21 +378,20 @@ fn copy_blocks_all(arch: usize) {
                 .collect();
             // SAFETY: each pool is an AlignedBuf borrowed mutably for this call (16-byte
             // aligned host memory, the space both devices use), none overlapping.
-            if on_ptx {
-                unsafe { once::copy_blocks(&mut ptx(arch), &raw, block_bytes, &pairs) }.unwrap();
+            let r = if on_ptx {
+                unsafe { once::copy_blocks(&mut a.device(), &raw, block_bytes, &pairs) }
             } else {
                 let mut dev = EmuDevice::new(Emulator::new());
-                unsafe { once::copy_blocks(&mut dev, &raw, block_bytes, &pairs) }.unwrap();
-            }
-            pools
+                unsafe { once::copy_blocks(&mut dev, &raw, block_bytes, &pairs) }
+            };
+            r.map_err(|e| format!("copy_blocks: {e}"))?;
+            Ok(pools)
         };
-        let (emu, got) = (run(false), run(true));
+        let (emu, got) = (run(false)?, run(true)?);
         for (p, (g, e)) in got.iter().zip(&emu).enumerate() {
-            assert_eq!(
-                g.as_bytes(),
-                e.as_bytes(),
-                "copy_blocks pool {p}, {vecs} vectors"
-            );
+            if g.as_bytes() != e.as_bytes() {
+                return Err(format!("copy_blocks pool {p}, {vecs} vectors: differs"));
+            }
         }
         // And the copies happened.
         let b = block_bytes as usize;
@@ -393,15 +401,17 @@ fn copy_blocks_all(arch: usize) {
             pools[2].as_bytes()[s * b..(s + 1) * b]
         );
     }
+    Ok(())
 }
 
 /// Runs every family on module `arch`, then checks every entry point was launched.
 fn every_entry_point(arch: usize) {
-    copy_blocks_all(arch);
-    kv_append_all(arch);
-    decode_all(arch);
-    prefill_all(arch);
     let a = &ARCHS[arch];
+    for family in [copy_blocks_all, kv_append_all, decode_all, prefill_all] {
+        if let Err(e) = family(a) {
+            panic!("{}: {e}", a.module.target());
+        }
+    }
     let launched: BTreeSet<&str> = a
         .logs
         .lock()
@@ -427,4 +437,142 @@ fn sm_80_every_entry_point_matches_the_emulator_and_the_reference() {
 #[test]
 fn sm_90_every_entry_point_matches_the_emulator_and_the_reference() {
     every_entry_point(1);
+}
+
+/// `ptx` with the first line of entry `kernel`'s body that contains `needle` rewritten
+/// by `f` (None if there is no such line).
+fn mutate(ptx: &str, kernel: &str, needle: &str, f: impl Fn(&str) -> String) -> Option<String> {
+    let start = ptx.find(&format!(".entry {kernel}("))?;
+    let end = ptx[start + 1..]
+        .find(".entry ")
+        .map_or(ptx.len(), |e| start + 1 + e);
+    let at = start + ptx[start..end].find(needle)?;
+    let line_start = ptx[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = at + ptx[at..].find('\n')?;
+    let line = &ptx[line_start..line_end];
+    let new = f(line);
+    assert_ne!(new, line, "the mutation changes `{line}`");
+    Some(format!("{}{}{}", &ptx[..line_start], new, &ptx[line_end..]))
+}
+
+/// The registers of the first `{...}` group of `line` at position `group`, swapped
+/// pairwise at `i` and `j`.
+fn swap_in_group(line: &str, group: usize, i: usize, j: usize) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut rest = line;
+    let mut n = 0;
+    while let Some(open) = rest.find('{') {
+        let close = open + rest[open..].find('}').unwrap();
+        parts.push(rest[..open + 1].to_string());
+        let inner = &rest[open + 1..close];
+        if n == group {
+            let mut regs: Vec<&str> = inner.split(", ").collect();
+            regs.swap(i, j);
+            parts.push(regs.join(", "));
+        } else {
+            parts.push(inner.to_string());
+        }
+        rest = &rest[close..];
+        n += 1;
+    }
+    parts.push(rest.to_string());
+    parts.concat()
+}
+
+/// Each PTX mutation a GPU would run silently wrong (or hang on) fails a test here: an
+/// `ld.param` offset, two registers of a vector load, two A registers of an `mma`, a
+/// raised `wait_group`, a removed `bar.sync`, a `shfl` member mask. (The unmutated
+/// module passes the same families in the tests above.)
+#[test]
+fn sm_90_mutants_each_fail() {
+    let ptx = pagedkv::ptx::ALL[1].ptx;
+    type Family = fn(&Arch) -> Outcome;
+    let bump_offset = |l: &str| {
+        let plus = l.rfind('+').unwrap();
+        let close = l.rfind(']').unwrap();
+        let off: u32 = l[plus + 1..close].parse().unwrap();
+        format!("{}{}{}", &l[..plus + 1], off + 4, &l[close..])
+    };
+    let scale_at = format!(
+        "param_0+{}]",
+        std::mem::offset_of!(DecodeParams<F16>, scale)
+    );
+    let mutants: Vec<(&str, Option<String>, Family)> = vec![
+        (
+            "ld.param offset of `scale` +4 (decode f16)",
+            mutate(ptx, "paged_decode_attention_f16", &scale_at, bump_offset),
+            decode_all,
+        ),
+        (
+            "two registers of ld.global.nc.v4 swapped (kv_append f16)",
+            mutate(ptx, "kv_append_f16", "ld.global.nc.v4.u32", |l| {
+                swap_in_group(l, 0, 0, 1)
+            }),
+            kv_append_all,
+        ),
+        (
+            "two A registers of an mma swapped (prefill f16)",
+            mutate(ptx, "paged_prefill_attention_f16", "mma.sync", |l| {
+                swap_in_group(l, 1, 0, 1)
+            }),
+            prefill_all,
+        ),
+        (
+            "cp.async.wait_group raised by one (decode f16)",
+            mutate(
+                ptx,
+                "paged_decode_attention_f16",
+                "cp.async.wait_group",
+                |l| {
+                    let n: u32 = l
+                        .trim()
+                        .trim_end_matches(';')
+                        .rsplit(' ')
+                        .next()
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    l.replace(
+                        &format!("wait_group {n};"),
+                        &format!("wait_group {};", n + 1),
+                    )
+                },
+            ),
+            decode_all,
+        ),
+        (
+            "a bar.sync removed (decode f16)",
+            mutate(ptx, "paged_decode_attention_f16", "bar.sync", |_| {
+                String::new()
+            }),
+            decode_all,
+        ),
+        (
+            "a bar.sync removed (prefill f16)",
+            mutate(ptx, "paged_prefill_attention_f16", "bar.sync", |_| {
+                String::new()
+            }),
+            prefill_all,
+        ),
+        (
+            "shfl member mask 0x0000ffff (decode f16)",
+            mutate(ptx, "paged_decode_attention_f16", "shfl.sync", |l| {
+                l.replace("0xffffffff", "0x0000ffff")
+            }),
+            decode_all,
+        ),
+    ];
+    let mut survivors = Vec::new();
+    for (name, text, family) in mutants {
+        let text = text.unwrap_or_else(|| panic!("{name}: nothing to mutate"));
+        let module = Module::parse("sm_90 (mutant)", &text).expect("a mutant still parses");
+        match family(&Arch::new(module)) {
+            Err(e) => eprintln!("{name}: fails as it should: {e}"),
+            Ok(()) => survivors.push(name),
+        }
+    }
+    assert!(
+        survivors.is_empty(),
+        "mutants no test catches: {survivors:?}"
+    );
 }
