@@ -1,0 +1,267 @@
+//! What the interpreter refuses, each on a small hand-written kernel: every check fails
+//! the launch with an error naming what went wrong and where, and the same kernel
+//! without the defect runs.
+
+use pagedkv_host::emulator::LaunchConfig;
+use pagedkv_kernels::{Access, Dim3, GlobalRange};
+use pagedkv_ptx_interp::{Error, MathMode, Module};
+
+/// A module with one entry `k(.param .align 8 .b8 k_param_0[16])` (a pointer and a
+/// length) whose body is `body`, after the register declarations.
+fn module(body: &str) -> String {
+    format!(
+        ".version 7.8\n.target sm_90\n.address_size 64\n\
+         .extern .shared .align 16 .b8 smem[];\n\
+         .global .align 1 .b8 file[7] = {{107, 46, 114, 115, 0, 0, 0}};\n\
+         .global .align 8 .u64 loc[3] = {{generic(file), 4, 51539607559}};\n\
+         .func die(\n\t.param .b64 die_param_0\n)\n.noreturn;\n\
+         .visible .entry k(\n\t.param .align 8 .b8 k_param_0[16]\n)\n{{\n\
+         \t.reg .pred %p<4>;\n\t.reg .b32 %r<16>;\n\t.reg .b64 %rd<16>;\n\
+         \tld.param.b64 %rd1, [k_param_0];\n\tcvta.to.global.u64 %rd2, %rd1;\n\
+         \tmov.u32 %r1, %tid.x;\n\tmov.u64 %rd3, smem;\n{body}\n\tret;\n}}\n\
+         .func die(\n\t.param .b64 die_param_0\n)\n.noreturn\n{{\n\ttrap; exit;\n}}\n"
+    )
+}
+
+/// Launches `k` with `threads` threads and 256 bytes of shared memory over `buf`
+/// (passed as the pointer and its length; `access` for the range).
+fn run(body: &str, threads: u32, buf: &mut [u32], access: Access) -> Result<(), Error> {
+    let m = Module::parse("test.ptx", &module(body)).expect("parses");
+    let mut params = Vec::new();
+    params.extend_from_slice(&(buf.as_mut_ptr() as u64).to_le_bytes());
+    params.extend_from_slice(&(buf.len() as u64).to_le_bytes());
+    let range = GlobalRange {
+        name: "buf",
+        addr: buf.as_mut_ptr() as u64,
+        bytes: 4 * buf.len() as u64,
+        access,
+    };
+    let cfg = LaunchConfig {
+        grid: Dim3::new(1, 1, 1),
+        block: Dim3::new(threads, 1, 1),
+        shared_bytes: 256,
+    };
+    // SAFETY: the range is `buf`, borrowed mutably for the launch.
+    unsafe { m.launch_bytes("k", cfg, &params, 8, &[range], MathMode::Exact) }.map(|_| ())
+}
+
+fn fault(body: &str, threads: u32) -> String {
+    let mut buf = vec![0u32; 64];
+    match run(body, threads, &mut buf, Access::ReadWrite) {
+        Err(Error::Fault { site, msg }) => format!("{site}: {msg}"),
+        other => panic!("expected a fault, got {other:?}"),
+    }
+}
+
+/// Thread t stores t at buf[t].
+const STORE_TID: &str =
+    "\tmul.wide.u32 %rd4, %r1, 4;\n\tadd.s64 %rd5, %rd2, %rd4;\n\tst.global.u32 [%rd5], %r1;";
+
+#[test]
+fn a_correct_kernel_runs() {
+    let mut buf = vec![7u32; 64];
+    run(STORE_TID, 64, &mut buf, Access::ReadWrite).unwrap();
+    assert_eq!(buf, (0..64).collect::<Vec<u32>>());
+}
+
+#[test]
+fn unsupported_constructs_name_file_and_line() {
+    let e =
+        Module::parse("test.ptx", &module("\tatom.global.add.u32 %r2, [%rd2], 1;")).unwrap_err();
+    match e {
+        Error::Parse { file, line, msg } => {
+            assert_eq!(file, "test.ptx");
+            assert_eq!(line, 23, "{msg}");
+            assert!(msg.contains("atom.global.add.u32"), "{msg}");
+        }
+        e => panic!("{e:?}"),
+    }
+    let e = Module::parse("t", &module("\t.local .align 4 .b8 x[4];")).unwrap_err();
+    assert!(e.to_string().contains(".local"), "{e}");
+}
+
+#[test]
+fn global_accesses_outside_the_ranges_fail() {
+    // One element past the end.
+    let f = fault("\tst.global.u32 [%rd2+256], %r1;", 32);
+    assert!(
+        f.contains("store of 4 bytes") && f.contains("inside no range"),
+        "{f}"
+    );
+    // Overrunning: 16 bytes at the last element.
+    let f = fault(
+        "\tld.global.v4.u32 {%r2, %r3, %r4, %r5}, [%rd2+240];\n\tld.global.v4.u32 {%r2, %r3, %r4, %r5}, [%rd2+248];",
+        1,
+    );
+    assert!(f.contains("not 16-byte aligned"), "{f}");
+    // A generic address in the shared window is no global address.
+    let f = fault("\tld.b32 %r2, [%rd3];", 1);
+    assert!(f.contains("inside no range"), "{f}");
+    // A read-only range refuses stores.
+    let mut buf = vec![0u32; 64];
+    let e = run(STORE_TID, 1, &mut buf, Access::Read).unwrap_err();
+    assert!(e.to_string().contains("read-only"), "{e}");
+}
+
+#[test]
+fn nc_loads_of_a_range_the_launch_writes_fail() {
+    let f = fault(
+        &format!("{STORE_TID}\n\tld.global.nc.v4.u32 {{%r2, %r3, %r4, %r5}}, [%rd2];"),
+        1,
+    );
+    assert!(
+        f.contains("ld.global.nc from `buf`, which this launch writes"),
+        "{f}"
+    );
+}
+
+#[test]
+fn shared_races_fail_and_a_barrier_fixes_them() {
+    // Thread t writes shared word t, then reads word t + 1 (mod 32).
+    let body = |bar: &str| {
+        format!(
+            "\tshl.b32 %r2, %r1, 2;\n\tcvt.u64.u32 %rd6, %r2;\n\tadd.s64 %rd7, %rd3, %rd6;\n\
+             \tst.shared.u32 [%rd7], %r1;\n{bar}\
+             \tadd.s32 %r3, %r1, 1;\n\tand.b32 %r3, %r3, 31;\n\tshl.b32 %r3, %r3, 2;\n\tcvt.u64.u32 %rd8, %r3;\n\tadd.s64 %rd9, %rd3, %rd8;\n\
+             \tld.shared.u32 %r4, [%rd9];\n\
+             \tmul.wide.u32 %rd4, %r1, 4;\n\tadd.s64 %rd5, %rd2, %rd4;\n\tst.global.u32 [%rd5], %r4;"
+        )
+    };
+    let f = fault(&body(""), 32);
+    // Thread 0 read word 1 before thread 1 wrote it: the write is the race.
+    assert!(f.contains("race") && f.contains("thread 0 read it"), "{f}");
+    let mut buf = vec![0u32; 64];
+    run(&body("\tbar.sync 0;\n"), 32, &mut buf, Access::ReadWrite).unwrap();
+    assert_eq!(&buf[..4], &[1, 2, 3, 4]);
+    assert_eq!(buf[31], 0);
+    // Out of the 256 bytes.
+    let f = fault("\tst.shared.u32 [%rd3+256], %r1;", 1);
+    assert!(f.contains("outside the 256 bytes of shared memory"), "{f}");
+}
+
+#[test]
+fn barriers_some_threads_skip_fail() {
+    // Threads 32.. exit before the barrier the others wait at.
+    let f = fault(
+        "\tsetp.gt.u32 %p1, %r1, 31;\n\t@%p1 bra $L__done;\n\tbar.sync 0;\n$L__done:",
+        64,
+    );
+    assert!(
+        f.contains("bar.sync reached by 32 threads while 32 exited"),
+        "{f}"
+    );
+}
+
+#[test]
+fn shuffles_with_missing_lanes_fail() {
+    let shfl = "\tshfl.sync.bfly.b32 %r2, %r1, 1, 0x1f, 0xffffffff;";
+    let mut buf = vec![0u32; 64];
+    run(shfl, 32, &mut buf, Access::ReadWrite).unwrap();
+    // Lanes 16.. branch around it.
+    let f = fault(
+        &format!("\tsetp.gt.u32 %p1, %r1, 15;\n\t@%p1 bra $L__skip;\n{shfl}\n$L__skip:"),
+        32,
+    );
+    assert!(
+        f.contains("member mask 0xffffffff") && f.contains("lanes [0,1,2"),
+        "{f}"
+    );
+    // A partial warp cannot do a full-mask shuffle either.
+    let f = fault(shfl, 16);
+    assert!(f.contains("member mask"), "{f}");
+}
+
+#[test]
+fn cp_async_is_asynchronous() {
+    // Thread 0 copies buf[0..4] to shared 0 and reads it back: only after the wait.
+    let copy = "\tcp.async.cg.shared.global [%rd3], [%rd2], 16;\n\tcp.async.commit_group;";
+    let read = "\tld.shared.u32 %r2, [%rd3];\n\tst.global.u32 [%rd2+64], %r2;";
+    let mut buf: Vec<u32> = (10..74).collect();
+    run(
+        &format!("{copy}\n\tcp.async.wait_group 0;\n{read}"),
+        1,
+        &mut buf,
+        Access::ReadWrite,
+    )
+    .unwrap();
+    assert_eq!(buf[16], 10);
+    // Read before the wait.
+    let f = fault(&format!("{copy}\n{read}\n\tcp.async.wait_group 0;"), 1);
+    assert!(f.contains("not yet waited for"), "{f}");
+    // wait_group 1 with one group committed retires nothing.
+    let f = fault(&format!("{copy}\n\tcp.async.wait_group 1;\n{read}"), 1);
+    assert!(f.contains("not yet waited for"), "{f}");
+    // Exit with the copy in flight.
+    let f = fault(copy, 1);
+    assert!(f.contains("exit with a cp.async"), "{f}");
+    // A store to the copy's source before the wait.
+    let f = fault(
+        &format!("{copy}\n\tst.global.u32 [%rd2+4], %r1;\n\tcp.async.wait_group 0;"),
+        1,
+    );
+    assert!(f.contains("the source of thread 0's cp.async"), "{f}");
+}
+
+#[test]
+fn a_panic_reports_its_rust_location_and_trap_stops() {
+    let m = Module::parse(
+        "t",
+        &module("\tmov.b64 %rd10, loc;\n\tcvta.global.u64 %rd11, %rd10;\n\t{ // callseq 0, 0\n\t.param .b64 param0;\n\tst.param.b64 [param0], %rd11;\n\tcall.uni die, (param0);\n\t}"),
+    )
+    .unwrap();
+    let mut buf = vec![0u32; 4];
+    let params: Vec<u8> = [buf.as_mut_ptr() as u64, 4]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let cfg = LaunchConfig {
+        grid: Dim3::new(2, 1, 1),
+        block: Dim3::new(32, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: the kernel touches no global memory before it panics.
+    let e = unsafe { m.launch_bytes("k", cfg, &params, 8, &[], MathMode::Exact) }.unwrap_err();
+    match e {
+        Error::Panic {
+            file,
+            line,
+            col,
+            func,
+            site,
+        } => {
+            // loc = {file, 4, line 7 | col 12 << 32}
+            assert_eq!((file.as_str(), line, col), ("k.rs", 7, 12));
+            assert_eq!(func, "die");
+            assert_eq!((site.block, site.thread), ([0, 0, 0], Some(0)));
+        }
+        e => panic!("{e:?}"),
+    }
+    let mut buf = vec![0u32; 64];
+    let e = run("\ttrap;", 1, &mut buf, Access::ReadWrite).unwrap_err();
+    assert!(matches!(e, Error::Trap { .. }), "{e:?}");
+}
+
+#[test]
+fn launches_the_declaration_does_not_fit_are_refused() {
+    let m = Module::parse("t", &module("")).unwrap();
+    let cfg = LaunchConfig {
+        grid: Dim3::new(1, 1, 1),
+        block: Dim3::new(32, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: refused before it runs.
+    let e = unsafe { m.launch_bytes("k", cfg, &[0; 24], 8, &[], MathMode::Exact) }.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("16 bytes aligned to 8, the host's struct 24 bytes"),
+        "{e}"
+    );
+    let e = unsafe { m.launch_bytes("nope", cfg, &[0; 16], 8, &[], MathMode::Exact) }.unwrap_err();
+    assert!(e.to_string().contains("not an entry point"), "{e}");
+    let big = LaunchConfig {
+        block: Dim3::new(2048, 1, 1),
+        ..cfg
+    };
+    let e = unsafe { m.launch_bytes("k", big, &[0; 16], 8, &[], MathMode::Exact) }.unwrap_err();
+    assert!(e.to_string().contains("1 to 1024 threads"), "{e}");
+}
