@@ -36,8 +36,12 @@ pub struct LaunchStats {
     /// Lane-instructions issued, by [`InstClass`] (in [`InstClass::ALL`] order),
     /// guarded-off ones included.
     pub instructions: [u64; 7],
-    /// Bytes loaded from global memory (`ld.global`, generic loads, `cp.async` sources).
+    /// Bytes loaded from global memory (`ld.global`, generic loads, `cp.async` sources),
+    /// every load counted.
     pub global_read: u64,
+    /// Per global range (by name): the distinct bytes each CTA read, summed over CTAs
+    /// (what a CTA needs from memory if its re-reads hit a cache).
+    pub unique_read: std::collections::BTreeMap<&'static str, u64>,
     /// Bytes stored to global memory.
     pub global_written: u64,
     /// Bytes copied by `cp.async`.
@@ -131,6 +135,8 @@ struct Cta<'l, 'm> {
     epoch: u64,
     /// The range of the last global access (most accesses hit the same one).
     last_range: usize,
+    /// This CTA's global reads: address, bytes, range.
+    reads: Vec<(u64, u32, u32)>,
 }
 
 impl Launch<'_> {
@@ -230,6 +236,7 @@ impl Launch<'_> {
             in_flight: 0,
             epoch: 0,
             last_range: 0,
+            reads: Vec::new(),
         };
         for z in 0..self.grid.z {
             for y in 0..self.grid.y {
@@ -357,6 +364,7 @@ impl Cta<'_, '_> {
                 .filter(|t| t.state == State::Exited)
                 .count();
             if exited == n {
+                self.count_unique_reads();
                 return Ok(());
             }
             if exited > 0 {
@@ -595,6 +603,33 @@ impl Cta<'_, '_> {
         Ok(())
     }
 
+    /// Adds this CTA's distinct bytes read, per range, to the stats.
+    fn count_unique_reads(&mut self) {
+        let mut reads = std::mem::take(&mut self.reads);
+        reads.sort_unstable_by_key(|&(a, n, r)| (r, a, n));
+        let mut i = 0;
+        while i < reads.len() {
+            let r = reads[i].2;
+            let (mut total, mut end) = (0u64, 0u64);
+            while i < reads.len() && reads[i].2 == r {
+                let (a, n, _) = reads[i];
+                let e = a + n as u64;
+                if e > end {
+                    total += e - a.max(end);
+                    end = e;
+                }
+                i += 1;
+            }
+            *self
+                .stats
+                .unique_read
+                .entry(self.ranges[r as usize].name)
+                .or_default() += total;
+        }
+        reads.clear();
+        self.reads = reads;
+    }
+
     fn find_range(&mut self, t: usize, line: u32, addr: u64, n: u64, write: bool) -> Result<usize> {
         let end = addr.checked_add(n);
         let fits =
@@ -671,6 +706,7 @@ impl Cta<'_, '_> {
             }
             self.ranges[i].nc_read = true;
         }
+        self.reads.push((addr, n as u32, i as u32));
         let mut out = [0u8; 16];
         // SAFETY: `addr..addr + n` lies inside a range of the launch, valid for reads
         // (the launch's condition); n <= 16.
@@ -1185,6 +1221,7 @@ impl Cta<'_, '_> {
                         );
                     }
                     let i = self.find_range(t, line, s, n, false)?;
+                    self.reads.push((s, bytes, i as u32));
                     if self.ranges[i].written {
                         return self.fault(
                             Some(t),

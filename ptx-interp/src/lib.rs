@@ -75,6 +75,12 @@ pub struct Coverage {
     pub blocks: usize,
     /// PTX lines of the first instruction of every block no launch reached.
     pub missed: Vec<u32>,
+    /// The subset of `missed` inside a loop (between a backward branch's target and
+    /// the branch) that is not a panic path (a block ending in `trap` or a panic call):
+    /// the main-loop blocks the tests never ran.
+    pub missed_in_loops: Vec<u32>,
+    /// PTX lines of every loop's first block (a backward branch's target).
+    pub loop_headers: Vec<u32>,
 }
 
 impl Module {
@@ -240,16 +246,42 @@ impl Module {
             .map(|(name, &fi)| {
                 let f = &self.parsed.funcs[fi];
                 let h = hits.get(&fi);
-                let missed = f
-                    .blocks
+                let loops: Vec<(u32, u32)> = f
+                    .code
                     .iter()
-                    .filter(|&&b| h.is_none_or(|h| h[b as usize] == 0))
-                    .map(|&b| f.code[b as usize].line)
+                    .enumerate()
+                    .filter_map(|(i, inst)| match inst.op {
+                        ir::Op::Bra(t) if t as usize <= i => Some((t, i as u32)),
+                        _ => None,
+                    })
                     .collect();
+                let (mut missed, mut missed_in_loops) = (Vec::new(), Vec::new());
+                for (k, &b) in f.blocks.iter().enumerate() {
+                    if h.is_some_and(|h| h[b as usize] > 0) {
+                        continue;
+                    }
+                    let line = f.code[b as usize].line;
+                    missed.push(line);
+                    let end = f.blocks.get(k + 1).map_or(f.code.len(), |&e| e as usize);
+                    let panics = f.code[b as usize..end]
+                        .iter()
+                        .any(|i| matches!(i.op, ir::Op::Trap | ir::Op::Call { .. }));
+                    if !panics && loops.iter().any(|&(lo, hi)| lo <= b && b <= hi) {
+                        missed_in_loops.push(line);
+                    }
+                }
+                let mut loop_headers: Vec<u32> = loops
+                    .iter()
+                    .map(|&(t, _)| f.code[t as usize].line)
+                    .collect();
+                loop_headers.sort_unstable();
+                loop_headers.dedup();
                 Coverage {
                     kernel: name.clone(),
                     blocks: f.blocks.len(),
                     missed,
+                    missed_in_loops,
+                    loop_headers,
                 }
             })
             .collect();

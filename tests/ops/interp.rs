@@ -16,6 +16,7 @@ use common::case::{Case, Params, build};
 use common::fp8::quantise_case;
 use common::{rel_l2, rng, tolerance, uniform};
 use pagedkv::host::emulator::Emulator;
+use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{DecodeInputs, SplitPlan, plan};
 use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
 use pagedkv::host::ops::scales::KvScales;
@@ -97,81 +98,54 @@ fn check(what: &str, got: &HostTensor, emu: &HostTensor, want: &[f64], tol: f64)
     Ok(())
 }
 
-/// The decode cases: every query dtype and fp8 cache, batch 17 with ragged lengths,
-/// GQA and MQA, window, soft-cap, ALiBi; each unsplit and split.
-fn decode_cases() -> Vec<(Params, Option<DType>)> {
-    let base = Params {
-        dtype: DType::F16,
-        head_dim: 128,
-        block_size: 16,
-        num_kv_heads: 2,
-        group: 4,
-        batch: 17,
-        max_len: 75,
-        window: None,
-        softcap: None,
-        alibi: false,
-        partition: Some(64),
-        narrow_heads: false,
-        seed: 1,
-        full_length: false,
-    };
+/// Every query dtype with every cache it may use (fp8 under 16-bit queries).
+const DTYPES: [(DType, Option<DType>); 7] = [
+    (DType::F32, None),
+    (DType::F16, None),
+    (DType::Bf16, None),
+    (DType::F16, Some(DType::E4m3)),
+    (DType::F16, Some(DType::E5m2)),
+    (DType::Bf16, Some(DType::E4m3)),
+    (DType::Bf16, Some(DType::E5m2)),
+];
+
+/// The sweep both attention families run: every dtype and cache with every supported
+/// head_dim, block sizes 8/16/32 in turn, lengths off the block size, and the options
+/// in turn (none; window + soft-cap; ALiBi + GQA 8 over one KV head; window + ALiBi),
+/// so every branch of the kernels' loops is taken somewhere. Batch 17 for head_dim 128.
+fn sweep(max_len: u32) -> Vec<(Params, Option<DType>)> {
     let mut v = Vec::new();
-    for (i, dtype) in [DType::F32, DType::F16, DType::Bf16]
-        .into_iter()
-        .enumerate()
-    {
-        v.push((
-            Params {
-                dtype,
-                seed: 10 + i as u64,
-                ..base.clone()
-            },
-            None,
-        ));
-    }
-    // Window + soft-cap + ALiBi, an MQA group of 8, head_dim 64, block 8.
-    v.push((
-        Params {
-            dtype: DType::Bf16,
-            head_dim: 64,
-            block_size: 8,
-            num_kv_heads: 1,
-            group: 8,
-            batch: 3,
-            max_len: 90,
-            window: Some(23),
-            softcap: Some(12.0),
-            alibi: true,
-            seed: 20,
-            ..base.clone()
-        },
-        None,
-    ));
-    for (i, (dtype, cache)) in [
-        (DType::F16, DType::E4m3),
-        (DType::F16, DType::E5m2),
-        (DType::Bf16, DType::E4m3),
-        (DType::Bf16, DType::E5m2),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        v.push((
-            Params {
-                dtype,
-                batch: 5,
-                seed: 30 + i as u64,
-                ..base.clone()
-            },
-            Some(cache),
-        ));
+    let mut i = 0u64;
+    for (dtype, cache) in DTYPES {
+        for head_dim in SUPPORTED_HEAD_DIMS {
+            let variant = i % 4;
+            v.push((
+                Params {
+                    dtype,
+                    head_dim,
+                    block_size: [8, 16, 32][i as usize % 3],
+                    num_kv_heads: if variant == 2 { 1 } else { 2 },
+                    group: if variant == 2 { 8 } else { 4 },
+                    batch: if head_dim == 128 { 17 } else { 3 },
+                    max_len,
+                    window: matches!(variant, 1 | 3).then_some(23),
+                    softcap: (variant == 1).then_some(12.0),
+                    alibi: matches!(variant, 2 | 3),
+                    partition: Some(64),
+                    narrow_heads: false,
+                    seed: 100 + i,
+                    full_length: false,
+                },
+                cache,
+            ));
+            i += 1;
+        }
     }
     v
 }
 
 fn decode_all(a: &Arch) -> Outcome {
-    for (p, cache) in decode_cases() {
+    for (p, cache) in sweep(150) {
         let mut c = build(&p);
         if let Some(cache) = cache {
             quantise_case(&mut c, cache, true);
@@ -180,12 +154,18 @@ fn decode_all(a: &Arch) -> Outcome {
         let max_len = *c.lens.iter().max().unwrap() as u32;
         let unsplit = plan(&c.shape, p.dtype, max_len, 1);
         let part = p.partition.unwrap();
+        // Split, with fewer heads per CTA (so other thread geometries: more token
+        // groups, another split of the copies between K and V).
         let split = SplitPlan {
             partition_tokens: part,
             num_partitions: max_len.div_ceil(part),
+            heads_per_block: 1.max(unsplit.heads_per_block / 2),
+        };
+        let narrow = SplitPlan {
+            heads_per_block: 1,
             ..unsplit
         };
-        for pl in [unsplit, split] {
+        for pl in [unsplit, split, narrow] {
             let what = format!("decode {:?} cache {cache:?}, {pl:?}", p.dtype);
             let emu = decode_on(EmuDevice::new(Emulator::new()), &c, pl)?;
             let got = decode_on(a.device(), &c, pl)?;
@@ -196,68 +176,7 @@ fn decode_all(a: &Arch) -> Outcome {
 }
 
 fn prefill_all(a: &Arch) -> Outcome {
-    let base = Params {
-        dtype: DType::F16,
-        head_dim: 128,
-        block_size: 16,
-        num_kv_heads: 2,
-        group: 2,
-        batch: 3,
-        max_len: 45,
-        window: None,
-        softcap: None,
-        alibi: false,
-        partition: None,
-        narrow_heads: false,
-        seed: 40,
-        full_length: false,
-    };
-    let mut cases: Vec<(Params, Option<DType>)> = [DType::F32, DType::F16, DType::Bf16]
-        .into_iter()
-        .enumerate()
-        .map(|(i, dtype)| {
-            (
-                Params {
-                    dtype,
-                    seed: 41 + i as u64,
-                    ..base.clone()
-                },
-                None,
-            )
-        })
-        .collect();
-    cases.push((
-        Params {
-            head_dim: 64,
-            block_size: 8,
-            window: Some(13),
-            softcap: Some(20.0),
-            alibi: true,
-            seed: 45,
-            ..base.clone()
-        },
-        None,
-    ));
-    for (i, (dtype, cache)) in [
-        (DType::F16, DType::E4m3),
-        (DType::F16, DType::E5m2),
-        (DType::Bf16, DType::E4m3),
-        (DType::Bf16, DType::E5m2),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        cases.push((
-            Params {
-                dtype,
-                batch: 2,
-                seed: 50 + i as u64,
-                ..base.clone()
-            },
-            Some(cache),
-        ));
-    }
-    for (p, cache) in cases {
+    for (p, cache) in sweep(45) {
         let mut pc = prefill_case(&p);
         if let Some(cache) = cache {
             quantise_case(&mut pc.c, cache, true);
@@ -307,8 +226,33 @@ fn kv_append_all(a: &Arch) -> Outcome {
         mapping[4] = -1;
         mapping[11] = -1;
         let n = mapping.len();
-        let k = HostTensor::from_f64(dtype, &[n, row], &uniform(&mut r, n * row)).unwrap();
-        let v = HostTensor::from_f64(dtype, &[n, row], &uniform(&mut r, n * row)).unwrap();
+        // Mostly uniform values, and every few elements one the fp8 conversion treats
+        // specially once scaled: zeros, values that land in fp8's subnormals, past its
+        // largest finite value (saturated), infinities, NaN.
+        let special = [
+            0.0,
+            -0.0,
+            1e-7,
+            -1.5e-7,
+            1e-6,
+            -3e-5,
+            1e3,
+            -5e4,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+        ];
+        let mut values = |r: &mut rand::rngs::SmallRng| -> Vec<f64> {
+            let mut x = uniform(r, n * row);
+            for (i, x) in x.iter_mut().enumerate() {
+                if i % 5 == 0 {
+                    *x = special[(i / 5) % special.len()];
+                }
+            }
+            x
+        };
+        let k = HostTensor::from_f64(dtype, &[n, row], &values(&mut r)).unwrap();
+        let v = HostTensor::from_f64(dtype, &[n, row], &values(&mut r)).unwrap();
         let scales = (cache != dtype).then(|| KvScales {
             k: (0..3)
                 .map(|h| 0.002 + 0.001 * h as f32 + r.random_range(0.0..0.001))
@@ -425,6 +369,47 @@ fn every_entry_point(arch: usize) {
     assert!(
         missing.is_empty(),
         "{}: entry points no interpreter test launches: {missing:?}",
+        a.module.target()
+    );
+    // The basic-block coverage. Every loop is entered (its first block runs); in
+    // copy_blocks, kv_append and the reduce every block of every loop runs. Decode and
+    // prefill keep loop blocks no launch can reach: e.g. the V branch of a thread's
+    // first copy piece, which the geometry always makes a K piece (the compiler
+    // cannot see that); they are listed, not asserted.
+    let mut unrun = Vec::new();
+    for c in a.module.coverage() {
+        eprintln!(
+            "{} {}: {} of {} blocks ran (not run: {} panic paths and branches around \
+             loops{})",
+            a.module.target(),
+            c.kernel,
+            c.blocks - c.missed.len(),
+            c.blocks,
+            c.missed.len() - c.missed_in_loops.len(),
+            if c.missed_in_loops.is_empty() {
+                String::new()
+            } else {
+                format!(", loop blocks at PTX lines {:?}", c.missed_in_loops)
+            }
+        );
+        let strict = c.kernel.starts_with("copy_blocks")
+            || c.kernel.starts_with("kv_append")
+            || c.kernel.starts_with("paged_decode_reduce");
+        let headers: Vec<u32> = c
+            .missed_in_loops
+            .iter()
+            .copied()
+            .filter(|l| c.loop_headers.contains(l))
+            .collect();
+        if strict && !c.missed_in_loops.is_empty() {
+            unrun.push((c.kernel, c.missed_in_loops));
+        } else if !headers.is_empty() {
+            unrun.push((c.kernel, headers));
+        }
+    }
+    assert!(
+        unrun.is_empty(),
+        "{}: loop blocks no test runs: {unrun:?}",
         a.module.target()
     );
 }
@@ -575,4 +560,98 @@ fn sm_90_mutants_each_fail() {
         survivors.is_empty(),
         "mutants no test catches: {survivors:?}"
     );
+}
+
+/// The bytes of each input a decode CTA needs, summed over the CTAs of `plan`: CTA
+/// (sequence s, KV head h, chunk of `heads_per_block` query heads of h's group,
+/// partition p) covers the tokens `[p * partition_tokens, ...)` of s inside its
+/// context and window, and needs its query heads' q rows, s's context length, the
+/// block-table entries of the blocks those tokens lie in, and their K and V rows of
+/// head h. A partition past the context needs only the context length. So K/V are
+/// read ⌈group ÷ heads per CTA⌉ times, everything else as often as CTAs need it.
+fn ideal_decode_reads(c: &Case, plan: &SplitPlan) -> std::collections::BTreeMap<&'static str, u64> {
+    let s = &c.shape;
+    let (d, bs) = (s.head_dim as u64, s.block_size as u64);
+    let (qsize, kvsize) = (c.q.dtype().size() as u64, c.kc.dtype().size() as u64);
+    let group = s.group() as u64;
+    let hpb = plan.heads_per_block as u64;
+    let chunks = group.div_ceil(hpb);
+    let mut m = std::collections::BTreeMap::new();
+    let mut add = |k: &'static str, v: u64| *m.entry(k).or_insert(0) += v;
+    for (seq, &len) in c.lens.iter().enumerate() {
+        let len = len as u64;
+        let first = match c.opts.window {
+            Some(w) => len.saturating_sub(w as u64),
+            None => 0,
+        };
+        let _ = seq;
+        for _h in 0..s.num_kv_heads {
+            for chunk in 0..chunks {
+                let heads = hpb.min(group - chunk * hpb);
+                for p in 0..plan.num_partitions as u64 {
+                    add("context_lens", 4);
+                    let start = (p * plan.partition_tokens as u64).max(first);
+                    let end = ((p + 1) * plan.partition_tokens as u64).min(len);
+                    if start >= end {
+                        continue;
+                    }
+                    add("q", heads * d * qsize);
+                    if c.opts.alibi_slopes.is_some() {
+                        add("alibi_slopes", heads * 4);
+                    }
+                    add("block_tables", 4 * ((end - 1) / bs - start / bs + 1));
+                    add("key_cache", (end - start) * d * kvsize);
+                    add("value_cache", (end - start) * d * kvsize);
+                }
+            }
+        }
+    }
+    m
+}
+
+/// Decode reads from memory exactly what its plan needs (distinct bytes per CTA, as
+/// the interpreter counts them), unsplit and split, with and without a window.
+#[test]
+fn decode_reads_what_its_plan_needs() {
+    let a = &ARCHS[1];
+    for (window, seed) in [(None, 80u64), (Some(37), 81)] {
+        let p = Params {
+            dtype: DType::F16,
+            head_dim: 128,
+            block_size: 16,
+            num_kv_heads: 2,
+            group: 4,
+            batch: 17,
+            max_len: 150,
+            window,
+            softcap: None,
+            alibi: false,
+            partition: Some(64),
+            narrow_heads: false,
+            seed,
+            full_length: false,
+        };
+        let c = build(&p);
+        let max_len = *c.lens.iter().max().unwrap() as u32;
+        let mut unsplit = plan(&c.shape, p.dtype, max_len, 1);
+        unsplit.heads_per_block = 3; // chunks of 3 and 1 heads: K/V read twice
+        let split = SplitPlan {
+            partition_tokens: 64,
+            num_partitions: max_len.div_ceil(64),
+            ..unsplit
+        };
+        for pl in [unsplit, split] {
+            let dev = a.device();
+            let log = dev.log();
+            decode_on(dev, &c, pl).unwrap();
+            let launch = log.take().into_iter().next().unwrap();
+            let mut got = launch.stats.unique_read.clone();
+            got.retain(|_, v| *v > 0);
+            assert_eq!(
+                got,
+                ideal_decode_reads(&c, &pl),
+                "window {window:?}, {pl:?}"
+            );
+        }
+    }
 }

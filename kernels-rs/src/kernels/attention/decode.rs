@@ -183,11 +183,13 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
         (1.0, 1.0)
     };
     let q_scale = p.scale * k_scale;
-    // q of this thread's head and chunks, scaled, in registers.
+    // q of this thread's head and chunks, scaled, in registers (not loaded for a
+    // partition past the context: its token loop never runs).
     let mut q: Vecs = [0.0; ACC_WORDS as usize];
+    let reads = active && num_stages > 0;
     each_vec::<K>(|v| {
         let c = tx + v * bdx;
-        if active && c < chunks {
+        if reads && c < chunks {
             each_sub::<T, K>(|j| {
                 let raw = ctx.ld_v4(&p.q, q_at + (c * kp + j * T::PER_V4) as u64);
                 for e in 0..T::PER_V4 {
@@ -196,7 +198,7 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
             });
         }
     });
-    let slope = if active && !p.alibi_slopes.is_empty() {
+    let slope = if reads && !p.alibi_slopes.is_empty() {
         ctx.ld(&p.alibi_slopes, qh)
     } else {
         0.0
