@@ -242,7 +242,7 @@ fn kv_append_all(a: &Arch) -> Outcome {
             f64::NEG_INFINITY,
             f64::NAN,
         ];
-        let mut values = |r: &mut rand::rngs::SmallRng| -> Vec<f64> {
+        let values = |r: &mut rand::rngs::SmallRng| -> Vec<f64> {
             let mut x = uniform(r, n * row);
             for (i, x) in x.iter_mut().enumerate() {
                 if i % 5 == 0 {
