@@ -110,6 +110,7 @@ fn rows(dtype: DType, width: usize, keys: &[(u32, u32)], salt: u64) -> HostTenso
     HostTensor::from_f64(dtype, &[keys.len(), width], &v).unwrap()
 }
 
+#[derive(Debug)]
 pub struct Served {
     pub checked: usize,
     pub swapped_out: usize,

@@ -1,5 +1,6 @@
-//! The shared backend test body (`tests/common/serve.rs`) on the CPU backend, and the
-//! backend API's errors.
+//! The shared backend test body (`tests/common/serve.rs`) on the CPU backend (over the
+//! emulator, and over the PTX interpreter running the committed PTX), and the backend
+//! API's errors.
 
 use crate::common;
 
@@ -57,6 +58,32 @@ fn the_cpu_backend_serves_from_fp8_caches() {
             s.prefill_checked
         );
         assert!(s.swapped_out > 0 && s.swapped_in > 0, "{kv}: no swap");
+    }
+}
+
+/// The serving body over the committed PTX: the CPU backend on the PTX interpreter
+/// (`ptx-interp/`), both modules, f16 and an fp8 cache, every output against f64
+/// attention through swaps, prefix hits and copy-on-write, as on the emulator.
+#[test]
+fn the_serving_loop_runs_on_the_committed_ptx() {
+    use pagedkv_ptx_interp::{MathMode, Module, PtxDevice};
+    use std::sync::Arc;
+    for m in pagedkv::ptx::ALL {
+        let module = Arc::new(Module::parse(m.arch, m.ptx).unwrap());
+        for (dtype, kv) in [(DType::F16, DType::F16), (DType::Bf16, DType::E4m3)] {
+            let dev = PtxDevice::new(module.clone(), MathMode::Exact);
+            let log = dev.log();
+            let mut be =
+                CpuBackend::with_device(config_kv(dtype, kv, SplitPolicy::Auto, 1), dev).unwrap();
+            assert_eq!(be.name(), "cpu (PtxDevice)");
+            let s = serve_and_check(&mut be, 1);
+            let what = format!("{} {dtype} over {kv}", m.arch);
+            assert!(s.checked > 100 && s.prefill_checked > 100, "{what}: {s:?}");
+            assert!(s.swapped_out > 0 && s.swapped_in > 0, "{what}: no swap");
+            let kernels: std::collections::BTreeSet<&str> =
+                log.take().into_iter().map(|r| r.kernel).collect();
+            assert!(kernels.len() >= 3, "{what}: launched {kernels:?}");
+        }
     }
 }
 

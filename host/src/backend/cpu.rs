@@ -1,5 +1,7 @@
 //! [`CpuBackend`]: the [`AttentionBackend`] whose kernels run in the SIMT emulator on
-//! host tensors: the real kernel bodies, with no GPU.
+//! host tensors: the real kernel bodies, with no GPU. Over another device whose memory
+//! is host memory ([`CpuBackend::with_device`], e.g. the PTX interpreter), the same
+//! backend runs the committed PTX instead.
 
 use super::{
     AttentionBackend, BackendConfig, DecodeArgs, KvAppendArgs, PagedCache, PrefillArgs, StepCore,
@@ -8,19 +10,20 @@ use super::{
 use crate::buffer::AlignedBuf;
 use crate::emulator::Emulator;
 use crate::error::{Error, Result};
-use crate::ops::copy_blocks::copy_blocks_emulated;
 use crate::scheduler::Batch;
-use crate::step::{EmuDevice, Planned};
+use crate::step::{EmuDevice, Planned, Space, StepDevice};
 use crate::tensor::HostTensor;
 
-/// The CPU backend: the step path over an [`EmuDevice`], the cache in [`HostTensor`]s,
-/// swap space in host memory. Never splits decode launches unless its config asks
+/// The CPU backend: the step path over an [`EmuDevice`] (or another host-memory
+/// device `D`), the cache in [`HostTensor`]s, swap space in host memory. Never splits
+/// decode launches unless its config asks
 /// ([`SplitPolicy::ForSms`](super::SplitPolicy::ForSms)).
 #[derive(Debug)]
-pub struct CpuBackend {
-    core: StepCore<EmuDevice>,
+pub struct CpuBackend<D: StepDevice = EmuDevice> {
+    core: StepCore<D>,
     /// `[num_host_blocks, num_pools, block_bytes]`.
     swap: Vec<u8>,
+    name: String,
 }
 
 impl CpuBackend {
@@ -31,14 +34,28 @@ impl CpuBackend {
 
     /// A backend for `config` whose kernels run in `emu` (its math mode, workers).
     pub fn with_emulator(config: BackendConfig, emu: Emulator) -> Result<Self> {
-        Ok(Self {
-            core: StepCore::new(EmuDevice::new(emu), config, None)?,
-            swap: Vec::new(),
-        })
+        let mut be = CpuBackend::with_device(config, EmuDevice::new(emu))?;
+        be.name = "cpu-emulator".into();
+        Ok(be)
     }
+}
 
-    fn emulator(&self) -> &Emulator {
-        self.core.runner.device().emulator()
+impl<D: StepDevice> CpuBackend<D> {
+    /// A backend for `config` over `device`, whose memory must be host memory
+    /// ([`Space::Host`]: the cache is [`HostTensor`]s). Its name is `cpu (D)`.
+    pub fn with_device(config: BackendConfig, device: D) -> Result<Self> {
+        if device.space() != Space::Host {
+            return Err(Error::invalid(
+                "device",
+                format!("{:?} memory is not host memory", device.space()),
+            ));
+        }
+        let ty = std::any::type_name::<D>();
+        Ok(Self {
+            core: StepCore::new(device, config, None)?,
+            swap: Vec::new(),
+            name: format!("cpu ({})", ty.rsplit("::").next().unwrap_or(ty)),
+        })
     }
 
     /// Bytes of one host swap block (every pool's block) and of one pool's block.
@@ -53,11 +70,11 @@ impl CpuBackend {
     }
 }
 
-impl AttentionBackend for CpuBackend {
+impl<D: StepDevice> AttentionBackend for CpuBackend<D> {
     type Tensor = HostTensor;
 
     fn name(&self) -> String {
-        "cpu-emulator".into()
+        self.name.clone()
     }
 
     fn config(&self) -> &BackendConfig {
@@ -138,7 +155,19 @@ impl AttentionBackend for CpuBackend {
             .pools_mut()
             .map(|t| std::mem::replace(t.buf_mut(), AlignedBuf::zeroed(0)))
             .collect();
-        let r = copy_blocks_emulated(self.emulator(), &mut pools, bb, pairs);
+        let raw: Vec<(u64, u64)> = pools
+            .iter_mut()
+            .map(|p| {
+                let b = p.as_bytes_mut();
+                (b.as_mut_ptr() as u64, b.len() as u64)
+            })
+            .collect();
+        // SAFETY: (1) each pool is an AlignedBuf (16-byte aligned host memory, the
+        // device's space, checked at construction) owned here for the call, so (2)
+        // nothing else touches it and no two overlap.
+        let r = unsafe {
+            crate::step::once::copy_blocks(self.core.runner.device_mut(), &raw, bb, pairs)
+        };
         for (t, b) in cache.pools_mut().zip(pools) {
             *t.buf_mut() = b;
         }
