@@ -126,6 +126,38 @@ impl Module {
             .map(|&i| self.parsed.funcs[i].code.len())
     }
 
+    /// The by-value parameter of entry point `kernel`: its size and alignment in bytes
+    /// (None: no such entry, or not exactly one parameter).
+    pub fn param_layout(&self, kernel: &str) -> Option<(u64, u64)> {
+        let f = &self.parsed.funcs[*self.entries.get(kernel)?];
+        match f.params.as_slice() {
+            [p] => Some((p.size, p.align)),
+            _ => None,
+        }
+    }
+
+    /// Every `ld.param` of entry point `kernel`: its byte offset in the parameter and
+    /// bytes loaded, in program order.
+    pub fn param_loads(&self, kernel: &str) -> Vec<(i64, u64)> {
+        let Some(&fi) = self.entries.get(kernel) else {
+            return Vec::new();
+        };
+        self.parsed.funcs[fi]
+            .code
+            .iter()
+            .filter_map(|i| match i.op {
+                ir::Op::Ld {
+                    space: ir::Space::Param,
+                    bytes,
+                    n,
+                    addr,
+                    ..
+                } => Some((addr.off, bytes as u64 * n as u64)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The `.maxntid` an entry point declares, if any.
     pub fn maxntid(&self, kernel: &str) -> Option<[u32; 3]> {
         self.entries

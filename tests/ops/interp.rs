@@ -655,3 +655,57 @@ fn decode_reads_what_its_plan_needs() {
         }
     }
 }
+
+/// With the approximate `ex2` / `tanh` model (the ISA's documented error bounds), the
+/// committed PTX stays within the GPU tolerance of the f64 reference, decode and
+/// prefill, with soft-cap (tanh) and without.
+#[test]
+fn approximate_math_stays_within_the_gpu_tolerance() {
+    for (arch, a) in ARCHS.iter().enumerate() {
+        for (softcap, dtype) in [(None, DType::F16), (Some(15.0), DType::Bf16)] {
+            let p = Params {
+                dtype,
+                head_dim: 128,
+                block_size: 16,
+                num_kv_heads: 2,
+                group: 4,
+                batch: 5,
+                max_len: 120,
+                window: None,
+                softcap,
+                alibi: false,
+                partition: None,
+                narrow_heads: false,
+                seed: 90 + arch as u64,
+                full_length: false,
+            };
+            let tol = common::approx_tolerance(dtype, softcap);
+            let dev = || PtxDevice::new(a.module.clone(), MathMode::Approx { seed: 5 });
+            let c = build(&p);
+            let want = paged_decode_attention(&c.inputs());
+            let max_len = *c.lens.iter().max().unwrap() as u32;
+            let got = decode_on(dev(), &c, plan(&c.shape, dtype, max_len, 1)).unwrap();
+            let exact = decode_on(a.device(), &c, plan(&c.shape, dtype, max_len, 1)).unwrap();
+            assert_ne!(
+                got.buf().as_bytes(),
+                exact.buf().as_bytes(),
+                "the model perturbs"
+            );
+            let e = rel_l2(&got.to_f64(), &want);
+            assert!(
+                e <= tol,
+                "{} decode {softcap:?}: {e:e} > {tol:e}",
+                a.module.target()
+            );
+            let pc = prefill_case(&p);
+            let want = paged_prefill_attention(&pc.inputs());
+            let got = prefill_on(dev(), &pc).unwrap();
+            let e = rel_l2(&got.to_f64(), &want);
+            assert!(
+                e <= tol,
+                "{} prefill {softcap:?}: {e:e} > {tol:e}",
+                a.module.target()
+            );
+        }
+    }
+}

@@ -171,3 +171,128 @@ fn the_planners_register_count_bounds_every_decode_kernel() {
     }
     assert_eq!(seen, 28, "decode rows in ptx/resources.md");
 }
+
+/// `(offset, bytes)` of every scalar field of a params struct, `PagedLayout`'s four
+/// fields expanded.
+fn fields(list: &[(usize, usize)], layout_at: Option<usize>) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = list.iter().map(|&(o, n)| (o as u64, n as u64)).collect();
+    if let Some(l) = layout_at {
+        v.extend((0..4).map(|i| ((l + 4 * i) as u64, 4)));
+    }
+    v.sort_unstable();
+    v
+}
+
+/// Every entry point's `.param` is the host struct's size and alignment, and every
+/// `ld.param` in it loads whole fields of that struct (it starts at a field and ends at
+/// one: never padding, never half a field), read from the PTX by the interpreter's
+/// parser and compared with `offset_of!` on the host side.
+#[test]
+fn every_param_load_reads_whole_fields_of_the_host_struct() {
+    use pagedkv::kernels::kernels::{
+        CopyBlocksParams, DecodeParams, KvAppendParams, PrefillParams, ReduceParams,
+    };
+    use std::mem::{align_of, offset_of, size_of};
+    macro_rules! f {
+        ($t:ty: $($field:ident: $n:expr),*) => {
+            &[$((offset_of!($t, $field), $n)),*]
+        };
+    }
+    type D = DecodeParams<F16>;
+    type P = PrefillParams<F16>;
+    type A = KvAppendParams<F16>;
+    type R = ReduceParams<F16>;
+    /// Entry-point prefix, size, alignment, fields.
+    type Struct = (&'static str, u64, u64, Vec<(u64, u64)>);
+    let structs: [Struct; 5] = [
+        (
+            "copy_blocks",
+            size_of::<CopyBlocksParams>() as u64,
+            align_of::<CopyBlocksParams>() as u64,
+            fields(
+                f!(CopyBlocksParams: pools: 16, pairs: 16, block_bytes: 8),
+                None,
+            ),
+        ),
+        (
+            "kv_append",
+            size_of::<A>() as u64,
+            align_of::<A>() as u64,
+            fields(
+                f!(A: key: 16, value: 16, slot_mapping: 16, key_cache: 16, value_cache: 16,
+                   k_scales: 16, v_scales: 16),
+                Some(offset_of!(A, layout)),
+            ),
+        ),
+        (
+            "paged_decode_attention",
+            size_of::<D>() as u64,
+            align_of::<D>() as u64,
+            fields(
+                f!(D: q: 16, key_cache: 16, value_cache: 16, k_scales: 16, v_scales: 16,
+                   block_tables: 16, context_lens: 16, alibi_slopes: 16, out: 16,
+                   part_out: 16, part_ml: 16, num_q_heads: 4, max_blocks_per_seq: 4,
+                   heads_per_block: 4, partition_tokens: 4, num_partitions: 4, scale: 4,
+                   softcap: 4, inv_softcap: 4, window: 4, _pad: 4, q_row_stride: 8,
+                   out_row_stride: 8),
+                Some(offset_of!(D, layout)),
+            ),
+        ),
+        (
+            "paged_decode_reduce",
+            size_of::<R>() as u64,
+            align_of::<R>() as u64,
+            fields(
+                f!(R: part_out: 16, part_ml: 16, out: 16, num_q_heads: 4, head_dim: 4,
+                   num_partitions: 4, _pad: 4, out_row_stride: 8),
+                None,
+            ),
+        ),
+        (
+            "paged_prefill_attention",
+            size_of::<P>() as u64,
+            align_of::<P>() as u64,
+            fields(
+                f!(P: q: 16, key_cache: 16, value_cache: 16, k_scales: 16, v_scales: 16,
+                   block_tables: 16, qo_indptr: 16, context_lens: 16, alibi_slopes: 16,
+                   out: 16, num_q_heads: 4, max_blocks_per_seq: 4, scale: 4, softcap: 4,
+                   inv_softcap: 4, window: 4),
+                Some(offset_of!(P, layout)),
+            ),
+        ),
+    ];
+    for m in ptx::ALL {
+        let module = pagedkv_ptx_interp::Module::parse(m.arch, m.ptx).unwrap();
+        for k in module.entry_points() {
+            let (_, size, align, fields) = structs
+                .iter()
+                .find(|(prefix, ..)| k.starts_with(prefix))
+                .unwrap_or_else(|| panic!("{k}: which params struct?"));
+            assert_eq!(
+                module.param_layout(k),
+                Some((*size, *align)),
+                "{} {k}",
+                m.arch
+            );
+            // A view's pointer and length are fields of their own (8 bytes each).
+            let mut bounds: Vec<u64> = Vec::new();
+            for &(o, n) in fields {
+                if n == 16 {
+                    bounds.extend([o, o + 8, o + 16]);
+                } else {
+                    bounds.extend([o, o + n]);
+                }
+            }
+            let loads = module.param_loads(k);
+            assert!(!loads.is_empty(), "{k}");
+            for (off, n) in loads {
+                let (off, end) = (off as u64, off as u64 + n);
+                assert!(
+                    bounds.contains(&off) && bounds.contains(&end) && end <= *size,
+                    "{} {k}: ld.param of {n} bytes at {off} is not whole fields",
+                    m.arch
+                );
+            }
+        }
+    }
+}
