@@ -29,9 +29,7 @@ fn main() {
         max_blocks_per_seq: 32,
     };
     let lens: Vec<i32> = (0..17).map(|i| 100 + (i * 97) % 401).collect();
-    let tables: Vec<i32> = (0..17 * 32)
-        .map(|i| (i * 7919) % (17 * 32))
-        .collect();
+    let tables: Vec<i32> = (0..17 * 32).map(|i| (i * 7919) % (17 * 32)).collect();
     let pool = (shape.num_blocks * 2 * 16 * 128) as usize;
     let value = |i: usize| ((i * 2654435761) % 1000) as f64 / 500.0 - 1.0;
     let kc = HostTensor::from_f64(

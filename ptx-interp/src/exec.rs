@@ -42,6 +42,8 @@ pub struct LaunchStats {
     /// Per global range (by name): the distinct bytes each CTA read, summed over CTAs
     /// (what a CTA needs from memory if its re-reads hit a cache).
     pub unique_read: std::collections::BTreeMap<&'static str, u64>,
+    /// Per global range (by name): every byte loaded, re-reads included.
+    pub read: std::collections::BTreeMap<&'static str, u64>,
     /// Bytes stored to global memory.
     pub global_written: u64,
     /// Bytes copied by `cp.async`.
@@ -610,9 +612,10 @@ impl Cta<'_, '_> {
         let mut i = 0;
         while i < reads.len() {
             let r = reads[i].2;
-            let (mut total, mut end) = (0u64, 0u64);
+            let (mut total, mut end, mut all) = (0u64, 0u64, 0u64);
             while i < reads.len() && reads[i].2 == r {
                 let (a, n, _) = reads[i];
+                all += n as u64;
                 let e = a + n as u64;
                 if e > end {
                     total += e - a.max(end);
@@ -620,11 +623,9 @@ impl Cta<'_, '_> {
                 }
                 i += 1;
             }
-            *self
-                .stats
-                .unique_read
-                .entry(self.ranges[r as usize].name)
-                .or_default() += total;
+            let name = self.ranges[r as usize].name;
+            *self.stats.unique_read.entry(name).or_default() += total;
+            *self.stats.read.entry(name).or_default() += all;
         }
         reads.clear();
         self.reads = reads;

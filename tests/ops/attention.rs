@@ -20,7 +20,7 @@ use pagedkv::host::reference::{dense_decode_attention, gather, paged_decode_atte
 use pagedkv::host::{DType, HostTensor};
 use proptest::prelude::*;
 
-fn params() -> impl Strategy<Value = Params> {
+pub(crate) fn params() -> impl Strategy<Value = Params> {
     params_with(SUPPORTED_HEAD_DIMS.to_vec())
 }
 

@@ -26,7 +26,7 @@ use proptest::prelude::*;
 use rand::Rng;
 
 /// A decode case with a 16-bit query type and an fp8 cache type.
-fn params() -> impl Strategy<Value = (Params, DType, bool)> {
+pub(crate) fn params() -> impl Strategy<Value = (Params, DType, bool)> {
     (
         prop::sample::select(vec![DType::F16, DType::Bf16]),
         prop::sample::select(DType::FP8.to_vec()),

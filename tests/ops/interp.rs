@@ -14,7 +14,7 @@ use crate::common;
 use crate::prefill::{Prefill, prefill_case};
 use common::case::{Case, Params, build};
 use common::fp8::quantise_case;
-use common::{rel_l2, rng, tolerance, uniform};
+use common::{cases, rel_l2, rng, tolerance, uniform};
 use pagedkv::host::emulator::Emulator;
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{DecodeInputs, SplitPlan, plan};
@@ -26,6 +26,7 @@ use pagedkv::host::{AlignedBuf, DType, HostTensor};
 use pagedkv::kernels::kernels::DecodeParams;
 use pagedkv::kernels::{F16, PagedLayout};
 use pagedkv_ptx_interp::{LaunchLog, MathMode, Module, PtxDevice};
+use proptest::prelude::*;
 use rand::Rng;
 use rand::seq::SliceRandom;
 
@@ -705,6 +706,137 @@ fn approximate_math_stays_within_the_gpu_tolerance() {
                 e <= tol,
                 "{} prefill {softcap:?}: {e:e} > {tol:e}",
                 a.module.target()
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(6), ..ProptestConfig::default() })]
+
+    /// The decode, prefill and fp8 properties of `attention.rs`, `prefill.rs` and
+    /// `fp8_cache.rs` (their strategies: every dtype and head_dim, GQA and MQA, batch
+    /// 1/3/17, windows, soft-cap, ALiBi, narrower head chunks), on the interpreter over
+    /// a module drawn at random: equal to the emulator bit for bit, and within the
+    /// tolerance of the f64 reference.
+    #[test]
+    fn random_cases_match_the_emulator_on_the_committed_ptx(
+        p in crate::attention::params(),
+        (p8, cache, per_head) in crate::fp8_cache::params(),
+        pp in crate::prefill::params(),
+        arch in 0usize..2,
+    ) {
+        let a = &ARCHS[arch];
+        for (p, cache) in [(p, None), (p8, Some((cache, per_head)))] {
+            let mut c = build(&p);
+            if let Some((cache, per_head)) = cache {
+                quantise_case(&mut c, cache, per_head);
+            }
+            let want = paged_decode_attention(&c.inputs());
+            let max_len = *c.lens.iter().max().unwrap() as u32;
+            let mut pl = plan(&c.shape, p.dtype, max_len, 1);
+            if p.narrow_heads {
+                pl.heads_per_block = 1.max(pl.heads_per_block / 2);
+            }
+            if let Some(part) = p.partition {
+                pl.partition_tokens = part;
+                pl.num_partitions = max_len.div_ceil(part);
+            }
+            let what = format!("{} decode {p:?} cache {cache:?} {pl:?}", a.module.target());
+            let emu = decode_on(EmuDevice::new(Emulator::new()), &c, pl).unwrap();
+            let got = decode_on(a.device(), &c, pl).unwrap();
+            let tol = if pl.num_partitions > 1 { common::split_tolerance(p.dtype).max(tolerance(p.dtype)) } else { tolerance(p.dtype) };
+            if let Err(e) = check(&what, &got, &emu, &want, tol) {
+                prop_assert!(false, "{}", e);
+            }
+        }
+        let pc = prefill_case(&pp);
+        let want = paged_prefill_attention(&pc.inputs());
+        let emu = prefill_on(EmuDevice::new(Emulator::new()), &pc).unwrap();
+        let got = prefill_on(a.device(), &pc).unwrap();
+        let what = format!("{} prefill {pp:?}", a.module.target());
+        if let Err(e) = check(&what, &got, &emu, &want, tolerance(pp.dtype)) {
+            prop_assert!(false, "{}", e);
+        }
+    }
+}
+
+/// The tensor-core prefill's reads, by its tiling: CTA (KV head h, tile of 16 rows,
+/// sequence s) serves rows `16 * tile ..` of s's `(token, head of h's group)` rows,
+/// token-major, and stages the positions `[lo, hi)` its rows see (`lo`: the first
+/// row's first visible position, window included; `hi`: the last row's position + 1)
+/// in tiles of 16, once per pass of 64 output columns. So per CTA it needs
+/// `(hi - lo) * head_dim` elements of K and of V (distinct bytes) and q for its rows,
+/// and loads V once but K once per pass (`S` is recomputed each pass: the re-read the
+/// issue-30 kernel removes).
+fn ideal_prefill_reads(pc: &Prefill) -> [(&'static str, u64, u64); 3] {
+    let c = &pc.c;
+    let s = &c.shape;
+    let (d, group) = (s.head_dim as u64, s.group() as u64);
+    let (qsize, kvsize) = (pc.q.dtype().size() as u64, c.kc.dtype().size() as u64);
+    let passes = d.div_ceil(64);
+    let (mut k, mut k_all, mut q) = (0u64, 0u64, 0u64);
+    for seq in 0..s.num_seqs as usize {
+        let qo = (pc.qo_indptr[seq + 1] - pc.qo_indptr[seq]) as u64;
+        let len = c.lens[seq] as u64;
+        let rows = qo * group;
+        let pos = |row: u64| len - qo + row / group;
+        for tile in 0..rows.div_ceil(16) {
+            let (r0, last) = (16 * tile, (16 * tile + 15).min(rows - 1));
+            let lo = match c.opts.window {
+                Some(w) => (pos(r0) + 1).saturating_sub(w as u64),
+                None => 0,
+            };
+            let hi = pos(last) + 1;
+            let per = (hi - lo) * d * kvsize * s.num_kv_heads as u64;
+            k += per;
+            k_all += passes * per;
+            q += (last - r0 + 1) * d * qsize * s.num_kv_heads as u64;
+        }
+    }
+    [("key_cache", k, k_all), ("value_cache", k, k), ("q", q, q)]
+}
+
+/// Prefill reads K, V and q exactly as its tiling says (see `ideal_prefill_reads`),
+/// f16 and bf16, with and without a window, head_dim 64 (one pass) and 128 (two).
+#[test]
+fn prefill_reads_what_its_tiling_says() {
+    let a = &ARCHS[1];
+    for (dtype, head_dim, window, seed) in [
+        (DType::F16, 128, None, 85u64),
+        (DType::Bf16, 64, Some(19), 86),
+        (DType::F16, 256, Some(40), 87),
+    ] {
+        let p = Params {
+            dtype,
+            head_dim,
+            block_size: 16,
+            num_kv_heads: 2,
+            group: 3,
+            batch: 3,
+            max_len: 70,
+            window,
+            softcap: None,
+            alibi: false,
+            partition: None,
+            narrow_heads: false,
+            seed,
+            full_length: false,
+        };
+        let pc = prefill_case(&p);
+        let dev = a.device();
+        let log = dev.log();
+        prefill_on(dev, &pc).unwrap();
+        let stats = log.take().into_iter().next().unwrap().stats;
+        for (range, unique, all) in ideal_prefill_reads(&pc) {
+            let got = (
+                stats.unique_read.get(range).copied(),
+                stats.read.get(range).copied(),
+            );
+            assert_eq!(
+                got,
+                (Some(unique), Some(all)),
+                "{dtype} d{head_dim} window {window:?}: {range} (distinct, all)"
             );
         }
     }

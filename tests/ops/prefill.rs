@@ -17,7 +17,7 @@ use pagedkv::host::{DType, Error, HostTensor};
 use proptest::prelude::*;
 use rand::Rng;
 
-fn params() -> impl Strategy<Value = Params> {
+pub(crate) fn params() -> impl Strategy<Value = Params> {
     (
         prop::sample::select(DType::ALL.to_vec()),
         prop::sample::select(SUPPORTED_HEAD_DIMS.to_vec()),
