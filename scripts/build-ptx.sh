@@ -14,6 +14,8 @@ set -euo pipefail
 
 TOOLCHAIN=nightly-2026-05-19
 ARCHS=(sm_80 sm_90)
+# Threads per block of each kernel (by entry-point prefix), written as `.maxntid`.
+MAXNTID="copy_blocks=128 kv_append=128 paged_decode_attention=128 paged_decode_reduce=64 paged_prefill_attention=32 paged_prefill_attention_f32=128"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
@@ -57,7 +59,24 @@ for arch in "${ARCHS[@]}"; do
     --profile ptx --target nvptx64-nvidia-cuda -Zbuild-std=core \
     --target-dir "$tdir" --quiet \
     -- --emit=asm -C "target-cpu=$arch" -C linker=/bin/true
-  cp "$asm" "$out/pagedkv_kernels.$arch.ptx"
+  # rustc has no attribute for `.maxntid`: add it to every entry point here, the most
+  # threads a block of that kernel has (the host's launch configurations: checked by
+  # tests/ops/ptx.rs), so ptxas and the driver enforce the block size the host
+  # launches. The longest matching prefix wins; an entry with none fails the build.
+  awk -v table="$MAXNTID" '
+    BEGIN { n = split(table, t, " ") }
+    /^\.visible \.entry / { name = $3; sub(/\(.*/, "", name); pending = 1 }
+    { print }
+    pending && /^\)$/ {
+      best = ""; bl = 0
+      for (i = 1; i <= n; i++) {
+        split(t[i], kv, "=")
+        if (index(name, kv[1]) == 1 && length(kv[1]) > bl) { best = kv[2]; bl = length(kv[1]) }
+      }
+      if (best == "") { print "build-ptx: no .maxntid for " name > "/dev/stderr"; exit 1 }
+      print ".maxntid " best ", 1, 1"
+      pending = 0
+    }' "$asm" > "$out/pagedkv_kernels.$arch.ptx"
 done
 
 {

@@ -296,3 +296,52 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
         }
     }
 }
+
+/// Every entry point declares `.maxntid` (added by scripts/build-ptx.sh: rustc has no
+/// attribute for it) equal to the block size the host launches it with, so ptxas and
+/// the driver enforce it (and the PTX interpreter refuses larger blocks).
+#[test]
+fn every_entry_declares_the_block_size_the_host_launches() {
+    use pagedkv::host::DType;
+    use pagedkv::host::ops::attention::{
+        DecodeShape, SplitPlan, decode_launch_config, reduce_launch_config,
+    };
+    use pagedkv::host::ops::{copy_blocks, kv_append, prefill};
+    let shape = DecodeShape {
+        num_seqs: 1,
+        num_q_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 128,
+        block_size: 16,
+        num_blocks: 4,
+        max_blocks_per_seq: 4,
+    };
+    let plan = SplitPlan {
+        heads_per_block: 4,
+        partition_tokens: 64,
+        num_partitions: 1,
+    };
+    let block = |k: &str| -> u32 {
+        let cfg = if k == "copy_blocks" {
+            copy_blocks::launch_config(1, 1)
+        } else if k.starts_with("kv_append") {
+            kv_append::launch_config(1)
+        } else if k.starts_with("paged_decode_attention") {
+            decode_launch_config(&shape, DType::F16, &plan)
+        } else if k.starts_with("paged_decode_reduce") {
+            reduce_launch_config(&shape, DType::F16)
+        } else if k == "paged_prefill_attention_f32" {
+            prefill::launch_config(&shape, DType::F32, 16)
+        } else {
+            prefill::launch_config(&shape, DType::F16, 16)
+        };
+        assert_eq!((cfg.block.y, cfg.block.z), (1, 1), "{k}");
+        cfg.block.x
+    };
+    for m in ptx::ALL {
+        let module = pagedkv_ptx_interp::Module::parse(m.arch, m.ptx).unwrap();
+        for k in module.entry_points() {
+            assert_eq!(module.maxntid(k), Some([block(k), 1, 1]), "{} {k}", m.arch);
+        }
+    }
+}
