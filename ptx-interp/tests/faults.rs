@@ -3,46 +3,17 @@
 //! without the defect runs.
 
 use pagedkv_host::emulator::LaunchConfig;
-use pagedkv_kernels::{Access, Dim3, GlobalRange};
+use pagedkv_kernels::{Access, Dim3};
 use pagedkv_ptx_interp::{Error, MathMode, Module};
 
-/// A module with one entry `k(.param .align 8 .b8 k_param_0[16])` (a pointer and a
-/// length) whose body is `body`, after the register declarations.
-fn module(body: &str) -> String {
-    format!(
-        ".version 7.8\n.target sm_90\n.address_size 64\n\
-         .extern .shared .align 16 .b8 smem[];\n\
-         .global .align 1 .b8 file[7] = {{107, 46, 114, 115, 0, 0, 0}};\n\
-         .global .align 8 .u64 loc[3] = {{generic(file), 4, 51539607559}};\n\
-         .func die(\n\t.param .b64 die_param_0\n)\n.noreturn;\n\
-         .visible .entry k(\n\t.param .align 8 .b8 k_param_0[16]\n)\n{{\n\
-         \t.reg .pred %p<4>;\n\t.reg .b32 %r<16>;\n\t.reg .b64 %rd<16>;\n\
-         \tld.param.b64 %rd1, [k_param_0];\n\tcvta.to.global.u64 %rd2, %rd1;\n\
-         \tmov.u32 %r1, %tid.x;\n\tmov.u64 %rd3, smem;\n{body}\n\tret;\n}}\n\
-         .func die(\n\t.param .b64 die_param_0\n)\n.noreturn\n{{\n\ttrap; exit;\n}}\n"
-    )
+mod kit;
+
+fn run(body: &str, threads: u32, buf: &mut [u32], access: Access) -> Result<(), Error> {
+    kit::launch(body, threads, 256, buf, access, MathMode::Exact).map(|_| ())
 }
 
-/// Launches `k` with `threads` threads and 256 bytes of shared memory over `buf`
-/// (passed as the pointer and its length; `access` for the range).
-fn run(body: &str, threads: u32, buf: &mut [u32], access: Access) -> Result<(), Error> {
-    let m = Module::parse("test.ptx", &module(body)).expect("parses");
-    let mut params = Vec::new();
-    params.extend_from_slice(&(buf.as_mut_ptr() as u64).to_le_bytes());
-    params.extend_from_slice(&(buf.len() as u64).to_le_bytes());
-    let range = GlobalRange {
-        name: "buf",
-        addr: buf.as_mut_ptr() as u64,
-        bytes: 4 * buf.len() as u64,
-        access,
-    };
-    let cfg = LaunchConfig {
-        grid: Dim3::new(1, 1, 1),
-        block: Dim3::new(threads, 1, 1),
-        shared_bytes: 256,
-    };
-    // SAFETY: the range is `buf`, borrowed mutably for the launch.
-    unsafe { m.launch_bytes("k", cfg, &params, 8, &[range], MathMode::Exact) }.map(|_| ())
+fn module(body: &str) -> String {
+    kit::module(body)
 }
 
 fn fault(body: &str, threads: u32) -> String {
@@ -71,7 +42,7 @@ fn unsupported_constructs_name_file_and_line() {
     match e {
         Error::Parse { file, line, msg } => {
             assert_eq!(file, "test.ptx");
-            assert_eq!(line, 23, "{msg}");
+            assert_eq!(line, 24, "{msg}");
             assert!(msg.contains("atom.global.add.u32"), "{msg}");
         }
         e => panic!("{e:?}"),

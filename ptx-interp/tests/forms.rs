@@ -1,0 +1,340 @@
+//! One test per instruction form the kernels use whose semantics are more than
+//! arithmetic, each on distinct values, against expectations written here from the PTX
+//! ISA (not from the interpreter's or the emulator's code): ldmatrix (x1/x2/x4, plain
+//! and `.trans`), mma m16n8k16 (f16 and bf16), shfl.sync.bfly with a clamp, setp's
+//! ordered and unordered NaN rules, ex2's `.ftz`, the 16- and 8-bit float conversions
+//! and the integer forms with edge cases.
+
+mod kit;
+
+use kit::{launch, word_addr};
+use pagedkv_kernels::Access;
+use pagedkv_ptx_interp::MathMode;
+
+fn run(body: &str, threads: u32, shared: u32, buf: &mut [u32]) {
+    launch(
+        body,
+        threads,
+        shared,
+        buf,
+        Access::ReadWrite,
+        MathMode::Exact,
+    )
+    .unwrap();
+}
+
+/// Shared memory holds 4 matrices of 8x8 16-bit elements, element (m, r, c) =
+/// `64m + 8r + c`, rows 16 bytes apart; lane l addresses row l % 8 of matrix l / 8.
+/// Per the ISA, lane l's register j holds matrix j's elements (row l/4, columns
+/// 2(l%4), 2(l%4)+1), low half first; with `.trans` (rows 2(l%4), 2(l%4)+1, column l/4).
+#[test]
+fn ldmatrix_distributes_rows_as_the_isa_says() {
+    for (n, trans) in [
+        (1u32, false),
+        (2, false),
+        (4, false),
+        (1, true),
+        (2, true),
+        (4, true),
+    ] {
+        let regs: Vec<String> = (0..n).map(|j| format!("%r{}", 10 + j)).collect();
+        let stores: String = (0..n)
+            .map(|j| {
+                format!(
+                    "\tshl.b32 %r20, %r1, 2;\n\tadd.s32 %r20, %r20, {j};\n{}\tst.global.u32 [%rd5], %r{};\n",
+                    word_addr(5, 20),
+                    10 + j
+                )
+            })
+            .collect();
+        let body = format!(
+            // Each thread writes 4 words: word w = (2w, 2w + 1).
+            "\tmov.b32 %r2, 0;\n$L__fill:\n\
+             \tshl.b32 %r3, %r1, 2;\n\tadd.s32 %r3, %r3, %r2;\n\
+             \tshl.b32 %r4, %r3, 1;\n\tadd.s32 %r5, %r4, 1;\n\tshl.b32 %r5, %r5, 16;\n\tor.b32 %r4, %r4, %r5;\n\
+             \tshl.b32 %r6, %r3, 2;\n\tcvt.u64.u32 %rd6, %r6;\n\tadd.s64 %rd7, %rd3, %rd6;\n\
+             \tst.shared.u32 [%rd7], %r4;\n\tadd.s32 %r2, %r2, 1;\n\tsetp.lt.u32 %p1, %r2, 4;\n\
+             \t@%p1 bra $L__fill;\n\tbar.sync 0;\n\
+             \tshl.b32 %r7, %r1, 4;\n\tcvt.u64.u32 %rd8, %r7;\n\tadd.s64 %rd9, %rd3, %rd8;\n\
+             \tldmatrix.sync.aligned.m8n8.x{n}{}.shared.b16 {{{}}}, [%rd9];\n{stores}",
+            if trans { ".trans" } else { "" },
+            regs.join(", ")
+        );
+        let mut buf = vec![0u32; 128];
+        run(&body, 32, 512, &mut buf);
+        for l in 0..32u32 {
+            let (g, t) = (l / 4, l % 4);
+            for j in 0..n {
+                let e = |r: u32, c: u32| 64 * j + 8 * r + c;
+                let (lo, hi) = if trans {
+                    (e(2 * t, g), e(2 * t + 1, g))
+                } else {
+                    (e(g, 2 * t), e(g, 2 * t + 1))
+                };
+                assert_eq!(
+                    buf[(4 * l + j) as usize],
+                    lo | hi << 16,
+                    "x{n} trans {trans}: lane {l}, reg {j}"
+                );
+            }
+        }
+    }
+}
+
+fn f16_bits(x: f32) -> u32 {
+    // Small integers only: exact in f16.
+    let (s, a) = (if x < 0.0 { 0x8000 } else { 0 }, x.abs());
+    if a == 0.0 {
+        return s;
+    }
+    let e = a.log2().floor() as i32;
+    let m = ((a / 2f32.powi(e) - 1.0) * 1024.0) as u32;
+    s | (((e + 15) as u32) << 10) | m
+}
+
+/// A (16x16, row-major) times B (16x8) plus C (16x8 f32) with distinct small-integer
+/// values (exact in f16, bf16 and f32), fragments laid out by the ISA's tables:
+/// A's register j of lane (g, t) holds (row g + 8(j%2), columns 2t + 8(j/2) + {0,1});
+/// B's register j holds (rows 2t + 8j + {0,1}, column g); C/D element j is
+/// (row g + 8(j/2), column 2t + j%2).
+#[test]
+fn mma_m16n8k16_multiplies_as_the_isa_lays_out_fragments() {
+    for bf16 in [false, true] {
+        let a = |r: usize, k: usize| ((r * 16 + k) % 7) as f32 - 3.0;
+        let b = |k: usize, n: usize| ((k * 8 + n) % 5) as f32 - 2.0;
+        let c = |r: usize, n: usize| (r * 8 + n) as f32 * 0.5;
+        let bits = |x: f32| if bf16 { x.to_bits() >> 16 } else { f16_bits(x) };
+        // The buffer: per lane 10 input words (a0..a3, b0, b1, c0..c3), then 4 outputs.
+        let mut buf = vec![0u32; 32 * 14];
+        for l in 0..32 {
+            let (g, t) = (l / 4, l % 4);
+            for j in 0..4 {
+                let (r, k) = (g + 8 * (j % 2), 2 * t + 8 * (j / 2));
+                buf[l * 10 + j] = bits(a(r, k)) | bits(a(r, k + 1)) << 16;
+                let (r, n) = (g + 8 * (j / 2), 2 * t + j % 2);
+                buf[l * 10 + 6 + j] = c(r, n).to_bits();
+            }
+            for j in 0..2 {
+                let k = 2 * t + 8 * j;
+                buf[l * 10 + 4 + j] = bits(b(k, g)) | bits(b(k + 1, g)) << 16;
+            }
+        }
+        let loads: String = (0..10)
+            .map(|i| format!("\tld.global.u32 %r{}, [%rd5+{}];\n", 10 + i, 4 * i))
+            .collect();
+        let ty = if bf16 { "bf16" } else { "f16" };
+        let body = format!(
+            "\tmul.lo.s32 %r2, %r1, 10;\n{}{loads}\
+             \tmma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{%r30, %r31, %r32, %r33}}, \
+             {{%r10, %r11, %r12, %r13}}, {{%r14, %r15}}, {{%r16, %r17, %r18, %r19}};\n\
+             \tshl.b32 %r3, %r1, 2;\n\tadd.s32 %r3, %r3, 320;\n{}\
+             \tst.global.u32 [%rd6], %r30;\n\tst.global.u32 [%rd6+4], %r31;\n\
+             \tst.global.u32 [%rd6+8], %r32;\n\tst.global.u32 [%rd6+12], %r33;\n",
+            word_addr(5, 2),
+            word_addr(6, 3),
+        );
+        run(&body, 32, 0, &mut buf);
+        for l in 0..32 {
+            let (g, t) = (l / 4, l % 4);
+            for j in 0..4 {
+                let (r, n) = (g + 8 * (j / 2), 2 * t + j % 2);
+                let want: f32 = (0..16).map(|k| a(r, k) * b(k, n)).sum::<f32>() + c(r, n);
+                let got = f32::from_bits(buf[320 + 4 * l + j]);
+                assert_eq!(got, want, "{ty}: D({r}, {n}) from lane {l} reg {j}");
+            }
+        }
+    }
+}
+
+/// `shfl.sync.bfly.b32 d, a, b, c, mask`: lane l reads lane l ^ b if that is at most
+/// maxLane = (l & segmask) | (c & 0x1f & !segmask), with segmask = c >> 8; else its own
+/// value (PTX ISA, "shfl.sync").
+#[test]
+fn shfl_bfly_respects_the_clamp() {
+    for (b, c) in [(1u32, 0x1f_u32), (16, 0x1f), (1, 0x0f), (3, 0x1c07)] {
+        let body = format!(
+            "\tmul.lo.s32 %r2, %r1, 7;\n\tadd.s32 %r2, %r2, 100;\n\
+             \tshfl.sync.bfly.b32 %r3, %r2, {b}, {c}, 0xffffffff;\n{}\tst.global.u32 [%rd5], %r3;",
+            word_addr(5, 1)
+        );
+        let mut buf = vec![0u32; 32];
+        run(&body, 32, 0, &mut buf);
+        for l in 0..32u32 {
+            let seg = (c >> 8) & 0x1f;
+            let max = (l & seg) | (c & 0x1f & !seg);
+            let j = if l ^ b <= max { l ^ b } else { l };
+            assert_eq!(buf[l as usize], 100 + 7 * j, "b {b} c {c:#x}: lane {l}");
+        }
+    }
+}
+
+/// `setp` on floats: the plain comparisons are ordered (false when either operand is
+/// NaN, `ne` included), the `u` forms unordered (true then).
+#[test]
+fn setp_float_nan_rules() {
+    let cmps = [
+        "eq", "ne", "lt", "le", "gt", "ge", "equ", "neu", "ltu", "leu", "gtu", "geu",
+    ];
+    let pairs = [
+        (1.0f32, 2.0f32),
+        (2.0, 2.0),
+        (3.0, 2.0),
+        (f32::NAN, 1.0),
+        (1.0, f32::NAN),
+        (-0.0, 0.0),
+    ];
+    let mut body = String::from("\tld.global.u32 %r2, [%rd2];\n\tld.global.u32 %r3, [%rd2+4];\n");
+    for (i, c) in cmps.iter().enumerate() {
+        body += &format!(
+            "\tsetp.{c}.f32 %p1, %r2, %r3;\n\tselp.b32 %r4, 1, 0, %p1;\n\tst.global.u32 [%rd2+{}], %r4;\n",
+            8 + 4 * i
+        );
+    }
+    for (x, y) in pairs {
+        let mut buf = vec![0u32; 14];
+        buf[0] = x.to_bits();
+        buf[1] = y.to_bits();
+        run(&body, 1, 0, &mut buf);
+        let unordered = x.is_nan() || y.is_nan();
+        let want = [
+            x == y,
+            !unordered && x != y,
+            x < y,
+            x <= y,
+            x > y,
+            x >= y,
+            unordered || x == y,
+            unordered || x != y,
+            unordered || x < y,
+            unordered || x <= y,
+            unordered || x > y,
+            unordered || x >= y,
+        ];
+        for (i, c) in cmps.iter().enumerate() {
+            assert_eq!(buf[2 + i] == 1, want[i], "setp.{c} {x} {y}");
+        }
+    }
+}
+
+/// `ex2.approx.ftz.f32` flushes a subnormal input to zero (2^0 = 1) and a subnormal
+/// result to zero; the float conversions round to nearest even, `satfinite` clamps the
+/// fp8 ones, and `cvt.rn.satfinite.e4m3x2.f32 d, a, b` puts `a` in the upper byte.
+#[test]
+fn ex2_ftz_and_the_float_conversions() {
+    let body = "\tld.global.u32 %r2, [%rd2];\n\tld.global.u32 %r3, [%rd2+4];\n\
+        \tex2.approx.ftz.f32 %r4, %r2;\n\tst.global.u32 [%rd2+8], %r4;\n\
+        \tcvt.rn.f16.f32 %rs1, %r3;\n\tcvt.u32.u16 %r5, %rs1;\n\tst.global.u32 [%rd2+12], %r5;\n\
+        \tcvt.rn.bf16.f32 %rs2, %r3;\n\tcvt.u32.u16 %r6, %rs2;\n\tst.global.u32 [%rd2+16], %r6;\n\
+        \tcvt.rn.satfinite.e4m3x2.f32 %rs3, %r3, %r2;\n\tcvt.u32.u16 %r7, %rs3;\n\tst.global.u32 [%rd2+20], %r7;\n\
+        \tcvt.rn.satfinite.e5m2x2.f32 %rs4, %r3, %r2;\n\tcvt.u32.u16 %r8, %rs4;\n\tst.global.u32 [%rd2+24], %r8;\n\
+        \tcvt.rn.f16x2.e4m3x2 %r9, %rs3;\n\tst.global.u32 [%rd2+28], %r9;\n\
+        \tcvt.f32.f16 %r10, %rs1;\n\tst.global.u32 [%rd2+32], %r10;";
+    // (x for ex2 and the low fp8 byte, y for the conversions and the high byte)
+    let cases: [(f32, f32, f32, u32, u32, u32, u32); 4] = [
+        // ex2(3) = 8; 1 + 2^-11 is a tie in f16 (to even: 1.0), in bf16 exact to 1.0.
+        (
+            3.0,
+            1.0 + 2f32.powi(-11),
+            8.0,
+            0x3C00,
+            0x3F80,
+            0x3844,
+            0x3C42,
+        ),
+        // A subnormal input flushes: 2^0; 65520 is a tie to even in f16: infinity;
+        // fp8 saturates to 448 / 57344.
+        (
+            f32::from_bits(1),
+            65520.0,
+            1.0,
+            0x7C00,
+            0x4780,
+            0x7E00,
+            0x7B00,
+        ),
+        // 2^-130 would be subnormal: flushed; -0.0 keeps its sign; -130 rounds to
+        // -128 in both fp8 formats.
+        (-130.0, -0.0, 0.0, 0x8000, 0x8000, 0x80F0, 0x80D8),
+        // ex2(-1) = 0.5; NaN converts to the canonical NaN.
+        (-1.0, f32::NAN, 0.5, 0x7FFF, 0x7FFF, 0x7FB8, 0x7FBC),
+    ];
+    for (x, y, ex2, f16, bf16, e4, e5) in cases {
+        let mut buf = vec![0u32; 9];
+        buf[0] = x.to_bits();
+        buf[1] = y.to_bits();
+        run(body, 1, 0, &mut buf);
+        assert_eq!(f32::from_bits(buf[2]).to_bits(), ex2.to_bits(), "ex2({x})");
+        assert_eq!((buf[3], buf[4]), (f16, bf16), "f16, bf16 of {y}");
+        assert_eq!((buf[5], buf[6]), (e4, e5), "e4m3x2, e5m2x2 of ({y}, {x})");
+        // Back from e4m3x2: each byte exactly, the upper to the upper half.
+        let f16_of_e4m3 = |b: u32| -> u32 {
+            match b & 0x7F {
+                0x7F => 0x7FFF,
+                0 => (b & 0x80) << 8,
+                m => {
+                    let v = if m >> 3 == 0 {
+                        (m & 7) as f32 * 2f32.powi(-9)
+                    } else {
+                        (1.0 + (m & 7) as f32 / 8.0) * 2f32.powi((m >> 3) as i32 - 7)
+                    };
+                    ((b & 0x80) << 8) | f16_bits(v)
+                }
+            }
+        };
+        assert_eq!(
+            buf[7],
+            f16_of_e4m3(e4 & 0xFF) | f16_of_e4m3(e4 >> 8) << 16,
+            "f16x2 of {e4:#x}"
+        );
+        if !y.is_nan() && f16 != 0x7C00 {
+            assert_eq!(
+                f32::from_bits(buf[8]),
+                if f16 == 0x3C00 { 1.0 } else { y },
+                "f32 of f16 {f16:#x}"
+            );
+        }
+    }
+}
+
+/// The integer forms' edge cases: shifts by the width or more, `bfe` past bit 31,
+/// `clz`/`popc` of 0, wrapping `mad.lo`/`neg`/`sub.s16`, `mul.wide` of the largest
+/// u32s, unsigned `min`/`max`/`div`, `selp`, 64-bit shifts.
+#[test]
+fn integer_forms_at_their_edges() {
+    let body = "\tld.global.u32 %r2, [%rd2];\n\tld.global.u32 %r3, [%rd2+4];\n\
+        \tshl.b32 %r4, %r2, 32;\n\tst.global.u32 [%rd2+8], %r4;\n\
+        \tshr.u32 %r5, %r2, 31;\n\tst.global.u32 [%rd2+12], %r5;\n\
+        \tbfe.u32 %r6, %r2, 28, 8;\n\tst.global.u32 [%rd2+16], %r6;\n\
+        \tclz.b32 %r7, %r3;\n\tst.global.u32 [%rd2+20], %r7;\n\
+        \tpopc.b32 %r8, %r2;\n\tst.global.u32 [%rd2+24], %r8;\n\
+        \tmad.lo.s32 %r9, %r2, %r2, 5;\n\tst.global.u32 [%rd2+28], %r9;\n\
+        \tneg.s32 %r10, %r3;\n\tst.global.u32 [%rd2+32], %r10;\n\
+        \tmul.wide.u32 %rd10, %r2, %r2;\n\tst.global.u32 [%rd2+36], %r2;\n\
+        \tst.global.v4.u32 [%rd2+48], {%r2, %r2, %r2, %r2};\n\
+        \tshr.u64 %rd11, %rd10, 32;\n\tcvt.u32.u64 %r11, %rd11;\n\tst.global.u32 [%rd2+40], %r11;\n\
+        \tmin.u32 %r12, %r2, %r3;\n\tmax.u32 %r13, %r2, %r3;\n\tst.global.u32 [%rd2+44], %r12;\n\tst.global.u32 [%rd2+64], %r13;\n\
+        \tdiv.u32 %r14, %r2, 7;\n\tst.global.u32 [%rd2+68], %r14;\n\
+        \tcvt.u16.u32 %rs1, %r3;\n\tsub.s16 %rs2, %rs1, 1;\n\tcvt.u32.u16 %r15, %rs2;\n\tst.global.u32 [%rd2+72], %r15;\n\
+        \tsetp.gt.u32 %p1, %r2, %r3;\n\tselp.b32 %r16, 11, 22, %p1;\n\tst.global.u32 [%rd2+76], %r16;\n\
+        \tshl.b64 %rd12, %rd10, 64;\n\tcvt.u32.u64 %r17, %rd12;\n\tst.global.u32 [%rd2+80], %r17;";
+    let mut buf = vec![0u32; 21];
+    buf[0] = 0xF000_0001; // x
+    buf[1] = 0; // y
+    run(body, 1, 0, &mut buf);
+    let x = 0xF000_0001u32;
+    let wide = x as u64 * x as u64;
+    assert_eq!(buf[2], 0, "shl by 32");
+    assert_eq!(buf[3], 1, "shr by 31");
+    assert_eq!(buf[4], 0xF, "bfe from 28, 8 bits: only 4 exist");
+    assert_eq!(buf[5], 32, "clz 0");
+    assert_eq!(buf[6], 5, "popc");
+    assert_eq!(buf[7], x.wrapping_mul(x).wrapping_add(5), "mad.lo wraps");
+    assert_eq!(buf[8], 0, "neg 0");
+    assert_eq!(buf[10], (wide >> 32) as u32, "mul.wide high word");
+    assert_eq!((buf[11], buf[16]), (0, x), "unsigned min, max");
+    assert_eq!(buf[17], x / 7, "div.u32");
+    assert_eq!(buf[18], 0xFFFF, "sub.s16 wraps in 16 bits");
+    assert_eq!(buf[19], 11, "selp");
+    assert_eq!(buf[20], 0, "shl.b64 by 64");
+    assert_eq!(&buf[12..16], &[x; 4], "st.global.v4");
+}
