@@ -35,6 +35,29 @@
 //!
 //! [`PtxDevice`] is a `StepDevice`: the step runner, and every test body generic over
 //! it, launches on the interpreter as it does on the emulator or a GPU.
+//!
+//! `mma` sums the exact products of its 16-bit inputs in f64 and rounds once to f32:
+//! the ISA leaves the hardware's internal order unspecified, and this model matched the
+//! emulator bit for bit in every test.
+//!
+//! **Speed**: 203 M lane-instructions per second on one core of the 2-core development
+//! VM, for the sm_90 f16 decode kernel at batch 17, head_dim 128 (`cargo bench -p
+//! pagedkv-ptx-interp --bench decode`, 2026-12-03): CTAs run one after another on the
+//! calling thread.
+//!
+//! ```
+//! use pagedkv_ptx_interp::{Error, Module};
+//!
+//! let ptx = ".version 7.8\n.target sm_90\n.address_size 64\n\
+//!            .visible .entry k(\n.param .align 8 .b8 k_param_0[8]\n)\n{\nret;\n}\n";
+//! let m = Module::parse("k.ptx", ptx)?;
+//! assert_eq!((m.target(), m.entry_points()), ("sm_90", vec!["k"]));
+//! // What it does not know is an error naming the line.
+//! let bad = ptx.replace("ret;", "atom.global.add.u32 %r1, [%rd1], 1;");
+//! let e = Module::parse("k.ptx", &bad).unwrap_err();
+//! assert!(e.to_string().contains("unsupported instruction `atom.global.add.u32`"), "{e}");
+//! # Ok::<(), Error>(())
+//! ```
 
 mod device;
 mod error;
