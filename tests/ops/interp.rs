@@ -59,6 +59,12 @@ impl Arch {
     }
 }
 
+/// An interpreter device over committed module `arch` (0: sm_80, 1: sm_90), for the
+/// other test files' properties.
+pub(crate) fn device(arch: usize) -> PtxDevice {
+    ARCHS[arch].device()
+}
+
 /// What went wrong in a family's run: the first failure, as a message.
 type Outcome = Result<(), String>;
 

@@ -1,5 +1,6 @@
-//! The real `kv_append` kernel, run in the emulator, against the reference: every
-//! dtype, head_dim and block size, padding slots, random slots in a shuffled pool.
+//! The real `kv_append` kernel, run in the emulator and (its committed PTX) in the PTX
+//! interpreter, against the reference: every dtype, head_dim and block size, padding
+//! slots, random slots in a shuffled pool.
 //! Caches start as NaN; every slot not appended to must stay NaN.
 
 use crate::common;
@@ -8,6 +9,7 @@ use common::{cases, rng, uniform};
 use pagedkv::host::emulator::{BlockOrder, Emulator};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_emulated, kv_append_reference};
+use pagedkv::host::step::once;
 use pagedkv::host::{DType, Error, HostTensor};
 use pagedkv::kernels::PagedLayout;
 use proptest::prelude::*;
@@ -62,6 +64,19 @@ proptest! {
         }).unwrap();
         prop_assert_eq!(kc.buf().as_bytes(), kr.buf().as_bytes());
         prop_assert_eq!(vc.buf().as_bytes(), vr.buf().as_bytes());
+        // The same call on the committed PTX (a module drawn from the seed).
+        let (mut kp, mut vp) = (HostTensor::full(dtype, &pool, f64::NAN), HostTensor::full(dtype, &pool, f64::NAN));
+        once::kv_append(crate::interp::device(seed as usize % 2), KvAppendInputs {
+            layout: &l,
+            key: &k,
+            value: &v,
+            slot_mapping: &mapping,
+            key_cache: &mut kp,
+            value_cache: &mut vp,
+            scales: None,
+        }).unwrap();
+        prop_assert_eq!(kp.buf().as_bytes(), kr.buf().as_bytes(), "interpreter vs reference (K)");
+        prop_assert_eq!(vp.buf().as_bytes(), vr.buf().as_bytes(), "interpreter vs reference (V)");
         // Only the mapped slots changed, and each holds its token's row.
         let written = mapping.iter().filter(|s| **s >= 0).count();
         let non_nan = kc.to_f64().iter().filter(|x| !x.is_nan()).count();
