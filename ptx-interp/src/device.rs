@@ -96,7 +96,10 @@ impl StepDevice for PtxDevice {
         let dst = dst.get();
         let inside = self.bufs.iter().any(|b| {
             let base = b.as_bytes().as_ptr() as u64;
-            dst >= base && dst + src.len() as u64 <= base + b.len() as u64
+            dst >= base
+                && dst
+                    .checked_add(src.len() as u64)
+                    .is_some_and(|end| end <= base + b.len() as u64)
         });
         if !inside {
             return Err(HostError::InvalidState(format!(
@@ -116,8 +119,10 @@ impl StepDevice for PtxDevice {
     }
 
     unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, params: K::Params) -> HostResult<()> {
-        // SAFETY: the trait's conditions (the views valid for the launch, no other
-        // user) are the interpreter's.
+        // SAFETY: the trait's conditions (every view the params hold valid for the
+        // launch, no other user) are `Module::launch`'s 1 and 3; for condition 2, the
+        // only params with a table of views (copy_blocks) are built by
+        // `step::once::copy_blocks` from pools its caller vouched for (its safety 1-2).
         let stats = unsafe { self.module.launch::<K>(cfg, &params, self.math) }
             .map_err(|e| HostError::InvalidState(format!("PTX interpreter: {e}")))?;
         self.log

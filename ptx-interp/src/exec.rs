@@ -21,9 +21,10 @@ pub enum MathMode {
     /// bit for bit.
     #[default]
     Exact,
-    /// Each result perturbed by a deterministic function of (seed, instruction,
-    /// input) within the ISA's documented maximum error ([`num::EX2_MAX_REL_ERR`],
-    /// [`num::TANH_MAX_REL_ERR`]).
+    /// Each result computed in f64, perturbed by a deterministic function of (seed,
+    /// instruction, input) and rounded once to f32: within the ISA's documented
+    /// maximum error ([`crate::EX2_MAX_REL_ERR`], [`crate::TANH_MAX_REL_ERR`]) of the
+    /// exact value.
     Approx {
         /// The perturbation's seed.
         seed: u64,
@@ -103,6 +104,10 @@ struct Thread {
 }
 
 const NO_THREAD: u64 = 0xFFFF;
+/// Most instructions a thread runs between two collectives (or to its exit): a thread
+/// that waits for another by spinning on memory never finishes on this one-thread-
+/// at-a-time machine, so it fails instead of hanging.
+const MAX_RUN: u64 = 1 << 28;
 const MANY: u64 = 0xFFFE;
 
 /// Everything one launch needs, shared by its CTAs.
@@ -145,8 +150,9 @@ impl Launch<'_> {
     /// Runs every CTA in order, with `ranges` the global memory it may touch.
     ///
     /// # Safety
-    /// Every range is valid host memory for the launch (readable; writable where its
-    /// access says so), not used by anything else meanwhile.
+    /// Every range, and every view a [`Access::Views`] range holds, is valid,
+    /// initialised host memory for the launch (readable; writable where its access
+    /// says so), not used by anything else meanwhile.
     pub(crate) unsafe fn run(&self, ranges: &[GlobalRange]) -> Result<LaunchStats> {
         let mut rs: Vec<Range> = Vec::new();
         for r in ranges {
@@ -386,6 +392,24 @@ impl Cta<'_, '_> {
                     ),
                 );
             }
+            // `bar.sync` is `barrier.sync.aligned`: a warp's threads must all be at the
+            // same barrier instruction (different warps may use different ones).
+            for w in 0..nwarps {
+                let lanes = &self.threads[32 * w..(32 * w + 32).min(n)];
+                if let Some(other) = lanes.iter().position(|t| t.pc != lanes[0].pc) {
+                    let line = |t: &Thread| self.l.func.code[t.pc as usize].line;
+                    return self.fault(
+                        Some(32 * w + other),
+                        line(&lanes[other]),
+                        format!(
+                            "warp {w} is at two barriers: lane 0 at PTX line {}, lane {other} at \
+                             line {} (bar.sync is .aligned)",
+                            line(&lanes[0]),
+                            line(&lanes[other])
+                        ),
+                    );
+                }
+            }
             self.epoch += 1;
             self.stats.barriers += 1;
             for t in &mut self.threads {
@@ -450,25 +474,44 @@ impl Cta<'_, '_> {
                 clamp,
                 mask,
             } => {
+                // Every lane here names a member mask that contains itself, and every
+                // lane of that mask is here with the same mask (several disjoint groups
+                // may shuffle at one instruction).
+                let mut masks = [0u32; 32];
+                for l in 0..32 {
+                    if here & (1 << l) != 0 {
+                        let r = &self.regs[(base + l) * self.nregs..][..self.nregs];
+                        masks[l] = val(r, mask) as u32;
+                    }
+                }
+                for l in 0..32 {
+                    if here & (1 << l) == 0 {
+                        continue;
+                    }
+                    let m = masks[l];
+                    let same = (0..32)
+                        .filter(|&j| m & (1 << j) != 0)
+                        .all(|j| here & (1 << j) != 0 && masks[j] == m);
+                    if m & (1 << l) == 0 || !same {
+                        return self.fault(
+                            Some(base + l),
+                            inst.line,
+                            format!(
+                                "shfl.sync: lane {l}'s member mask {m:#010x} (lanes [{}]) is not \
+                                 the set of lanes here with that mask (lanes [{}] are at this \
+                                 instruction)",
+                                describe(m),
+                                describe(here)
+                            ),
+                        );
+                    }
+                }
                 let mut out = [0u64; 32];
                 for l in 0..32 {
                     if here & (1 << l) == 0 {
                         continue;
                     }
                     let r = &self.regs[(base + l) * self.nregs..][..self.nregs];
-                    let m = val(r, mask) as u32;
-                    if m != here {
-                        return self.fault(
-                            Some(base + l),
-                            inst.line,
-                            format!(
-                                "shfl.sync with member mask {m:#010x} (lanes [{}]), but lanes [{}] are \
-                                 at this instruction",
-                                describe(m),
-                                describe(here)
-                            ),
-                        );
-                    }
                     let (b, c) = (val(r, lane) as u32 & 0x1F, val(r, clamp) as u32);
                     let seg = (c >> 8) & 0x1F;
                     let max_lane = (l as u32 & seg) | (c & 0x1F & !seg);
@@ -476,11 +519,11 @@ impl Cta<'_, '_> {
                     if j > max_lane {
                         j = l as u32;
                     }
-                    if here & (1 << j) == 0 {
+                    if masks[l] & (1 << j) == 0 {
                         return self.fault(
                             Some(base + l),
                             inst.line,
-                            format!("shfl.sync reads lane {j}, not in the member mask"),
+                            format!("shfl.sync reads lane {j}, not in lane {l}'s member mask"),
                         );
                     }
                     let src = &self.regs[(base + j as usize) * self.nregs..][..self.nregs];
@@ -556,8 +599,8 @@ impl Cta<'_, '_> {
                 for l in 0..32 {
                     for (j, &dj) in d.iter().enumerate() {
                         let (row, col) = num::frag_c(l, j);
-                        // The products of 16-bit floats are exact in f64; their sum
-                        // (then + C) is rounded to f32 once.
+                        // The products of 16-bit floats are exact in f64; their sum is
+                        // exact unless the exponents spread past 53 bits; + C, then f32.
                         let s: f64 = (0..16).map(|k| ma[row][k] * mb[k][col]).sum::<f64>();
                         self.regs[(base + l) * self.nregs + dj as usize] =
                             fb((s + mc[row][col]) as f32);
@@ -646,31 +689,32 @@ impl Cta<'_, '_> {
                 Ok(i)
             }
             None => {
-                let near = self
+                let end = addr.saturating_add(n);
+                let why = if let Some(r) = self
                     .ranges
                     .iter()
-                    .filter(|r| addr >= r.start && addr < r.end)
-                    .map(|r| {
-                        format!(
-                            "`{}` [{:#x}, {:#x}){}",
-                            r.name,
-                            r.start,
-                            r.end,
-                            if r.write { "" } else { " read-only" }
-                        )
-                    })
-                    .collect::<Vec<_>>();
+                    .find(|r| !r.write && addr >= r.start && end <= r.end)
+                {
+                    format!("inside `{}`, a read-only range", r.name)
+                } else {
+                    let near = self
+                        .ranges
+                        .iter()
+                        .filter(|r| addr >= r.start && addr < r.end)
+                        .map(|r| format!("`{}` [{:#x}, {:#x})", r.name, r.start, r.end))
+                        .collect::<Vec<_>>();
+                    if near.is_empty() {
+                        "inside no range of the launch".to_string()
+                    } else {
+                        format!("overruns {}", near.join(", "))
+                    }
+                };
                 self.fault(
                     Some(t),
                     line,
                     format!(
-                        "global {} of {n} bytes at {addr:#x}: {}",
+                        "global {} of {n} bytes at {addr:#x}: {why}",
                         if write { "store" } else { "load" },
-                        if near.is_empty() {
-                            "inside no range of the launch".to_string()
-                        } else {
-                            format!("overruns {}", near.join(", "))
-                        }
                     ),
                 )
             }
@@ -974,11 +1018,21 @@ impl Cta<'_, '_> {
                 &mut self.regs[base..base + nregs]
             };
         }
+        let mut budget = MAX_RUN;
         loop {
             let Some(inst) = code.get(pc) else {
                 return self.fault(Some(t), 0, "ran past the end of the kernel");
             };
             self.stats.hits[pc] += 1;
+            budget -= 1;
+            if budget == 0 {
+                self.threads[t].pc = pc as u32;
+                return self.fault(
+                    Some(t),
+                    inst.line,
+                    format!("{MAX_RUN} instructions without reaching a collective or exit (a spin-wait on another thread?)"),
+                );
+            }
             if let Some((p, neg)) = inst.guard
                 && (self.regs[base + p as usize] & 1 != 0) == neg
             {
@@ -1044,26 +1098,30 @@ impl Cta<'_, '_> {
                         UnOp::Bf16FromF32 => num::f32_to_bf16(f(x)) as u64,
                         UnOp::RcpF32 => fb(1.0 / f(x)),
                         UnOp::Ex2ApproxFtz => {
-                            let mut y = num::ftz(f(x)).exp2();
-                            if let MathMode::Approx { seed } = l.math {
-                                y = (y as f64
-                                    * (1.0
-                                        + num::EX2_MAX_REL_ERR * num::unit_noise(seed, line, f(x))))
-                                    as f32;
-                            }
+                            let x = num::ftz(f(x));
+                            let y = match l.math {
+                                MathMode::Exact => x.exp2(),
+                                // In f64, perturbed, rounded once: within the bound.
+                                MathMode::Approx { seed } => {
+                                    ((x as f64).exp2()
+                                        * (1.0
+                                            + num::EX2_PERTURBATION
+                                                * num::unit_noise(seed, line, x)))
+                                        as f32
+                                }
+                            };
                             fb(num::ftz(y))
                         }
-                        UnOp::TanhApprox => {
-                            let mut y = f(x).tanh();
-                            if let MathMode::Approx { seed } = l.math {
-                                y = (y as f64
+                        UnOp::TanhApprox => fb(match l.math {
+                            MathMode::Exact => f(x).tanh(),
+                            MathMode::Approx { seed } => {
+                                ((f(x) as f64).tanh()
                                     * (1.0
-                                        + num::TANH_MAX_REL_ERR
+                                        + num::TANH_PERTURBATION
                                             * num::unit_noise(seed, line, f(x))))
-                                    as f32;
+                                    as f32
                             }
-                            fb(y)
-                        }
+                        }),
                         UnOp::F16x2FromE4m3x2 => num::fp8x2_to_f16x2(E4M3, x as u16) as u64,
                         UnOp::F16x2FromE5m2x2 => num::fp8x2_to_f16x2(E5M2, x as u16) as u64,
                     };
@@ -1244,6 +1302,9 @@ impl Cta<'_, '_> {
                             format!("cp.async into {d:#x}, where another copy is in flight"),
                         );
                     }
+                    // The copy may land any time from now to its wait: as a write, it races
+                    // with other threads' accesses since the last barrier.
+                    self.shared_mark_written(t, line, a, n as usize)?;
                     self.pending_bytes[a..a + n as usize].fill(1);
                     self.shared[a..a + n as usize].fill(0xFF);
                     self.threads[t].pending.push(Pending {

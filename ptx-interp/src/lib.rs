@@ -36,9 +36,15 @@
 //! [`PtxDevice`] is a `StepDevice`: the step runner, and every test body generic over
 //! it, launches on the interpreter as it does on the emulator or a GPU.
 //!
-//! `mma` sums the exact products of its 16-bit inputs in f64 and rounds once to f32:
-//! the ISA leaves the hardware's internal order unspecified, and this model matched the
-//! emulator bit for bit in every test.
+//! `mma` forms the products of its 16-bit inputs exactly in f64, sums them in k order
+//! (exact unless their exponents spread over more than f64's 53 bits, e.g. bf16 extremes:
+//! then it rounds twice), adds C and rounds to f32. The ISA leaves the hardware's
+//! internal order and precision unspecified; this model matched the emulator bit for
+//! bit in every test.
+//!
+//! `ld.global.nc` is checked per range: an `nc` load from a range the launch stores to
+//! anywhere (or a store to a range it `nc`-loads) fails, even at different bytes, which
+//! is stricter than the hardware needs (no kernel here mixes the two on one buffer).
 //!
 //! **Speed**: 203 M lane-instructions per second on one core of the 2-core development
 //! VM, for the sm_90 f16 decode kernel at batch 17, head_dim 128 (`cargo bench -p
@@ -192,9 +198,11 @@ impl Module {
     /// struct: size and alignment are checked against the declaration).
     ///
     /// # Safety
-    /// 1. Every view in `params` ([`KernelParams::globals`]) is valid host memory for
-    ///    the launch: readable, and writable where it is a mutable view.
-    /// 2. Nothing else reads or writes the views' memory during the launch.
+    /// 1. Every view in `params` ([`KernelParams::globals`]) is valid, initialised host
+    ///    memory for the launch: readable, and writable where it is a mutable view.
+    /// 2. A range of [`pagedkv_kernels::Access::Views`] holds views that are valid,
+    ///    initialised and writable host memory too (the interpreter registers them).
+    /// 3. Nothing else reads or writes any of that memory during the launch.
     pub unsafe fn launch<K: Kernel>(
         &self,
         cfg: LaunchConfig,
@@ -212,16 +220,18 @@ impl Module {
             )
         }
         .to_vec();
-        // SAFETY: the caller's conditions 1-2 cover `ranges`.
+        // SAFETY: the caller's conditions 1-3 are `launch_bytes`'s for `ranges`.
         unsafe { self.launch_bytes(K::NAME, cfg, &bytes, align_of::<K::Params>(), &ranges, math) }
     }
 
     /// [`Module::launch`] with the parameter bytes and global ranges given directly.
     ///
     /// # Safety
-    /// Every range in `ranges` is valid host memory for the launch (readable;
-    /// writable where its access says so), used by nothing else meanwhile; a
-    /// [`pagedkv_kernels::Access::Views`] range holds views that are too.
+    /// 1. Every range in `ranges` is valid, initialised host memory for the launch
+    ///    (readable; writable where its access says so).
+    /// 2. A [`pagedkv_kernels::Access::Views`] range holds views that are valid,
+    ///    initialised, writable host memory too.
+    /// 3. Nothing else reads or writes any of it meanwhile.
     pub unsafe fn launch_bytes(
         &self,
         kernel: &str,

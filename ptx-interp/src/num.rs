@@ -195,6 +195,13 @@ pub const EX2_MAX_REL_ERR: f64 = 1.0 / (1u64 << 22) as f64;
 /// "tanh").
 pub const TANH_MAX_REL_ERR: f64 = 4.9e-4;
 
+/// The approximate mode's relative perturbation of `ex2`: the ISA's bound less the
+/// final rounding to f32 (2^-24), so a perturbed result is within the bound of the
+/// exact value.
+pub(crate) const EX2_PERTURBATION: f64 = EX2_MAX_REL_ERR - 1.0 / (1u64 << 24) as f64;
+/// As [`EX2_PERTURBATION`], for `tanh`.
+pub(crate) const TANH_PERTURBATION: f64 = TANH_MAX_REL_ERR - 1.0 / (1u64 << 24) as f64;
+
 /// A deterministic value in [-1, 1) from the input's bits, the instruction and the
 /// launch seed: the approximate mode's perturbation is a function of what the
 /// instruction computes, not of the order threads run in.

@@ -206,7 +206,13 @@ impl<'a> Parser<'a, '_> {
             };
             self.pos += 1;
             match d {
-                ".version" | ".address_size" => self.skip_line(),
+                ".version" => self.skip_line(),
+                ".address_size" => {
+                    let bits = self.int()?;
+                    if bits != 64 {
+                        return self.err(format!("`.address_size {bits}`: only 64 is supported"));
+                    }
+                }
                 ".target" => {
                     target = Some(self.ident()?.to_string());
                     while self.eat(',') {
@@ -294,7 +300,15 @@ impl<'a> Parser<'a, '_> {
                     return self.err("more initialisers than elements");
                 }
                 let v = match self.next()? {
-                    Tok::Int(v) => v,
+                    Tok::Int(v) if elem == 8 || v >> (8 * elem) == 0 => v,
+                    Tok::Int(v) => {
+                        return self.err(format!("initialiser {v} does not fit `{d}`"));
+                    }
+                    Tok::Ident("generic") if elem != 8 => {
+                        return self.err(format!(
+                            "`generic(..)` in a `{d}` array: addresses are 64-bit"
+                        ));
+                    }
                     Tok::Ident("generic") => {
                         self.expect('(')?;
                         let sym = self.ident()?;
@@ -636,7 +650,14 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
     fn src(&self, o: &Opnd<'a>, ty: Ty) -> Result<Src> {
         let bits = match *o {
             Opnd::Name(n) => {
-                if let Some((r, _)) = self.lookup(n) {
+                if let Some((r, rty)) = self.lookup(n) {
+                    if rty.bits() != ty.bits() {
+                        return self.err(format!(
+                            "register `{n}` ({} bits) where the instruction reads {} bits",
+                            rty.bits(),
+                            ty.bits()
+                        ));
+                    }
                     return Ok(Src::R(r));
                 }
                 if self.p.shared_syms.contains(&n) {

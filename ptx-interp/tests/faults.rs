@@ -1,6 +1,6 @@
 //! What the interpreter refuses, each on a small hand-written kernel: every check fails
-//! the launch with an error naming what went wrong and where, and the same kernel
-//! without the defect runs.
+//! the launch with an error naming what went wrong and where; where a defect-free twin
+//! of the kernel is cheap to write (stores, races, shuffles, cp.async), it runs.
 
 use pagedkv_host::emulator::LaunchConfig;
 use pagedkv_kernels::{Access, Dim3};
@@ -59,19 +59,29 @@ fn global_accesses_outside_the_ranges_fail() {
         f.contains("store of 4 bytes") && f.contains("inside no range"),
         "{f}"
     );
-    // Overrunning: 16 bytes at the last element.
-    let f = fault(
-        "\tld.global.v4.u32 {%r2, %r3, %r4, %r5}, [%rd2+240];\n\tld.global.v4.u32 {%r2, %r3, %r4, %r5}, [%rd2+248];",
-        1,
-    );
+    // Misaligned.
+    let f = fault("\tld.global.v4.u32 {%r2, %r3, %r4, %r5}, [%rd2+248];", 1);
     assert!(f.contains("not 16-byte aligned"), "{f}");
+    // Overrunning: 16 bytes at the last 8 of a 248-byte buffer.
+    let mut short = vec![0u32; 62];
+    let e = run(
+        "\tld.global.v4.u32 {%r2, %r3, %r4, %r5}, [%rd2+240];",
+        1,
+        &mut short,
+        Access::Read,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("overruns `buf`"), "{e}");
     // A generic address in the shared window is no global address.
     let f = fault("\tld.b32 %r2, [%rd3];", 1);
     assert!(f.contains("inside no range"), "{f}");
     // A read-only range refuses stores.
     let mut buf = vec![0u32; 64];
     let e = run(STORE_TID, 1, &mut buf, Access::Read).unwrap_err();
-    assert!(e.to_string().contains("read-only"), "{e}");
+    assert!(
+        e.to_string().contains("inside `buf`, a read-only range"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -235,4 +245,100 @@ fn launches_the_declaration_does_not_fit_are_refused() {
     };
     let e = unsafe { m.launch_bytes("k", big, &[0; 16], 8, &[], MathMode::Exact) }.unwrap_err();
     assert!(e.to_string().contains("1 to 1024 threads"), "{e}");
+}
+
+/// An upload whose end wraps the address space is refused (it used to pass the
+/// "inside an allocation" check in release builds and write anywhere).
+#[test]
+fn uploads_that_wrap_are_refused() {
+    use pagedkv_host::step::{DeviceAddr, EmuDevice, StepDevice};
+    use pagedkv_ptx_interp::PtxDevice;
+    use std::sync::Arc;
+    fn check<D: StepDevice>(mut dev: D) {
+        dev.alloc(64).unwrap();
+        dev.reserve_upload(8).unwrap();
+        let e = dev
+            .upload(DeviceAddr::new(u64::MAX - 3), &[0; 8])
+            .unwrap_err();
+        assert!(e.to_string().contains("not inside an allocation"), "{e}");
+    }
+    check(EmuDevice::new(pagedkv_host::emulator::Emulator::new()));
+    let m = Module::parse("t", &module("")).unwrap();
+    check(PtxDevice::new(Arc::new(m), MathMode::Exact));
+}
+
+/// A cp.async is a write from its issue to its wait: another thread's read of the same
+/// bytes since the last barrier is a race, and a barrier between them fixes it.
+#[test]
+fn cp_async_into_bytes_another_thread_read_is_a_race() {
+    let body = |bar: &str| {
+        format!(
+            "\tsetp.eq.u32 %p1, %r1, 0;\n\t@%p1 ld.shared.u32 %r2, [%rd3];\n{bar}\
+             \tsetp.eq.u32 %p2, %r1, 1;\n\t@!%p2 bra $L__out;\n\
+             \tcp.async.cg.shared.global [%rd3], [%rd2], 16;\n\tcp.async.commit_group;\n\
+             \tcp.async.wait_group 0;\n$L__out:"
+        )
+    };
+    let f = fault(&body(""), 32);
+    assert!(f.contains("race") && f.contains("thread 0 read it"), "{f}");
+    let mut buf = vec![0u32; 64];
+    run(&body("\tbar.sync 0;\n"), 32, &mut buf, Access::ReadWrite).unwrap();
+}
+
+/// `bar.sync` is `.aligned`: the lanes of a warp at two different barrier instructions
+/// fail; two warps at two different ones do not.
+#[test]
+fn a_warp_split_between_two_barriers_fails() {
+    let body = |bit: u32| {
+        format!(
+            "\tand.b32 %r2, %r1, {bit};\n\tsetp.eq.u32 %p1, %r2, 0;\n\t@%p1 bra $L__even;\n\
+             \tbar.sync 0;\n\tbra.uni $L__done;\n$L__even:\n\tbar.sync 0;\n$L__done:"
+        )
+    };
+    let f = fault(&body(1), 64);
+    assert!(f.contains("warp 0 is at two barriers"), "{f}");
+    let mut buf = vec![0u32; 64];
+    run(&body(32), 64, &mut buf, Access::ReadWrite).unwrap();
+}
+
+/// Two half-warps may shuffle at one instruction, each within its own member mask.
+#[test]
+fn half_warps_shuffle_within_their_own_masks() {
+    let body = "\tsetp.lt.u32 %p1, %r1, 16;\n\tselp.b32 %r3, 65535, -65536, %p1;\n\
+        \tadd.s32 %r2, %r1, 100;\n\tshfl.sync.bfly.b32 %r4, %r2, 1, 0x1f, %r3;\n\
+        \tmul.wide.u32 %rd4, %r1, 4;\n\tadd.s64 %rd5, %rd2, %rd4;\n\tst.global.u32 [%rd5], %r4;";
+    let mut buf = vec![0u32; 64];
+    run(body, 32, &mut buf, Access::ReadWrite).unwrap();
+    assert_eq!(&buf[..4], &[101, 100, 103, 102]);
+    assert_eq!(buf[17], 116);
+    // A mask that names a lane of the other group does not.
+    let f = fault(&body.replace("65535, -65536", "131071, -65536"), 32);
+    assert!(f.contains("member mask 0x0001ffff"), "{f}");
+}
+
+/// A thread spinning on memory another thread would write never finishes here: it
+/// fails instead of hanging.
+#[test]
+fn a_spin_wait_fails_instead_of_hanging() {
+    let f = fault("$L__spin:\n\tbra.uni $L__spin;", 1);
+    assert!(f.contains("without reaching a collective or exit"), "{f}");
+}
+
+/// What the parser refuses besides unknown opcodes.
+#[test]
+fn registers_of_the_wrong_width_and_bad_module_data_are_refused() {
+    let e = Module::parse("t", &module("\tsetp.lt.u32 %p1, %rd1, 5;")).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("`%rd1` (64 bits) where the instruction reads 32"),
+        "{e}"
+    );
+    let e = Module::parse(
+        "t",
+        &module("").replace(".address_size 64", ".address_size 32"),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("only 64"), "{e}");
+    let e = Module::parse("t", &module("").replace("{107, 46,", "{300, 46,")).unwrap_err();
+    assert!(e.to_string().contains("300 does not fit"), "{e}");
 }

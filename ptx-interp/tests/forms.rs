@@ -23,10 +23,13 @@ fn run(body: &str, threads: u32, shared: u32, buf: &mut [u32]) {
     .unwrap();
 }
 
-/// Shared memory holds 4 matrices of 8x8 16-bit elements, element (m, r, c) =
-/// `64m + 8r + c`, rows 16 bytes apart; lane l addresses row l % 8 of matrix l / 8.
-/// Per the ISA, lane l's register j holds matrix j's elements (row l/4, columns
-/// 2(l%4), 2(l%4)+1), low half first; with `.trans` (rows 2(l%4), 2(l%4)+1, column l/4).
+/// Shared memory holds 32 rows of 8 16-bit elements, element (row q, column c) =
+/// `8q + c`, rows 16 bytes apart. Lane l supplies the address of row `p(l) = (5l + 3) %
+/// 32` (a permutation, so a model that derives rows from lane 0's address fails);
+/// lanes past the `8n` an `.xn` reads supply an address outside shared memory, which
+/// must be ignored. Per the ISA, matrix j's row r is the row lane `8j + r` addresses, and
+/// lane l's register j holds matrix j's elements (row l/4, columns 2(l%4), 2(l%4)+1),
+/// low half first; with `.trans` (rows 2(l%4), 2(l%4)+1, column l/4).
 #[test]
 fn ldmatrix_distributes_rows_as_the_isa_says() {
     for (n, trans) in [
@@ -55,17 +58,20 @@ fn ldmatrix_distributes_rows_as_the_isa_says() {
              \tshl.b32 %r6, %r3, 2;\n\tcvt.u64.u32 %rd6, %r6;\n\tadd.s64 %rd7, %rd3, %rd6;\n\
              \tst.shared.u32 [%rd7], %r4;\n\tadd.s32 %r2, %r2, 1;\n\tsetp.lt.u32 %p1, %r2, 4;\n\
              \t@%p1 bra $L__fill;\n\tbar.sync 0;\n\
-             \tshl.b32 %r7, %r1, 4;\n\tcvt.u64.u32 %rd8, %r7;\n\tadd.s64 %rd9, %rd3, %rd8;\n\
+             \tmul.lo.s32 %r7, %r1, 5;\n\tadd.s32 %r7, %r7, 3;\n\tand.b32 %r7, %r7, 31;\n\
+             \tshl.b32 %r7, %r7, 4;\n\tsetp.lt.u32 %p2, %r1, {lanes};\n\tselp.b32 %r7, %r7, 4096, %p2;\n\
+             \tcvt.u64.u32 %rd8, %r7;\n\tadd.s64 %rd9, %rd3, %rd8;\n\
              \tldmatrix.sync.aligned.m8n8.x{n}{}.shared.b16 {{{}}}, [%rd9];\n{stores}",
             if trans { ".trans" } else { "" },
-            regs.join(", ")
+            regs.join(", "),
+            lanes = 8 * n,
         );
         let mut buf = vec![0u32; 128];
         run(&body, 32, 512, &mut buf);
         for l in 0..32u32 {
             let (g, t) = (l / 4, l % 4);
             for j in 0..n {
-                let e = |r: u32, c: u32| 64 * j + 8 * r + c;
+                let e = |r: u32, c: u32| 8 * ((5 * (8 * j + r) + 3) % 32) + c;
                 let (lo, hi) = if trans {
                     (e(2 * t, g), e(2 * t + 1, g))
                 } else {
@@ -308,8 +314,8 @@ fn integer_forms_at_their_edges() {
         \tclz.b32 %r7, %r3;\n\tst.global.u32 [%rd2+20], %r7;\n\
         \tpopc.b32 %r8, %r2;\n\tst.global.u32 [%rd2+24], %r8;\n\
         \tmad.lo.s32 %r9, %r2, %r2, 5;\n\tst.global.u32 [%rd2+28], %r9;\n\
-        \tneg.s32 %r10, %r3;\n\tst.global.u32 [%rd2+32], %r10;\n\
-        \tmul.wide.u32 %rd10, %r2, %r2;\n\tst.global.u32 [%rd2+36], %r2;\n\
+        \tneg.s32 %r10, %r2;\n\tst.global.u32 [%rd2+32], %r10;\n\
+        \tmul.wide.u32 %rd10, %r2, %r2;\n\tcvt.u32.u64 %r18, %rd10;\n\tst.global.u32 [%rd2+36], %r18;\n\
         \tst.global.v4.u32 [%rd2+48], {%r2, %r2, %r2, %r2};\n\
         \tshr.u64 %rd11, %rd10, 32;\n\tcvt.u32.u64 %r11, %rd11;\n\tst.global.u32 [%rd2+40], %r11;\n\
         \tmin.u32 %r12, %r2, %r3;\n\tmax.u32 %r13, %r2, %r3;\n\tst.global.u32 [%rd2+44], %r12;\n\tst.global.u32 [%rd2+64], %r13;\n\
@@ -329,7 +335,8 @@ fn integer_forms_at_their_edges() {
     assert_eq!(buf[5], 32, "clz 0");
     assert_eq!(buf[6], 5, "popc");
     assert_eq!(buf[7], x.wrapping_mul(x).wrapping_add(5), "mad.lo wraps");
-    assert_eq!(buf[8], 0, "neg 0");
+    assert_eq!(buf[8], x.wrapping_neg(), "neg wraps");
+    assert_eq!(buf[9], wide as u32, "mul.wide low word");
     assert_eq!(buf[10], (wide >> 32) as u32, "mul.wide high word");
     assert_eq!((buf[11], buf[16]), (0, x), "unsigned min, max");
     assert_eq!(buf[17], x / 7, "div.u32");

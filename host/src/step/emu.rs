@@ -65,7 +65,10 @@ impl StepDevice for EmuDevice {
         let dst = dst.get();
         let inside = self.bufs.iter().any(|b| {
             let base = b.as_bytes().as_ptr() as u64;
-            dst >= base && dst + src.len() as u64 <= base + b.len() as u64
+            dst >= base
+                && dst
+                    .checked_add(src.len() as u64)
+                    .is_some_and(|end| end <= base + b.len() as u64)
         });
         if !inside {
             return Err(Error::InvalidState(format!(
