@@ -3,8 +3,8 @@
 use std::sync::{Arc, Mutex};
 
 use pagedkv_host::emulator::LaunchConfig;
-use pagedkv_host::step::{DeviceAddr, Space, StepDevice};
-use pagedkv_host::{AlignedBuf, Error as HostError, Result as HostResult};
+use pagedkv_host::step::{DeviceAddr, HostMemory, Space, StepDevice};
+use pagedkv_host::{Error as HostError, Result as HostResult};
 use pagedkv_kernels::Kernel;
 
 use crate::{LaunchStats, MathMode, Module};
@@ -17,8 +17,7 @@ use crate::{LaunchStats, MathMode, Module};
 pub struct PtxDevice {
     module: Arc<Module>,
     math: MathMode,
-    bufs: Vec<AlignedBuf>,
-    reserved: usize,
+    mem: HostMemory,
     log: LaunchLog,
 }
 
@@ -50,8 +49,7 @@ impl PtxDevice {
         Self {
             module,
             math,
-            bufs: Vec::new(),
-            reserved: 0,
+            mem: HostMemory::new(),
             log: LaunchLog::default(),
         }
     }
@@ -73,49 +71,15 @@ impl StepDevice for PtxDevice {
     }
 
     fn alloc(&mut self, bytes: usize) -> HostResult<DeviceAddr> {
-        // 256-byte aligned, as a GPU allocation; fallible, as a GPU's is.
-        let mut b = bytes
-            .checked_add(256)
-            .and_then(AlignedBuf::try_zeroed)
-            .ok_or_else(|| {
-                HostError::invalid("capacity", format!("{bytes} bytes could not be allocated"))
-            })?;
-        let addr = (b.as_bytes_mut().as_mut_ptr() as u64).next_multiple_of(256);
-        self.bufs.push(b);
-        Ok(DeviceAddr::new(addr))
+        self.mem.alloc(bytes)
     }
 
     fn upload(&mut self, dst: DeviceAddr, src: &[u8]) -> HostResult<()> {
-        if src.len() > self.reserved {
-            return Err(HostError::InvalidState(format!(
-                "upload of {} bytes, {} reserved",
-                src.len(),
-                self.reserved
-            )));
-        }
-        let dst = dst.get();
-        let inside = self.bufs.iter().any(|b| {
-            let base = b.as_bytes().as_ptr() as u64;
-            dst >= base
-                && dst
-                    .checked_add(src.len() as u64)
-                    .is_some_and(|end| end <= base + b.len() as u64)
-        });
-        if !inside {
-            return Err(HostError::InvalidState(format!(
-                "upload of {} bytes to {dst:#x}: not inside an allocation of this device",
-                src.len()
-            )));
-        }
-        // SAFETY: `dst..dst + len` lies inside one of this device's live buffers
-        // (checked above), which `src` (a caller's borrow) cannot overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
-        Ok(())
+        self.mem.upload(dst, src)
     }
 
     fn reserve_upload(&mut self, bytes: usize) -> HostResult<()> {
-        self.reserved = self.reserved.max(bytes);
-        Ok(())
+        self.mem.reserve_upload(bytes)
     }
 
     unsafe fn launch<K: Kernel>(&self, cfg: LaunchConfig, params: K::Params) -> HostResult<()> {

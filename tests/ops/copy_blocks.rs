@@ -67,13 +67,8 @@ proptest! {
         // The same call on the committed PTX (a module drawn from the seed): the same
         // bytes as the emulator.
         let mut on_ptx = pools;
-        let raw: Vec<(u64, u64)> = on_ptx
-            .iter_mut()
-            .map(|p| (p.as_bytes_mut().as_mut_ptr() as u64, p.len() as u64))
-            .collect();
         let mut dev = crate::interp::device(seed as usize % 2);
-        // SAFETY: each pool is an AlignedBuf borrowed mutably for this call.
-        unsafe { once::copy_blocks(&mut dev, &raw, block_bytes, &pairs) }.unwrap();
+        once::copy_blocks_in_host(&mut dev, &mut on_ptx, block_bytes, &pairs).unwrap();
         for (p, (a, b)) in on_ptx.iter().zip(&got).enumerate() {
             prop_assert_eq!(a.as_bytes(), b.as_bytes(), "pool {}: interpreter vs emulator", p);
         }

@@ -333,17 +333,11 @@ fn copy_blocks_all(a: &Arch) -> Outcome {
         let pairs = vec![(ids[0], ids[5]), (ids[1], ids[6]), (ids[0], ids[7])];
         let run = |on_ptx: bool| -> Result<Vec<AlignedBuf>, String> {
             let mut pools = pools.clone();
-            let raw: Vec<(u64, u64)> = pools
-                .iter_mut()
-                .map(|p| (p.as_bytes_mut().as_mut_ptr() as u64, p.len() as u64))
-                .collect();
-            // SAFETY: each pool is an AlignedBuf borrowed mutably for this call (16-byte
-            // aligned host memory, the space both devices use), none overlapping.
             let r = if on_ptx {
-                unsafe { once::copy_blocks(&mut a.device(), &raw, block_bytes, &pairs) }
+                once::copy_blocks_in_host(&mut a.device(), &mut pools, block_bytes, &pairs)
             } else {
                 let mut dev = EmuDevice::new(Emulator::new());
-                unsafe { once::copy_blocks(&mut dev, &raw, block_bytes, &pairs) }
+                once::copy_blocks_in_host(&mut dev, &mut pools, block_bytes, &pairs)
             };
             r.map_err(|e| format!("copy_blocks: {e}"))?;
             Ok(pools)

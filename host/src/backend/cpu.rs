@@ -155,19 +155,12 @@ impl<D: StepDevice> AttentionBackend for CpuBackend<D> {
             .pools_mut()
             .map(|t| std::mem::replace(t.buf_mut(), AlignedBuf::zeroed(0)))
             .collect();
-        let raw: Vec<(u64, u64)> = pools
-            .iter_mut()
-            .map(|p| {
-                let b = p.as_bytes_mut();
-                (b.as_mut_ptr() as u64, b.len() as u64)
-            })
-            .collect();
-        // SAFETY: (1) each pool is an AlignedBuf (16-byte aligned host memory, the
-        // device's space, checked at construction) owned here for the call, so (2)
-        // nothing else touches it and no two overlap.
-        let r = unsafe {
-            crate::step::once::copy_blocks(self.core.runner.device_mut(), &raw, bb, pairs)
-        };
+        let r = crate::step::once::copy_blocks_in_host(
+            self.core.runner.device_mut(),
+            &mut pools,
+            bb,
+            pairs,
+        );
         for (t, b) in cache.pools_mut().zip(pools) {
             *t.buf_mut() = b;
         }

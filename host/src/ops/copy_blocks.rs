@@ -147,15 +147,6 @@ pub fn copy_blocks_emulated(
     block_bytes: u64,
     pairs: &[(u32, u32)],
 ) -> Result<()> {
-    let raw: Vec<(u64, u64)> = pools
-        .iter_mut()
-        .map(|p| {
-            let b = p.as_bytes_mut();
-            (b.as_mut_ptr() as u64, b.len() as u64)
-        })
-        .collect();
     let mut dev = crate::step::EmuDevice::new(emu.clone());
-    // SAFETY: (1) each pool is an AlignedBuf (16-byte aligned host memory) borrowed
-    // mutably for this call, so (2) nothing else touches it and no two overlap.
-    unsafe { crate::step::once::copy_blocks(&mut dev, &raw, block_bytes, pairs) }
+    crate::step::once::copy_blocks_in_host(&mut dev, pools, block_bytes, pairs)
 }

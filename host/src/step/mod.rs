@@ -68,7 +68,7 @@ pub(crate) use device::check_reserved;
 pub use device::{
     DeviceAddr, DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut,
 };
-pub use emu::EmuDevice;
+pub use emu::{EmuDevice, HostMemory};
 pub use prefill::{PlannedPrefill, PrefillIo, PrefillMeta};
 pub use runner::{
     DecodeIo, KvAppendIo, MAX_STEP_META_BYTES, Planned, StepCapacity, StepMeta, StepRunner,

@@ -280,6 +280,34 @@ pub unsafe fn copy_blocks<D: StepDevice>(
     unsafe { dev.launch::<CopyBlocks>(cfg, params) }
 }
 
+/// [`copy_blocks`] over pools in host memory, borrowed for the call, on a device whose
+/// memory is host memory (the emulator's, the PTX interpreter's): the safe form every
+/// host-memory caller uses.
+pub fn copy_blocks_in_host<D: StepDevice>(
+    dev: &mut D,
+    pools: &mut [crate::buffer::AlignedBuf],
+    block_bytes: u64,
+    pairs: &[(u32, u32)],
+) -> Result<()> {
+    if dev.space() != super::Space::Host {
+        return Err(crate::error::Error::invalid(
+            "device",
+            format!("{:?} memory is not host memory", dev.space()),
+        ));
+    }
+    let raw: Vec<(u64, u64)> = pools
+        .iter_mut()
+        .map(|p| {
+            let b = p.as_bytes_mut();
+            (b.as_mut_ptr() as u64, b.len() as u64)
+        })
+        .collect();
+    // SAFETY: (1) each pool is an AlignedBuf (16-byte aligned host memory, the device's
+    // space, checked above) borrowed mutably for this call, so (2) nothing else touches
+    // it and no two overlap.
+    unsafe { copy_blocks(dev, &raw, block_bytes, pairs) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
