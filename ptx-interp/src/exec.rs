@@ -104,10 +104,10 @@ struct Thread {
 }
 
 const NO_THREAD: u64 = 0xFFFF;
-/// Most instructions a thread runs between two collectives (or to its exit): a thread
-/// that waits for another by spinning on memory never finishes on this one-thread-
-/// at-a-time machine, so it fails instead of hanging.
-const MAX_RUN: u64 = 1 << 28;
+/// Most backward branches a thread takes between two collectives (or to its exit): a
+/// thread that waits for another by spinning on memory never finishes on this
+/// one-thread-at-a-time machine, so it fails instead of hanging.
+const MAX_RUN: u64 = 1 << 26;
 const MANY: u64 = 0xFFFE;
 
 /// Everything one launch needs, shared by its CTAs.
@@ -484,8 +484,10 @@ impl Cta<'_, '_> {
                         masks[l] = val(r, mask) as u32;
                     }
                 }
+                // The common case first: every lane here names exactly the lanes here.
+                let uniform = (0..32).all(|l| here & (1 << l) == 0 || masks[l] == here);
                 for l in 0..32 {
-                    if here & (1 << l) == 0 {
+                    if uniform || here & (1 << l) == 0 {
                         continue;
                     }
                     let m = masks[l];
@@ -1024,15 +1026,6 @@ impl Cta<'_, '_> {
                 return self.fault(Some(t), 0, "ran past the end of the kernel");
             };
             self.stats.hits[pc] += 1;
-            budget -= 1;
-            if budget == 0 {
-                self.threads[t].pc = pc as u32;
-                return self.fault(
-                    Some(t),
-                    inst.line,
-                    format!("{MAX_RUN} instructions without reaching a collective or exit (a spin-wait on another thread?)"),
-                );
-            }
             if let Some((p, neg)) = inst.guard
                 && (self.regs[base + p as usize] & 1 != 0) == neg
             {
@@ -1332,6 +1325,20 @@ impl Cta<'_, '_> {
                     self.retire(t, keep as u64)?;
                 }
                 Op::Bra(target) => {
+                    if target as usize <= pc {
+                        budget -= 1;
+                        if budget == 0 {
+                            self.threads[t].pc = pc as u32;
+                            return self.fault(
+                                Some(t),
+                                line,
+                                format!(
+                                    "{MAX_RUN} backward branches without reaching a collective \
+                                     or exit (a spin-wait on another thread?)"
+                                ),
+                            );
+                        }
+                    }
                     pc = target as usize;
                     continue;
                 }

@@ -46,7 +46,7 @@
 //! anywhere (or a store to a range it `nc`-loads) fails, even at different bytes, which
 //! is stricter than the hardware needs (no kernel here mixes the two on one buffer).
 //!
-//! **Speed**: 203 M lane-instructions per second on one core of the 2-core development
+//! **Speed**: 196 M lane-instructions per second on one core of the 2-core development
 //! VM, for the sm_90 f16 decode kernel at batch 17, head_dim 128 (`cargo bench -p
 //! pagedkv-ptx-interp --bench decode`, 2026-12-03): CTAs run one after another on the
 //! calling thread.
