@@ -82,6 +82,8 @@ struct Pending {
     dst: u32,
     src: u64,
     bytes: u32,
+    /// Bytes read from `src` (`bytes`, or 0: zero-fill).
+    read: u32,
     /// The commit group (per thread), once committed.
     group: Option<u64>,
     line: u32,
@@ -930,15 +932,19 @@ impl Cta<'_, '_> {
                     self.pending_bytes[d..d + n].fill(0);
                     self.in_flight -= p.bytes as u64;
                     self.shared_mark_written(t, p.line, d, n)?;
-                    // SAFETY: the source was checked against a readable range when the
-                    // copy was issued.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            p.src as *const u8,
-                            self.shared[d..].as_mut_ptr(),
-                            n,
-                        )
-                    };
+                    let r = p.read as usize;
+                    if r > 0 {
+                        // SAFETY: a source that is read was checked against a readable
+                        // range when the copy was issued.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                p.src as *const u8,
+                                self.shared[d..].as_mut_ptr(),
+                                r,
+                            )
+                        };
+                    }
+                    self.shared[d + r..d + n].fill(0);
                 }
                 _ => left.push(p),
             }
@@ -1045,8 +1051,10 @@ impl Cta<'_, '_> {
                         Sub16 => x.wrapping_sub(y) & 0xFFFF,
                         Sub32 => (x as u32).wrapping_sub(y as u32) as u64,
                         Sub64 => x.wrapping_sub(y),
+                        MulLo16 => x.wrapping_mul(y) & 0xFFFF,
                         MulLo32 => (x as u32).wrapping_mul(y as u32) as u64,
                         MulLo64 => x.wrapping_mul(y),
+                        MulWideU16 => (x & 0xFFFF) * (y & 0xFFFF),
                         MulWideU32 => (x as u32 as u64) * (y as u32 as u64),
                         And16 | And32 | And64 | AndPred => x & y,
                         Or16 | Or32 | Or64 | OrPred => x | y,
@@ -1059,7 +1067,7 @@ impl Cta<'_, '_> {
                         ShrU64 => shr(x, y & 0xFFFF_FFFF, 64),
                         MinU32 => (x as u32).min(y as u32) as u64,
                         MaxU32 => (x as u32).max(y as u32) as u64,
-                        DivU32 | DivU64 => {
+                        DivU16 | DivU32 | DivU64 => {
                             if y == 0 {
                                 self.threads[t].pc = pc as u32;
                                 return self.fault(Some(t), line, "integer division by zero");
@@ -1253,8 +1261,14 @@ impl Cta<'_, '_> {
                         }
                     }
                 }
-                Op::CpAsync { dst, src, bytes } => {
+                Op::CpAsync {
+                    dst,
+                    src,
+                    bytes,
+                    src_size,
+                } => {
                     let rr = &self.regs[base..base + nregs];
+                    let read = src_size.map_or(bytes as u64, |v| val(rr, v) & 0xFFFF_FFFF);
                     let d = dst
                         .base
                         .map_or(0, |b| rr[b as usize])
@@ -1265,22 +1279,36 @@ impl Cta<'_, '_> {
                         .wrapping_add(src.off as u64);
                     self.threads[t].pc = pc as u32;
                     let n = bytes as u64;
-                    if s % n != 0 {
+                    if read != 0 && read != n {
+                        return self.fault(
+                            Some(t),
+                            line,
+                            format!("cp.async src-size {read}: only 0 or {n} is supported"),
+                        );
+                    }
+                    if read != 0 && s % n != 0 {
                         return self.fault(
                             Some(t),
                             line,
                             format!("cp.async source {s:#x} not {n}-byte aligned"),
                         );
                     }
-                    let i = self.find_range(t, line, s, n, false)?;
-                    self.reads.push((s, bytes, i as u32));
-                    if self.ranges[i].written {
+                    // A src-size of 0 reads nothing (the destination is zero-filled).
+                    let i = if read == 0 {
+                        None
+                    } else {
+                        Some(self.find_range(t, line, s, n, false)?)
+                    };
+                    if let Some(i) = i {
+                        self.reads.push((s, bytes, i as u32));
+                    }
+                    if i.is_some_and(|i| self.ranges[i].written) {
                         return self.fault(
                             Some(t),
                             line,
                             format!(
                                 "cp.async from `{}`, which this launch writes",
-                                self.ranges[i].name
+                                self.ranges[i.unwrap_or(0)].name
                             ),
                         );
                     }
@@ -1304,13 +1332,14 @@ impl Cta<'_, '_> {
                         dst: a as u32,
                         src: s,
                         bytes,
+                        read: read as u32,
                         group: None,
                         line,
                     });
                     self.in_flight += n;
                     self.stats.max_in_flight = self.stats.max_in_flight.max(self.in_flight);
-                    self.stats.cp_async_bytes += n;
-                    self.stats.global_read += n;
+                    self.stats.cp_async_bytes += read;
+                    self.stats.global_read += read;
                 }
                 Op::CpCommit => {
                     let th = &mut self.threads[t];

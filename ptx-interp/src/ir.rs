@@ -31,8 +31,10 @@ pub(crate) enum BinOp {
     Sub16,
     Sub32,
     Sub64,
+    MulLo16,
     MulLo32,
     MulLo64,
+    MulWideU16,
     MulWideU32,
     And16,
     And32,
@@ -49,6 +51,7 @@ pub(crate) enum BinOp {
     ShrU64,
     MinU32,
     MaxU32,
+    DivU16,
     DivU32,
     DivU64,
     AddF32,
@@ -231,10 +234,13 @@ pub(crate) enum Op {
         v: [Src; 4],
         addr: Addr,
     },
+    /// `cp.async.cg.shared.global [dst], [src], bytes{, src_size}`: reads `src_size`
+    /// bytes (all `bytes` without it) and zero-fills the rest.
     CpAsync {
         dst: Addr,
         src: Addr,
         bytes: u32,
+        src_size: Option<Src>,
     },
     CpCommit,
     CpWait(u32),

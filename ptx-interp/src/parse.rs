@@ -847,8 +847,10 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "sub.s16" | "sub.u16" => bin(self, Sub16, b16, b16)?,
             "sub.s32" | "sub.u32" => bin(self, Sub32, b32, b32)?,
             "sub.s64" | "sub.u64" => bin(self, Sub64, b64, b64)?,
+            "mul.lo.s16" | "mul.lo.u16" => bin(self, MulLo16, b16, b16)?,
             "mul.lo.s32" | "mul.lo.u32" => bin(self, MulLo32, b32, b32)?,
             "mul.lo.s64" | "mul.lo.u64" => bin(self, MulLo64, b64, b64)?,
+            "mul.wide.u16" => bin(self, MulWideU16, b16, b16)?,
             "mul.wide.u32" => bin(self, MulWideU32, b32, b32)?,
             "and.b16" => bin(self, And16, b16, b16)?,
             "and.b32" => bin(self, And32, b32, b32)?,
@@ -867,6 +869,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "shr.u64" => bin(self, ShrU64, b64, b32)?,
             "min.u32" => bin(self, MinU32, b32, b32)?,
             "max.u32" => bin(self, MaxU32, b32, b32)?,
+            "div.u16" => bin(self, DivU16, b16, b16)?,
             "div.u32" => bin(self, DivU32, b32, b32)?,
             "div.u64" => bin(self, DivU64, b64, b64)?,
             "add.rn.f32" => bin(self, AddF32, f32t, f32t)?,
@@ -883,6 +886,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "clz.b32" => un(self, UnOp::Clz32, b32, b32.mask())?,
             "cvt.u32.u16" => un(self, UnOp::Mov, b16, b16.mask())?,
             "cvt.u16.u32" => un(self, UnOp::Trunc16, b32, b16.mask())?,
+            "cvt.u16.u64" => un(self, UnOp::Trunc16, b64, b16.mask())?,
             "cvt.u64.u32" => un(self, UnOp::Mov, b32, b32.mask())?,
             "cvt.u32.u64" => un(self, UnOp::Trunc32, b64, b32.mask())?,
             "cvt.rn.f32.u32" => un(self, UnOp::F32FromU32, b32, b32.mask())?,
@@ -919,7 +923,9 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             }
             _ if opc.starts_with("ld.") || opc.starts_with("st.") => self.memory(opc, ops)?,
             "cp.async.cg.shared.global" => {
-                self.arity(opc, ops, 3)?;
+                if ops.len() != 4 {
+                    self.arity(opc, ops, 3)?;
+                }
                 let bytes = match ops[2] {
                     Opnd::Int(16) => 16,
                     _ => return self.err("`cp.async.cg` copies 16 bytes"),
@@ -929,7 +935,16 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
                 if ds.is_some() || ss.is_some() {
                     return self.err("`cp.async` operands must be registers");
                 }
-                Op::CpAsync { dst, src, bytes }
+                let src_size = match ops.get(3) {
+                    Some(o) => Some(self.src(o, Ty::B32)?),
+                    None => None,
+                };
+                Op::CpAsync {
+                    dst,
+                    src,
+                    bytes,
+                    src_size,
+                }
             }
             "cp.async.commit_group" => {
                 self.arity(opc, ops, 0)?;

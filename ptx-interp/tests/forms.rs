@@ -345,3 +345,59 @@ fn integer_forms_at_their_edges() {
     assert_eq!(buf[20], 0, "shl.b64 by 64");
     assert_eq!(&buf[12..16], &[x; 4], "st.global.v4");
 }
+
+/// The 16-bit forms the decode kernels' geometry arithmetic compiles to: `mul.lo.s16`
+/// and `mul.wide.u16` (16 x 16 -> 32 bits), `div.u16`, and `cvt.u16.u64` (truncation).
+#[test]
+fn sixteen_bit_forms() {
+    let body = "\tld.global.u32 %r2, [%rd2];\n\tcvt.u16.u32 %rs1, %r2;\n\
+        \tmul.lo.s16 %rs2, %rs1, %rs1;\n\tcvt.u32.u16 %r3, %rs2;\n\tst.global.u32 [%rd2+4], %r3;\n\
+        \tmul.wide.u16 %r4, %rs1, %rs1;\n\tst.global.u32 [%rd2+8], %r4;\n\
+        \tdiv.u16 %rs3, %rs1, 7;\n\tcvt.u32.u16 %r5, %rs3;\n\tst.global.u32 [%rd2+12], %r5;\n\
+        \tld.global.u64 %rd10, [%rd2+16];\n\tcvt.u16.u64 %rs4, %rd10;\n\tcvt.u32.u16 %r6, %rs4;\n\
+        \tst.global.u32 [%rd2+24], %r6;";
+    let mut buf = vec![0u32; 7];
+    buf[0] = 0x0001_F00D; // the u16 is 0xF00D
+    buf[4] = 0x89AB_CDEF; // low word of the u64
+    buf[5] = 0x0123_4567;
+    run(body, 1, 0, &mut buf);
+    let x = 0xF00Du32;
+    assert_eq!(buf[1], (x * x) & 0xFFFF, "mul.lo.s16 keeps the low 16 bits");
+    assert_eq!(buf[2], x * x, "mul.wide.u16 keeps all 32");
+    assert_eq!(buf[3], x / 7, "div.u16");
+    assert_eq!(buf[6], 0xCDEF, "cvt.u16.u64 truncates");
+}
+
+/// `cp.async` with a src-size operand: 0 reads nothing and zero-fills the 16 bytes
+/// (checked in shared memory: the launch traps otherwise), 16 copies them; only the
+/// bytes read count as read. Any other src-size is refused.
+#[test]
+fn cp_async_src_size_zero_fills_without_reading() {
+    // Shared words 0..8 start as 0xAAAAAAAA; copy 1 (src-size 0) targets words 0..4,
+    // copy 2 (src-size 16) words 4..8 from the buffer.
+    let check = |w: u32, want: &str| {
+        format!(
+            "\tld.shared.u32 %r5, [%rd3+{}];\n\t{want}\n\tsetp.ne.u32 %p1, %r5, %r6;\n\t@%p1 trap;\n",
+            4 * w
+        )
+    };
+    let mut body = String::from(
+        "\tmov.b32 %r2, -1431655766;\n\
+         \tst.shared.v4.u32 [%rd3], {%r2, %r2, %r2, %r2};\n\
+         \tst.shared.v4.u32 [%rd3+16], {%r2, %r2, %r2, %r2};\n\
+         \tmov.b32 %r3, 0;\n\tmov.b32 %r4, 16;\n\
+         \tcp.async.cg.shared.global [%rd3], [%rd2], 16, %r3;\n\
+         \tcp.async.cg.shared.global [%rd3+16], [%rd2], 16, %r4;\n\
+         \tcp.async.commit_group;\n\tcp.async.wait_group 0;\n",
+    );
+    for w in 0..4 {
+        body += &check(w, "mov.b32 %r6, 0;");
+        body += &check(4 + w, &format!("ld.global.u32 %r6, [%rd2+{}];", 4 * w));
+    }
+    let mut buf = vec![0x1111_1111u32, 0x2222_2222, 0x3333_3333, 0x4444_4444];
+    let stats = launch(&body, 1, 64, &mut buf, Access::Read, MathMode::Exact).unwrap();
+    assert_eq!(stats.cp_async_bytes, 16, "only the src-size 16 copy reads");
+    let bad = body.replace("16, %r3;", "16, 8;");
+    let e = launch(&bad, 1, 64, &mut buf, Access::Read, MathMode::Exact).unwrap_err();
+    assert!(format!("{e}").contains("src-size 8"), "{e}");
+}
