@@ -292,8 +292,8 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaDevice) {
         let geo_dtype = kv.unwrap_or(dtype);
         let smem = pagedkv::host::ops::attention::geometry(128, geo_dtype).shared_bytes();
         let suffix = kv.map_or(String::new(), |k| format!("_{k}"));
-        for split in ["", "split_"] {
-            let name = format!("paged_decode_attention_{split}{dtype}{suffix}");
+        for geo in ["", "_d128"] {
+            let name = format!("paged_decode_attention_{dtype}{suffix}{geo}");
             let row = match gpu.kernel_info(&name, 128, smem) {
                 Ok(k) => format!("| {name} | {} | {} |\n", k.registers, k.blocks_per_sm),
                 Err(e) => format!("| {name} | {e} | |\n"),

@@ -18,21 +18,11 @@ pub unsafe extern "ptx-kernel" fn copy_blocks(p: CopyBlocksParams) {
 }
 
 macro_rules! typed_entries {
-    ($t:ty, $append:ident, $decode:ident, $split:ident, $reduce:ident) => {
+    ($t:ty, $append:ident, $reduce:ident) => {
         /// `kv_append` for this element type, see [`KvAppend`].
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $append(p: KvAppendParams<$t>) {
             KvAppend::<$t>::run(&Gpu, &p)
-        }
-        /// Paged decode attention (no split) for this element type, see [`PagedDecode`].
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $decode(p: DecodeParams<$t>) {
-            PagedDecode::<$t, false>::run(&Gpu, &p)
-        }
-        /// Paged decode attention, split-K partials, for this element type.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $split(p: DecodeParams<$t>) {
-            PagedDecode::<$t, true>::run(&Gpu, &p)
         }
         /// The split-K reduce for this element type, see [`DecodeReduce`].
         #[unsafe(no_mangle)]
@@ -42,27 +32,9 @@ macro_rules! typed_entries {
     };
 }
 
-typed_entries!(
-    F16,
-    kv_append_f16,
-    paged_decode_attention_f16,
-    paged_decode_attention_split_f16,
-    paged_decode_reduce_f16
-);
-typed_entries!(
-    Bf16,
-    kv_append_bf16,
-    paged_decode_attention_bf16,
-    paged_decode_attention_split_bf16,
-    paged_decode_reduce_bf16
-);
-typed_entries!(
-    f32,
-    kv_append_f32,
-    paged_decode_attention_f32,
-    paged_decode_attention_split_f32,
-    paged_decode_reduce_f32
-);
+typed_entries!(F16, kv_append_f16, paged_decode_reduce_f16);
+typed_entries!(Bf16, kv_append_bf16, paged_decode_reduce_bf16);
+typed_entries!(f32, kv_append_f32, paged_decode_reduce_f32);
 
 /// Paged prefill attention, f16, on tensor cores: see [`PagedPrefill`].
 #[unsafe(no_mangle)]
@@ -83,21 +55,11 @@ pub unsafe extern "ptx-kernel" fn paged_prefill_attention_f32(p: PrefillParams<f
 }
 
 macro_rules! fp8_entries {
-    ($t:ty, $k:ty, $append:ident, $decode:ident, $split:ident, $prefill:ident) => {
+    ($t:ty, $k:ty, $append:ident, $prefill:ident) => {
         /// `kv_append` into an fp8 cache (quantising with the scales), see [`KvAppend`].
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $append(p: KvAppendParams<$t, $k>) {
             KvAppend::<$t, $k>::run(&Gpu, &p)
-        }
-        /// Paged decode attention (no split) over an fp8 cache, see [`PagedDecode`].
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $decode(p: DecodeParams<$t, $k>) {
-            PagedDecode::<$t, false, $k>::run(&Gpu, &p)
-        }
-        /// Paged decode attention, split-K partials, over an fp8 cache.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $split(p: DecodeParams<$t, $k>) {
-            PagedDecode::<$t, true, $k>::run(&Gpu, &p)
         }
         /// Paged prefill attention over an fp8 cache, on tensor cores: see [`PagedPrefill`].
         #[unsafe(no_mangle)]
@@ -111,31 +73,91 @@ fp8_entries!(
     F16,
     E4m3,
     kv_append_f16_e4m3,
-    paged_decode_attention_f16_e4m3,
-    paged_decode_attention_split_f16_e4m3,
     paged_prefill_attention_f16_e4m3
 );
 fp8_entries!(
     F16,
     E5m2,
     kv_append_f16_e5m2,
-    paged_decode_attention_f16_e5m2,
-    paged_decode_attention_split_f16_e5m2,
     paged_prefill_attention_f16_e5m2
 );
 fp8_entries!(
     Bf16,
     E4m3,
     kv_append_bf16_e4m3,
-    paged_decode_attention_bf16_e4m3,
-    paged_decode_attention_split_bf16_e4m3,
     paged_prefill_attention_bf16_e4m3
 );
 fp8_entries!(
     Bf16,
     E5m2,
     kv_append_bf16_e5m2,
-    paged_decode_attention_bf16_e5m2,
-    paged_decode_attention_split_bf16_e5m2,
     paged_prefill_attention_bf16_e5m2
+);
+
+/// The decode entry points of one type pair: the runtime geometry (`HEAD_DIM = 0`) and
+/// each compile-time head_dim, see [`PagedDecode`] (split-K when `num_partitions > 1`).
+macro_rules! decode_entries {
+    ($t:ty, $k:ty, $($d:literal => $name:ident,)*) => {$(
+        /// Paged decode attention, see [`PagedDecode`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(p: DecodeParams<$t, $k>) {
+            PagedDecode::<$t, $k, $d>::run(&Gpu, &p)
+        }
+    )*};
+}
+decode_entries!(
+    F16,
+    F16,
+    0 => paged_decode_attention_f16,
+    64 => paged_decode_attention_f16_d64,
+    128 => paged_decode_attention_f16_d128,
+    256 => paged_decode_attention_f16_d256,
+);
+decode_entries!(
+    Bf16,
+    Bf16,
+    0 => paged_decode_attention_bf16,
+    64 => paged_decode_attention_bf16_d64,
+    128 => paged_decode_attention_bf16_d128,
+    256 => paged_decode_attention_bf16_d256,
+);
+decode_entries!(
+    f32,
+    f32,
+    0 => paged_decode_attention_f32,
+    64 => paged_decode_attention_f32_d64,
+    128 => paged_decode_attention_f32_d128,
+    256 => paged_decode_attention_f32_d256,
+);
+decode_entries!(
+    F16,
+    E4m3,
+    0 => paged_decode_attention_f16_e4m3,
+    64 => paged_decode_attention_f16_e4m3_d64,
+    128 => paged_decode_attention_f16_e4m3_d128,
+    256 => paged_decode_attention_f16_e4m3_d256,
+);
+decode_entries!(
+    F16,
+    E5m2,
+    0 => paged_decode_attention_f16_e5m2,
+    64 => paged_decode_attention_f16_e5m2_d64,
+    128 => paged_decode_attention_f16_e5m2_d128,
+    256 => paged_decode_attention_f16_e5m2_d256,
+);
+decode_entries!(
+    Bf16,
+    E4m3,
+    0 => paged_decode_attention_bf16_e4m3,
+    64 => paged_decode_attention_bf16_e4m3_d64,
+    128 => paged_decode_attention_bf16_e4m3_d128,
+    256 => paged_decode_attention_bf16_e4m3_d256,
+);
+decode_entries!(
+    Bf16,
+    E5m2,
+    0 => paged_decode_attention_bf16_e5m2,
+    64 => paged_decode_attention_bf16_e5m2_d64,
+    128 => paged_decode_attention_bf16_e5m2_d128,
+    256 => paged_decode_attention_bf16_e5m2_d256,
 );

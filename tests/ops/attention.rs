@@ -195,3 +195,32 @@ proptest! {
         check_case(p)?;
     }
 }
+
+/// The decode kernel's token groups own whole rows of every stage: for every supported
+/// head_dim, cache type and heads per block, `bdz` is a power of two dividing the
+/// stage (so a group's rows never run past it, and the kernel's tiles of 1, 2 or 8
+/// rows divide a group's share). A geometry breaking it would attend nothing (a NaN
+/// output: the bug this guards, found with fp8 at head_dim 32) or read rows of the
+/// stage still being copied.
+#[test]
+fn token_groups_divide_every_stage() {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::E4m3,
+        DType::E5m2,
+    ] {
+        for &head_dim in &SUPPORTED_HEAD_DIMS {
+            let g = pagedkv::host::ops::attention::geometry(head_dim, dtype);
+            for heads in 1..=g.max_heads() {
+                let bdz = g.token_groups(heads);
+                let what = format!("{dtype} head_dim {head_dim}, {heads} heads");
+                assert!(bdz.is_power_of_two(), "{what}: bdz {bdz}");
+                assert!(bdz * heads <= g.slots, "{what}: {bdz} groups of {heads}");
+                assert_eq!(g.stage_tokens % bdz, 0, "{what}: bdz {bdz}");
+                assert!(g.stage_tokens / bdz >= 1, "{what}");
+            }
+        }
+    }
+}

@@ -24,6 +24,7 @@ use pagedkv::host::reference::{paged_decode_attention, paged_prefill_attention};
 use pagedkv::host::step::{EmuDevice, StepDevice, once};
 use pagedkv::host::{AlignedBuf, DType, HostTensor};
 use pagedkv::kernels::kernels::DecodeParams;
+use pagedkv::kernels::kernels::attention::{FIXED_BLOCK_SIZE, FIXED_HEAD_DIMS};
 use pagedkv::kernels::{F16, PagedLayout};
 use pagedkv_ptx_interp::{LaunchLog, MathMode, Module, PtxDevice};
 use proptest::prelude::*;
@@ -162,7 +163,26 @@ fn sweep(max_len: u32) -> Vec<(Params, Option<DType>)> {
 }
 
 fn decode_all(a: &Arch) -> Outcome {
-    for (p, cache) in sweep(150) {
+    // Every case, and each compile-time-geometry head_dim once more at block size 16
+    // (its own kernel) with a group of 8: the unsplit plan then gives every fixed
+    // geometry tiles of 8 tokens, the narrow plan tiles of 2.
+    let mut cases = sweep(150);
+    for (p, cache) in cases.clone() {
+        if FIXED_HEAD_DIMS.contains(&p.head_dim) {
+            cases.push((
+                Params {
+                    block_size: FIXED_BLOCK_SIZE,
+                    num_kv_heads: 1,
+                    group: 8,
+                    batch: 3,
+                    seed: p.seed + 1000,
+                    ..p
+                },
+                cache,
+            ));
+        }
+    }
+    for (p, cache) in cases {
         let mut c = build(&p);
         if let Some(cache) = cache {
             quantise_case(&mut c, cache, true);
@@ -492,14 +512,14 @@ fn sm_90_mutants_each_fail() {
         let off: u32 = l[plus + 1..close].parse().unwrap();
         format!("{}{}{}", &l[..plus + 1], off + 4, &l[close..])
     };
-    let scale_at = format!(
+    let window_at = format!(
         "param_0+{}]",
-        std::mem::offset_of!(DecodeParams<F16>, scale)
+        std::mem::offset_of!(DecodeParams<F16>, window)
     );
     let mutants: Vec<(&str, Option<String>, Family)> = vec![
         (
-            "ld.param offset of `scale` +4 (decode f16)",
-            mutate(ptx, "paged_decode_attention_f16", &scale_at, bump_offset),
+            "ld.param offset of `window` +4 (decode f16)",
+            mutate(ptx, "paged_decode_attention_f16", &window_at, bump_offset),
             decode_all,
         ),
         (

@@ -52,8 +52,7 @@ use cudarc::driver::{
     LaunchConfig as CuConfig, PushKernelArg, sys,
 };
 use cudarc::nvrtc::Ptx;
-use pagedkv_kernels::kernels::{CopyBlocks, DecodeReduce, KvAppend, PagedDecode};
-use pagedkv_kernels::{Bf16, F16, Kernel, PagedLayout};
+use pagedkv_kernels::{Kernel, PagedLayout};
 
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
@@ -124,22 +123,15 @@ pub struct PtxSource {
     pub ptx: &'static str,
 }
 
-/// Every entry point the backend loads.
-pub const KERNEL_NAMES: [&str; 13] = [
-    CopyBlocks::NAME,
-    <KvAppend<F16> as Kernel>::NAME,
-    <KvAppend<Bf16> as Kernel>::NAME,
-    <KvAppend<f32> as Kernel>::NAME,
-    <PagedDecode<F16, false> as Kernel>::NAME,
-    <PagedDecode<Bf16, false> as Kernel>::NAME,
-    <PagedDecode<f32, false> as Kernel>::NAME,
-    <PagedDecode<F16, true> as Kernel>::NAME,
-    <PagedDecode<Bf16, true> as Kernel>::NAME,
-    <PagedDecode<f32, true> as Kernel>::NAME,
-    <DecodeReduce<F16> as Kernel>::NAME,
-    <DecodeReduce<Bf16> as Kernel>::NAME,
-    <DecodeReduce<f32> as Kernel>::NAME,
-];
+/// The entry points of a PTX module: the names of its `.visible .entry` lines (the
+/// backend loads every one).
+fn entry_points(ptx: &'static str) -> impl Iterator<Item = &'static str> {
+    ptx.lines().filter_map(|l| {
+        let rest = l.strip_prefix(".visible .entry ")?;
+        let end = rest.find('(').unwrap_or(rest.len());
+        Some(rest[..end].trim())
+    })
+}
 
 fn cuda(what: &'static str) -> impl FnOnce(DriverError) -> Error {
     move |e| Error::Cuda {
@@ -254,7 +246,7 @@ impl CudaDevice {
             .load_module(Ptx::from_src(module.ptx))
             .map_err(cuda("cuModuleLoadData"))?;
         let mut funcs = HashMap::new();
-        for name in KERNEL_NAMES {
+        for name in entry_points(module.ptx) {
             let f = loaded
                 .load_function(name)
                 .map_err(cuda("cuModuleGetFunction"))?;

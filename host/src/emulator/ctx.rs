@@ -168,6 +168,17 @@ impl Ctx for EmuCtx {
         }
         self.cp_async.borrow_mut().open.push((o, data));
     }
+    fn cp_async_16_or_zero<T>(&self, word: u32, s: &GlobalSlice<T>, i: u64, read: bool) {
+        if read {
+            return self.cp_async_16(word, s, i);
+        }
+        if !word.is_multiple_of(4) {
+            panic!("cp.async: shared word {word} is not 16-byte aligned");
+        }
+        let o = self.smem_check(4 * word as u64, 16);
+        self.block.smem.borrow_mut()[o..o + 16].fill(0xFF);
+        self.cp_async.borrow_mut().open.push((o, [0u8; 16]));
+    }
     fn cp_async_commit(&self) {
         let mut cp = self.cp_async.borrow_mut();
         let group = std::mem::take(&mut cp.open);

@@ -1,13 +1,15 @@
 //! The runs of [`StepRunner`]: per-layer `kv_append` and `decode`, which check the
 //! layer's views on the host and then only launch.
 
+use pagedkv_kernels::kernels::attention::fixed_head_dim;
 use pagedkv_kernels::kernels::{
     DecodeParams, DecodeReduce, KvAppend, KvAppendParams, PagedDecode, ReduceParams,
 };
-use pagedkv_kernels::{GlobalSlice, GlobalSliceMut};
+use pagedkv_kernels::{GlobalSlice, GlobalSliceMut, Kernel};
 
 use super::device::{RawView, StepDevice};
 use super::runner::{DecodeIo, KvAppendIo, Planned, StepRunner};
+use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::ops::attention::{
     self, AttentionOptions, SplitPlan, decode_launch_config, reduce_launch_config,
@@ -290,7 +292,7 @@ impl<D: StepDevice> StepRunner<D> {
                 // SAFETY: (1)-(2) above and `plan`'s validation; (3) `out` borrowed
                 // mutably, the workspace used by one launch at a time on the device's
                 // one queue; (4) the decode kernel's own configuration.
-                unsafe { self.dev.launch::<PagedDecode<T, true, K>>(cfg, params)? };
+                unsafe { launch_decode::<T, K, _>(&self.dev, cfg, params)? };
                 // SAFETY: as above; the reduce reads the partials the decode wrote.
                 let rp = unsafe {
                     ReduceParams::<T> {
@@ -308,9 +310,37 @@ impl<D: StepDevice> StepRunner<D> {
                 unsafe { self.dev.launch::<DecodeReduce<T>>(reduce_launch_config(&ds, dtype), rp)? };
             } else {
                 // SAFETY: as for the split launch.
-                unsafe { self.dev.launch::<PagedDecode<T, false, K>>(cfg, params)? };
+                unsafe { launch_decode::<T, K, _>(&self.dev, cfg, params)? };
             }
         });
         Ok(Some(p))
+    }
+}
+
+/// Launches the decode kernel for `params.layout`: the compile-time-geometry kernel
+/// [`fixed_head_dim`] names (head_dim 64, 128 or 256 at block size 16), else the
+/// runtime-geometry one. The one dispatch table of the decode kernels.
+///
+/// # Safety
+/// [`StepDevice::launch`]'s, for `params` and `cfg`.
+unsafe fn launch_decode<T, K, D: StepDevice>(
+    dev: &D,
+    cfg: LaunchConfig,
+    params: DecodeParams<T, K>,
+) -> Result<()>
+where
+    PagedDecode<T, K, 0>: Kernel<Params = DecodeParams<T, K>>,
+    PagedDecode<T, K, 64>: Kernel<Params = DecodeParams<T, K>>,
+    PagedDecode<T, K, 128>: Kernel<Params = DecodeParams<T, K>>,
+    PagedDecode<T, K, 256>: Kernel<Params = DecodeParams<T, K>>,
+{
+    // SAFETY: the caller's.
+    unsafe {
+        match fixed_head_dim(&params.layout) {
+            64 => dev.launch::<PagedDecode<T, K, 64>>(cfg, params),
+            128 => dev.launch::<PagedDecode<T, K, 128>>(cfg, params),
+            256 => dev.launch::<PagedDecode<T, K, 256>>(cfg, params),
+            _ => dev.launch::<PagedDecode<T, K, 0>>(cfg, params),
+        }
     }
 }

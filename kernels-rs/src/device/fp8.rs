@@ -255,10 +255,21 @@ pub mod soft {
         (b as u16) << 8
     }
 
-    /// `e4m3` bits → f32, see [`super::e4m3_to_f32`].
+    /// `e4m3` bits → f32, see [`super::e4m3_to_f32`]. Branch-free: the seven
+    /// exponent-and-mantissa bits placed at f32's bits 26:20 form an f32 of value
+    /// `x * 2^-120` (a normal for `e4m3` normals, a denormal for its subnormals), and
+    /// the multiply by `2^120` is exact.
     #[inline(always)]
     pub fn e4m3_to_f32(b: u8) -> f32 {
-        crate::device::f16_to_f32(e4m3_to_f16(b))
+        let mag = (b & 0x7f) as u32;
+        let sign = ((b & 0x80) as u32) << 24;
+        let x = f32::from_bits(sign | (mag << 20)) * f32::from_bits(0x7b80_0000);
+        // NaN as the f16 path widens it (F16_NAN's bits, widened), the hardware's.
+        if mag == 0x7f {
+            f32::from_bits(0x7fff_e000)
+        } else {
+            x
+        }
     }
 
     /// `e5m2` bits → f32, see [`super::e5m2_to_f32`].

@@ -255,6 +255,12 @@ pub trait Ctx {
     /// still pending).
     fn cp_async_16<T>(&self, word: u32, s: &GlobalSlice<T>, i: u64);
 
+    /// [`Ctx::cp_async_16`] when `read`; else the same asynchronous copy of 16 zero
+    /// bytes, reading nothing (`cp.async`'s `src-size` of 0: `s` and `i` are not
+    /// touched). A pipeline fills the rows it must not read (past a context, before a
+    /// window) with it, so every row of a stage is defined.
+    fn cp_async_16_or_zero<T>(&self, word: u32, s: &GlobalSlice<T>, i: u64, read: bool);
+
     /// Closes this thread's open commit group (`cp.async.commit_group`); an empty group
     /// is allowed, so every thread can commit once per pipeline stage.
     fn cp_async_commit(&self);

@@ -264,6 +264,19 @@ impl Ctx for Gpu {
     }
 
     #[inline(always)]
+    fn cp_async_16_or_zero<T>(&self, word: u32, s: &GlobalSlice<T>, i: u64, read: bool) {
+        let g = to_global(s.as_ptr().wrapping_add(if read { i as usize } else { 0 }) as *const u8);
+        let a = smem_base() + 4 * word as u64;
+        let n: u32 = if read { 16 } else { 0 };
+        // SAFETY: as `cp_async_16` when `read`; with a src-size of 0 no global byte is
+        // read, and the 16 shared bytes are zero-filled.
+        unsafe {
+            asm!("cp.async.cg.shared.global [{a}], [{g}], 16, {n};",
+                 a = in(reg64) a, g = in(reg64) g, n = in(reg32) n, options(nostack));
+        }
+    }
+
+    #[inline(always)]
     fn cp_async_commit(&self) {
         // SAFETY: closes this thread's group of asynchronous copies; no operands.
         unsafe { asm!("cp.async.commit_group;", options(nostack)) }

@@ -57,7 +57,7 @@ pub fn max_heads_per_block(head_dim: u32, dtype: DType) -> u32 {
 /// every decode entry point on every architecture (`ptx/resources.md`; a test in
 /// `tests/ops/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
 /// never optimistic.
-pub const DECODE_REGISTERS: u32 = 80;
+pub const DECODE_REGISTERS: u32 = 96;
 /// As [`DECODE_REGISTERS`], for the decode kernels over an fp8 cache (16 q and 16
 /// accumulator registers a thread, and the conversions).
 pub const DECODE_REGISTERS_FP8: u32 = 128;

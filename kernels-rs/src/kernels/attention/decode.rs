@@ -7,8 +7,8 @@ use crate::kernels::each16;
 use crate::softmax::{LOG2_E, SoftmaxState};
 
 use super::{
-    ACC_WORDS, DecodeGeometry, DecodeParams, PIECES_PER_THREAD, PagedDecode, STAGES, THREADS,
-    max_vec,
+    ACC_WORDS, DecodeGeometry, DecodeParams, FIXED_BLOCK_SIZE, PIECES_PER_THREAD, PagedDecode,
+    STAGES, THREADS, max_vec,
 };
 
 /// Per-thread registers (q, or the accumulator): chunk `v`'s element `e` at `v *
@@ -24,8 +24,9 @@ struct Piece {
     is_v: bool,
     /// Token within the stage.
     tok: u32,
-    /// Element offset within the token's row (`chunk * per_v4`).
-    col: u32,
+    /// Element offset of the piece's token row within its block:
+    /// `kv_head * block_size * head_dim + chunk * per_v4`.
+    off: u32,
     /// Shared-memory word within the stage.
     word: u32,
     /// Physical block of this piece's token in the stage being issued next.
@@ -63,19 +64,298 @@ fn each_sub<T: Elem, K: KvElem>(mut f: impl FnMut(u32)) {
     }
 }
 
+/// Calls `f(j)` for `j` in `0..N` (`N <= 8`), each a constant after inlining: the
+/// tile's scores stay in registers.
 #[inline(always)]
-pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
-    ctx: &C,
-    p: &DecodeParams<T, K>,
-) {
+fn each_tok<const N: usize>(mut f: impl FnMut(usize)) {
+    f(0);
+    if N > 1 {
+        f(1);
+    }
+    if N > 2 {
+        f(2);
+        f(3);
+    }
+    if N > 4 {
+        f(4);
+        f(5);
+        f(6);
+        f(7);
+    }
+}
+
+/// What every stage of one thread block needs: its geometry, its token range and the
+/// thread's place in it. Built once by [`decode`]; [`Block::stream`] runs the pipeline.
+struct Block<'a, T, K> {
+    p: &'a DecodeParams<T, K>,
+    geo: DecodeGeometry,
+    /// Tokens per block of the cache (a compile-time constant for a fixed geometry).
+    block_size: u32,
+    tid: u32,
+    tx: u32,
+    tz: u32,
+    /// Token groups (`bdz`).
+    bdz: u32,
+    /// Whether this thread serves a query head.
+    active: bool,
+    /// The KV head of this thread block.
+    kv_head: u32,
+    /// First token attended, and one past the last.
+    start: u32,
+    end: u32,
+    /// First token of stage 0: `start` rounded down to a multiple of the stage size,
+    /// so every stage covers whole blocks (or part of one); its tokens before `start`
+    /// are neither copied nor attended.
+    first: u32,
+    num_stages: u32,
+    /// Row of this sequence's block table.
+    table_row: u64,
+    /// `scale * k_scale * log2(e)`-scaled q of this thread's head and chunks.
+    q: Vecs,
+    /// ALiBi slope of this thread's head times `log2(e)` (0 without ALiBi).
+    slope: f32,
+    /// Position of token 0 relative to the new token: `-(ctx_len - 1)`, as f32.
+    pos0: f32,
+    /// The soft-cap in log2 units (`softcap * log2(e)`, 0: none) and the factor of
+    /// its `tanh` argument (`inv_softcap / log2(e)`).
+    cap: f32,
+    inv_cap: f32,
+}
+
+impl<T: Elem, K: KvElem> Block<'_, T, K> {
+    /// Streams the partition's stages through the pipeline and returns this thread's
+    /// online-softmax state and unnormalised accumulator over its token group. A token
+    /// group owns `per_group = stage_tokens / bdz` consecutive rows of every stage and
+    /// scores them `N` at a time (a *tile*, `N` dividing `per_group`): one maximum and
+    /// one rescale of the accumulator per tile.
+    #[inline(always)]
+    fn stream<C: Ctx, const N: usize>(&self, ctx: &C) -> (SoftmaxState, Vecs) {
+        let p = self.p;
+        let geo = self.geo;
+        let (chunks, bdx, st) = (geo.chunks, geo.bdx, geo.stage_tokens);
+        let kp = K::PER_V4;
+        let half = st * chunks;
+        let bs_shift = self.block_size.trailing_zeros();
+        let head_dim = chunks * kp;
+        let kv_off = self.kv_head * self.block_size * head_dim;
+        // This thread's copies: piece `tid + k * THREADS` of every stage.
+        let mut pieces = [Piece {
+            live: false,
+            is_v: false,
+            tok: 0,
+            off: 0,
+            word: 0,
+            phys: 0,
+        }; PIECES_PER_THREAD as usize];
+        let mut k = 0;
+        each_piece(&mut pieces, |pc| {
+            let i = self.tid + k * THREADS;
+            k += 1;
+            pc.live = i < 2 * half;
+            pc.is_v = i >= half;
+            let r = if pc.is_v { i - half } else { i };
+            pc.tok = r / chunks;
+            let col = (r - pc.tok * chunks) * kp;
+            pc.off = kv_off + col;
+            pc.word = 4 * i;
+        });
+        let span = self.end.saturating_sub(self.start);
+        // Whether token `t` is attended (and so read): `start <= t < end`.
+        let in_range = |t: u32| t.wrapping_sub(self.start) < span;
+        // Loads the block ids of stage `s`'s tokens (ahead of its copies).
+        let lookup = |pieces: &mut [Piece; PIECES_PER_THREAD as usize], s: u32| {
+            each_piece(pieces, |pc| {
+                let t = self.first + s * st + pc.tok;
+                if pc.live && s < self.num_stages && in_range(t) {
+                    pc.phys =
+                        ctx.ld(&p.block_tables, self.table_row + (t >> bs_shift) as u64) as u32;
+                }
+            });
+        };
+        let block_stride = p.layout.num_kv_heads as u64 * (self.block_size * head_dim) as u64;
+        // Issues stage `s`'s copies into its slot, then commits (an empty group past the
+        // end). A row outside `start..end` is zero-filled, never read: every row of a
+        // stage is then finite, and the token loop needs no branch per row.
+        let issue = |pieces: &[Piece; PIECES_PER_THREAD as usize], s: u32| {
+            let base = (s & (STAGES - 1)) * geo.stage_words();
+            if s < self.num_stages {
+                let mut ps = *pieces;
+                each_piece(&mut ps, |pc| {
+                    let t = self.first + s * st + pc.tok;
+                    if pc.live {
+                        // (A stage of a fixed geometry covers whole blocks: the in-block
+                        // offset folds to a constant per piece.)
+                        let in_block = (t & (self.block_size - 1)) * head_dim;
+                        let src = pc.phys as u64 * block_stride + (pc.off + in_block) as u64;
+                        let read = in_range(t);
+                        if pc.is_v {
+                            ctx.cp_async_16_or_zero(base + pc.word, &p.value_cache, src, read);
+                        } else {
+                            ctx.cp_async_16_or_zero(base + pc.word, &p.key_cache, src, read);
+                        }
+                    }
+                });
+            }
+            ctx.cp_async_commit();
+        };
+
+        // Prologue: STAGES - 1 stages in flight.
+        lookup(&mut pieces, 0);
+        let mut s = 0;
+        while s < STAGES - 1 {
+            issue(&pieces, s);
+            lookup(&mut pieces, s + 1);
+            s += 1;
+        }
+
+        let mut state = SoftmaxState::EMPTY;
+        let mut acc: Vecs = [0.0; ACC_WORDS as usize];
+        let per_group = st / self.bdz;
+        // A thread without a token group (or a head) runs the loop too, for the
+        // shuffles, on row 0 with nothing valid.
+        let row_first = if self.tz < self.bdz {
+            self.tz * per_group
+        } else {
+            0
+        };
+        let mut i = 0;
+        while i < self.num_stages {
+            // Stage i has landed once at most STAGES - 2 younger groups are pending;
+            // after the barrier every thread is done with stage i - 1, whose slot the
+            // copies of stage i + STAGES - 1 refill: one barrier per stage.
+            ctx.cp_async_wait::<{ STAGES - 2 }>();
+            ctx.sync_threads();
+            issue(&pieces, i + STAGES - 1);
+            lookup(&mut pieces, i + STAGES);
+
+            let base = (i & (STAGES - 1)) * geo.stage_words();
+            let stage_first = self.first + i * st;
+            let mut r = 0;
+            while r < per_group {
+                // The tile: rows t0..t0 + N of the stage, tokens a..a + N.
+                let t0 = row_first + r;
+                let a = stage_first + t0;
+                // Which of them are attended, as bits: lo..hi.
+                let lo = self.start.saturating_sub(a);
+                let hi = self.end.saturating_sub(a);
+                let hi = if hi < N as u32 { hi } else { N as u32 };
+                let mask = if self.active && lo < hi {
+                    ((1u32 << hi) - 1) & !((1u32 << lo) - 1)
+                } else {
+                    0
+                };
+                let pos = self.pos0 + a as f32;
+                let k_word = base + 4 * (t0 * chunks + self.tx);
+                let mut sc = [f32::NEG_INFINITY; N];
+                // compute_qk: every lane shuffles (the warp must), valid or not.
+                each_tok::<N>(|j| {
+                    let mut dot = 0.0f32;
+                    each_vec::<K>(|v| {
+                        let c = self.tx + v * bdx;
+                        if c < chunks {
+                            let kk = ctx.smem_ld_v4(k_word + 4 * (j as u32 * chunks + v * bdx));
+                            each16(|e| {
+                                if e < kp {
+                                    dot = ctx.fma(
+                                        self.q[(v * kp + e) as usize],
+                                        K::unpack(&kk, e),
+                                        dot,
+                                    );
+                                }
+                            });
+                        }
+                    });
+                    let mut m = bdx / 2;
+                    while m >= 1 {
+                        dot += ctx.shfl_xor_f32(dot, m);
+                        m /= 2;
+                    }
+                    if self.cap > 0.0 {
+                        dot = self.cap * ctx.tanh(dot * self.inv_cap);
+                    }
+                    let x = ctx.fma(self.slope, pos + j as f32, dot);
+                    sc[j] = if mask & (1 << j) != 0 {
+                        x
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                });
+                // update_local_state: one maximum and one rescale per tile.
+                let mut m_tile = state.m;
+                each_tok::<N>(|j| {
+                    if sc[j] > m_tile {
+                        m_tile = sc[j];
+                    }
+                });
+                // An empty state meets an all-masked tile: nothing to rescale.
+                let m_use = if m_tile == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    m_tile
+                };
+                let alpha = ctx.exp2(state.m - m_use);
+                let mut l_new = state.l * alpha;
+                each_vec::<K>(|v| {
+                    for e in 0..kp {
+                        acc[(v * kp + e) as usize] *= alpha;
+                    }
+                });
+                // Every row is finite (zero-filled outside the range) and a masked
+                // one's weight is 0: no branch per row.
+                each_tok::<N>(|j| {
+                    let pe = ctx.exp2(sc[j] - m_use);
+                    l_new += pe;
+                    each_vec::<K>(|v| {
+                        let c = self.tx + v * bdx;
+                        if c < chunks {
+                            let vv =
+                                ctx.smem_ld_v4(k_word + 4 * (half + j as u32 * chunks + v * bdx));
+                            each16(|e| {
+                                if e < kp {
+                                    let x = &mut acc[(v * kp + e) as usize];
+                                    *x = ctx.fma(pe, K::unpack(&vv, e), *x);
+                                }
+                            });
+                        }
+                    });
+                });
+                state = SoftmaxState {
+                    m: m_tile,
+                    l: l_new,
+                };
+                r += N as u32;
+            }
+            i += 1;
+        }
+        // Every thread is done with the last stage before the merge reuses its memory;
+        // the groups still open are empty (past the last stage).
+        ctx.sync_threads();
+        (state, acc)
+    }
+}
+
+/// The decode kernel: the runtime geometry of `p.layout` for `D = 0`, else head_dim `D`
+/// and block size [`FIXED_BLOCK_SIZE`] as compile-time constants (the host launches
+/// that kernel only for such a layout, see [`super::fixed_head_dim`]).
+#[inline(always)]
+pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodeParams<T, K>) {
     let l = &p.layout;
-    let geo = DecodeGeometry::new(l.head_dim, K::PER_V4);
+    // Split-K: partials for `DecodeReduce` (a runtime choice: only the epilogue differs).
+    let split = p.num_partitions > 1;
+    let (head_dim, block_size) = if D == 0 {
+        (l.head_dim, l.block_size)
+    } else {
+        (D, FIXED_BLOCK_SIZE)
+    };
+    let geo = DecodeGeometry::new(head_dim, K::PER_V4);
     // Elements of a chunk (a 16-byte cache vector), and q / out vectors per chunk.
     let kp = K::PER_V4;
     let (chunks, bdx, st) = (geo.chunks, geo.bdx, geo.stage_tokens);
     let bdy = p.heads_per_block;
     let bdz = geo.token_groups(bdy);
-    let tid = ctx.thread_idx().x;
+    // (Reduced mod THREADS, the block size the host launches: the compiler then knows
+    // which of a thread's copy pieces are K and which V.)
+    let tid = ctx.thread_idx().x % THREADS;
     let tx = tid % bdx;
     let ty = (tid / bdx) % bdy;
     let tz = tid / bdx / bdy;
@@ -84,9 +364,9 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
     let group = p.num_q_heads / l.num_kv_heads;
     let head_chunks = group.div_ceil(bdy);
     let kv_head = b.x / head_chunks;
-    let first = (b.x % head_chunks) * bdy;
-    let nh = if group - first < bdy {
-        group - first
+    let first_head = (b.x % head_chunks) * bdy;
+    let nh = if group - first_head < bdy {
+        group - first_head
     } else {
         bdy
     };
@@ -94,10 +374,10 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
     let active = ty < nh && tz < bdz;
     // This thread's query head: its index in the batch (for the partials), and its
     // element offsets in the (strided) q and out rows.
-    let qh = (kv_head * group + first + ty) as u64;
+    let qh = (kv_head * group + first_head + ty) as u64;
     let head = seq as u64 * p.num_q_heads as u64 + qh;
-    let q_at = seq as u64 * p.q_row_stride + qh * l.head_dim as u64;
-    let out_at = seq as u64 * p.out_row_stride + qh * l.head_dim as u64;
+    let q_at = seq as u64 * p.q_row_stride + qh * head_dim as u64;
+    let out_at = seq as u64 * p.out_row_stride + qh * head_dim as u64;
 
     // The token range of this partition, clipped to the window.
     let ctx_len = ctx.ld(&p.context_lens, seq as u64) as u32;
@@ -117,60 +397,11 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
     } else {
         ctx_len
     };
+    let first = start & !(st - 1);
     let num_stages = if end > start {
-        (end - start).div_ceil(st)
+        (end - first).div_ceil(st)
     } else {
         0
-    };
-
-    // This thread's copies: piece `tid + k * THREADS` of every stage.
-    let bs_shift = l.block_size.trailing_zeros();
-    let table_row = seq as u64 * p.max_blocks_per_seq as u64;
-    let half = st * chunks;
-    let mut pieces = [Piece {
-        live: false,
-        is_v: false,
-        tok: 0,
-        col: 0,
-        word: 0,
-        phys: 0,
-    }; PIECES_PER_THREAD as usize];
-    let mut k = 0;
-    each_piece(&mut pieces, |pc| {
-        let i = tid + k * THREADS;
-        k += 1;
-        pc.live = i < 2 * half;
-        pc.is_v = i >= half;
-        let r = if pc.is_v { i - half } else { i };
-        pc.tok = r / chunks;
-        pc.col = (r - pc.tok * chunks) * kp;
-        pc.word = 4 * i;
-    });
-    // Loads the block ids of stage `s`'s tokens (ahead of its copies).
-    let lookup = |pieces: &mut [Piece; PIECES_PER_THREAD as usize], s: u32| {
-        each_piece(pieces, |pc| {
-            let t = start + s * st + pc.tok;
-            if pc.live && s < num_stages && t < end {
-                pc.phys = ctx.ld(&p.block_tables, table_row + (t >> bs_shift) as u64) as u32;
-            }
-        });
-    };
-    // Issues stage `s`'s copies into its slot, then commits (an empty group past the end).
-    let issue = |pieces: &[Piece; PIECES_PER_THREAD as usize], s: u32| {
-        let base = (s & (STAGES - 1)) * geo.stage_words();
-        let mut ps = *pieces;
-        each_piece(&mut ps, |pc| {
-            let t = start + s * st + pc.tok;
-            if pc.live && s < num_stages && t < end {
-                let src = l.offset(pc.phys, kv_head, t & (l.block_size - 1)) + pc.col as u64;
-                if pc.is_v {
-                    ctx.cp_async_16(base + pc.word, &p.value_cache, src);
-                } else {
-                    ctx.cp_async_16(base + pc.word, &p.key_cache, src);
-                }
-            }
-        });
-        ctx.cp_async_commit();
     };
 
     // The cache's scales for this KV head: K's folded into q, V's into the output.
@@ -182,7 +413,8 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
     } else {
         (1.0, 1.0)
     };
-    let q_scale = p.scale * k_scale;
+    // Scores are kept in log2 units: log2(e) is folded into q, the slope and the cap.
+    let q_scale = p.scale * k_scale * LOG2_E;
     // q of this thread's head and chunks, scaled, in registers (not loaded for a
     // partition past the context: its token loop never runs).
     let mut q: Vecs = [0.0; ACC_WORDS as usize];
@@ -199,90 +431,43 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
         }
     });
     let slope = if reads && !p.alibi_slopes.is_empty() {
-        ctx.ld(&p.alibi_slopes, qh)
+        ctx.ld(&p.alibi_slopes, qh) * LOG2_E
     } else {
         0.0
     };
 
-    // Prologue: STAGES - 1 stages in flight.
-    lookup(&mut pieces, 0);
-    let mut s = 0;
-    while s < STAGES - 1 {
-        issue(&pieces, s);
-        lookup(&mut pieces, s + 1);
-        s += 1;
-    }
-
-    let mut state = SoftmaxState::EMPTY;
-    let mut acc: Vecs = [0.0; ACC_WORDS as usize];
-    let per_group = st.div_ceil(bdz);
-    let mut i = 0;
-    while i < num_stages {
-        issue(&pieces, i + STAGES - 1);
-        lookup(&mut pieces, i + STAGES);
-        ctx.cp_async_wait::<{ STAGES - 1 }>();
-        ctx.sync_threads();
-
-        let base = (i & (STAGES - 1)) * geo.stage_words();
-        let stage_start = start + i * st;
-        let mut r = 0;
-        while r < per_group {
-            let tok = tz + r * bdz;
-            let t = stage_start + tok;
-            let valid = active && tok < st && t < end;
-            let row = if tok < st { tok } else { 0 };
-            // Every lane shuffles (the warp must), valid or not.
-            let mut dot = 0.0f32;
-            each_vec::<K>(|v| {
-                let c = tx + v * bdx;
-                if c < chunks {
-                    let kk = ctx.smem_ld_v4(base + 4 * (row * chunks + c));
-                    each16(|e| {
-                        if e < kp {
-                            dot = ctx.fma(q[(v * kp + e) as usize], K::unpack(&kk, e), dot);
-                        }
-                    });
-                }
-            });
-            let mut m = bdx / 2;
-            while m >= 1 {
-                dot += ctx.shfl_xor_f32(dot, m);
-                m /= 2;
-            }
-            if valid {
-                let mut sc = dot;
-                if p.softcap > 0.0 {
-                    sc = p.softcap * ctx.tanh(sc * p.inv_softcap);
-                }
-                sc = ctx.fma(slope, t as f32 - (ctx_len - 1) as f32, sc) * LOG2_E;
-                let m_new = if sc > state.m { sc } else { state.m };
-                let alpha = ctx.exp2(state.m - m_new);
-                let pe = ctx.exp2(sc - m_new);
-                state = SoftmaxState {
-                    m: m_new,
-                    l: ctx.fma(state.l, alpha, pe),
-                };
-                each_vec::<K>(|v| {
-                    let c = tx + v * bdx;
-                    if c < chunks {
-                        let vv = ctx.smem_ld_v4(base + 4 * (half + row * chunks + c));
-                        each16(|e| {
-                            if e < kp {
-                                let x = &mut acc[(v * kp + e) as usize];
-                                *x = ctx.fma(pe, K::unpack(&vv, e), *x * alpha);
-                            }
-                        });
-                    }
-                });
-            }
-            r += 1;
-        }
-        // Every thread is done with this slot before it is refilled.
-        ctx.sync_threads();
-        i += 1;
-    }
-    // The groups still open are the empty ones past the last stage: no copy is in
-    // flight, so the merge below may reuse the stage memory.
+    let blk = Block {
+        p,
+        geo,
+        block_size,
+        tid,
+        tx,
+        tz,
+        bdz,
+        active,
+        kv_head,
+        start,
+        end,
+        first,
+        num_stages,
+        table_row: seq as u64 * p.max_blocks_per_seq as u64,
+        q,
+        slope,
+        pos0: -((ctx_len - 1) as f32),
+        cap: p.softcap * LOG2_E,
+        inv_cap: p.inv_softcap * (1.0 / LOG2_E),
+    };
+    // Tiles of 8 tokens when a token group's rows of a stage fill one (one tile or
+    // several), else of 2 or 1 (`per_group` and `N` are powers of two); the runtime
+    // geometry takes one token at a time.
+    let per_group = st / bdz;
+    let (mut state, mut acc) = if D == 0 || per_group == 1 {
+        blk.stream::<C, 1>(ctx)
+    } else if per_group >= 8 {
+        blk.stream::<C, 8>(ctx)
+    } else {
+        blk.stream::<C, 2>(ctx)
+    };
 
     // Merge the token groups: groups tz > 0 publish, group 0 folds them in.
     let ml_s = THREADS * ACC_WORDS;
@@ -325,14 +510,14 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
     }
 
     // Epilogue: one 16-byte store per chunk (non-split), or the partials.
-    let d = l.head_dim as u64;
-    let inv = if SPLIT { v_scale } else { v_scale / state.l };
+    let d = head_dim as u64;
+    let inv = if split { v_scale } else { v_scale / state.l };
     each_vec::<K>(|v| {
         let c = tx + v * bdx;
         if c >= chunks {
             return;
         }
-        if SPLIT {
+        if split {
             let base = (head * p.num_partitions as u64 + part as u64) * d + (c * kp) as u64;
             for w in 0..4 {
                 if w * 4 < kp {
@@ -361,72 +546,37 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const SPLIT: bool>(
             });
         }
     });
-    if SPLIT && tx == 0 {
+    if split && tx == 0 {
         let base = (head * p.num_partitions as u64 + part as u64) * 2;
         ctx.st(&p.part_ml, base, state.m);
         ctx.st(&p.part_ml, base + 1, state.l);
     }
 }
 
+/// The kernels of one (q / out, cache) type pair: the runtime geometry and each
+/// compile-time head_dim.
 macro_rules! decode_kernels {
-    ($t:ty, $k:ty, $decode:literal, $split:literal) => {
-        impl Kernel for PagedDecode<$t, false, $k> {
+    ($t:ty, $k:ty, $name:literal) => {
+        decode_kernels!(@one $t, $k, 0, concat!("paged_decode_attention_", $name));
+        decode_kernels!(@one $t, $k, 64, concat!("paged_decode_attention_", $name, "_d64"));
+        decode_kernels!(@one $t, $k, 128, concat!("paged_decode_attention_", $name, "_d128"));
+        decode_kernels!(@one $t, $k, 256, concat!("paged_decode_attention_", $name, "_d256"));
+    };
+    (@one $t:ty, $k:ty, $d:literal, $name:expr) => {
+        impl Kernel for PagedDecode<$t, $k, $d> {
             type Params = DecodeParams<$t, $k>;
-            const NAME: &'static str = $decode;
+            const NAME: &'static str = $name;
             #[inline(always)]
             fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
-                decode::<$t, $k, C, false>(ctx, p)
-            }
-        }
-        impl Kernel for PagedDecode<$t, true, $k> {
-            type Params = DecodeParams<$t, $k>;
-            const NAME: &'static str = $split;
-            #[inline(always)]
-            fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
-                decode::<$t, $k, C, true>(ctx, p)
+                decode::<$t, $k, C, $d>(ctx, p)
             }
         }
     };
 }
-decode_kernels!(
-    F16,
-    F16,
-    "paged_decode_attention_f16",
-    "paged_decode_attention_split_f16"
-);
-decode_kernels!(
-    Bf16,
-    Bf16,
-    "paged_decode_attention_bf16",
-    "paged_decode_attention_split_bf16"
-);
-decode_kernels!(
-    f32,
-    f32,
-    "paged_decode_attention_f32",
-    "paged_decode_attention_split_f32"
-);
-decode_kernels!(
-    F16,
-    E4m3,
-    "paged_decode_attention_f16_e4m3",
-    "paged_decode_attention_split_f16_e4m3"
-);
-decode_kernels!(
-    F16,
-    E5m2,
-    "paged_decode_attention_f16_e5m2",
-    "paged_decode_attention_split_f16_e5m2"
-);
-decode_kernels!(
-    Bf16,
-    E4m3,
-    "paged_decode_attention_bf16_e4m3",
-    "paged_decode_attention_split_bf16_e4m3"
-);
-decode_kernels!(
-    Bf16,
-    E5m2,
-    "paged_decode_attention_bf16_e5m2",
-    "paged_decode_attention_split_bf16_e5m2"
-);
+decode_kernels!(F16, F16, "f16");
+decode_kernels!(Bf16, Bf16, "bf16");
+decode_kernels!(f32, f32, "f32");
+decode_kernels!(F16, E4m3, "f16_e4m3");
+decode_kernels!(F16, E5m2, "f16_e5m2");
+decode_kernels!(Bf16, E4m3, "bf16_e4m3");
+decode_kernels!(Bf16, E5m2, "bf16_e5m2");

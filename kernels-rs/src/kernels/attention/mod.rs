@@ -125,10 +125,23 @@ impl DecodeGeometry {
         self.slots
     }
 
-    /// Token groups of a block serving `heads` query heads (`bdz`).
+    /// Token groups of a block serving `heads` query heads (`bdz`): the largest power
+    /// of two of them that fits the slots, at most `stage_tokens`, so every group owns
+    /// `stage_tokens / bdz` whole rows of a stage (for a group size that is not a power
+    /// of two, or a head vector of few chunks, some slots stay idle).
     #[inline(always)]
     pub const fn token_groups(&self, heads: u32) -> u32 {
-        self.slots / heads
+        let fit = self.slots / heads;
+        let pow2 = if fit == 0 {
+            1
+        } else {
+            1 << (31 - fit.leading_zeros())
+        };
+        if pow2 > self.stage_tokens {
+            self.stage_tokens
+        } else {
+            pow2
+        }
     }
 
     /// 32-bit words of one stage: K then V, `[stage_tokens, chunks, 16 bytes]` each.
@@ -231,10 +244,35 @@ where
     }
 }
 
-/// The decode kernel for q / out of `T` and a cache of `K`; `SPLIT` selects partial
-/// outputs for [`DecodeReduce`].
+/// The decode kernel for q / out of `T` and a cache of `K`; with `num_partitions > 1`
+/// it writes partial outputs for [`DecodeReduce`]. `HEAD_DIM = 0` is the kernel for any geometry (read
+/// from `layout` at run time); `HEAD_DIM` in [`FIXED_HEAD_DIMS`] is the kernel for that
+/// head_dim and block size [`FIXED_BLOCK_SIZE`], its geometry compile-time constants
+/// (unrolled shuffle reductions, constant page addressing). Launch the one
+/// [`fixed_head_dim`] names.
 #[derive(Clone, Copy, Debug)]
-pub struct PagedDecode<T, const SPLIT: bool, K = T>(PhantomData<(T, K)>);
+pub struct PagedDecode<T, K = T, const HEAD_DIM: u32 = 0>(PhantomData<(T, K)>);
+
+/// Block size of the compile-time-geometry decode kernels.
+pub const FIXED_BLOCK_SIZE: u32 = 16;
+/// head_dims with a compile-time-geometry decode kernel: the sizes engines run
+/// (Llama, Mistral and Qwen at 128; Gemma 2 at 256; small models at 64).
+pub const FIXED_HEAD_DIMS: [u32; 3] = [64, 128, 256];
+
+/// The `HEAD_DIM` of the decode kernel to launch for `layout`: its head_dim when that
+/// has a compile-time kernel (`FIXED_HEAD_DIMS`, block size [`FIXED_BLOCK_SIZE`], and a
+/// block of one layer's K fits 2^32 elements so in-block offsets are 32-bit), else 0,
+/// the runtime-geometry kernel.
+pub const fn fixed_head_dim(layout: &PagedLayout) -> u32 {
+    let d = layout.head_dim;
+    let fits =
+        (layout.num_kv_heads as u64) * (FIXED_BLOCK_SIZE as u64) * (d as u64) <= u32::MAX as u64;
+    if layout.block_size == FIXED_BLOCK_SIZE && fits && (d == 64 || d == 128 || d == 256) {
+        d
+    } else {
+        0
+    }
+}
 
 /// Parameters of [`DecodeReduce`].
 #[repr(C)]
