@@ -2,9 +2,10 @@
 # Assemble every committed PTX file with ptxas for its architecture, disassemble the
 # cubin with nvdisasm, write the resource report ptx/resources.md, and fail if any kernel
 # has a stack frame or spills, if the decode kernels' SASS does not stage K/V through
-# cp.async (LDGSTS) with fused multiply-adds (scripts/sass-check.py), or if the
-# occupancy model keeps fewer than 32 KiB in flight per SM at the flagship shape on an
-# H100 (examples/decode_occupancy.rs).
+# cp.async (LDGSTS) with fused multiply-adds (scripts/sass-check.py). The decode
+# performance model (scripts/decode-model.py reads each decode kernel's steady-state
+# loop from the SASS, examples/decode_model.rs applies its bounds) is appended to the
+# report; with PAGEDKV_ENFORCE_MODEL=1 a missed bar of issue #29 fails the script.
 #
 #   scripts/validate-ptx.sh           validate and rewrite ptx/resources.md
 #   scripts/validate-ptx.sh --check   validate and fail if ptx/resources.md is stale
@@ -56,7 +57,6 @@ log=$(mktemp)
 work=$(mktemp -d)
 trap 'rm -rf "$report" "$log" "$work"' EXIT
 sass_rows=""
-occupancy_args=()
 
 {
   echo "# PTX resource report"
@@ -115,9 +115,7 @@ for f in "${files[@]}"; do
     bad=1
   fi
   sass_rows+="$rows"$'\n'
-  # The most registers of the f16 decode kernels (the flagship dtype) on this arch.
-  regs=$(awk -F'|' -v a="$arch" '$2 ~ a && $3 ~ /paged_decode_attention(_split)?_f16 / { gsub(/ /, "", $4); if ($4 > m) m = $4 } END { print m }' "$report")
-  occupancy_args+=("$arch=$regs")
+  python3 scripts/decode-model.py "$arch" "$work/$arch.sass" >> "$work/loops.txt"
 done
 
 {
@@ -131,10 +129,14 @@ done
   printf '%s' "$sass_rows"
 } >> "$report"
 
-if ! cargo run -q --release --example decode_occupancy -- "${occupancy_args[@]}" >> "$report"; then
-  echo "validate-ptx: the occupancy model fails its bar (see above)" >&2
+model_args=("$report" "$work/loops.txt")
+if [ "${PAGEDKV_ENFORCE_MODEL:-0}" = 1 ]; then model_args+=(--enforce); fi
+if ! cargo run -q --release --example decode_model -- "${model_args[@]}" > "$work/model.md"; then
+  cat "$work/model.md" >&2
+  echo "validate-ptx: the decode model misses a bar of issue #29 (see above)" >&2
   bad=1
 fi
+cat "$work/model.md" >> "$report"
 
 if [ $bad -ne 0 ]; then
   cat "$report"

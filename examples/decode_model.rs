@@ -1,0 +1,400 @@
+//! The decode kernels' performance model, from their SASS: occupancy, bytes in flight,
+//! and the modelled fraction of peak DRAM bandwidth at the flagship shapes, as Markdown.
+//! `scripts/validate-ptx.sh` runs it and appends its tables to `ptx/resources.md`.
+//!
+//! ```sh
+//! cargo run -q --release --example decode_model -- REPORT LOOPS [--enforce]
+//! ```
+//! `REPORT` is the resource report so far (its ptxas table gives each kernel's
+//! registers); `LOOPS` holds the `key=value` lines `scripts/decode-model.py` printed for
+//! every architecture (each decode kernel's steady-state loop: issued warp-instructions,
+//! pipe counts and dependent chain per stage).
+//!
+//! Everything here is a model, not a measurement (no GPU has run these kernels). Per
+//! shape, GPU and cache type it takes the split plan the library makes for that GPU, the
+//! kernel the host launches (the compile-time head_dim 128 one), that kernel's loop for
+//! the plan's tile size, and bounds the time of the launch by the slowest of:
+//!
+//! * DRAM: bytes moved ÷ peak bandwidth;
+//! * issue: on the busiest SM (`n = ceil(CTAs / SMs)` CTAs), `n × stages × warps ×
+//!   instructions per warp-stage ÷ 4` cycles (4 schedulers issue one warp-instruction a
+//!   cycle each);
+//! * pipes: MUFU 16 lanes/cycle/SM (0.5 warp-instructions), SHFL 32 lanes (1), shared
+//!   loads 128 B/cycle (an LDS.128 is 512 B: broadcasts are not credited);
+//! * dependent chain: a resident CTA finishes a stage no faster than its loop's
+//!   longest dependent chain, so `n × stages × chain ÷ r` cycles with `r = min(n,
+//!   resident capacity)` CTAs resident;
+//! * memory latency: each resident CTA keeps `STAGES - 1` stages in flight, so a stage
+//!   per `800 ns ÷ (STAGES - 1)` per CTA: `n × stages × 800 ns ÷ ((STAGES - 1) × r)`.
+//!
+//! With split-K the reduce follows: its partition loop runs serially per thread, a
+//! dependent chain of `chain` cycles per partition (global loads at 300 cycles, an L2
+//! hit: the partials were just written); launch overhead is listed apart, not added.
+//! The fraction of peak = bytes moved ÷ (decode + reduce time) ÷ peak.
+//!
+//! With `--enforce` it exits with status 1 when a bar of issue #29 is missed (at batch
+//! 64 / ctx 4096: f16 and bf16 ≥ 85% on H100 and H200, e4m3 ≥ 80% on H100 and ≥ 70% on
+//! H200; at batch 1 / ctx 32768, f16 ≥ 75% on H100 and H200; the reduce ≤ 3 µs).
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+
+use pagedkv::host::DType;
+use pagedkv::host::ops::attention::{
+    DecodeShape, SmLimits, decode_blocks_per_sm_at, decode_bytes, geometry, plan,
+};
+use pagedkv::kernels::kernels::attention::{STAGES, THREADS};
+
+/// A GPU of the model: name, architecture, SMs, sustained and boost clocks, DRAM peak.
+struct Gpu {
+    name: &'static str,
+    arch: &'static str,
+    sms: u32,
+    clock_ghz: f64,
+    boost_ghz: f64,
+    peak_tb_s: f64,
+    limits: SmLimits,
+}
+
+const GPUS: [Gpu; 3] = [
+    Gpu {
+        name: "A100 80GB SXM",
+        arch: "sm_80",
+        sms: 108,
+        clock_ghz: 1.41,
+        boost_ghz: 1.41,
+        peak_tb_s: 2.04,
+        limits: SmLimits::SM_80,
+    },
+    Gpu {
+        name: "H100 SXM",
+        arch: "sm_90",
+        sms: 132,
+        clock_ghz: 1.755,
+        boost_ghz: 1.98,
+        peak_tb_s: 3.35,
+        limits: SmLimits::SM_90,
+    },
+    Gpu {
+        name: "H200",
+        arch: "sm_90",
+        sms: 132,
+        clock_ghz: 1.755,
+        boost_ghz: 1.98,
+        peak_tb_s: 4.8,
+        limits: SmLimits::SM_90,
+    },
+];
+
+/// DRAM latency of the memory-latency bound.
+const DRAM_LATENCY_NS: f64 = 800.0;
+
+/// One `key=value` line of `decode-model.py`.
+type Loop = HashMap<String, String>;
+
+fn num(l: &Loop, k: &str) -> f64 {
+    l.get(k).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+}
+
+/// A modelled launch: the bounds in seconds and what limits it.
+struct Modelled {
+    plan: String,
+    resident: u32,
+    per_sm: u32,
+    instr_per_byte: f64,
+    bounds: Vec<(&'static str, f64)>,
+    reduce_s: f64,
+    bytes: u64,
+}
+
+impl Modelled {
+    fn decode_s(&self) -> f64 {
+        self.bounds.iter().map(|b| b.1).fold(0.0, f64::max)
+    }
+    fn limit(&self) -> &'static str {
+        self.bounds
+            .iter()
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map_or("?", |b| b.0)
+    }
+    fn fraction(&self, gpu: &Gpu) -> f64 {
+        self.bytes as f64 / (self.decode_s() + self.reduce_s) / (gpu.peak_tb_s * 1e12)
+    }
+}
+
+fn kernel_name(kv: DType) -> String {
+    match kv {
+        DType::F16 => "paged_decode_attention_f16_d128".into(),
+        DType::Bf16 => "paged_decode_attention_bf16_d128".into(),
+        k => format!("paged_decode_attention_f16_{k}_d128"),
+    }
+}
+
+fn model(
+    gpu: &Gpu,
+    kv: DType,
+    num_seqs: u32,
+    ctx: u32,
+    regs: &HashMap<(String, String), u32>,
+    loops: &[Loop],
+) -> Result<Modelled, String> {
+    let dtype = if kv == DType::Bf16 {
+        DType::Bf16
+    } else {
+        DType::F16
+    };
+    let shape = DecodeShape {
+        num_seqs,
+        num_q_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        num_blocks: 1 << 16,
+        max_blocks_per_seq: ctx.div_ceil(16),
+    };
+    let p = plan(&shape, kv, ctx, gpu.sms);
+    let name = kernel_name(kv);
+    let r = *regs
+        .get(&(gpu.arch.to_string(), name.clone()))
+        .ok_or_else(|| format!("no ptxas registers for {} {name}", gpu.arch))?;
+    let g = geometry(128, kv);
+    let bdz = g.token_groups(p.heads_per_block);
+    let per_group = g.stage_tokens / bdz;
+    let tile = if per_group == 1 {
+        1
+    } else if per_group >= 8 {
+        8
+    } else {
+        2
+    };
+    let lp = loops
+        .iter()
+        .find(|l| {
+            l.get("arch").map(String::as_str) == Some(gpu.arch)
+                && l.get("kernel") == Some(&name)
+                && l.get("modelled").map(String::as_str) == Some("yes")
+                && num(l, "tile") as u32 == tile
+        })
+        .ok_or_else(|| {
+            format!(
+                "no modelled stage loop of tile {tile} in {} {name}",
+                gpu.arch
+            )
+        })?;
+    // Per warp per stage; an inner tile loop runs per_group / tile times.
+    let trips = if lp.get("tile_loop").map(String::as_str) == Some("yes") {
+        (per_group / tile) as f64
+    } else {
+        1.0
+    };
+    let per = |k: &str| num(lp, &format!("stage_{k}")) + trips * num(lp, &format!("tile_{k}"));
+    let chain = num(lp, "stage_chain") + trips * num(lp, "tile_chain");
+    let warps = (THREADS / 32) as f64;
+    let stage_bytes = (4 * g.stage_words()) as f64;
+
+    let ctas = shape.num_kv_heads * p.head_chunks(&shape) * num_seqs * p.num_partitions;
+    let n = ctas.div_ceil(gpu.sms);
+    let cap = decode_blocks_per_sm_at(r, 128, kv, &gpu.limits);
+    let resident = n.min(cap).max(1);
+    let tokens = ctx.min(p.partition_tokens);
+    let stages = tokens.div_ceil(g.stage_tokens) as f64;
+    let hz = gpu.clock_ghz * 1e9;
+    let work = n as f64 * stages; // CTA-stages on the busiest SM
+    let lens = vec![ctx as i32; num_seqs as usize];
+    let bytes = decode_bytes(&shape, (dtype, kv), &lens, &p);
+    let bounds = vec![
+        ("DRAM", bytes as f64 / (gpu.peak_tb_s * 1e12)),
+        ("issue", work * warps * per("instr") / 4.0 / hz),
+        ("MUFU", work * warps * per("mufu") / 0.5 / hz),
+        ("SHFL", work * warps * per("shfl") / hz),
+        ("LDS", work * warps * per("lds_bytes") / 128.0 / hz),
+        ("chain", work * chain / resident as f64 / hz),
+        (
+            "latency",
+            work * DRAM_LATENCY_NS * 1e-9 / ((STAGES - 1) as f64 * resident as f64),
+        ),
+    ];
+    let reduce_s = if p.is_split() {
+        let rname = format!("paged_decode_reduce_{dtype}");
+        let rl = loops
+            .iter()
+            .find(|l| {
+                l.get("arch").map(String::as_str) == Some(gpu.arch)
+                    && l.get("kernel") == Some(&rname)
+            })
+            .ok_or_else(|| format!("no reduce loop for {} {rname}", gpu.arch))?;
+        p.num_partitions as f64 * num(rl, "iter_chain") / hz
+    } else {
+        0.0
+    };
+    Ok(Modelled {
+        plan: format!(
+            "{} heads/CTA, {} partition(s) of {}",
+            p.heads_per_block, p.num_partitions, p.partition_tokens
+        ),
+        resident,
+        per_sm: n,
+        instr_per_byte: warps * per("instr") / stage_bytes,
+        bounds,
+        reduce_s,
+        bytes,
+    })
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let enforce = args.iter().any(|a| a == "--enforce");
+    let files: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
+    let [report, loops_file] = files[..] else {
+        eprintln!("usage: decode_model REPORT LOOPS [--enforce]");
+        return ExitCode::from(2);
+    };
+    let read = |f: &str| std::fs::read_to_string(f).map_err(|e| format!("{f}: {e}"));
+    let (report, loops_text) = match (read(report), read(loops_file)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("decode_model: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // The ptxas table: | arch | kernel | registers | ...
+    let mut regs = HashMap::new();
+    for line in report.lines() {
+        let cols: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cols.len() > 4
+            && cols[1].starts_with("sm_")
+            && let Ok(r) = cols[3].parse::<u32>()
+        {
+            regs.insert((cols[1].to_string(), cols[2].to_string()), r);
+        }
+    }
+    let loops: Vec<Loop> = loops_text
+        .lines()
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        })
+        .collect();
+
+    println!(
+        "\n## Decode: modelled fraction of peak DRAM bandwidth (a model from the SASS, not a measurement)\n\n\
+         Written by `scripts/validate-ptx.sh` (`scripts/decode-model.py` reads each decode kernel's \
+         steady-state loop from the SASS; `examples/decode_model.rs` applies the bounds its docs \
+         define). Shapes: 32:8 heads, head_dim 128, block 16, q f16 (bf16 for the bf16 cache); \
+         the split plan is the library's for each GPU. Clocks: sustained {:.3} GHz on H100/H200, \
+         {:.2} GHz on A100; the boost column rescales the clock-bound time to {:.2} GHz. \
+         `instr/B`: issued warp-instructions per K/V byte in the loop; `limit`: the slowest bound. \
+         Bounds assume warp-uniform branches, 800 ns DRAM latency, {} stages ({} in flight).\n",
+        GPUS[1].clock_ghz,
+        GPUS[0].clock_ghz,
+        GPUS[1].boost_ghz,
+        STAGES,
+        STAGES - 1
+    );
+    println!(
+        "| shape | cache | GPU | plan | CTAs/SM (busiest, resident) | instr/B | DRAM µs | issue µs | chain µs | latency µs | MUFU/SHFL/LDS µs | reduce µs | limit | % of peak | % at boost |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut failures = Vec::new();
+    for (num_seqs, ctx) in [(64u32, 4096u32), (1, 32768)] {
+        for kv in [DType::F16, DType::Bf16, DType::E4m3] {
+            for gpu in &GPUS {
+                let m = match model(gpu, kv, num_seqs, ctx, &regs, &loops) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        println!(
+                            "| batch {num_seqs}, ctx {ctx} | {kv} | {} | not modelled: {e} |||||||||||",
+                            gpu.name
+                        );
+                        if gpu.arch == "sm_90" {
+                            failures.push(format!("{} {kv} batch {num_seqs}: {e}", gpu.name));
+                        }
+                        continue;
+                    }
+                };
+                let us = |s: f64| s * 1e6;
+                let b = |k: &str| m.bounds.iter().find(|b| b.0 == k).map_or(0.0, |b| b.1);
+                let frac = m.fraction(gpu);
+                // At boost, every clock-bound term shrinks; DRAM and latency do not.
+                let boost = {
+                    let f = gpu.clock_ghz / gpu.boost_ghz;
+                    let t = m
+                        .bounds
+                        .iter()
+                        .map(|(k, t)| {
+                            if matches!(*k, "DRAM" | "latency") {
+                                *t
+                            } else {
+                                t * f
+                            }
+                        })
+                        .fold(0.0, f64::max);
+                    m.bytes as f64 / (t + m.reduce_s * f) / (gpu.peak_tb_s * 1e12)
+                };
+                println!(
+                    "| batch {num_seqs}, ctx {ctx} | {kv} | {} | {} | {}, {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1}/{:.1}/{:.1} | {:.1} | {} | {:.0}% | {:.0}% |",
+                    gpu.name,
+                    m.plan,
+                    m.per_sm,
+                    m.resident,
+                    m.instr_per_byte,
+                    us(b("DRAM")),
+                    us(b("issue")),
+                    us(b("chain")),
+                    us(b("latency")),
+                    us(b("MUFU")),
+                    us(b("SHFL")),
+                    us(b("LDS")),
+                    us(m.reduce_s),
+                    m.limit(),
+                    100.0 * frac,
+                    100.0 * boost
+                );
+                let bar = match (num_seqs, kv, gpu.name) {
+                    (64, DType::F16 | DType::Bf16, "H100 SXM" | "H200") => Some(0.85),
+                    (64, DType::E4m3, "H100 SXM") => Some(0.80),
+                    (64, DType::E4m3, "H200") => Some(0.70),
+                    (1, DType::F16, "H100 SXM" | "H200") => Some(0.75),
+                    _ => None,
+                };
+                if let Some(bar) = bar
+                    && frac < bar
+                {
+                    failures.push(format!(
+                        "{} {kv} batch {num_seqs} ctx {ctx}: {:.0}% < {:.0}%",
+                        gpu.name,
+                        100.0 * frac,
+                        100.0 * bar
+                    ));
+                }
+                if m.reduce_s > 3e-6 && gpu.arch == "sm_90" {
+                    failures.push(format!(
+                        "{} {kv} batch {num_seqs}: reduce {:.1} µs > 3 µs",
+                        gpu.name,
+                        us(m.reduce_s)
+                    ));
+                }
+            }
+        }
+    }
+    println!();
+    if failures.is_empty() {
+        println!("Every bar of issue #29 holds in this model.");
+    } else {
+        println!("Bars of issue #29 this model misses:");
+        println!();
+        for f in &failures {
+            println!("- {f}");
+        }
+    }
+    if enforce && !failures.is_empty() {
+        eprintln!(
+            "decode_model: {} bar(s) missed (see ptx/resources.md)",
+            failures.len()
+        );
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}

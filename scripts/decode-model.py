@@ -1,0 +1,325 @@
+#!/usr/bin/env python3
+"""The steady-state loop of each decode kernel, read from its SASS (nvdisasm -c output).
+
+    decode-model.py ARCH FILE.sass      prints one `key=value` line per loop found
+
+For every `paged_decode_attention_*` and `paged_decode_reduce_*` entry point this builds
+the control-flow graph of the SASS (basic blocks, branch targets), its dominator tree
+and natural loops, and reports:
+
+* decode: each *stage loop* (the innermost loop holding the cp.async copies, LDGSTS, a
+  barrier and a wait) and the *tile loop* inside it if there is one (the loop with the
+  online-softmax exponentials), with per-iteration counts. The tile size is read from
+  the tile's MUFU.EX2 count (N scores + 1 rescale factor). `examples/decode_model.rs`
+  picks the loop a shape runs and turns the counts into the bounds of ptx/resources.md.
+* reduce: its partition loop.
+
+Counting rules (a static model, not a trace):
+* issued warp-instructions per iteration = the instructions on the longest path
+  through one iteration of the loop (header to a back edge, forward edges only):
+  predicated-off instructions count as issued, NOPs count, and at a branch the larger
+  side is taken. That bounds what a warp issues when its branches are warp-uniform (a
+  divergent warp issues both sides); `stage_all_instr` counts every block of the loop
+  for comparison. With an inner (tile) loop, the outer blocks are all counted and the
+  inner loop's count is multiplied by its trip count (supplied by the caller). Blocks
+  reached only through a branch out of the loop are not part of it.
+* the dependent chain is the longest path through one iteration's instructions in
+  address order over register (R, UR, P, UP) dependencies, with the latencies in
+  LATENCY below (published microbenchmark figures for Ampere/Hopper, rounded up). A
+  barrier waits for everything before it. Loop-carried dependencies and the latency
+  of the cp.async data itself (the memory-latency bound) are not in the chain.
+"""
+import re
+import sys
+from collections import defaultdict
+
+HEADER = re.compile(r"^//-+ \.text\.(\S+)\s+-+$", re.M)
+INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
+REG = re.compile(r"\b(U?R\d+|U?P\d+)(\.64)?\b")
+
+# Cycles from issue to a dependent instruction's issue (approximate, Ampere/Hopper).
+LATENCY = {
+    "MUFU": 18, "SHFL": 24, "LDS": 30, "LDSM": 30, "LDG": 300, "LD": 300,
+    "LDC": 12, "ULDC": 12, "HMMA": 32, "I2F": 6, "F2I": 6, "I2FP": 6, "F2F": 6,
+    "F2FP": 5, "HADD2": 5, "HFMA2": 5, "HMUL2": 5, "S2R": 20, "S2UR": 20,
+    "BAR": 20, "IMAD": 4,
+}
+DEFAULT_LATENCY = 4
+NO_DEST = ("ST", "STS", "STG", "LDGSTS", "BAR", "DEPBAR", "LDGDEPBAR", "BRA", "EXIT",
+           "BSSY", "BSYNC", "WARPSYNC", "NOP", "CALL", "RET", "BPT", "RED", "ATOM")
+
+
+class Instr:
+    def __init__(self, addr, text):
+        self.addr = addr
+        self.pred = bool(PRED.match(text))
+        body = PRED.sub("", text)
+        parts = body.split(None, 1)
+        self.op = parts[0]
+        self.base = self.op.split(".")[0]
+        self.args = parts[1] if len(parts) > 1 else ""
+        self.target = None
+        m = TARGET.search(self.args)
+        if m:
+            self.target = m.group(1)
+
+    def regs(self):
+        """(destinations, sources): register names, 64-bit and vector operands widened."""
+        ops = [o.strip() for o in self.args.split(",")]
+        width = 4 if ".128" in self.op else 2 if ".64" in self.op or ".WIDE" in self.op else 1
+        if self.base == "HMMA":
+            width = 4
+        if self.base == "LDSM":
+            width = 4 if ".X4" in self.op else 2 if ".X2" in self.op else 1
+
+        def expand(o, w):
+            out = []
+            for m in REG.finditer(o):
+                name, wide = m.group(1), m.group(2)
+                n = 2 if wide else w
+                if name.startswith(("R", "UR")) and name not in ("RZ", "URZ"):
+                    pre = "UR" if name.startswith("UR") else "R"
+                    k = int(name[len(pre):])
+                    out += [f"{pre}{k + i}" for i in range(n)]
+                elif name[-1].isdigit():
+                    out.append(name)
+            return out
+
+        if self.base in NO_DEST or self.base.startswith("ST"):
+            return [], sum((expand(o, 1) for o in ops), [])
+        dst = expand(ops[0], width) if ops else []
+        src = sum((expand(o, 1) for o in ops[1:]), [])
+        if self.pred:
+            src += dst  # a predicated write keeps the old value
+        return dst, src
+
+
+def sections(text):
+    heads = list(HEADER.finditer(text))
+    for i, h in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+        yield h.group(1), text[h.end():end].split("//--------------------- SYMBOLS", 1)[0]
+
+
+def parse(body):
+    instrs, labels = [], {}
+    pending = []
+    for line in body.splitlines():
+        m = LABEL.match(line.strip())
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = INSTR.match(line)
+        if m:
+            ins = Instr(int(m.group(1), 16), m.group(2))
+            for lb in pending:
+                labels[lb] = len(instrs)
+            pending = []
+            instrs.append(ins)
+    return instrs, labels
+
+
+def blocks_of(instrs, labels):
+    leaders = {0}
+    for i, ins in enumerate(instrs):
+        if ins.target is not None and ins.target in labels:
+            leaders.add(labels[ins.target])
+        if ins.base in ("BRA", "EXIT", "RET", "BPT") and i + 1 < len(instrs):
+            leaders.add(i + 1)
+    starts = sorted(leaders)
+    spans = [(s, (starts[k + 1] if k + 1 < len(starts) else len(instrs))) for k, s in enumerate(starts)]
+    index = {s: k for k, (s, _) in enumerate(spans)}
+    succ = defaultdict(set)
+    for k, (s, e) in enumerate(spans):
+        last = instrs[e - 1]
+        falls = k + 1 < len(spans)
+        if last.base == "BRA":
+            if last.target in labels:
+                succ[k].add(index[labels[last.target]])
+            falls = falls and last.pred
+        elif last.base in ("EXIT", "RET", "BPT") and not last.pred:
+            falls = False
+        if falls:
+            succ[k].add(k + 1)
+    return spans, succ
+
+
+def dominators(n, succ):
+    pred = defaultdict(set)
+    for u, vs in succ.items():
+        for v in vs:
+            pred[v].add(u)
+    full = set(range(n))
+    dom = [full.copy() for _ in range(n)]
+    dom[0] = {0}
+    changed = True
+    while changed:
+        changed = False
+        for v in range(1, n):
+            ps = [dom[p] for p in pred[v]]
+            new = (set.intersection(*ps) if ps else set()) | {v}
+            if new != dom[v]:
+                dom[v], changed = new, True
+    return dom, pred
+
+
+def natural_loops(n, succ):
+    dom, pred = dominators(n, succ)
+    loops = defaultdict(set)
+    for u, vs in succ.items():
+        for h in vs:
+            if h in dom[u]:  # back edge u -> h
+                body, stack = {h, u}, [u]
+                while stack:
+                    x = stack.pop()
+                    for p in pred[x]:
+                        if p not in body:
+                            body.add(p)
+                            stack.append(p)
+                loops[h] |= body
+    return loops
+
+
+def longest_path(blocks, succ, head, spans, instrs, weight):
+    """The most instructions (by `weight`) on a path through one iteration of the loop
+    `blocks` with header `head`: from the header along forward edges to a block with a
+    back edge to it. Returns (count, the blocks of that path)."""
+    order = sorted(blocks, key=lambda b: spans[b][0])
+    best = {head: (weight(head), [head])}
+    result = (0, [])
+    for b in order:
+        if b not in best:
+            continue
+        w, path = best[b]
+        for v in succ[b]:
+            if v == head:
+                result = max(result, (w, path))
+            elif v in blocks and spans[v][0] > spans[b][0]:
+                cand = (w + weight(v), path + [v])
+                if v not in best or cand[0] > best[v][0]:
+                    best[v] = cand
+    return result
+
+
+def chain(seq):
+    """Longest register-dependency path (cycles) through instructions in order."""
+    ready = {}
+    barrier = 0
+    longest = 0
+    for ins in seq:
+        dst, src = ins.regs()
+        start = max([barrier] + [ready.get(r, 0) for r in src])
+        done = start + LATENCY.get(ins.base, DEFAULT_LATENCY)
+        if ins.base == "BAR":
+            start = done = max(longest, start) + LATENCY["BAR"]
+            barrier = done
+        for r in dst:
+            ready[r] = done
+        longest = max(longest, done)
+    return longest
+
+
+def counts(seq):
+    c = defaultdict(int)
+    for ins in seq:
+        c["instr"] += 1
+        if ins.base == "LDGSTS":
+            c["ldgsts"] += 1
+        if ins.op == "MUFU.EX2":
+            c["ex2"] += 1
+        if ins.base == "MUFU":
+            c["mufu"] += 1
+        if ins.base == "SHFL":
+            c["shfl"] += 1
+        if ins.base == "LDS":
+            c["lds_bytes"] += 512 if ".128" in ins.op else 256 if ".64" in ins.op else 128
+        if ins.base == "LDSM":
+            c["lds_bytes"] += 512 if ".X4" in ins.op else 256 if ".X2" in ins.op else 128
+        if ins.base in ("FFMA", "FMUL", "FADD", "HFMA2", "HADD2", "HMUL2"):
+            c["fp"] += 1
+        if ins.base == "HMMA":
+            c["hmma"] += 1
+        if ins.base in ("BAR", "DEPBAR"):
+            c[ins.base.lower()] += 1
+        if ins.base == "NOP":
+            c["nop"] += 1
+    return c
+
+
+def fmt(prefix, c):
+    keys = ["instr", "ldgsts", "ex2", "mufu", "shfl", "lds_bytes", "fp", "hmma", "bar", "depbar", "nop"]
+    return " ".join(f"{prefix}{k}={c.get(k, 0)}" for k in keys)
+
+
+def analyse(name, body):
+    instrs, labels = parse(body)
+    spans, succ = blocks_of(instrs, labels)
+    loops = natural_loops(len(spans), succ)
+    seq_of = lambda blocks: [instrs[i] for b in sorted(blocks) for i in range(*spans[b])]
+    out = []
+    ordered = sorted(loops.items(), key=lambda kv: spans[kv[0]][0])
+    for h, body_blocks in ordered:
+        seq = seq_of(body_blocks)
+        ops = {i.base for i in seq}
+        inner = [(h2, b2) for h2, b2 in loops.items() if h2 != h and b2 < body_blocks]
+        if name.startswith("paged_decode_attention"):
+            if not {"LDGSTS", "BAR", "DEPBAR"} <= ops:
+                continue
+            # innermost such loop: no inner loop also holds the copies
+            if any({"LDGSTS", "BAR"} <= {i.base for i in seq_of(b2)} for _, b2 in inner):
+                continue
+            tiles = [(h2, b2) for h2, b2 in inner if "MUFU" in {i.base for i in seq_of(b2)}]
+            nested = [b2 for _, b2 in inner if not any(b2 <= t for _, t in tiles)]
+            if len(tiles) > 1 or nested:
+                out.append(f"kernel={name} loop_at={instrs[spans[h][0]].addr:#x} modelled=no "
+                           f"reason=inner_loops:{len(inner)}")
+                continue
+            tile_blocks = tiles[0][1] if tiles else set()
+            tile = seq_of(tile_blocks)
+            if tiles:
+                outer = seq_of(body_blocks - tile_blocks)
+            else:
+                # One iteration's longest path (a warp takes one side of a uniform
+                # branch); `all` counts every block.
+                size = lambda b: spans[b][1] - spans[b][0]
+                n_path, path = longest_path(body_blocks, succ, h, spans, instrs, size)
+                outer = seq_of(set(path))
+                out_all = len(seq_of(body_blocks))
+            c_out, c_tile = counts(outer), counts(tile)
+            n = (c_tile["ex2"] - 1) if tiles else (c_out["ex2"] - 1)
+            out.append(
+                f"kernel={name} loop_at={instrs[spans[h][0]].addr:#x} modelled=yes tile={n} "
+                f"tile_loop={'yes' if tiles else 'no'} "
+                f"stage_all_instr={out_all if not tiles else len(outer)} "
+                f"{fmt('stage_', c_out)} {fmt('tile_', c_tile)} "
+                f"stage_chain={chain(outer)} tile_chain={chain(tile)}")
+        elif name.startswith("paged_decode_reduce"):
+            if inner or not ({"LDG", "LD"} & ops):
+                continue
+            c = counts(seq)
+            loads = sum(1 for i in seq if i.base in ("LDG", "LD"))
+            out.append(f"kernel={name} loop_at={instrs[spans[h][0]].addr:#x} modelled=yes "
+                       f"{fmt('iter_', c)} iter_loads={loads} iter_chain={chain(seq)}")
+    if not out and name.startswith("paged_decode_reduce"):
+        c = counts(instrs)
+        out.append(f"kernel={name} loop_at=none modelled=yes {fmt('iter_', c)} "
+                   f"iter_loads={sum(1 for i in instrs if i.base in ('LDG', 'LD'))} "
+                   f"iter_chain={chain(instrs)}")
+    return out
+
+
+def main():
+    arch, path = sys.argv[1], sys.argv[2]
+    text = open(path, encoding="utf-8", errors="replace").read()
+    for name, body in sections(text):
+        if name.startswith(("paged_decode_attention", "paged_decode_reduce")):
+            for line in analyse(name, body):
+                print(f"arch={arch} {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
