@@ -174,6 +174,9 @@ pub struct CudaDevice {
     arch: &'static str,
     sm_count: u32,
     device_name: String,
+    /// The most dynamic shared memory a block may have on this device (the opt-in
+    /// limit, which every loaded kernel is set to allow).
+    max_dynamic_shared: u32,
 }
 
 impl CudaDevice {
@@ -245,11 +248,29 @@ impl CudaDevice {
         let loaded = ctx
             .load_module(Ptx::from_src(module.ptx))
             .map_err(cuda("cuModuleLoadData"))?;
+        // A launch with more than 48 KiB of dynamic shared memory (the tensor-core
+        // decode kernels: ~102 KiB at head_dim 128) fails unless the function opts in.
+        let max_dynamic_shared = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(cuda("cuDeviceGetAttribute"))?
+            .max(0) as u32;
         let mut funcs = HashMap::new();
         for name in entry_points(module.ptx) {
             let f = loaded
                 .load_function(name)
                 .map_err(cuda("cuModuleGetFunction"))?;
+            // No kernel has static shared memory; subtract it anyway.
+            let fixed = f
+                .shared_size_bytes()
+                .map_err(cuda("cuFuncGetAttribute"))?
+                .max(0);
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                (max_dynamic_shared as i32 - fixed).max(0),
+            )
+            .map_err(cuda("cuFuncSetAttribute"))?;
             funcs.insert(name, f);
         }
         let sm_count = ctx
@@ -261,6 +282,7 @@ impl CudaDevice {
             arch: module.arch,
             sm_count,
             device_name,
+            max_dynamic_shared,
         })
     }
 
@@ -381,6 +403,15 @@ impl CudaDevice {
             .funcs
             .get(K::NAME)
             .ok_or_else(|| Error::InvalidState(format!("kernel {} is not loaded", K::NAME)))?;
+        if cfg.shared_bytes > self.max_dynamic_shared {
+            return Err(Error::UnsupportedDevice(format!(
+                "{} needs {} bytes of shared memory per block; {} allows {}",
+                K::NAME,
+                cfg.shared_bytes,
+                self.device_name,
+                self.max_dynamic_shared
+            )));
+        }
         let p = KernelParams(params);
         let mut b = self.stream.launch_builder(f);
         b.arg(&p);
