@@ -290,9 +290,19 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaDevice) {
         (DType::F16, Some(DType::E4m3)),
     ] {
         let geo_dtype = kv.unwrap_or(dtype);
-        let smem = pagedkv::host::ops::attention::geometry(128, geo_dtype).shared_bytes();
         let suffix = kv.map_or(String::new(), |k| format!("_{k}"));
-        for geo in ["", "_d128"] {
+        // Block size 16 launches the `_d128` kernel, 32 the runtime-geometry one.
+        for (geo, block_size) in [("", 32), ("_d128", 16)] {
+            let shape = pagedkv::host::ops::attention::DecodeShape {
+                num_seqs: 1,
+                num_q_heads: 32,
+                num_kv_heads: 8,
+                head_dim: 128,
+                block_size,
+                num_blocks: 1024,
+                max_blocks_per_seq: 64,
+            };
+            let smem = pagedkv::host::ops::attention::decode_kernel(&shape, geo_dtype).shared_bytes;
             let name = format!("paged_decode_attention_{dtype}{suffix}{geo}");
             let row = match gpu.kernel_info(&name, 128, smem) {
                 Ok(k) => format!("| {name} | {} | {} |\n", k.registers, k.blocks_per_sm),

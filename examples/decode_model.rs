@@ -12,8 +12,10 @@
 //!
 //! Everything here is a model, not a measurement (no GPU has run these kernels). Per
 //! shape, GPU and cache type it takes the split plan the library makes for that GPU, the
-//! kernel the host launches (the compile-time head_dim 128 one), that kernel's loop for
-//! the plan's tile size, and bounds the time of the launch by the slowest of:
+//! kernel the host launches (`decode_kernel`: the tensor-core head_dim 128 kernel for an
+//! f16 / bf16 cache, the CUDA-core one for fp8), that kernel's stage loop (for the
+//! CUDA-core kernel, the loop of the plan's tile size), and bounds the time of the
+//! launch by the slowest of:
 //!
 //! * DRAM: bytes moved ÷ peak bandwidth;
 //! * issue: on the busiest SM (`n = ceil(CTAs / SMs)` CTAs), `n × stages × warps ×
@@ -24,8 +26,9 @@
 //! * dependent chain: a resident CTA finishes a stage no faster than its loop's
 //!   longest dependent chain, so `n × stages × chain ÷ r` cycles with `r = min(n,
 //!   resident capacity)` CTAs resident;
-//! * memory latency: each resident CTA keeps `STAGES - 1` stages in flight, so a stage
-//!   per `800 ns ÷ (STAGES - 1)` per CTA: `n × stages × 800 ns ÷ ((STAGES - 1) × r)`.
+//! * memory latency: each resident CTA keeps `f` stages in flight (the kernel's
+//!   `stages_in_flight`), so a stage per `800 ns ÷ f` per CTA: `n × stages × 800 ns ÷
+//!   (f × r)`.
 //!
 //! With split-K the reduce follows: its partition loop runs serially per thread, a
 //! dependent chain of `chain` cycles per partition (global loads at 300 cycles, an L2
@@ -41,9 +44,9 @@ use std::process::ExitCode;
 
 use pagedkv::host::DType;
 use pagedkv::host::ops::attention::{
-    DecodeShape, SmLimits, decode_blocks_per_sm_at, decode_bytes, geometry, plan,
+    DecodeShape, SmLimits, decode_blocks_per_sm_at, decode_bytes, decode_kernel, geometry, plan,
 };
-use pagedkv::kernels::kernels::attention::{STAGES, THREADS};
+use pagedkv::kernels::kernels::attention::{MMA_STAGES, STAGES, THREADS};
 
 /// A GPU of the model: name, architecture, SMs, sustained and boost clocks, DRAM peak.
 struct Gpu {
@@ -157,15 +160,22 @@ fn model(
     let r = *regs
         .get(&(gpu.arch.to_string(), name.clone()))
         .ok_or_else(|| format!("no ptxas registers for {} {name}", gpu.arch))?;
-    let g = geometry(128, kv);
-    let bdz = g.token_groups(p.heads_per_block);
-    let per_group = g.stage_tokens / bdz;
-    let tile = if per_group == 1 {
-        1
-    } else if per_group >= 8 {
-        8
+    let k = decode_kernel(&shape, kv);
+    // The loop a block runs: the tensor-core kernel's one stage loop (each warp a quarter
+    // of every stage), or the CUDA-core kernel's loop for the plan's tile size.
+    let (kind, tile, per_group) = if k.tensor_cores {
+        ("mma", 0, k.stage_tokens)
     } else {
-        2
+        let g = geometry(128, kv);
+        let per_group = g.stage_tokens / g.token_groups(p.heads_per_block);
+        let tile = if per_group == 1 {
+            1
+        } else if per_group >= 8 {
+            8
+        } else {
+            2
+        };
+        ("simt", tile, per_group)
     };
     let lp = loops
         .iter()
@@ -173,11 +183,12 @@ fn model(
             l.get("arch").map(String::as_str) == Some(gpu.arch)
                 && l.get("kernel") == Some(&name)
                 && l.get("modelled").map(String::as_str) == Some("yes")
+                && l.get("kind").map(String::as_str) == Some(kind)
                 && num(l, "tile") as u32 == tile
         })
         .ok_or_else(|| {
             format!(
-                "no modelled stage loop of tile {tile} in {} {name}",
+                "no modelled {kind} stage loop of tile {tile} in {} {name}",
                 gpu.arch
             )
         })?;
@@ -190,14 +201,14 @@ fn model(
     let per = |k: &str| num(lp, &format!("stage_{k}")) + trips * num(lp, &format!("tile_{k}"));
     let chain = num(lp, "stage_chain") + trips * num(lp, "tile_chain");
     let warps = (THREADS / 32) as f64;
-    let stage_bytes = (4 * g.stage_words()) as f64;
+    let stage_bytes = k.stage_bytes as f64;
 
     let ctas = shape.num_kv_heads * p.head_chunks(&shape) * num_seqs * p.num_partitions;
     let n = ctas.div_ceil(gpu.sms);
-    let cap = decode_blocks_per_sm_at(r, 128, kv, &gpu.limits);
+    let cap = decode_blocks_per_sm_at(r, &k, &gpu.limits);
     let resident = n.min(cap).max(1);
     let tokens = ctx.min(p.partition_tokens);
-    let stages = tokens.div_ceil(g.stage_tokens) as f64;
+    let stages = tokens.div_ceil(k.stage_tokens) as f64;
     let hz = gpu.clock_ghz * 1e9;
     let work = n as f64 * stages; // CTA-stages on the busiest SM
     let lens = vec![ctx as i32; num_seqs as usize];
@@ -211,7 +222,7 @@ fn model(
         ("chain", work * chain / resident as f64 / hz),
         (
             "latency",
-            work * DRAM_LATENCY_NS * 1e-9 / ((STAGES - 1) as f64 * resident as f64),
+            work * DRAM_LATENCY_NS * 1e-9 / (k.stages_in_flight as f64 * resident as f64),
         ),
     ];
     let reduce_s = if p.is_split() {
@@ -286,12 +297,13 @@ fn main() -> ExitCode {
          the split plan is the library's for each GPU. Clocks: sustained {:.3} GHz on H100/H200, \
          {:.2} GHz on A100; the boost column rescales the clock-bound time to {:.2} GHz. \
          `instr/B`: issued warp-instructions per K/V byte in the loop; `limit`: the slowest bound. \
-         Bounds assume warp-uniform branches, 800 ns DRAM latency, {} stages ({} in flight).\n",
+         Bounds assume warp-uniform branches, 800 ns DRAM latency, {} stages in flight on CUDA \
+         cores and {} on tensor cores.\n",
         GPUS[1].clock_ghz,
         GPUS[0].clock_ghz,
         GPUS[1].boost_ghz,
-        STAGES,
-        STAGES - 1
+        STAGES - 1,
+        MMA_STAGES - 1
     );
     println!(
         "| shape | cache | GPU | plan | CTAs/SM (busiest, resident) | instr/B | DRAM µs | issue µs | chain µs | latency µs | MUFU/SHFL/LDS µs | reduce µs | limit | % of peak | % at boost |"

@@ -9,8 +9,8 @@ and natural loops, and reports:
 
 * decode: each *stage loop* (the innermost loop holding the cp.async copies, LDGSTS, a
   barrier and a wait) and the *tile loop* inside it if there is one (the loop with the
-  online-softmax exponentials), with per-iteration counts. The tile size is read from
-  the tile's MUFU.EX2 count (N scores + 1 rescale factor). `examples/decode_model.rs`
+  online-softmax exponentials), with per-iteration counts. The tile size of a CUDA-core
+  loop is read from the tile's MUFU.EX2 count (N scores + 1 rescale factor). `examples/decode_model.rs`
   picks the loop a shape runs and turns the counts into the bounds of ptx/resources.md.
 * reduce: its partition loop.
 
@@ -52,6 +52,13 @@ NO_DEST = ("ST", "STS", "STG", "LDGSTS", "BAR", "DEPBAR", "LDGDEPBAR", "BRA", "E
            "BSSY", "BSYNC", "WARPSYNC", "NOP", "CALL", "RET", "BPT", "RED", "ATOM")
 
 
+def ldsm_matrices(op):
+    """The 8x8 matrices an LDSM loads (`LDSM.16.M88.4`, `LDSM.16.MT88.2`: the last
+    field), 128 bytes and one destination register each."""
+    last = op.rsplit(".", 1)[-1]
+    return int(last) if last in ("1", "2", "4") else 1
+
+
 class Instr:
     def __init__(self, addr, text):
         self.addr = addr
@@ -73,7 +80,7 @@ class Instr:
         if self.base == "HMMA":
             width = 4
         if self.base == "LDSM":
-            width = 4 if ".X4" in self.op else 2 if ".X2" in self.op else 1
+            width = ldsm_matrices(self.op)
 
         def expand(o, w):
             out = []
@@ -237,7 +244,7 @@ def counts(seq):
         if ins.base == "LDS":
             c["lds_bytes"] += 512 if ".128" in ins.op else 256 if ".64" in ins.op else 128
         if ins.base == "LDSM":
-            c["lds_bytes"] += 512 if ".X4" in ins.op else 256 if ".X2" in ins.op else 128
+            c["lds_bytes"] += 128 * ldsm_matrices(ins.op)
         if ins.base in ("FFMA", "FMUL", "FADD", "HFMA2", "HADD2", "HMUL2"):
             c["fp"] += 1
         if ins.base == "HMMA":
@@ -289,9 +296,12 @@ def analyse(name, body):
                 outer = seq_of(set(path))
                 out_all = len(seq_of(body_blocks))
             c_out, c_tile = counts(outer), counts(tile)
-            n = (c_tile["ex2"] - 1) if tiles else (c_out["ex2"] - 1)
+            # A tensor-core loop (HMMA) serves a whole stage per iteration: no tile.
+            mma = c_out["hmma"] + c_tile["hmma"] > 0
+            n = 0 if mma else (c_tile["ex2"] - 1) if tiles else (c_out["ex2"] - 1)
             out.append(
-                f"kernel={name} loop_at={instrs[spans[h][0]].addr:#x} modelled=yes tile={n} "
+                f"kernel={name} loop_at={instrs[spans[h][0]].addr:#x} modelled=yes "
+                f"kind={'mma' if mma else 'simt'} tile={n} "
                 f"tile_loop={'yes' if tiles else 'no'} "
                 f"stage_all_instr={out_all if not tiles else len(outer)} "
                 f"{fmt('stage_', c_out)} {fmt('tile_', c_tile)} "

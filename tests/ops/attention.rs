@@ -115,7 +115,7 @@ fn check_case(p: Params) -> Result<(), TestCaseError> {
     prop_assert_eq!(unsplit.num_partitions, 1);
     if p.narrow_heads {
         unsplit.heads_per_block =
-            1.max(max_heads_per_block(p.head_dim, p.dtype).min(c.shape.group()) / 2);
+            1.max(max_heads_per_block(&c.shape, p.dtype).min(c.shape.group()) / 2);
     }
     let got = run(
         &c,

@@ -214,12 +214,25 @@ fn the_pipeline_model_keeps_32_kib_in_flight_per_sm_at_the_flagship_shape() {
     use pagedkv::host::ops::attention::{
         SmLimits, decode_blocks_per_sm, decode_bytes_in_flight_per_sm,
     };
-    // Batch 64, context 4096, 32:8 heads, head_dim 128, f16, block 16: no split, so the
-    // pipeline alone must keep the SMs' loads in flight (a model, not a measurement).
-    for sm in [SmLimits::SM_80, SmLimits::SM_90] {
-        let blocks = decode_blocks_per_sm(128, DType::F16, &sm);
-        let bytes = decode_bytes_in_flight_per_sm(128, DType::F16, &sm);
-        assert!(blocks >= 2, "{sm:?}: {blocks} blocks per SM");
-        assert!(bytes >= 32 * 1024, "{sm:?}: {bytes} bytes in flight per SM");
+    // Batch 64, context 4096, 32:8 heads, head_dim 128, block 16: no split, so the
+    // pipeline alone must keep the SMs' loads in flight (a model, not a measurement):
+    // the tensor-core kernel (f16), the CUDA-core one (fp8, and head_dim 96).
+    let shape = |head_dim| DecodeShape {
+        num_seqs: 64,
+        num_q_heads: 32,
+        num_kv_heads: 8,
+        head_dim,
+        block_size: 16,
+        num_blocks: 1 << 16,
+        max_blocks_per_seq: 256,
+    };
+    for (head_dim, dtype) in [(128, DType::F16), (128, DType::E4m3), (96, DType::F16)] {
+        for sm in [SmLimits::SM_80, SmLimits::SM_90] {
+            let blocks = decode_blocks_per_sm(&shape(head_dim), dtype, &sm);
+            let bytes = decode_bytes_in_flight_per_sm(&shape(head_dim), dtype, &sm);
+            let what = format!("{dtype} head_dim {head_dim} {sm:?}");
+            assert!(blocks >= 1, "{what}: {blocks} blocks per SM");
+            assert!(bytes >= 32 * 1024, "{what}: {bytes} bytes in flight per SM");
+        }
     }
 }

@@ -182,6 +182,38 @@ fn decode_all(a: &Arch) -> Outcome {
             ));
         }
     }
+    // The tensor-core kernels past their prologue: contexts of several 64-token
+    // stages, so the steady-state loop looks up and copies every block of a stage,
+    // with a window that starts mid-stage, soft-cap and ALiBi at once.
+    for (i, (dtype, head_dim)) in [
+        (DType::F16, 128),
+        (DType::Bf16, 64),
+        (DType::Bf16, 128),
+        (DType::F16, 64),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        cases.push((
+            Params {
+                dtype,
+                head_dim,
+                block_size: FIXED_BLOCK_SIZE,
+                num_kv_heads: 1,
+                group: 4,
+                batch: 2,
+                max_len: 500,
+                window: Some(300),
+                softcap: Some(12.0),
+                alibi: true,
+                partition: Some(128),
+                narrow_heads: false,
+                seed: 300 + i as u64,
+                full_length: false,
+            },
+            None,
+        ));
+    }
     for (p, cache) in cases {
         let mut c = build(&p);
         if let Some(cache) = cache {
@@ -406,7 +438,8 @@ fn every_entry_point(arch: usize) {
         a.module.target()
     );
     // The basic-block coverage. Every loop is entered (its first block runs); in
-    // copy_blocks, kv_append and the reduce every block of every loop runs. Decode and
+    // copy_blocks, kv_append, the reduce and the tensor-core decode kernels every block
+    // of every loop runs. Decode and
     // prefill keep loop blocks no launch can reach: e.g. the V branch of a thread's
     // first copy piece, which the geometry always makes a K piece (the compiler
     // cannot see that); they are listed, not asserted.
@@ -428,7 +461,8 @@ fn every_entry_point(arch: usize) {
         );
         let strict = c.kernel.starts_with("copy_blocks")
             || c.kernel.starts_with("kv_append")
-            || c.kernel.starts_with("paged_decode_reduce");
+            || c.kernel.starts_with("paged_decode_reduce")
+            || crate::ptx::tensor_core_decode(&c.kernel);
         let headers: Vec<u32> = c
             .missed_in_loops
             .iter()

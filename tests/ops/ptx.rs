@@ -104,14 +104,25 @@ fn decode_streams_k_and_v_through_the_cp_async_pipeline() {
             for suffix in ["", "_d64", "_d128", "_d256"] {
                 let name = format!("paged_decode_attention_{t}{suffix}");
                 let body = entry_body(m.ptx, &name);
-                for want in [
+                let wants: Vec<String> = if tensor_core_decode(&name) {
+                    vec![
+                        format!("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"),
+                        "ldmatrix.sync.aligned.m8n8.x4.shared.b16".into(),
+                        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16".into(),
+                        "cp.async.wait_group 1".into(),
+                    ]
+                } else {
+                    vec![
+                        "cp.async.wait_group 2".into(),
+                        "ld.shared.v4.u32".into(),
+                        "fma.rn.f32".into(),
+                    ]
+                };
+                for want in wants.iter().map(String::as_str).chain([
                     "cp.async.cg.shared.global",
                     "cp.async.commit_group",
-                    "cp.async.wait_group 2",
-                    "ld.shared.v4.u32",
-                    "fma.rn.f32",
                     "ex2.approx.ftz.f32",
-                ] {
+                ]) {
                     assert!(body.contains(want), "{} {name}: no `{want}`", m.arch);
                 }
                 // K and V come only through cp.async: no 16-byte global load is left.
@@ -120,9 +131,26 @@ fn decode_streams_k_and_v_through_the_cp_async_pipeline() {
                     "{} {name}: K/V read with a plain global load",
                     m.arch
                 );
+                // No stack frame: every fragment and capture stays in registers.
+                assert!(!body.contains(".local"), "{} {name}: a stack frame", m.arch);
             }
         }
     }
+}
+
+/// Whether decode entry point `name` is a tensor-core kernel: an f16 or bf16 cache
+/// (no fp8 suffix) at a head_dim of `MMA_HEAD_DIMS`, as the host's `decode_kernel`.
+pub(crate) fn tensor_core_decode(name: &str) -> bool {
+    use pagedkv::kernels::kernels::attention::MMA_HEAD_DIMS;
+    let rest = name.trim_start_matches("paged_decode_attention_");
+    let mut parts = rest.split('_');
+    let q = parts.next().unwrap_or("");
+    let tail: Vec<&str> = parts.collect();
+    matches!(q, "f16" | "bf16")
+        && match tail.as_slice() {
+            [d] => MMA_HEAD_DIMS.iter().any(|h| *d == format!("d{h}")),
+            _ => false,
+        }
 }
 
 #[test]
@@ -146,7 +174,9 @@ fn prefill_runs_on_tensor_cores_with_k_and_v_through_cp_async() {
 
 #[test]
 fn the_planners_register_count_bounds_every_decode_kernel() {
-    use pagedkv::host::ops::attention::{DECODE_REGISTERS, DECODE_REGISTERS_FP8};
+    use pagedkv::host::ops::attention::{
+        DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA,
+    };
     let report = include_str!("../../ptx/resources.md");
     // The ptxas table comes first; the SASS and occupancy tables follow it.
     let ptxas = report.split("\n## ").next().unwrap();
@@ -158,7 +188,9 @@ fn the_planners_register_count_bounds_every_decode_kernel() {
         let cols: Vec<&str> = line.split('|').map(str::trim).collect();
         let regs: u32 = cols[3].parse().unwrap();
         let fp8 = cols[2].contains("_e4m3") || cols[2].contains("_e5m2");
-        let bound = if fp8 {
+        let bound = if tensor_core_decode(cols[2]) {
+            DECODE_REGISTERS_MMA
+        } else if fp8 {
             DECODE_REGISTERS_FP8
         } else {
             DECODE_REGISTERS

@@ -47,11 +47,11 @@ mod plan;
 pub use emulated::decode_emulated;
 pub use pagedkv_kernels::kernels::attention::TILE_TOKENS;
 pub use plan::{
-    DECODE_REGISTERS, DECODE_REGISTERS_FP8, MIN_PARTITION_TOKENS, SmLimits, SplitPlan,
-    TARGET_BYTES_IN_FLIGHT_PER_SM, decode_blocks_per_sm, decode_blocks_per_sm_at,
-    decode_blocks_wanted_per_sm, decode_bytes_in_flight, decode_bytes_in_flight_per_sm,
-    decode_launch_config, decode_registers, geometry, max_heads_per_block, plan, plan_unsplit,
-    reduce_launch_config, validate_plan,
+    DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA, DecodeKernel,
+    MIN_PARTITION_TOKENS, SmLimits, SplitPlan, TARGET_BYTES_IN_FLIGHT_PER_SM, decode_blocks_per_sm,
+    decode_blocks_per_sm_at, decode_blocks_wanted_per_sm, decode_bytes_in_flight,
+    decode_bytes_in_flight_per_sm, decode_kernel, decode_launch_config, decode_registers, geometry,
+    max_heads_per_block, plan, plan_unsplit, reduce_launch_config, validate_plan,
 };
 
 use pagedkv_kernels::PagedLayout;

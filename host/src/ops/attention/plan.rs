@@ -4,7 +4,8 @@
 
 use pagedkv_kernels::Dim3;
 use pagedkv_kernels::kernels::attention::{
-    DecodeGeometry, REDUCE_THREADS, STAGE_BYTES, STAGES, THREADS, TILE_TOKENS,
+    DecodeGeometry, MMA_HEAD_DIMS, MMA_MAX_HEADS, MMA_STAGE_TOKENS, MMA_STAGES, REDUCE_THREADS,
+    STAGE_BYTES, STAGES, THREADS, TILE_TOKENS, fixed_head_dim, mma_shared_bytes,
 };
 
 use super::DecodeShape;
@@ -48,21 +49,72 @@ pub fn geometry(head_dim: u32, dtype: DType) -> DecodeGeometry {
     DecodeGeometry::new(head_dim, dtype.per_v4())
 }
 
-/// The most query heads one block can serve for this head_dim and dtype.
-pub fn max_heads_per_block(head_dim: u32, dtype: DType) -> u32 {
-    geometry(head_dim, dtype).max_heads().max(1)
+/// What the host needs to know of the decode kernel it launches for a shape and a
+/// cache of `dtype` (the CUDA-core kernel, or the tensor-core one for an f16 / bf16
+/// cache at head_dim 64 or 128, block size 16: see `PagedDecode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeKernel {
+    /// Whether it runs on tensor cores.
+    pub tensor_cores: bool,
+    /// The most query heads one block serves.
+    pub max_heads: u32,
+    /// Dynamic shared memory per block, bytes.
+    pub shared_bytes: u32,
+    /// Tokens of one pipeline stage.
+    pub stage_tokens: u32,
+    /// Bytes of K and V one pipeline stage holds.
+    pub stage_bytes: u32,
+    /// Stages in flight while the block computes on one.
+    pub stages_in_flight: u32,
+    /// Registers per thread the planner assumes (at least ptxas's count for every
+    /// such entry point, checked by `tests/ops/ptx.rs`).
+    pub registers: u32,
 }
 
-/// Registers per thread the decode kernels may use: at least what ptxas reports for
-/// every decode entry point on every architecture (`ptx/resources.md`; a test in
-/// `tests/ops/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
+/// The decode kernel the host launches for `shape` and a cache of `dtype`.
+pub fn decode_kernel(shape: &DecodeShape, dtype: DType) -> DecodeKernel {
+    let d = fixed_head_dim(&shape.layout());
+    if matches!(dtype, DType::F16 | DType::Bf16) && MMA_HEAD_DIMS.contains(&d) {
+        return DecodeKernel {
+            tensor_cores: true,
+            max_heads: MMA_MAX_HEADS,
+            shared_bytes: mma_shared_bytes(d),
+            stage_tokens: MMA_STAGE_TOKENS,
+            stage_bytes: 2 * MMA_STAGE_TOKENS * d * 2,
+            stages_in_flight: MMA_STAGES - 1,
+            registers: DECODE_REGISTERS_MMA,
+        };
+    }
+    let g = geometry(shape.head_dim, dtype);
+    DecodeKernel {
+        tensor_cores: false,
+        max_heads: g.max_heads().max(1),
+        shared_bytes: g.shared_bytes(),
+        stage_tokens: g.stage_tokens,
+        stage_bytes: 4 * g.stage_words(),
+        stages_in_flight: STAGES - 1,
+        registers: decode_registers(dtype),
+    }
+}
+
+/// The most query heads one block can serve for this shape and cache type.
+pub fn max_heads_per_block(shape: &DecodeShape, dtype: DType) -> u32 {
+    decode_kernel(shape, dtype).max_heads
+}
+
+/// Registers per thread the CUDA-core decode kernels may use: at least what ptxas
+/// reports for every such entry point on every architecture (`ptx/resources.md`; a test
+/// in `tests/ops/ptx.rs` fails if a kernel outgrows it), so occupancy computed from it is
 /// never optimistic.
 pub const DECODE_REGISTERS: u32 = 96;
 /// As [`DECODE_REGISTERS`], for the decode kernels over an fp8 cache (16 q and 16
 /// accumulator registers a thread, and the conversions).
 pub const DECODE_REGISTERS_FP8: u32 = 128;
+/// As [`DECODE_REGISTERS`], for the tensor-core decode kernels (Q's A fragments and
+/// the output fragments stay in registers: 96 of them at head_dim 128).
+pub const DECODE_REGISTERS_MMA: u32 = 208;
 
-/// The register bound of the decode kernel over a cache of `dtype`.
+/// The register bound of the CUDA-core decode kernel over a cache of `dtype`.
 pub const fn decode_registers(dtype: DType) -> u32 {
     if dtype.is_fp8() {
         DECODE_REGISTERS_FP8
@@ -103,35 +155,37 @@ impl SmLimits {
 }
 
 /// Blocks of the decode kernel one SM runs at once (the least of what registers,
-/// threads, shared memory and the block limit allow), with [`decode_registers`].
-pub fn decode_blocks_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
-    decode_blocks_per_sm_at(decode_registers(dtype), head_dim, dtype, sm)
+/// threads, shared memory and the block limit allow), with the kernel's register bound.
+pub fn decode_blocks_per_sm(shape: &DecodeShape, dtype: DType, sm: &SmLimits) -> u32 {
+    let k = decode_kernel(shape, dtype);
+    decode_blocks_per_sm_at(k.registers, &k, sm)
 }
 
-/// [`decode_blocks_per_sm`] for a kernel of `registers` registers per thread (what
+/// [`decode_blocks_per_sm`] for kernel `k` at `registers` registers per thread (what
 /// ptxas reports for one entry point).
-pub fn decode_blocks_per_sm_at(registers: u32, head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
+pub fn decode_blocks_per_sm_at(registers: u32, k: &DecodeKernel, sm: &SmLimits) -> u32 {
     // Registers are allocated per warp in units of 256.
     let warp_regs = (registers.max(1) * 32).next_multiple_of(256);
     let by_regs = sm.registers / warp_regs / (THREADS / 32);
     let by_threads = sm.threads / THREADS;
-    let smem = geometry(head_dim, dtype).shared_bytes() + sm.reserved_shared_per_block;
-    let by_smem = sm.shared_bytes / smem;
+    let by_smem = sm.shared_bytes / (k.shared_bytes + sm.reserved_shared_per_block);
     by_regs.min(by_threads).min(by_smem).min(sm.blocks).max(1)
 }
 
-/// Bytes of K and V in flight per SM when every resident block has its `STAGES - 1`
-/// stages in flight: `blocks_per_sm * (STAGES - 1) * stage bytes`. A model of the
-/// pipeline's memory-level parallelism, not a measurement.
-pub fn decode_bytes_in_flight_per_sm(head_dim: u32, dtype: DType, sm: &SmLimits) -> u32 {
-    decode_bytes_in_flight(decode_blocks_per_sm(head_dim, dtype, sm), head_dim, dtype)
+/// Bytes of K and V in flight per SM when every resident block has its stages in
+/// flight: `blocks_per_sm * stages_in_flight * stage bytes`. A model of the pipeline's
+/// memory-level parallelism, not a measurement.
+pub fn decode_bytes_in_flight_per_sm(shape: &DecodeShape, dtype: DType, sm: &SmLimits) -> u32 {
+    decode_bytes_in_flight(
+        decode_blocks_per_sm(shape, dtype, sm),
+        &decode_kernel(shape, dtype),
+    )
 }
 
-/// Bytes of K and V in flight on an SM running `blocks` decode blocks (a model).
-pub fn decode_bytes_in_flight(blocks: u32, head_dim: u32, dtype: DType) -> u32 {
-    let stage = 4 * geometry(head_dim, dtype).stage_words();
-    debug_assert!(stage <= STAGE_BYTES);
-    blocks * (STAGES - 1) * stage
+/// Bytes of K and V in flight on an SM running `blocks` blocks of kernel `k` (a model).
+pub fn decode_bytes_in_flight(blocks: u32, k: &DecodeKernel) -> u32 {
+    debug_assert!(k.tensor_cores || k.stage_bytes <= STAGE_BYTES);
+    blocks * k.stages_in_flight * k.stage_bytes
 }
 
 /// Bytes in flight per SM the planner aims for: by Little's law, bandwidth x latency /
@@ -141,11 +195,12 @@ pub const TARGET_BYTES_IN_FLIGHT_PER_SM: u32 = 40 * 1024;
 /// Decode blocks each SM should run for the pipeline to keep
 /// [`TARGET_BYTES_IN_FLIGHT_PER_SM`] in flight (at most what fits, with sm_80's limits,
 /// the smallest of the supported architectures).
-pub fn decode_blocks_wanted_per_sm(head_dim: u32, dtype: DType) -> u32 {
-    let per_block = (STAGES - 1) * 4 * geometry(head_dim, dtype).stage_words();
+pub fn decode_blocks_wanted_per_sm(shape: &DecodeShape, dtype: DType) -> u32 {
+    let k = decode_kernel(shape, dtype);
+    let per_block = k.stages_in_flight * k.stage_bytes;
     TARGET_BYTES_IN_FLIGHT_PER_SM
         .div_ceil(per_block)
-        .min(decode_blocks_per_sm(head_dim, dtype, &SmLimits::SM_80))
+        .min(decode_blocks_per_sm(shape, dtype, &SmLimits::SM_80))
 }
 
 /// Plans a launch: as many query heads per block as fit (so K/V is read once per
@@ -156,7 +211,7 @@ pub fn decode_blocks_wanted_per_sm(head_dim: u32, dtype: DType) -> u32 {
 pub fn plan(shape: &DecodeShape, dtype: DType, max_context_len: u32, sm_count: u32) -> SplitPlan {
     let mut p = plan_unsplit(shape, dtype, max_context_len);
     let blocks = shape.num_seqs as u64 * shape.num_kv_heads as u64 * p.head_chunks(shape) as u64;
-    let per_sm = decode_blocks_wanted_per_sm(shape.head_dim, dtype);
+    let per_sm = decode_blocks_wanted_per_sm(shape, dtype);
     let target = per_sm as u64 * sm_count.max(1) as u64;
     if blocks >= target {
         return p;
@@ -178,9 +233,7 @@ pub fn plan(shape: &DecodeShape, dtype: DType, max_context_len: u32, sm_count: u
 /// covering `max_context_len` tokens (what the CPU backends run unless asked).
 pub fn plan_unsplit(shape: &DecodeShape, dtype: DType, max_context_len: u32) -> SplitPlan {
     SplitPlan {
-        heads_per_block: shape
-            .group()
-            .clamp(1, max_heads_per_block(shape.head_dim, dtype)),
+        heads_per_block: shape.group().clamp(1, max_heads_per_block(shape, dtype)),
         partition_tokens: max_context_len.max(1).next_multiple_of(TILE_TOKENS),
         num_partitions: 1,
     }
@@ -193,7 +246,7 @@ pub fn validate_plan(
     p: &SplitPlan,
     max_context_len: u32,
 ) -> Result<()> {
-    let max_hpb = max_heads_per_block(shape.head_dim, dtype).min(shape.group());
+    let max_hpb = max_heads_per_block(shape, dtype).min(shape.group());
     if p.heads_per_block == 0 || p.heads_per_block > max_hpb {
         return Err(Error::invalid(
             "plan.heads_per_block",
@@ -234,7 +287,7 @@ pub fn decode_launch_config(shape: &DecodeShape, dtype: DType, p: &SplitPlan) ->
             p.num_partitions,
         ),
         block: Dim3::new(THREADS, 1, 1),
-        shared_bytes: geometry(shape.head_dim, dtype).shared_bytes(),
+        shared_bytes: decode_kernel(shape, dtype).shared_bytes,
     }
 }
 

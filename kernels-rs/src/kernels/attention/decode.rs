@@ -8,7 +8,7 @@ use crate::softmax::{LOG2_E, SoftmaxState};
 
 use super::{
     ACC_WORDS, DecodeGeometry, DecodeParams, FIXED_BLOCK_SIZE, PIECES_PER_THREAD, PagedDecode,
-    STAGES, THREADS, max_vec,
+    STAGES, THREADS, TokenRange, max_vec,
 };
 
 /// Per-thread registers (q, or the accumulator): chunk `v`'s element `e` at `v *
@@ -379,30 +379,13 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const D: u32>(ctx: &C, p: &Deco
     let q_at = seq as u64 * p.q_row_stride + qh * head_dim as u64;
     let out_at = seq as u64 * p.out_row_stride + qh * head_dim as u64;
 
-    // The token range of this partition, clipped to the window.
-    let ctx_len = ctx.ld(&p.context_lens, seq as u64) as u32;
-    let win_start = if p.window > 0 && ctx_len > p.window {
-        ctx_len - p.window
-    } else {
-        0
-    };
-    let part_lo = part * p.partition_tokens;
-    let start = if part_lo > win_start {
-        part_lo
-    } else {
-        win_start
-    };
-    let end = if part_lo + p.partition_tokens < ctx_len {
-        part_lo + p.partition_tokens
-    } else {
-        ctx_len
-    };
-    let first = start & !(st - 1);
-    let num_stages = if end > start {
-        (end - first).div_ceil(st)
-    } else {
-        0
-    };
+    let range = TokenRange::of(ctx, p, seq, part);
+    let (first, num_stages) = range.stages(st);
+    let TokenRange {
+        ctx_len,
+        start,
+        end,
+    } = range;
 
     // The cache's scales for this KV head: K's folded into q, V's into the output.
     let (k_scale, v_scale) = if K::SCALED {
@@ -554,13 +537,20 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const D: u32>(ctx: &C, p: &Deco
 }
 
 /// The kernels of one (q / out, cache) type pair: the runtime geometry and each
-/// compile-time head_dim.
+/// compile-time head_dim; `mma` marks a pair whose head_dims in `MMA_HEAD_DIMS` run on
+/// tensor cores.
 macro_rules! decode_kernels {
     ($t:ty, $k:ty, $name:literal) => {
         decode_kernels!(@one $t, $k, 0, concat!("paged_decode_attention_", $name));
         decode_kernels!(@one $t, $k, 64, concat!("paged_decode_attention_", $name, "_d64"));
         decode_kernels!(@one $t, $k, 128, concat!("paged_decode_attention_", $name, "_d128"));
         decode_kernels!(@one $t, $k, 256, concat!("paged_decode_attention_", $name, "_d256"));
+    };
+    (mma $t:ty, $name:literal) => {
+        decode_kernels!(@one $t, $t, 0, concat!("paged_decode_attention_", $name));
+        decode_kernels!(@mma $t, 64, concat!("paged_decode_attention_", $name, "_d64"));
+        decode_kernels!(@mma $t, 128, concat!("paged_decode_attention_", $name, "_d128"));
+        decode_kernels!(@one $t, $t, 256, concat!("paged_decode_attention_", $name, "_d256"));
     };
     (@one $t:ty, $k:ty, $d:literal, $name:expr) => {
         impl Kernel for PagedDecode<$t, $k, $d> {
@@ -572,9 +562,19 @@ macro_rules! decode_kernels {
             }
         }
     };
+    (@mma $t:ty, $d:literal, $name:expr) => {
+        impl Kernel for PagedDecode<$t, $t, $d> {
+            type Params = DecodeParams<$t, $t>;
+            const NAME: &'static str = $name;
+            #[inline(always)]
+            fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
+                super::decode_mma::decode_mma::<$t, C, $d>(ctx, p)
+            }
+        }
+    };
 }
-decode_kernels!(F16, F16, "f16");
-decode_kernels!(Bf16, Bf16, "bf16");
+decode_kernels!(mma F16, "f16");
+decode_kernels!(mma Bf16, "bf16");
 decode_kernels!(f32, f32, "f32");
 decode_kernels!(F16, E4m3, "f16_e4m3");
 decode_kernels!(F16, E5m2, "f16_e5m2");

@@ -49,11 +49,12 @@
 //! (head_dim + 2) * 4` bytes written and read once more.
 
 mod decode;
+mod decode_mma;
 mod reduce;
 
 use core::marker::PhantomData;
 
-use crate::device::{GlobalRange, GlobalSlice, GlobalSliceMut, KernelParams, WARP_SIZE};
+use crate::device::{Ctx, GlobalRange, GlobalSlice, GlobalSliceMut, KernelParams, WARP_SIZE};
 use crate::layout::PagedLayout;
 
 pub use reduce::DecodeReduce;
@@ -249,15 +250,99 @@ where
 /// from `layout` at run time); `HEAD_DIM` in [`FIXED_HEAD_DIMS`] is the kernel for that
 /// head_dim and block size [`FIXED_BLOCK_SIZE`], its geometry compile-time constants
 /// (unrolled shuffle reductions, constant page addressing). Launch the one
-/// [`fixed_head_dim`] names.
+/// [`fixed_head_dim`] names. With an f16 or bf16 cache (`K = T`) and `HEAD_DIM` in
+/// [`MMA_HEAD_DIMS`] the kernel runs on tensor cores (`decode_mma`: its grid and
+/// parameters are the same; up to [`MMA_MAX_HEADS`] query heads a block and
+/// [`mma_shared_bytes`] of shared memory).
 #[derive(Clone, Copy, Debug)]
 pub struct PagedDecode<T, K = T, const HEAD_DIM: u32 = 0>(PhantomData<(T, K)>);
+
+/// The tokens `start..end` one decode block attends: partition `part`'s share of its
+/// sequence's context, clipped to the sliding window (empty for a partition past the
+/// context or before the window).
+#[derive(Clone, Copy)]
+pub(crate) struct TokenRange {
+    /// The sequence's context length.
+    pub ctx_len: u32,
+    pub start: u32,
+    pub end: u32,
+}
+
+impl TokenRange {
+    /// Sequence `seq`'s range for partition `part` (reads its context length).
+    #[inline(always)]
+    pub(crate) fn of<T, K, C: Ctx>(ctx: &C, p: &DecodeParams<T, K>, seq: u32, part: u32) -> Self {
+        let ctx_len = ctx.ld(&p.context_lens, seq as u64) as u32;
+        let win_start = if p.window > 0 && ctx_len > p.window {
+            ctx_len - p.window
+        } else {
+            0
+        };
+        let part_lo = part * p.partition_tokens;
+        let start = if part_lo > win_start {
+            part_lo
+        } else {
+            win_start
+        };
+        let end = if part_lo + p.partition_tokens < ctx_len {
+            part_lo + p.partition_tokens
+        } else {
+            ctx_len
+        };
+        Self {
+            ctx_len,
+            start,
+            end,
+        }
+    }
+
+    /// `(first, count)`: the first token of the stage holding `start` and the stages
+    /// of `stage_tokens` (a power of two) that cover the range; none when it is empty.
+    #[inline(always)]
+    pub(crate) fn stages(&self, stage_tokens: u32) -> (u32, u32) {
+        let first = self.start & !(stage_tokens - 1);
+        let n = if self.end > self.start {
+            (self.end - first).div_ceil(stage_tokens)
+        } else {
+            0
+        };
+        (first, n)
+    }
+}
 
 /// Block size of the compile-time-geometry decode kernels.
 pub const FIXED_BLOCK_SIZE: u32 = 16;
 /// head_dims with a compile-time-geometry decode kernel: the sizes engines run
 /// (Llama, Mistral and Qwen at 128; Gemma 2 at 256; small models at 64).
 pub const FIXED_HEAD_DIMS: [u32; 3] = [64, 128, 256];
+
+/// head_dims whose compile-time decode kernel runs on tensor cores when the cache is
+/// f16 or bf16 (see `decode_mma`): the group's query heads are the M rows of
+/// `mma.m16n8k16`. head_dim 256 keeps the CUDA-core body (its stages would not fit an
+/// sm_80 SM's shared memory at this depth).
+pub const MMA_HEAD_DIMS: [u32; 2] = [64, 128];
+/// Most query heads one tensor-core decode block serves (the 16 rows of an `mma`).
+pub const MMA_MAX_HEADS: u32 = 16;
+/// Tokens per stage of the tensor-core decode kernel: 16 rows (one block) per warp.
+pub const MMA_STAGE_TOKENS: u32 = 64;
+/// Stages of the tensor-core decode kernel's pipeline (`MMA_STAGES - 1` in flight).
+pub const MMA_STAGES: u32 = 3;
+
+/// 32-bit words per K or V row of the tensor-core decode kernel's stages: `head_dim`
+/// 16-bit elements and 16 bytes of padding (so the 8 rows an `ldmatrix` reads fall in
+/// distinct banks).
+pub const fn mma_row_words(head_dim: u32) -> u32 {
+    head_dim / 2 + 4
+}
+
+/// Dynamic shared memory of the tensor-core decode kernel, in bytes: the stages, which
+/// the final merge of its warps reuses (`4 x 16 x head_dim` output words and two words
+/// per warp and row).
+pub const fn mma_shared_bytes(head_dim: u32) -> u32 {
+    let stages = MMA_STAGES * 2 * MMA_STAGE_TOKENS * mma_row_words(head_dim);
+    let merge = (THREADS / 32) * MMA_MAX_HEADS * (head_dim + 2);
+    4 * if stages > merge { stages } else { merge }
+}
 
 /// The `HEAD_DIM` of the decode kernel to launch for `layout`: its head_dim when that
 /// has a compile-time kernel (`FIXED_HEAD_DIMS`, block size [`FIXED_BLOCK_SIZE`], and a

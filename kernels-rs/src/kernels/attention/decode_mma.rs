@@ -1,0 +1,408 @@
+//! The tensor-core decode kernel body (f16 and bf16 caches, head_dim 64 and 128 at
+//! block size 16): the group's query heads are the M rows of `mma.m16n8k16`.
+//!
+//! # Work decomposition
+//! The grid and the parameters are the SIMT kernel's ([`super`]); a block serves one KV
+//! head and up to [`MMA_MAX_HEADS`] query heads of its group (rows past them are zero
+//! and never written). Its four warps split every stage of [`MMA_STAGE_TOKENS`] tokens:
+//! warp `w` owns the stage's 16 rows `16w..16w + 16` (one cache block).
+//!
+//! # Per stage, per warp (`compute_qk`, `update_local_state`, `compute_pv`)
+//! * `S = Q Kᵀ`: Q's A fragments stay in registers for the whole launch; K's B
+//!   fragments come from `ldmatrix.x4` (two 8-token tiles per 16 dims), `HEAD_DIM / 16`
+//!   `mma`s per 8 tokens.
+//! * Scale, soft-cap, ALiBi and the range mask on the 8 scores a lane holds; each row's
+//!   maximum over the 16 tokens with two xor-shuffles (the 4 lanes of a row); one
+//!   rescale of the output fragments per stage.
+//! * `O += P V`: the scores' C fragments are the A fragment of `P` (packed to `T`); V's
+//!   B fragments come from `ldmatrix.x4.trans`; `HEAD_DIM / 8` `mma`s.
+//!
+//! # Shared memory
+//! [`MMA_STAGES`] slots of K then V rows, each row `HEAD_DIM` elements plus 16 bytes of
+//! padding (so the 8 rows an `ldmatrix` reads fall in distinct banks). Rows outside the
+//! attended range are zero-filled by `cp.async` (never read). At the end the warps
+//! merge through the same memory: each publishes its output fragments and `(m, l)` per
+//! row, and every thread folds the four for a slice of one row.
+
+use crate::device::Ctx;
+use crate::kernels::prefill::MmaElem;
+use crate::softmax::{LOG2_E, SoftmaxState};
+
+use super::{
+    DecodeParams, FIXED_BLOCK_SIZE, MMA_MAX_HEADS, MMA_STAGE_TOKENS, MMA_STAGES, THREADS,
+    TokenRange, mma_row_words,
+};
+
+/// Warps per block.
+const WARPS: u32 = THREADS / 32;
+/// Rows of a stage one warp computes on (one cache block).
+const WARP_ROWS: u32 = MMA_STAGE_TOKENS / WARPS;
+const _: () = assert!(WARP_ROWS == FIXED_BLOCK_SIZE && WARP_ROWS == 16);
+
+/// Calls `f(i)` for `i` in `0..n` (`n <= 16`, a constant after inlining), written out
+/// so the fragments `f` indexes stay in registers.
+#[inline(always)]
+fn each_upto(n: u32, mut f: impl FnMut(usize)) {
+    crate::kernels::each16(|i| {
+        if i < n {
+            f(i as usize);
+        }
+    });
+}
+
+/// `produce_kv`: one thread's share of staging K and V. Thread `tid` copies chunk `tid
+/// % chunks` (16 bytes) of rows `tid / chunks + k * (THREADS / chunks)`, of K for `k <
+/// chunks / 2` and of V after; rows outside `start..end` are zero-filled. Methods, not
+/// closures: LLVM declines to inline a closure this large called from three places,
+/// and its captures then live in a stack frame.
+struct KvProducer<const D: u32> {
+    tid: u32,
+    /// First token of stage 0 (`start` rounded down to a stage).
+    first: u32,
+    /// The attended range `start..end`.
+    start: u32,
+    end: u32,
+    num_stages: u32,
+    /// Index of the sequence's first block-table entry.
+    table_row: u64,
+    /// Elements between physical blocks.
+    block_stride: u64,
+    /// Offset of this thread's chunk in a block, its KV head's rows included.
+    kv_off: u32,
+}
+
+impl<const D: u32> KvProducer<D> {
+    /// Looks up the physical blocks of stage `s` that hold an attended token (the
+    /// others keep a stale entry, never read through).
+    #[inline(always)]
+    fn lookup<T: MmaElem, C: Ctx>(
+        &self,
+        ctx: &C,
+        p: &DecodeParams<T, T>,
+        phys: &mut [u32; 4],
+        s: u32,
+    ) {
+        each_upto(4, |blk| {
+            let t0 = self.first + s * MMA_STAGE_TOKENS + blk as u32 * FIXED_BLOCK_SIZE;
+            if s < self.num_stages && t0 + FIXED_BLOCK_SIZE > self.start && t0 < self.end {
+                phys[blk] = ctx.ld(
+                    &p.block_tables,
+                    self.table_row + (t0 / FIXED_BLOCK_SIZE) as u64,
+                ) as u32;
+            }
+        });
+    }
+
+    /// Issues stage `s`'s copies into `slot` (none past the last stage) and commits a
+    /// group either way, so the group count per stage stays fixed.
+    #[inline(always)]
+    fn issue<T: MmaElem, C: Ctx>(
+        &self,
+        ctx: &C,
+        p: &DecodeParams<T, T>,
+        phys: &[u32; 4],
+        s: u32,
+        slot: u32,
+    ) {
+        let chunks = D / 8;
+        let rw = mma_row_words(D);
+        let half = MMA_STAGE_TOKENS * rw;
+        let rows_per_pass = THREADS / chunks;
+        if s < self.num_stages {
+            let base = slot * 2 * half;
+            let span = self.end - self.start;
+            each_upto(chunks, |k| {
+                let kv = k as u32 / (chunks / 2); // 0: K, 1: V
+                let pass = k as u32 % (chunks / 2);
+                let row = self.tid / chunks + pass * rows_per_pass;
+                // The row's block, a constant: `tid / chunks < rows_per_pass`, and
+                // `rows_per_pass` (8 or 16) divides or is the block size.
+                let blk = (pass * rows_per_pass / FIXED_BLOCK_SIZE) as usize;
+                let tok = self.first + s * MMA_STAGE_TOKENS + row;
+                let src = phys[blk] as u64 * self.block_stride
+                    + (self.kv_off + (row % FIXED_BLOCK_SIZE) * D) as u64;
+                let word = base + kv * half + row * rw + (self.tid % chunks) * 4;
+                let read = tok.wrapping_sub(self.start) < span;
+                if kv == 0 {
+                    ctx.cp_async_16_or_zero(word, &p.key_cache, src, read);
+                } else {
+                    ctx.cp_async_16_or_zero(word, &p.value_cache, src, read);
+                }
+            });
+        }
+        ctx.cp_async_commit();
+    }
+}
+
+/// The tensor-core decode kernel: head_dim `D` (64 or 128), block size 16, q / out and
+/// the cache of `T` (see the [module docs](self)).
+#[inline(always)]
+pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodeParams<T, T>) {
+    let l = &p.layout;
+    let split = p.num_partitions > 1;
+    let rw = mma_row_words(D);
+    let half = MMA_STAGE_TOKENS * rw; // words of one slot's K (or V) rows
+    let slot_words = 2 * half;
+    let chunks = D / 8; // 16-byte chunks per row
+    let tid = ctx.thread_idx().x % THREADS;
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (g, t) = (lane / 4, lane % 4);
+
+    let b = ctx.block_idx();
+    let bdy = p.heads_per_block;
+    let group = p.num_q_heads / l.num_kv_heads;
+    let head_chunks = group.div_ceil(bdy);
+    let kv_head = b.x / head_chunks;
+    let first_head = (b.x % head_chunks) * bdy;
+    let nh = if group - first_head < bdy {
+        group - first_head
+    } else {
+        bdy
+    };
+    let (seq, part) = (b.y, b.z);
+    let qh0 = kv_head * group + first_head; // first query head of the block
+
+    let range = TokenRange::of(ctx, p, seq, part);
+    let (first, num_stages) = range.stages(MMA_STAGE_TOKENS);
+    let TokenRange {
+        ctx_len,
+        start,
+        end,
+    } = range;
+    let span = end.saturating_sub(start);
+    let in_range = |t: u32| t.wrapping_sub(start) < span;
+
+    // Q's A fragments: k-step ks holds rows g and g + 8, dims 16ks + 2t (+1) and +8.
+    let q_row = |r: u32| seq as u64 * p.q_row_stride + (qh0 + r) as u64 * D as u64;
+    let q_pair = |r: u32, d: u32| -> u32 {
+        if r < nh && num_stages > 0 {
+            let at = q_row(r) + d as u64;
+            let lo = ctx.ld(&p.q, at).to_f32();
+            let hi = ctx.ld(&p.q, at + 1).to_f32();
+            T::pack2(lo, hi)
+        } else {
+            0
+        }
+    };
+    let mut qa = [[0u32; 4]; 8];
+    each_upto(D / 16, |ks| {
+        let d = 16 * ks as u32 + 2 * t;
+        qa[ks] = [
+            q_pair(g, d),
+            q_pair(g + 8, d),
+            q_pair(g, d + 8),
+            q_pair(g + 8, d + 8),
+        ];
+    });
+    // Scores in log2 units; the ALiBi slope of rows g and g + 8 likewise.
+    let s_scale = p.scale * LOG2_E;
+    let slope = |r: u32| {
+        if r < nh && num_stages > 0 && !p.alibi_slopes.is_empty() {
+            ctx.ld(&p.alibi_slopes, (qh0 + r) as u64) * LOG2_E
+        } else {
+            0.0
+        }
+    };
+    let slopes = [slope(g), slope(g + 8)];
+    let cap = p.softcap * LOG2_E;
+    let inv_cap = p.inv_softcap * (1.0 / LOG2_E);
+    let pos0 = -((ctx_len - 1) as f32);
+
+    // produce_kv, a stage's 4 blocks looked up one stage ahead.
+    let producer = KvProducer::<D> {
+        tid,
+        first,
+        start,
+        end,
+        num_stages,
+        table_row: seq as u64 * p.max_blocks_per_seq as u64,
+        block_stride: l.num_kv_heads as u64 * (FIXED_BLOCK_SIZE * D) as u64,
+        kv_off: kv_head * FIXED_BLOCK_SIZE * D + (tid % chunks) * 8,
+    };
+    let mut phys = [0u32; 4];
+    producer.lookup(ctx, p, &mut phys, 0);
+    let mut s = 0;
+    while s < MMA_STAGES - 1 {
+        producer.issue(ctx, p, &phys, s, s);
+        producer.lookup(ctx, p, &mut phys, s + 1);
+        s += 1;
+    }
+
+    let mut state = [SoftmaxState::EMPTY; 2]; // rows g, g + 8 (l: this lane's share)
+    let mut o = [[0.0f32; 4]; 16]; // D / 8 dim tiles
+    // ldmatrix row addresses: matrix lane / 8, row lane % 8.
+    let (mi, mr) = (lane / 8, lane % 8);
+    let mut slot = 0;
+    let mut i = 0;
+    while i < num_stages {
+        // Stage i has landed once at most MMA_STAGES - 2 younger groups are pending;
+        // after the barrier the slot of stage i - 1 is free for stage i + STAGES - 1.
+        ctx.cp_async_wait::<{ MMA_STAGES - 2 }>();
+        ctx.sync_threads();
+        let fill = if slot == 0 { MMA_STAGES - 1 } else { slot - 1 };
+        producer.issue(ctx, p, &phys, i + MMA_STAGES - 1, fill);
+        producer.lookup(ctx, p, &mut phys, i + MMA_STAGES);
+
+        let kbase = slot * slot_words + warp * WARP_ROWS * rw;
+        let vbase = kbase + half;
+        let tok0 = first + i * MMA_STAGE_TOKENS + warp * WARP_ROWS;
+
+        // compute_qk: S[nt] for the 8-token tiles nt = 0, 1.
+        let mut sc = [[0.0f32; 4]; 2];
+        each_upto(D / 16, |ks| {
+            let row = (mi / 2) * 8 + mr;
+            let w = kbase + row * rw + (16 * ks as u32 + (mi % 2) * 8) / 2;
+            let kb = ctx.ldmatrix_x4::<false>(w);
+            sc[0] = T::mma(ctx, qa[ks], [kb[0], kb[1]], sc[0]);
+            sc[1] = T::mma(ctx, qa[ks], [kb[2], kb[3]], sc[1]);
+        });
+        // update_local_state: scale, cap, ALiBi, mask; row maxima; one rescale.
+        let mut mx = [f32::NEG_INFINITY; 2];
+        each_upto(2, |nt| {
+            each_upto(4, |e| {
+                let h = e / 2;
+                let col = 8 * nt as u32 + 2 * t + (e as u32 % 2);
+                let pos = tok0 + col;
+                let mut x = sc[nt][e] * s_scale;
+                if cap > 0.0 {
+                    x = cap * ctx.tanh(x * inv_cap);
+                }
+                x = ctx.fma(slopes[h], pos0 + pos as f32, x);
+                let x = if in_range(pos) { x } else { f32::NEG_INFINITY };
+                sc[nt][e] = x;
+                if x > mx[h] {
+                    mx[h] = x;
+                }
+            });
+        });
+        let mut alpha = [0.0f32; 2];
+        let mut m_use = [0.0f32; 2];
+        each_upto(2, |h| {
+            let a = ctx.shfl_xor_f32(mx[h], 1);
+            let m1 = if a > mx[h] { a } else { mx[h] };
+            let b2 = ctx.shfl_xor_f32(m1, 2);
+            let m2 = if b2 > m1 { b2 } else { m1 };
+            let m_new = if m2 > state[h].m { m2 } else { state[h].m };
+            m_use[h] = if m_new == f32::NEG_INFINITY {
+                0.0
+            } else {
+                m_new
+            };
+            alpha[h] = ctx.exp2(state[h].m - m_use[h]);
+            state[h] = SoftmaxState {
+                m: m_new,
+                l: state[h].l * alpha[h],
+            };
+        });
+        each_upto(D / 8, |j| {
+            o[j][0] *= alpha[0];
+            o[j][1] *= alpha[0];
+            o[j][2] *= alpha[1];
+            o[j][3] *= alpha[1];
+        });
+        let mut pw = [[0.0f32; 4]; 2];
+        each_upto(2, |nt| {
+            each_upto(4, |e| {
+                let h = e / 2;
+                let w = ctx.exp2(sc[nt][e] - m_use[h]);
+                state[h].l += w;
+                pw[nt][e] = w;
+            });
+        });
+        let pa = [
+            T::pack2(pw[0][0], pw[0][1]),
+            T::pack2(pw[0][2], pw[0][3]),
+            T::pack2(pw[1][0], pw[1][1]),
+            T::pack2(pw[1][2], pw[1][3]),
+        ];
+        // compute_pv: two dim tiles per ldmatrix.x4.trans.
+        each_upto(D / 16, |jj| {
+            let row = (mi % 2) * 8 + mr;
+            let w = vbase + row * rw + (16 * jj as u32 + (mi / 2) * 8) / 2;
+            let vb = ctx.ldmatrix_x4::<true>(w);
+            o[2 * jj] = T::mma(ctx, pa, [vb[0], vb[1]], o[2 * jj]);
+            o[2 * jj + 1] = T::mma(ctx, pa, [vb[2], vb[3]], o[2 * jj + 1]);
+        });
+        slot = if slot + 1 == MMA_STAGES { 0 } else { slot + 1 };
+        i += 1;
+    }
+    // Each row's l over its 4 lanes.
+    each_upto(2, |h| {
+        let a = state[h].l + ctx.shfl_xor_f32(state[h].l, 1);
+        state[h].l = a + ctx.shfl_xor_f32(a, 2);
+    });
+    // Every warp is done with the stages (the groups still open are empty) before the
+    // merge reuses their memory.
+    ctx.sync_threads();
+
+    // Merge the warps: O of warp w at w * 16 * D words, then (m, l) per (warp, row).
+    let ml = WARPS * MMA_MAX_HEADS * D;
+    let obase = warp * MMA_MAX_HEADS * D;
+    each_upto(D / 8, |j| {
+        each_upto(4, |e| {
+            let row = g + 8 * (e as u32 / 2);
+            let col = 8 * j as u32 + 2 * t + e as u32 % 2;
+            ctx.smem_st_f32(obase + row * D + col, o[j][e]);
+        });
+    });
+    if t == 0 {
+        each_upto(2, |h| {
+            let row = g + 8 * h as u32;
+            ctx.smem_st_f32(ml + 2 * (warp * MMA_MAX_HEADS + row), state[h].m);
+            ctx.smem_st_f32(ml + 2 * (warp * MMA_MAX_HEADS + row) + 1, state[h].l);
+        });
+    }
+    ctx.sync_threads();
+
+    // Thread tid folds row tid / 8's dims (tid % 8) * D / 8 .. + D / 8.
+    let row = tid / 8;
+    if row >= nh {
+        return;
+    }
+    let per = D / 8;
+    let d0 = (tid % 8) * per;
+    let mut merged = SoftmaxState::EMPTY;
+    let mut f = [0.0f32; 4];
+    let mut acc = [0.0f32; 16];
+    each_upto(WARPS, |w| {
+        let other = SoftmaxState {
+            m: ctx.smem_ld_f32(ml + 2 * (w as u32 * MMA_MAX_HEADS + row)),
+            l: ctx.smem_ld_f32(ml + 2 * (w as u32 * MMA_MAX_HEADS + row) + 1),
+        };
+        let (m, fa, fb) = merged.merge(other, ctx);
+        each_upto(w as u32, |v| f[v] *= fa);
+        f[w] = fb;
+        merged = m;
+    });
+    each_upto(WARPS, |w| {
+        let base = w as u32 * MMA_MAX_HEADS * D + row * D + d0;
+        each_upto(per, |e| {
+            acc[e] = ctx.fma(ctx.smem_ld_f32(base + e as u32), f[w], acc[e]);
+        });
+    });
+    let head = seq as u64 * p.num_q_heads as u64 + (qh0 + row) as u64;
+    if split {
+        let at = (head * p.num_partitions as u64 + part as u64) * D as u64 + d0 as u64;
+        each_upto(per / 4, |w| {
+            let bits = [
+                acc[4 * w].to_bits(),
+                acc[4 * w + 1].to_bits(),
+                acc[4 * w + 2].to_bits(),
+                acc[4 * w + 3].to_bits(),
+            ];
+            ctx.st_v4(&p.part_out, at + 4 * w as u64, bits);
+        });
+        if tid.is_multiple_of(8) {
+            let mlat = (head * p.num_partitions as u64 + part as u64) * 2;
+            ctx.st(&p.part_ml, mlat, merged.m);
+            ctx.st(&p.part_ml, mlat + 1, merged.l);
+        }
+    } else {
+        let inv = 1.0 / merged.l;
+        let at = seq as u64 * p.out_row_stride + (qh0 + row) as u64 * D as u64 + d0 as u64;
+        each_upto(per / 8, |w| {
+            let vals: [f32; 8] = core::array::from_fn(|e| acc[8 * w + e] * inv);
+            ctx.st_v4(&p.out, at + 8 * w as u64, T::pack(&vals));
+        });
+    }
+}
