@@ -1059,6 +1059,7 @@ impl Cta<'_, '_> {
                         And16 | And32 | And64 | AndPred => x & y,
                         Or16 | Or32 | Or64 | OrPred => x | y,
                         Xor16 => x ^ y,
+                        Xor32 => ((x as u32) ^ (y as u32)) as u64,
                         Shl16 => shl(x, y & 0xFFFF_FFFF, 16),
                         Shl32 => shl(x, y & 0xFFFF_FFFF, 32),
                         Shl64 => shl(x, y & 0xFFFF_FFFF, 64),
@@ -1145,6 +1146,12 @@ impl Cta<'_, '_> {
                                 let v = (x as u32 as u64) >> pos;
                                 if len >= 32 { v } else { v & ((1 << len) - 1) }
                             }
+                        }
+                        TernOp::ShfLWrap32 => {
+                            // PTX ISA, shf: the 64-bit {b (bits 63:32), a (31:0)}
+                            // shifted left by n = c & 0x1f; d is its upper 32 bits.
+                            let wide = ((y as u32 as u64) << 32) | x as u32 as u64;
+                            ((wide << (z as u32 & 0x1f)) >> 32) & 0xFFFF_FFFF
                         }
                     };
                 }

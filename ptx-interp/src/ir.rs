@@ -43,6 +43,7 @@ pub(crate) enum BinOp {
     Or32,
     Or64,
     Xor16,
+    Xor32,
     Shl16,
     Shl32,
     Shl64,
@@ -110,6 +111,8 @@ pub(crate) enum TernOp {
     FmaF32,
     /// `bfe.u32 d, a, pos, len`.
     BfeU32,
+    /// `shf.l.wrap.b32 d, a, b, n`: the high word of `{b, a} << (n & 31)`.
+    ShfLWrap32,
 }
 
 /// The type a `setp` compares as.

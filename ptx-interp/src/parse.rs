@@ -859,6 +859,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "or.b32" => bin(self, Or32, b32, b32)?,
             "or.b64" => bin(self, Or64, b64, b64)?,
             "xor.b16" => bin(self, Xor16, b16, b16)?,
+            "xor.b32" => bin(self, Xor32, b32, b32)?,
             "and.pred" => bin(self, AndPred, pred, pred)?,
             "or.pred" => bin(self, OrPred, pred, pred)?,
             "shl.b16" => bin(self, Shl16, b16, b32)?,
@@ -903,6 +904,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "mad.lo.s64" | "mad.lo.u64" => tern(self, TernOp::MadLo64, b64)?,
             "fma.rn.f32" => tern(self, TernOp::FmaF32, f32t)?,
             "bfe.u32" => tern(self, TernOp::BfeU32, b32)?,
+            "shf.l.wrap.b32" => tern(self, TernOp::ShfLWrap32, b32)?,
             _ if opc.starts_with("mov.") => self.mov(opc, ops)?,
             _ if opc.starts_with("setp.") => self.setp(opc, ops)?,
             _ if opc.starts_with("selp.") => {

@@ -368,6 +368,30 @@ fn sixteen_bit_forms() {
     assert_eq!(buf[6], 0xCDEF, "cvt.u16.u64 truncates");
 }
 
+/// `xor.b32`, and the funnel shift `shf.l.wrap.b32 d, a, b, n` (PTX ISA, shf: the high
+/// 32 bits of the 64-bit `{b, a}`, b the high word, shifted left by `n & 0x1f`) at a
+/// shift of 0, an ordinary one and one that wraps (36 is 4). The fp8 tensor-core
+/// decode's K swizzle and sm_80's byte pairing compile to them.
+#[test]
+fn xor_and_funnel_shift_forms() {
+    let body = "\tld.global.u32 %r2, [%rd2];\n\tld.global.u32 %r3, [%rd2+4];\n\
+        \txor.b32 %r4, %r2, %r3;\n\tst.global.u32 [%rd2+8], %r4;\n\
+        \tshf.l.wrap.b32 %r5, %r2, %r3, 0;\n\tst.global.u32 [%rd2+12], %r5;\n\
+        \tshf.l.wrap.b32 %r6, %r2, %r3, 8;\n\tst.global.u32 [%rd2+16], %r6;\n\
+        \tshf.l.wrap.b32 %r7, %r2, %r3, 36;\n\tst.global.u32 [%rd2+20], %r7;";
+    let mut buf = vec![0u32; 6];
+    buf[0] = 0x89AB_CDEF; // a: the low word
+    buf[1] = 0x0123_4567; // b: the high word
+    run(body, 1, 0, &mut buf);
+    assert_eq!(buf[2], 0x89AB_CDEF ^ 0x0123_4567, "xor.b32");
+    assert_eq!(buf[3], 0x0123_4567, "shf.l by 0 is b");
+    assert_eq!(
+        buf[4], 0x2345_6789,
+        "shf.l by 8: b's low 24 bits, then a's top byte"
+    );
+    assert_eq!(buf[5], 0x1234_5678, "shf.l.wrap by 36 shifts by 4");
+}
+
 /// `cp.async` with a src-size operand: 0 reads nothing and zero-fills the 16 bytes
 /// (checked in shared memory: the launch traps otherwise), 16 copies them; only the
 /// bytes read count as read. Any other src-size is refused.
