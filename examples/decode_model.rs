@@ -13,7 +13,7 @@
 //! Everything here is a model, not a measurement (no GPU has run these kernels). Per
 //! shape, GPU and cache type it takes the split plan the library makes for that GPU, the
 //! kernel the host launches (`decode_kernel`: the tensor-core head_dim 128 kernel for an
-//! f16 / bf16 cache, the CUDA-core one for fp8), that kernel's stage loop (for the
+//! f16, bf16 or fp8 cache under 16-bit q), that kernel's stage loop (for the
 //! CUDA-core kernel, the loop of the plan's tile size), and bounds the time of the
 //! launch by the slowest of:
 //!
@@ -30,9 +30,13 @@
 //!   `stages_in_flight`), so a stage per `800 ns ÷ f` per CTA: `n × stages × 800 ns ÷
 //!   (f × r)`.
 //!
-//! With split-K the reduce follows: its partition loop runs serially per thread, a
-//! dependent chain of `chain` cycles per partition (global loads at 300 cycles, an L2
-//! hit: the partials were just written); launch overhead is listed apart, not added.
+//! With split-K the reduce follows: [`REDUCE_LANES`] lanes share one `(query head,
+//! chunk)`, each folding every `REDUCE_LANES`-th partition, so a lane's partition loop
+//! runs `ceil(partitions / REDUCE_LANES)` times, a dependent chain of `iter_chain`
+//! cycles each (global loads at 300 cycles, an L2 hit: the partials were just
+//! written), after the chain before the loop (`pre_chain`) and before the lanes'
+//! butterfly merge and store (`post_chain`); launch overhead is not added (a CUDA
+//! graph or programmatic dependent launch hides most of it).
 //! The fraction of peak = bytes moved ÷ (decode + reduce time) ÷ peak.
 //!
 //! With `--enforce` it exits with status 1 when a bar of issue #29 is missed (at batch
@@ -46,7 +50,7 @@ use pagedkv::host::DType;
 use pagedkv::host::ops::attention::{
     DecodeShape, SmLimits, decode_blocks_per_sm_at, decode_bytes, decode_kernel, geometry, plan,
 };
-use pagedkv::kernels::kernels::attention::{MMA_STAGES, STAGES, THREADS};
+use pagedkv::kernels::kernels::attention::{MMA_STAGES, REDUCE_LANES, STAGES, THREADS};
 
 /// A GPU of the model: name, architecture, SMs, sustained and boost clocks, DRAM peak.
 struct Gpu {
@@ -234,7 +238,10 @@ fn model(
                     && l.get("kernel") == Some(&rname)
             })
             .ok_or_else(|| format!("no reduce loop for {} {rname}", gpu.arch))?;
-        p.num_partitions as f64 * num(rl, "iter_chain") / hz
+        // REDUCE_LANES lanes fold every REDUCE_LANES-th partition each, in parallel;
+        // the code before the loop and the lanes' shuffle merge after it run once.
+        let per_lane = p.num_partitions.div_ceil(REDUCE_LANES) as f64;
+        (num(rl, "pre_chain") + per_lane * num(rl, "iter_chain") + num(rl, "post_chain")) / hz
     } else {
         0.0
     };

@@ -12,7 +12,7 @@ and natural loops, and reports:
   online-softmax exponentials), with per-iteration counts. The tile size of a CUDA-core
   loop is read from the tile's MUFU.EX2 count (N scores + 1 rescale factor). `examples/decode_model.rs`
   picks the loop a shape runs and turns the counts into the bounds of ptx/resources.md.
-* reduce: its partition loop.
+* reduce: its partition loop, and the chains of the code before and after it.
 
 Counting rules (a static model, not a trace):
 * issued warp-instructions per iteration = the instructions on the longest path
@@ -97,8 +97,19 @@ class Instr:
 
         if self.base in NO_DEST or self.base.startswith("ST"):
             return [], sum((expand(o, 1) for o in ops), [])
-        dst = expand(ops[0], width) if ops else []
-        src = sum((expand(o, 1) for o in ops[1:]), [])
+        # Destinations lead: the first operand, then any predicates written beside it
+        # (`IADD3 R4, P0, PT, …` carries, `ISETP P0, PT, …`), and, after a leading
+        # predicate, the register it guards (`SHFL.BFLY PT, R3, …`, `LOP3 P0, RZ, …`).
+        is_pred = lambda o: re.fullmatch(r"U?P(T|\d+)", o) is not None
+        is_reg = lambda o: re.fullmatch(r"U?R(Z|\d+)(\.64)?", o) is not None
+        lead = 1
+        while lead < len(ops) and is_pred(ops[lead]):
+            lead += 1
+        if ops and is_pred(ops[0]) and lead == 1 and len(ops) > 1 and is_reg(ops[1]):
+            lead = 2
+        dst = sum((expand(o, width if k == lead - 1 or lead == 1 else 1)
+                   for k, o in enumerate(ops[:lead])), []) if ops else []
+        src = sum((expand(o, 1) for o in ops[lead:]), [])
         if self.pred:
             src += dst  # a predicated write keeps the old value
         return dst, src
@@ -311,8 +322,17 @@ def analyse(name, body):
                 continue
             c = counts(seq)
             loads = sum(1 for i in seq if i.base in ("LDG", "LD"))
+            # Run once per thread: the code before the loop, and after it up to the
+            # first unconditional EXIT (the lanes' shuffle merge and the store; both
+            # sides of a branch are in the chain, an over-estimate).
+            first = min(spans[b][0] for b in body_blocks)
+            last = max(spans[b][1] for b in body_blocks)
+            end = next((k + 1 for k in range(last, len(instrs))
+                        if instrs[k].base == "EXIT" and not instrs[k].pred), len(instrs))
             out.append(f"kernel={name} loop_at={instrs[spans[h][0]].addr:#x} modelled=yes "
-                       f"{fmt('iter_', c)} iter_loads={loads} iter_chain={chain(seq)}")
+                       f"{fmt('iter_', c)} iter_loads={loads} iter_chain={chain(seq)} "
+                       f"pre_chain={chain(instrs[:first])} post_chain={chain(instrs[last:end])} "
+                       f"post_shfl={counts(instrs[last:end])['shfl']}")
     if not out and name.startswith("paged_decode_reduce"):
         c = counts(instrs)
         out.append(f"kernel={name} loop_at=none modelled=yes {fmt('iter_', c)} "

@@ -80,6 +80,7 @@ fn every_bad_input_is_an_error_and_out_is_untouched() {
         ("head_dim", Box::new(|i| i.shape.head_dim = 72)),
         ("block_size", Box::new(|i| i.shape.block_size = 64)),
         ("num_q_heads", Box::new(|i| i.shape.num_q_heads = 7)),
+        ("num_q_heads", Box::new(|i| i.shape.num_q_heads = 1 << 17)),
         ("num_seqs", Box::new(|i| i.shape.num_seqs = 0)),
         (
             "q",

@@ -24,7 +24,7 @@ use pagedkv::host::reference::{paged_decode_attention, paged_prefill_attention};
 use pagedkv::host::step::{EmuDevice, StepDevice, once};
 use pagedkv::host::{AlignedBuf, DType, HostTensor};
 use pagedkv::kernels::kernels::DecodeParams;
-use pagedkv::kernels::kernels::attention::{FIXED_BLOCK_SIZE, FIXED_HEAD_DIMS};
+use pagedkv::kernels::kernels::attention::{FIXED_BLOCK_SIZE, FIXED_HEAD_DIMS, MMA_HEAD_DIMS};
 use pagedkv::kernels::{F16, PagedLayout};
 use pagedkv_ptx_interp::{LaunchLog, MathMode, Module, PtxDevice};
 use proptest::prelude::*;
@@ -184,32 +184,79 @@ fn decode_all(a: &Arch) -> Outcome {
     }
     // The tensor-core kernels past their prologue: contexts of several 64-token
     // stages, so the steady-state loop looks up and copies every block of a stage,
-    // with a window that starts mid-stage, soft-cap and ALiBi at once.
-    for (i, (dtype, head_dim)) in [
-        (DType::F16, 128),
-        (DType::Bf16, 64),
-        (DType::Bf16, 128),
-        (DType::F16, 64),
-    ]
-    .into_iter()
-    .enumerate()
+    // with a window that starts mid-stage, soft-cap and ALiBi at once; for every
+    // cache type of each q type at both head_dims.
+    let caches = [None, Some(DType::E4m3), Some(DType::E5m2)];
+    let mut i = 0;
+    for dtype in [DType::F16, DType::Bf16] {
+        for head_dim in MMA_HEAD_DIMS {
+            for cache in caches {
+                cases.push((
+                    Params {
+                        dtype,
+                        head_dim,
+                        block_size: FIXED_BLOCK_SIZE,
+                        num_kv_heads: 1,
+                        group: 4,
+                        batch: 2,
+                        max_len: 500,
+                        window: Some(300),
+                        softcap: Some(12.0),
+                        alibi: true,
+                        partition: Some(128),
+                        narrow_heads: false,
+                        seed: 300 + i,
+                        full_length: false,
+                    },
+                    cache,
+                ));
+                // And once without soft-cap, window or ALiBi (the other side of
+                // each of their branches), shorter.
+                cases.push((
+                    Params {
+                        dtype,
+                        head_dim,
+                        block_size: FIXED_BLOCK_SIZE,
+                        num_kv_heads: 1,
+                        group: 4,
+                        batch: 2,
+                        max_len: 150,
+                        window: None,
+                        softcap: None,
+                        alibi: false,
+                        partition: Some(64),
+                        narrow_heads: false,
+                        seed: 350 + i,
+                        full_length: false,
+                    },
+                    cache,
+                ));
+                i += 1;
+            }
+        }
+    }
+    // More partitions than the reduce has lanes per chunk (REDUCE_LANES), so a lane
+    // folds several: 700 tokens in partitions of 64, for each reduce kernel.
+    for (k, dtype) in [DType::F16, DType::Bf16, DType::F32]
+        .into_iter()
+        .enumerate()
     {
         cases.push((
             Params {
                 dtype,
-                head_dim,
+                head_dim: 64,
                 block_size: FIXED_BLOCK_SIZE,
-                num_kv_heads: 1,
-                group: 4,
+                num_kv_heads: 2,
+                group: 2,
                 batch: 2,
-                max_len: 500,
-                window: Some(300),
-                softcap: Some(12.0),
-                alibi: true,
-                partition: Some(128),
+                max_len: 700,
+                window: None,
+                softcap: None,
+                alibi: false,
+                partition: Some(64),
                 narrow_heads: false,
-                seed: 300 + i as u64,
-                full_length: false,
+                seed: 400 + k as u64,
+                full_length: true,
             },
             None,
         ));

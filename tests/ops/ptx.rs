@@ -138,19 +138,59 @@ fn decode_streams_k_and_v_through_the_cp_async_pipeline() {
     }
 }
 
-/// Whether decode entry point `name` is a tensor-core kernel: an f16 or bf16 cache
-/// (no fp8 suffix) at a head_dim of `MMA_HEAD_DIMS`, as the host's `decode_kernel`.
+/// Whether decode entry point `name` is a tensor-core kernel: q of f16 or bf16 (any
+/// cache: the same, or fp8) at a head_dim of `MMA_HEAD_DIMS`, as the host's
+/// `decode_kernel`.
 pub(crate) fn tensor_core_decode(name: &str) -> bool {
     use pagedkv::kernels::kernels::attention::MMA_HEAD_DIMS;
     let rest = name.trim_start_matches("paged_decode_attention_");
     let mut parts = rest.split('_');
     let q = parts.next().unwrap_or("");
     let tail: Vec<&str> = parts.collect();
-    matches!(q, "f16" | "bf16")
-        && match tail.as_slice() {
-            [d] => MMA_HEAD_DIMS.iter().any(|h| *d == format!("d{h}")),
-            _ => false,
+    let d = match tail.as_slice() {
+        [d] | ["e4m3" | "e5m2", d] => *d,
+        _ => return false,
+    };
+    matches!(q, "f16" | "bf16") && MMA_HEAD_DIMS.iter().any(|h| d == format!("d{h}"))
+}
+
+#[test]
+fn fp8_decode_runs_on_tensor_cores_decoding_two_bytes_per_cvt_on_sm_90() {
+    for m in ptx::ALL {
+        for t in ["f16", "bf16"] {
+            for k in ["e4m3", "e5m2"] {
+                for d in ["_d64", "_d128"] {
+                    let name = format!("paged_decode_attention_{t}_{k}{d}");
+                    assert!(tensor_core_decode(&name), "{name}");
+                    let body = entry_body(m.ptx, &name);
+                    let mut wants = vec![
+                        format!("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"),
+                        "cp.async.cg.shared.global".into(),
+                        "cp.async.wait_group 1".into(),
+                        // K: 16 bytes a lane per row; V: 4 bytes of 4 rows.
+                        "ld.shared.v4.u32".into(),
+                        "ld.shared.u32".into(),
+                    ];
+                    if m.arch == "sm_90" {
+                        wants.push(format!("cvt.rn.f16x2.{k}x2"));
+                    }
+                    for want in &wants {
+                        assert!(
+                            body.contains(want.as_str()),
+                            "{} {name}: no `{want}`",
+                            m.arch
+                        );
+                    }
+                    assert!(
+                        !body.contains("ldmatrix"),
+                        "{} {name}: ldmatrix of fp8",
+                        m.arch
+                    );
+                    assert!(!body.contains(".local"), "{} {name}: a stack frame", m.arch);
+                }
+            }
         }
+    }
 }
 
 #[test]
@@ -175,7 +215,7 @@ fn prefill_runs_on_tensor_cores_with_k_and_v_through_cp_async() {
 #[test]
 fn the_planners_register_count_bounds_every_decode_kernel() {
     use pagedkv::host::ops::attention::{
-        DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA,
+        DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA, DECODE_REGISTERS_MMA_FP8,
     };
     let report = include_str!("../../ptx/resources.md");
     // The ptxas table comes first; the SASS and occupancy tables follow it.
@@ -189,7 +229,11 @@ fn the_planners_register_count_bounds_every_decode_kernel() {
         let regs: u32 = cols[3].parse().unwrap();
         let fp8 = cols[2].contains("_e4m3") || cols[2].contains("_e5m2");
         let bound = if tensor_core_decode(cols[2]) {
-            DECODE_REGISTERS_MMA
+            if fp8 {
+                DECODE_REGISTERS_MMA_FP8
+            } else {
+                DECODE_REGISTERS_MMA
+            }
         } else if fp8 {
             DECODE_REGISTERS_FP8
         } else {

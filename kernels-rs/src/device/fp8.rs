@@ -224,26 +224,16 @@ pub mod soft {
     }
 
     /// `e4m3` bits → f16 bits (exact: every `e4m3` value is an f16 normal).
+    /// Branch-free, as [`e4m3_to_f32`] (whose product is exact) followed by an exact
+    /// f32 → f16 conversion: the sm_80 decode kernels run it per element, and the
+    /// branchy normalisation it replaced compiled to a local-memory jump table there.
     #[inline(always)]
     pub fn e4m3_to_f16(b: u8) -> u16 {
+        let mag = (b & 0x7f) as u32;
         let sign = ((b & 0x80) as u16) << 8;
-        let exp = ((b >> 3) & 0xf) as u16;
-        let mant = (b & 0x7) as u16;
-        if b & 0x7f == 0x7f {
-            return F16_NAN;
-        }
-        if exp == 0 {
-            if mant == 0 {
-                return sign;
-            }
-            // mant * 2^-9: normalise. The highest set bit p (0..=2) gives 2^(p-9),
-            // f16 biased exponent p - 9 + 15; the bits below it are the fraction.
-            let p = 15 - mant.leading_zeros() as u16; // mant is a u16 here
-            let frac = (mant ^ (1 << p)) << (10 - p);
-            return sign | ((p + 6) << 10) | frac;
-        }
-        // Rebias 7 → 15, widen the mantissa 3 → 10 bits.
-        sign | ((exp + 8) << 10) | (mant << 7)
+        let x = f32::from_bits(mag << 20) * f32::from_bits(0x7b80_0000);
+        let h = sign | crate::device::f32_to_f16(x);
+        if mag == 0x7f { F16_NAN } else { h }
     }
 
     /// `e5m2` bits → f16 bits (exact: `e5m2` is the top byte of an f16).

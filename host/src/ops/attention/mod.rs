@@ -47,11 +47,12 @@ mod plan;
 pub use emulated::decode_emulated;
 pub use pagedkv_kernels::kernels::attention::TILE_TOKENS;
 pub use plan::{
-    DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA, DecodeKernel,
-    MIN_PARTITION_TOKENS, SmLimits, SplitPlan, TARGET_BYTES_IN_FLIGHT_PER_SM, decode_blocks_per_sm,
-    decode_blocks_per_sm_at, decode_blocks_wanted_per_sm, decode_bytes_in_flight,
-    decode_bytes_in_flight_per_sm, decode_kernel, decode_launch_config, decode_registers, geometry,
-    max_heads_per_block, plan, plan_unsplit, reduce_launch_config, validate_plan,
+    DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA, DECODE_REGISTERS_MMA_FP8,
+    DecodeKernel, MIN_PARTITION_TOKENS, SmLimits, SplitPlan, TARGET_BYTES_IN_FLIGHT_PER_SM,
+    decode_blocks_per_sm, decode_blocks_per_sm_at, decode_blocks_wanted_per_sm,
+    decode_bytes_in_flight, decode_bytes_in_flight_per_sm, decode_kernel, decode_launch_config,
+    decode_registers, geometry, max_heads_per_block, plan, plan_unsplit, reduce_launch_config,
+    validate_plan,
 };
 
 use pagedkv_kernels::PagedLayout;
@@ -131,12 +132,20 @@ impl DecodeShape {
 }
 
 /// Query heads must be a positive multiple of the KV heads (each KV head serves a
-/// group of them): the one check of it, for every shape type.
+/// group of them), at most [`MAX_GRID_YZ`] (so every launch's thread count over them,
+/// up to `num_q_heads * 512` in the reduce, fits a `u32`): the one check of it, for
+/// every shape type.
 pub(crate) fn check_heads(num_q_heads: u32, num_kv_heads: u32) -> Result<()> {
     if num_q_heads == 0 || !num_q_heads.is_multiple_of(num_kv_heads) {
         return Err(Error::invalid(
             "num_q_heads",
             format!("{num_q_heads} is not a positive multiple of num_kv_heads {num_kv_heads}"),
+        ));
+    }
+    if num_q_heads > MAX_GRID_YZ {
+        return Err(Error::invalid(
+            "num_q_heads",
+            format!("{num_q_heads} (at most {MAX_GRID_YZ})"),
         ));
     }
     Ok(())

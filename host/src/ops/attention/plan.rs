@@ -4,8 +4,8 @@
 
 use pagedkv_kernels::Dim3;
 use pagedkv_kernels::kernels::attention::{
-    DecodeGeometry, MMA_HEAD_DIMS, MMA_MAX_HEADS, MMA_STAGE_TOKENS, MMA_STAGES, REDUCE_THREADS,
-    STAGE_BYTES, STAGES, THREADS, TILE_TOKENS, fixed_head_dim, mma_shared_bytes,
+    DecodeGeometry, MMA_HEAD_DIMS, MMA_MAX_HEADS, MMA_STAGE_TOKENS, MMA_STAGES, REDUCE_LANES,
+    REDUCE_THREADS, STAGE_BYTES, STAGES, THREADS, TILE_TOKENS, fixed_head_dim, mma_shared_bytes,
 };
 
 use super::DecodeShape;
@@ -50,8 +50,8 @@ pub fn geometry(head_dim: u32, dtype: DType) -> DecodeGeometry {
 }
 
 /// What the host needs to know of the decode kernel it launches for a shape and a
-/// cache of `dtype` (the CUDA-core kernel, or the tensor-core one for an f16 / bf16
-/// cache at head_dim 64 or 128, block size 16: see `PagedDecode`).
+/// cache of `dtype` (the CUDA-core kernel, or the tensor-core one for an f16, bf16 or
+/// fp8 cache at head_dim 64 or 128, block size 16: see `PagedDecode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeKernel {
     /// Whether it runs on tensor cores.
@@ -74,15 +74,20 @@ pub struct DecodeKernel {
 /// The decode kernel the host launches for `shape` and a cache of `dtype`.
 pub fn decode_kernel(shape: &DecodeShape, dtype: DType) -> DecodeKernel {
     let d = fixed_head_dim(&shape.layout());
-    if matches!(dtype, DType::F16 | DType::Bf16) && MMA_HEAD_DIMS.contains(&d) {
+    if dtype != DType::F32 && MMA_HEAD_DIMS.contains(&d) {
+        let bytes = dtype.size() as u32;
         return DecodeKernel {
             tensor_cores: true,
             max_heads: MMA_MAX_HEADS,
-            shared_bytes: mma_shared_bytes(d),
+            shared_bytes: mma_shared_bytes(d, bytes),
             stage_tokens: MMA_STAGE_TOKENS,
-            stage_bytes: 2 * MMA_STAGE_TOKENS * d * 2,
+            stage_bytes: 2 * MMA_STAGE_TOKENS * d * bytes,
             stages_in_flight: MMA_STAGES - 1,
-            registers: DECODE_REGISTERS_MMA,
+            registers: if dtype.is_fp8() {
+                DECODE_REGISTERS_MMA_FP8
+            } else {
+                DECODE_REGISTERS_MMA
+            },
         };
     }
     let g = geometry(shape.head_dim, dtype);
@@ -113,6 +118,10 @@ pub const DECODE_REGISTERS_FP8: u32 = 128;
 /// As [`DECODE_REGISTERS`], for the tensor-core decode kernels (Q's A fragments and
 /// the output fragments stay in registers: 96 of them at head_dim 128).
 pub const DECODE_REGISTERS_MMA: u32 = 208;
+/// As [`DECODE_REGISTERS_MMA`], for the tensor-core decode kernels over an fp8 cache
+/// (sm_80 decodes fp8 in software: up to 243 registers at head_dim 128; sm_90's
+/// `cvt` needs 168).
+pub const DECODE_REGISTERS_MMA_FP8: u32 = 248;
 
 /// The register bound of the CUDA-core decode kernel over a cache of `dtype`.
 pub const fn decode_registers(dtype: DType) -> u32 {
@@ -277,7 +286,6 @@ pub fn validate_plan(
     Ok(())
 }
 
-/// Checks every argument of a decode-attention launch and returns the longest context.
 /// Launch configuration of the decode kernel for a plan.
 pub fn decode_launch_config(shape: &DecodeShape, dtype: DType, p: &SplitPlan) -> LaunchConfig {
     LaunchConfig {
@@ -291,12 +299,12 @@ pub fn decode_launch_config(shape: &DecodeShape, dtype: DType, p: &SplitPlan) ->
     }
 }
 
-/// Launch configuration of the split-K reduce: one thread per `(query head, 16-byte
-/// chunk)` of a sequence.
+/// Launch configuration of the split-K reduce: [`REDUCE_LANES`] threads per `(query head,
+/// 16-byte chunk)` of a sequence.
 pub fn reduce_launch_config(shape: &DecodeShape, dtype: DType) -> LaunchConfig {
-    let pairs = shape.num_q_heads * (shape.head_dim / dtype.per_v4());
+    let lanes = shape.num_q_heads * (shape.head_dim / dtype.per_v4()) * REDUCE_LANES;
     LaunchConfig {
-        grid: Dim3::new(pairs.div_ceil(REDUCE_THREADS), shape.num_seqs, 1),
+        grid: Dim3::new(lanes.div_ceil(REDUCE_THREADS), shape.num_seqs, 1),
         block: Dim3::new(REDUCE_THREADS, 1, 1),
         shared_bytes: 0,
     }

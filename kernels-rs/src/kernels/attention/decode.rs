@@ -546,11 +546,11 @@ macro_rules! decode_kernels {
         decode_kernels!(@one $t, $k, 128, concat!("paged_decode_attention_", $name, "_d128"));
         decode_kernels!(@one $t, $k, 256, concat!("paged_decode_attention_", $name, "_d256"));
     };
-    (mma $t:ty, $name:literal) => {
-        decode_kernels!(@one $t, $t, 0, concat!("paged_decode_attention_", $name));
-        decode_kernels!(@mma $t, 64, concat!("paged_decode_attention_", $name, "_d64"));
-        decode_kernels!(@mma $t, 128, concat!("paged_decode_attention_", $name, "_d128"));
-        decode_kernels!(@one $t, $t, 256, concat!("paged_decode_attention_", $name, "_d256"));
+    (mma $t:ty, $k:ty, $name:literal) => {
+        decode_kernels!(@one $t, $k, 0, concat!("paged_decode_attention_", $name));
+        decode_kernels!(@mma $t, $k, 64, concat!("paged_decode_attention_", $name, "_d64"));
+        decode_kernels!(@mma $t, $k, 128, concat!("paged_decode_attention_", $name, "_d128"));
+        decode_kernels!(@one $t, $k, 256, concat!("paged_decode_attention_", $name, "_d256"));
     };
     (@one $t:ty, $k:ty, $d:literal, $name:expr) => {
         impl Kernel for PagedDecode<$t, $k, $d> {
@@ -562,21 +562,21 @@ macro_rules! decode_kernels {
             }
         }
     };
-    (@mma $t:ty, $d:literal, $name:expr) => {
-        impl Kernel for PagedDecode<$t, $t, $d> {
-            type Params = DecodeParams<$t, $t>;
+    (@mma $t:ty, $k:ty, $d:literal, $name:expr) => {
+        impl Kernel for PagedDecode<$t, $k, $d> {
+            type Params = DecodeParams<$t, $k>;
             const NAME: &'static str = $name;
             #[inline(always)]
             fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
-                super::decode_mma::decode_mma::<$t, C, $d>(ctx, p)
+                super::decode_mma::decode_mma::<$t, $k, C, $d>(ctx, p)
             }
         }
     };
 }
-decode_kernels!(mma F16, "f16");
-decode_kernels!(mma Bf16, "bf16");
+decode_kernels!(mma F16, F16, "f16");
+decode_kernels!(mma Bf16, Bf16, "bf16");
 decode_kernels!(f32, f32, "f32");
-decode_kernels!(F16, E4m3, "f16_e4m3");
-decode_kernels!(F16, E5m2, "f16_e5m2");
-decode_kernels!(Bf16, E4m3, "bf16_e4m3");
-decode_kernels!(Bf16, E5m2, "bf16_e5m2");
+decode_kernels!(mma F16, E4m3, "f16_e4m3");
+decode_kernels!(mma F16, E5m2, "f16_e5m2");
+decode_kernels!(mma Bf16, E4m3, "bf16_e4m3");
+decode_kernels!(mma Bf16, E5m2, "bf16_e5m2");

@@ -1,5 +1,6 @@
-//! The tensor-core decode kernel body (f16 and bf16 caches, head_dim 64 and 128 at
-//! block size 16): the group's query heads are the M rows of `mma.m16n8k16`.
+//! The tensor-core decode kernel body (head_dim 64 and 128 at block size 16, q of f16
+//! or bf16, a cache of q's type or fp8): the group's query heads are the M rows of
+//! `mma.m16n8k16`.
 //!
 //! # Work decomposition
 //! The grid and the parameters are the SIMT kernel's ([`super`]); a block serves one KV
@@ -9,28 +10,43 @@
 //!
 //! # Per stage, per warp (`compute_qk`, `update_local_state`, `compute_pv`)
 //! * `S = Q Kᵀ`: Q's A fragments stay in registers for the whole launch; K's B
-//!   fragments come from `ldmatrix.x4` (two 8-token tiles per 16 dims), `HEAD_DIM / 16`
-//!   `mma`s per 8 tokens.
+//!   fragments come from shared memory ([`MmaCache::k_frags`]), `HEAD_DIM / 16` `mma`s
+//!   per 8 tokens.
 //! * Scale, soft-cap, ALiBi and the range mask on the 8 scores a lane holds; each row's
 //!   maximum over the 16 tokens with two xor-shuffles (the 4 lanes of a row); one
 //!   rescale of the output fragments per stage.
 //! * `O += P V`: the scores' C fragments are the A fragment of `P` (packed to `T`); V's
-//!   B fragments come from `ldmatrix.x4.trans`; `HEAD_DIM / 8` `mma`s.
+//!   B fragments come from shared memory ([`MmaCache::v_frags`]); `HEAD_DIM / 8`
+//!   `mma`s.
+//!
+//! # The cache's element type ([`MmaCache`])
+//! * f16 / bf16 (`K = T`): `ldmatrix.x4` (K) and `ldmatrix.x4.trans` (V) read the
+//!   fragments.
+//! * fp8: a lane decodes the bytes it needs into `T` pairs (`cvt.rn.f16x2.e4m3x2` /
+//!   `e5m2x2` on sm_90, exact: every fp8 value is an f16 and a bf16). A dot product does
+//!   not depend on the order of its terms, so the kernel orders head dims to suit the
+//!   bytes: at k-step `4u + j`, lane `t`'s four K values are the 4 contiguous bytes
+//!   `64u + 16t + 4j..` of its token's row (one 16-byte load per 4 k-steps), and q's A
+//!   fragments take the same dims. For `P V` the output's columns are ordered likewise:
+//!   lane `g` of dim tile `4u + i` serves dim `32u + 4g + i`, so one 32-bit load of a V
+//!   row gives a lane its byte of 4 dim tiles and a byte permute pairs two tokens. The
+//!   K scale joins the score scale, the V scale the final normalisation.
 //!
 //! # Shared memory
-//! [`MMA_STAGES`] slots of K then V rows, each row `HEAD_DIM` elements plus 16 bytes of
-//! padding (so the 8 rows an `ldmatrix` reads fall in distinct banks). Rows outside the
-//! attended range are zero-filled by `cp.async` (never read). At the end the warps
+//! [`MMA_STAGES`] slots of K then V rows ([`mma_k_row_words`], [`mma_v_row_words`]:
+//! padding or a chunk swizzle so a warp's loads fall in distinct banks). Rows outside
+//! the attended range are zero-filled by `cp.async` (never read). At the end the warps
 //! merge through the same memory: each publishes its output fragments and `(m, l)` per
 //! row, and every thread folds the four for a slice of one row.
 
-use crate::device::Ctx;
+use crate::device::{Ctx, e4m3x2_to_f16x2, e5m2x2_to_f16x2};
+use crate::elem::{Bf16, E4m3, E5m2, F16, KvElem};
 use crate::kernels::prefill::MmaElem;
 use crate::softmax::{LOG2_E, SoftmaxState};
 
 use super::{
     DecodeParams, FIXED_BLOCK_SIZE, MMA_MAX_HEADS, MMA_STAGE_TOKENS, MMA_STAGES, THREADS,
-    TokenRange, mma_row_words,
+    TokenRange, mma_k_row_words, mma_v_row_words,
 };
 
 /// Warps per block.
@@ -50,11 +66,174 @@ fn each_upto(n: u32, mut f: impl FnMut(usize)) {
     });
 }
 
-/// `produce_kv`: one thread's share of staging K and V. Thread `tid` copies chunk `tid
-/// % chunks` (16 bytes) of rows `tid / chunks + k * (THREADS / chunks)`, of K for `k <
-/// chunks / 2` and of V after; rows outside `start..end` are zero-filled. Methods, not
-/// closures: LLVM declines to inline a closure this large called from three places,
-/// and its captures then live in a stack frame.
+/// K's B fragments for k-steps `4u..4u + 4` of the warp's two 8-token tiles,
+/// `[k-step][tile]`.
+type KFrags = [[[u32; 2]; 2]; 4];
+
+/// A cache element type the tensor-core decode reads, over q and output of `T`: how its
+/// K and V rows lie in a stage and how a lane builds its `mma` B fragments from them
+/// (see the [module docs](self)). Lane `(g, t) = (lane / 4, lane % 4)` throughout.
+pub(super) trait MmaCache<T: MmaElem>: KvElem {
+    /// Bytes per element.
+    const BYTES: u32;
+
+    /// The 16-byte chunk of a stage's K row `row` where the row's chunk `c` lies
+    /// (`chunks` per row).
+    #[inline(always)]
+    fn k_chunk(_row: u32, c: u32, _chunks: u32) -> u32 {
+        c
+    }
+
+    /// K's B fragments for k-steps `4u..4u + 4` (`u < HEAD_DIM / 64`) of the warp's
+    /// rows (8-token tile `nt` is rows `8nt..8nt + 8`), the rows at word `kbase`, `rw`
+    /// words apart.
+    fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags;
+
+    /// V's B fragments for dim tiles `4u..4u + 4` (`u < HEAD_DIM / 32`) over the warp's
+    /// 16 rows (the tokens of `P`'s columns), the rows at word `vbase`, `rw` words
+    /// apart.
+    fn v_frags<C: Ctx>(ctx: &C, vbase: u32, rw: u32, lane: u32, u: u32) -> [[u32; 2]; 4];
+
+    /// The first dims of the two q pairs of lane `t`'s A fragment at k-step `ks`
+    /// (words 0 and 1 hold the first pair, of rows `g` and `g + 8`; words 2 and 3 the
+    /// second).
+    fn q_dims(ks: u32, t: u32) -> (u32, u32);
+
+    /// The head dim of element `e` of lane `t`'s output fragment of dim tile `j`.
+    fn o_dim(j: u32, t: u32, e: u32) -> u32;
+}
+
+/// The 16-bit caches: `ldmatrix` reads the fragments in the `mma`'s own order.
+macro_rules! mma_cache_16 {
+    ($t:ty) => {
+        impl MmaCache<$t> for $t {
+            const BYTES: u32 = 2;
+
+            #[inline(always)]
+            fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags {
+                // ldmatrix row addresses: matrix lane / 8, row lane % 8.
+                let (mi, mr) = (lane / 8, lane % 8);
+                let mut f = [[[0u32; 2]; 2]; 4];
+                each_upto(4, |j| {
+                    let ks = 4 * u + j as u32;
+                    let row = (mi / 2) * 8 + mr;
+                    let kb = ctx.ldmatrix_x4::<false>(kbase + row * rw + 8 * ks + (mi % 2) * 4);
+                    f[j] = [[kb[0], kb[1]], [kb[2], kb[3]]];
+                });
+                f
+            }
+
+            #[inline(always)]
+            fn v_frags<C: Ctx>(ctx: &C, vbase: u32, rw: u32, lane: u32, u: u32) -> [[u32; 2]; 4] {
+                let (mi, mr) = (lane / 8, lane % 8);
+                let mut f = [[0u32; 2]; 4];
+                each_upto(2, |h| {
+                    let jj = 2 * u + h as u32;
+                    let row = (mi % 2) * 8 + mr;
+                    let vb = ctx.ldmatrix_x4::<true>(vbase + row * rw + 8 * jj + (mi / 2) * 4);
+                    f[2 * h] = [vb[0], vb[1]];
+                    f[2 * h + 1] = [vb[2], vb[3]];
+                });
+                f
+            }
+
+            #[inline(always)]
+            fn q_dims(ks: u32, t: u32) -> (u32, u32) {
+                (16 * ks + 2 * t, 16 * ks + 2 * t + 8)
+            }
+
+            #[inline(always)]
+            fn o_dim(j: u32, t: u32, e: u32) -> u32 {
+                8 * j + 2 * t + e % 2
+            }
+        }
+    };
+}
+mma_cache_16!(F16);
+mma_cache_16!(Bf16);
+
+/// The fp8 caches over q of `$t`: `$cvt` decodes two packed fp8 values to two f16s.
+macro_rules! mma_cache_fp8 {
+    ($t:ty, $k:ty, $cvt:ident) => {
+        impl MmaCache<$t> for $k {
+            const BYTES: u32 = 1;
+
+            /// Odd rows swap the halves of a row of 8 or more chunks: a quarter-warp
+            /// (rows `2i`, `2i + 1`, 4 lanes each reading 16 bytes) then covers all
+            /// 32 banks once.
+            #[inline(always)]
+            fn k_chunk(row: u32, c: u32, chunks: u32) -> u32 {
+                if chunks >= 8 { c ^ (4 * (row % 2)) } else { c }
+            }
+
+            #[inline(always)]
+            fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags {
+                let (g, t) = (lane / 4, lane % 4);
+                let chunks = rw / 4;
+                // Row 8nt + g's 16 bytes: word j holds k-step 4u + j's 4 values.
+                let row = |nt: u32| {
+                    let r = 8 * nt + g;
+                    let c = <$k as MmaCache<$t>>::k_chunk(r, 4 * u + t, chunks);
+                    ctx.smem_ld_v4(kbase + r * rw + 4 * c)
+                };
+                let (a, b) = (row(0), row(1));
+                let cv = |w: u32| -> [u32; 2] {
+                    [
+                        <$t>::from_f16x2($cvt(w as u16)),
+                        <$t>::from_f16x2($cvt((w >> 16) as u16)),
+                    ]
+                };
+                [
+                    [cv(a[0]), cv(b[0])],
+                    [cv(a[1]), cv(b[1])],
+                    [cv(a[2]), cv(b[2])],
+                    [cv(a[3]), cv(b[3])],
+                ]
+            }
+
+            #[inline(always)]
+            fn v_frags<C: Ctx>(ctx: &C, vbase: u32, rw: u32, lane: u32, u: u32) -> [[u32; 2]; 4] {
+                let (g, t) = (lane / 4, lane % 4);
+                // Rows 2t, 2t + 1 (k = 2t, 2t + 1) and 2t + 8, 2t + 9; word 8u + g.
+                let w = |r: u32| ctx.smem_ld_u32(vbase + r * rw + 8 * u + g);
+                let (w0, w1, w2, w3) = (w(2 * t), w(2 * t + 1), w(2 * t + 8), w(2 * t + 9));
+                // Byte i of two rows, as one fp8 pair decoded to `T`.
+                let cv = |a: u32, b: u32, i: u32| -> u32 {
+                    let pair = ((a >> (8 * i)) & 0xff) | (((b >> (8 * i)) & 0xff) << 8);
+                    <$t>::from_f16x2($cvt(pair as u16))
+                };
+                [
+                    [cv(w0, w1, 0), cv(w2, w3, 0)],
+                    [cv(w0, w1, 1), cv(w2, w3, 1)],
+                    [cv(w0, w1, 2), cv(w2, w3, 2)],
+                    [cv(w0, w1, 3), cv(w2, w3, 3)],
+                ]
+            }
+
+            #[inline(always)]
+            fn q_dims(ks: u32, t: u32) -> (u32, u32) {
+                let d = 64 * (ks / 4) + 16 * t + 4 * (ks % 4);
+                (d, d + 2)
+            }
+
+            #[inline(always)]
+            fn o_dim(j: u32, t: u32, e: u32) -> u32 {
+                32 * (j / 4) + 4 * (2 * t + e % 2) + j % 4
+            }
+        }
+    };
+}
+mma_cache_fp8!(F16, E4m3, e4m3x2_to_f16x2);
+mma_cache_fp8!(F16, E5m2, e5m2x2_to_f16x2);
+mma_cache_fp8!(Bf16, E4m3, e4m3x2_to_f16x2);
+mma_cache_fp8!(Bf16, E5m2, e5m2x2_to_f16x2);
+
+/// `produce_kv`: one thread's share of staging K and V. With `chunks` 16-byte chunks
+/// per row, thread `tid` copies chunk `tid % chunks` of rows `tid / chunks + k *
+/// (THREADS / chunks)`, of K for `k < chunks / 2` and of V after; rows outside
+/// `start..end` are zero-filled. Methods, not closures: LLVM declines to inline a
+/// closure this large called from three places, and its captures then live in a stack
+/// frame.
 struct KvProducer<const D: u32> {
     tid: u32,
     /// First token of stage 0 (`start` rounded down to a stage).
@@ -75,10 +254,10 @@ impl<const D: u32> KvProducer<D> {
     /// Looks up the physical blocks of stage `s` that hold an attended token (the
     /// others keep a stale entry, never read through).
     #[inline(always)]
-    fn lookup<T: MmaElem, C: Ctx>(
+    fn lookup<T: MmaElem, K: MmaCache<T>, C: Ctx>(
         &self,
         ctx: &C,
-        p: &DecodeParams<T, T>,
+        p: &DecodeParams<T, K>,
         phys: &mut [u32; 4],
         s: u32,
     ) {
@@ -96,36 +275,44 @@ impl<const D: u32> KvProducer<D> {
     /// Issues stage `s`'s copies into `slot` (none past the last stage) and commits a
     /// group either way, so the group count per stage stays fixed.
     #[inline(always)]
-    fn issue<T: MmaElem, C: Ctx>(
+    fn issue<T: MmaElem, K: MmaCache<T>, C: Ctx>(
         &self,
         ctx: &C,
-        p: &DecodeParams<T, T>,
+        p: &DecodeParams<T, K>,
         phys: &[u32; 4],
         s: u32,
         slot: u32,
     ) {
-        let chunks = D / 8;
-        let rw = mma_row_words(D);
-        let half = MMA_STAGE_TOKENS * rw;
+        let chunks = D * K::BYTES / 16;
+        let (krw, vrw) = (mma_k_row_words(D, K::BYTES), mma_v_row_words(D, K::BYTES));
+        let k_words = MMA_STAGE_TOKENS * krw;
         let rows_per_pass = THREADS / chunks;
         if s < self.num_stages {
-            let base = slot * 2 * half;
+            let base = slot * (k_words + MMA_STAGE_TOKENS * vrw);
             let span = self.end - self.start;
+            let c = self.tid % chunks;
             each_upto(chunks, |k| {
                 let kv = k as u32 / (chunks / 2); // 0: K, 1: V
                 let pass = k as u32 % (chunks / 2);
                 let row = self.tid / chunks + pass * rows_per_pass;
-                // The row's block, a constant: `tid / chunks < rows_per_pass`, and
-                // `rows_per_pass` (8 or 16) divides or is the block size.
-                let blk = (pass * rows_per_pass / FIXED_BLOCK_SIZE) as usize;
+                // The row's block: a constant when `rows_per_pass` (8 or 16) divides
+                // or is the block size; of two when it is 32 (fp8 at head_dim 64).
+                let lo = (pass * rows_per_pass / FIXED_BLOCK_SIZE) as usize;
+                let block =
+                    if rows_per_pass > FIXED_BLOCK_SIZE && self.tid / chunks >= FIXED_BLOCK_SIZE {
+                        phys[lo + 1]
+                    } else {
+                        phys[lo]
+                    };
                 let tok = self.first + s * MMA_STAGE_TOKENS + row;
-                let src = phys[blk] as u64 * self.block_stride
+                let src = block as u64 * self.block_stride
                     + (self.kv_off + (row % FIXED_BLOCK_SIZE) * D) as u64;
-                let word = base + kv * half + row * rw + (self.tid % chunks) * 4;
                 let read = tok.wrapping_sub(self.start) < span;
                 if kv == 0 {
+                    let word = base + row * krw + 4 * K::k_chunk(row, c, chunks);
                     ctx.cp_async_16_or_zero(word, &p.key_cache, src, read);
                 } else {
+                    let word = base + k_words + row * vrw + 4 * c;
                     ctx.cp_async_16_or_zero(word, &p.value_cache, src, read);
                 }
             });
@@ -134,16 +321,61 @@ impl<const D: u32> KvProducer<D> {
     }
 }
 
-/// The tensor-core decode kernel: head_dim `D` (64 or 128), block size 16, q / out and
-/// the cache of `T` (see the [module docs](self)).
+/// `compute_qk` for k-steps `4u..4u + 4` (head dims of unit `u`): adds their
+/// products to the scores of the warp's two 8-token tiles. A function, not a closure,
+/// called once per unit: the closure LLVM would not inline (its captures then go to
+/// local memory).
 #[inline(always)]
-pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodeParams<T, T>) {
+fn compute_qk<T: MmaElem, K: MmaCache<T>, C: Ctx>(
+    ctx: &C,
+    kbase: u32,
+    krw: u32,
+    lane: u32,
+    u: u32,
+    qa: &[[u32; 4]; 8],
+    sc: &mut [[f32; 4]; 2],
+) {
+    let kb = K::k_frags(ctx, kbase, krw, lane, u);
+    each_upto(4, |j| {
+        let ks = (4 * u) as usize + j;
+        sc[0] = T::mma(ctx, qa[ks], kb[j][0], sc[0]);
+        sc[1] = T::mma(ctx, qa[ks], kb[j][1], sc[1]);
+    });
+}
+
+/// `compute_pv` for dim tiles `4u..4u + 4`: adds `P V` to their output fragments (see
+/// [`compute_qk`] for why a function).
+#[inline(always)]
+fn compute_pv<T: MmaElem, K: MmaCache<T>, C: Ctx>(
+    ctx: &C,
+    vbase: u32,
+    vrw: u32,
+    lane: u32,
+    u: u32,
+    pa: &[u32; 4],
+    o: &mut [[f32; 4]; 16],
+) {
+    let vb = K::v_frags(ctx, vbase, vrw, lane, u);
+    each_upto(4, |i| {
+        let j = (4 * u) as usize + i;
+        o[j] = T::mma(ctx, *pa, vb[i], o[j]);
+    });
+}
+
+/// The tensor-core decode kernel: head_dim `D` (64 or 128), block size 16, q / out of
+/// `T`, a cache of `K` (`T`, or fp8 with per-KV-head scales; see the [module
+/// docs](self)).
+#[inline(always)]
+pub(super) fn decode_mma<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
+    ctx: &C,
+    p: &DecodeParams<T, K>,
+) {
     let l = &p.layout;
     let split = p.num_partitions > 1;
-    let rw = mma_row_words(D);
-    let half = MMA_STAGE_TOKENS * rw; // words of one slot's K (or V) rows
-    let slot_words = 2 * half;
-    let chunks = D / 8; // 16-byte chunks per row
+    let (krw, vrw) = (mma_k_row_words(D, K::BYTES), mma_v_row_words(D, K::BYTES));
+    let k_words = MMA_STAGE_TOKENS * krw; // words of one slot's K rows
+    let slot_words = k_words + MMA_STAGE_TOKENS * vrw;
+    let chunks = D * K::BYTES / 16; // 16-byte chunks per row
     let tid = ctx.thread_idx().x % THREADS;
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t) = (lane / 4, lane % 4);
@@ -172,7 +404,19 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
     let span = end.saturating_sub(start);
     let in_range = |t: u32| t.wrapping_sub(start) < span;
 
-    // Q's A fragments: k-step ks holds rows g and g + 8, dims 16ks + 2t (+1) and +8.
+    // The cache's scales for this KV head: K's joins the score scale, V's the output's
+    // normalisation.
+    let (k_scale, v_scale) = if K::SCALED {
+        (
+            ctx.ld(&p.k_scales, kv_head as u64),
+            ctx.ld(&p.v_scales, kv_head as u64),
+        )
+    } else {
+        (1.0, 1.0)
+    };
+
+    // Q's A fragments: k-step ks holds rows g and g + 8, two pairs of dims each (which
+    // dims: `K::q_dims`).
     let q_row = |r: u32| seq as u64 * p.q_row_stride + (qh0 + r) as u64 * D as u64;
     let q_pair = |r: u32, d: u32| -> u32 {
         if r < nh && num_stages > 0 {
@@ -186,16 +430,16 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
     };
     let mut qa = [[0u32; 4]; 8];
     each_upto(D / 16, |ks| {
-        let d = 16 * ks as u32 + 2 * t;
+        let (d0, d1) = K::q_dims(ks as u32, t);
         qa[ks] = [
-            q_pair(g, d),
-            q_pair(g + 8, d),
-            q_pair(g, d + 8),
-            q_pair(g + 8, d + 8),
+            q_pair(g, d0),
+            q_pair(g + 8, d0),
+            q_pair(g, d1),
+            q_pair(g + 8, d1),
         ];
     });
     // Scores in log2 units; the ALiBi slope of rows g and g + 8 likewise.
-    let s_scale = p.scale * LOG2_E;
+    let s_scale = p.scale * k_scale * LOG2_E;
     let slope = |r: u32| {
         if r < nh && num_stages > 0 && !p.alibi_slopes.is_empty() {
             ctx.ld(&p.alibi_slopes, (qh0 + r) as u64) * LOG2_E
@@ -217,7 +461,7 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
         num_stages,
         table_row: seq as u64 * p.max_blocks_per_seq as u64,
         block_stride: l.num_kv_heads as u64 * (FIXED_BLOCK_SIZE * D) as u64,
-        kv_off: kv_head * FIXED_BLOCK_SIZE * D + (tid % chunks) * 8,
+        kv_off: kv_head * FIXED_BLOCK_SIZE * D + (tid % chunks) * (16 / K::BYTES),
     };
     let mut phys = [0u32; 4];
     producer.lookup(ctx, p, &mut phys, 0);
@@ -230,8 +474,6 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
 
     let mut state = [SoftmaxState::EMPTY; 2]; // rows g, g + 8 (l: this lane's share)
     let mut o = [[0.0f32; 4]; 16]; // D / 8 dim tiles
-    // ldmatrix row addresses: matrix lane / 8, row lane % 8.
-    let (mi, mr) = (lane / 8, lane % 8);
     let mut slot = 0;
     let mut i = 0;
     while i < num_stages {
@@ -243,19 +485,16 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
         producer.issue(ctx, p, &phys, i + MMA_STAGES - 1, fill);
         producer.lookup(ctx, p, &mut phys, i + MMA_STAGES);
 
-        let kbase = slot * slot_words + warp * WARP_ROWS * rw;
-        let vbase = kbase + half;
+        let kbase = slot * slot_words + warp * WARP_ROWS * krw;
+        let vbase = slot * slot_words + k_words + warp * WARP_ROWS * vrw;
         let tok0 = first + i * MMA_STAGE_TOKENS + warp * WARP_ROWS;
 
-        // compute_qk: S[nt] for the 8-token tiles nt = 0, 1.
+        // compute_qk: S[nt] for the 8-token tiles nt = 0, 1; 64 dims a unit.
         let mut sc = [[0.0f32; 4]; 2];
-        each_upto(D / 16, |ks| {
-            let row = (mi / 2) * 8 + mr;
-            let w = kbase + row * rw + (16 * ks as u32 + (mi % 2) * 8) / 2;
-            let kb = ctx.ldmatrix_x4::<false>(w);
-            sc[0] = T::mma(ctx, qa[ks], [kb[0], kb[1]], sc[0]);
-            sc[1] = T::mma(ctx, qa[ks], [kb[2], kb[3]], sc[1]);
-        });
+        compute_qk::<T, K, C>(ctx, kbase, krw, lane, 0, &qa, &mut sc);
+        if D > 64 {
+            compute_qk::<T, K, C>(ctx, kbase, krw, lane, 1, &qa, &mut sc);
+        }
         // update_local_state: scale, cap, ALiBi, mask; row maxima; one rescale.
         let mut mx = [f32::NEG_INFINITY; 2];
         each_upto(2, |nt| {
@@ -315,14 +554,13 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
             T::pack2(pw[1][0], pw[1][1]),
             T::pack2(pw[1][2], pw[1][3]),
         ];
-        // compute_pv: two dim tiles per ldmatrix.x4.trans.
-        each_upto(D / 16, |jj| {
-            let row = (mi % 2) * 8 + mr;
-            let w = vbase + row * rw + (16 * jj as u32 + (mi / 2) * 8) / 2;
-            let vb = ctx.ldmatrix_x4::<true>(w);
-            o[2 * jj] = T::mma(ctx, pa, [vb[0], vb[1]], o[2 * jj]);
-            o[2 * jj + 1] = T::mma(ctx, pa, [vb[2], vb[3]], o[2 * jj + 1]);
-        });
+        // compute_pv: four dim tiles (32 dims) a unit.
+        compute_pv::<T, K, C>(ctx, vbase, vrw, lane, 0, &pa, &mut o);
+        compute_pv::<T, K, C>(ctx, vbase, vrw, lane, 1, &pa, &mut o);
+        if D > 64 {
+            compute_pv::<T, K, C>(ctx, vbase, vrw, lane, 2, &pa, &mut o);
+            compute_pv::<T, K, C>(ctx, vbase, vrw, lane, 3, &pa, &mut o);
+        }
         slot = if slot + 1 == MMA_STAGES { 0 } else { slot + 1 };
         i += 1;
     }
@@ -341,7 +579,7 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
     each_upto(D / 8, |j| {
         each_upto(4, |e| {
             let row = g + 8 * (e as u32 / 2);
-            let col = 8 * j as u32 + 2 * t + e as u32 % 2;
+            let col = K::o_dim(j as u32, t, e as u32);
             ctx.smem_st_f32(obase + row * D + col, o[j][e]);
         });
     });
@@ -385,10 +623,10 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
         let at = (head * p.num_partitions as u64 + part as u64) * D as u64 + d0 as u64;
         each_upto(per / 4, |w| {
             let bits = [
-                acc[4 * w].to_bits(),
-                acc[4 * w + 1].to_bits(),
-                acc[4 * w + 2].to_bits(),
-                acc[4 * w + 3].to_bits(),
+                (acc[4 * w] * v_scale).to_bits(),
+                (acc[4 * w + 1] * v_scale).to_bits(),
+                (acc[4 * w + 2] * v_scale).to_bits(),
+                (acc[4 * w + 3] * v_scale).to_bits(),
             ];
             ctx.st_v4(&p.part_out, at + 4 * w as u64, bits);
         });
@@ -398,7 +636,7 @@ pub(super) fn decode_mma<T: MmaElem, C: Ctx, const D: u32>(ctx: &C, p: &DecodePa
             ctx.st(&p.part_ml, mlat + 1, merged.l);
         }
     } else {
-        let inv = 1.0 / merged.l;
+        let inv = v_scale / merged.l;
         let at = seq as u64 * p.out_row_stride + (qh0 + row) as u64 * D as u64 + d0 as u64;
         each_upto(per / 8, |w| {
             let vals: [f32; 8] = core::array::from_fn(|e| acc[8 * w + e] * inv);

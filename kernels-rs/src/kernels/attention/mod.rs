@@ -71,8 +71,11 @@ pub const STAGES: u32 = 4;
 pub const STAGE_BYTES: u32 = 8192;
 /// 16-byte copies one thread issues per stage (`STAGE_BYTES / 16 / THREADS`).
 pub const PIECES_PER_THREAD: u32 = STAGE_BYTES / 16 / THREADS;
-/// Threads per block of the reduce kernel; each owns one `(query head, 16-byte chunk)`.
+/// Threads per block of the reduce kernel (a multiple of [`REDUCE_LANES`]).
 pub const REDUCE_THREADS: u32 = 64;
+/// Adjacent lanes of the reduce that share one `(query head, 16-byte chunk)`, each
+/// folding every `REDUCE_LANES`-th partition (a power of two, at most the warp).
+pub const REDUCE_LANES: u32 = 8;
 /// Most 16-byte chunks of one head vector a thread holds (`head_dim <= 256`).
 pub const fn max_vec(per_v4: u32) -> u32 {
     let v = 256 / (per_v4 * WARP_SIZE);
@@ -250,8 +253,8 @@ where
 /// from `layout` at run time); `HEAD_DIM` in [`FIXED_HEAD_DIMS`] is the kernel for that
 /// head_dim and block size [`FIXED_BLOCK_SIZE`], its geometry compile-time constants
 /// (unrolled shuffle reductions, constant page addressing). Launch the one
-/// [`fixed_head_dim`] names. With an f16 or bf16 cache (`K = T`) and `HEAD_DIM` in
-/// [`MMA_HEAD_DIMS`] the kernel runs on tensor cores (`decode_mma`: its grid and
+/// [`fixed_head_dim`] names. With `HEAD_DIM` in [`MMA_HEAD_DIMS`] and q of f16 or bf16
+/// the kernel runs on tensor cores for every cache type (`decode_mma`: its grid and
 /// parameters are the same; up to [`MMA_MAX_HEADS`] query heads a block and
 /// [`mma_shared_bytes`] of shared memory).
 #[derive(Clone, Copy, Debug)]
@@ -316,10 +319,11 @@ pub const FIXED_BLOCK_SIZE: u32 = 16;
 /// (Llama, Mistral and Qwen at 128; Gemma 2 at 256; small models at 64).
 pub const FIXED_HEAD_DIMS: [u32; 3] = [64, 128, 256];
 
-/// head_dims whose compile-time decode kernel runs on tensor cores when the cache is
-/// f16 or bf16 (see `decode_mma`): the group's query heads are the M rows of
-/// `mma.m16n8k16`. head_dim 256 keeps the CUDA-core body (its stages would not fit an
-/// sm_80 SM's shared memory at this depth).
+/// head_dims whose compile-time decode kernel runs on tensor cores (see `decode_mma`):
+/// the group's query heads are the M rows of `mma.m16n8k16`. Every cache type has one:
+/// f16 and bf16 are read with `ldmatrix`, fp8 (`e4m3`, `e5m2`) is decoded to q's type
+/// on its way from shared memory into the B fragments. head_dim 256 keeps the CUDA-core
+/// body (its stages would not fit an sm_80 SM's shared memory at this depth).
 pub const MMA_HEAD_DIMS: [u32; 2] = [64, 128];
 /// Most query heads one tensor-core decode block serves (the 16 rows of an `mma`).
 pub const MMA_MAX_HEADS: u32 = 16;
@@ -328,18 +332,32 @@ pub const MMA_STAGE_TOKENS: u32 = 64;
 /// Stages of the tensor-core decode kernel's pipeline (`MMA_STAGES - 1` in flight).
 pub const MMA_STAGES: u32 = 3;
 
-/// 32-bit words per K or V row of the tensor-core decode kernel's stages: `head_dim`
-/// 16-bit elements and 16 bytes of padding (so the 8 rows an `ldmatrix` reads fall in
-/// distinct banks).
-pub const fn mma_row_words(head_dim: u32) -> u32 {
-    head_dim / 2 + 4
+/// 32-bit words per K row of the tensor-core decode kernel's stages, for a cache of
+/// `elem_bytes`-byte elements. 16-bit: `head_dim` elements and 16 bytes of padding (so
+/// the 8 rows an `ldmatrix` reads fall in distinct banks). fp8: `head_dim` bytes, no
+/// padding (a lane reads 16 bytes of a row, and odd rows swap their halves' 16-byte
+/// chunks, so a quarter-warp's two rows fall in distinct banks).
+pub const fn mma_k_row_words(head_dim: u32, elem_bytes: u32) -> u32 {
+    if elem_bytes == 2 {
+        head_dim / 2 + 4
+    } else {
+        head_dim / 4
+    }
 }
 
-/// Dynamic shared memory of the tensor-core decode kernel, in bytes: the stages, which
-/// the final merge of its warps reuses (`4 x 16 x head_dim` output words and two words
-/// per warp and row).
-pub const fn mma_shared_bytes(head_dim: u32) -> u32 {
-    let stages = MMA_STAGES * 2 * MMA_STAGE_TOKENS * mma_row_words(head_dim);
+/// 32-bit words per V row of the tensor-core decode kernel's stages: the row and 16
+/// bytes of padding (16-bit: the 8 rows an `ldmatrix.trans` reads; fp8: the 4 rows
+/// `2t, 2t + 2, ..` the lanes `t` of one word column read, in distinct banks).
+pub const fn mma_v_row_words(head_dim: u32, elem_bytes: u32) -> u32 {
+    head_dim * elem_bytes / 4 + 4
+}
+
+/// Dynamic shared memory of the tensor-core decode kernel, in bytes, for a cache of
+/// `elem_bytes`-byte elements: the stages, which the final merge of its warps reuses
+/// (`4 x 16 x head_dim` output words and two words per warp and row).
+pub const fn mma_shared_bytes(head_dim: u32, elem_bytes: u32) -> u32 {
+    let row = mma_k_row_words(head_dim, elem_bytes) + mma_v_row_words(head_dim, elem_bytes);
+    let stages = MMA_STAGES * MMA_STAGE_TOKENS * row;
     let merge = (THREADS / 32) * MMA_MAX_HEADS * (head_dim + 2);
     4 * if stages > merge { stages } else { merge }
 }

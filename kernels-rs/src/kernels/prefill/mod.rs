@@ -267,6 +267,9 @@ pub trait MmaElem: Elem {
     fn mma<C: Ctx>(ctx: &C, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4];
     /// Two `f32`s as this type, packed low first.
     fn pack2(lo: f32, hi: f32) -> u32;
+    /// Two f16s (packed low first) as this type, for values this type holds exactly
+    /// (every fp8 value does: the tensor-core decode over an fp8 cache).
+    fn from_f16x2(bits: u32) -> u32;
 }
 
 /// `exp2(sc - m)`, 0 for a masked score (never `exp2(-inf - -inf)`).
@@ -288,6 +291,10 @@ impl MmaElem for F16 {
     fn pack2(lo: f32, hi: f32) -> u32 {
         F16::from_f32(lo).0 as u32 | (F16::from_f32(hi).0 as u32) << 16
     }
+    #[inline(always)]
+    fn from_f16x2(bits: u32) -> u32 {
+        bits
+    }
 }
 
 impl MmaElem for Bf16 {
@@ -298,6 +305,11 @@ impl MmaElem for Bf16 {
     #[inline(always)]
     fn pack2(lo: f32, hi: f32) -> u32 {
         Bf16::from_f32(lo).0 as u32 | (Bf16::from_f32(hi).0 as u32) << 16
+    }
+    #[inline(always)]
+    fn from_f16x2(bits: u32) -> u32 {
+        use crate::device::f16_to_f32;
+        Self::pack2(f16_to_f32(bits as u16), f16_to_f32((bits >> 16) as u16))
     }
 }
 
