@@ -76,6 +76,12 @@ pub const REDUCE_THREADS: u32 = 64;
 /// Adjacent lanes of the reduce that share one `(query head, 16-byte chunk)`, each
 /// folding every `REDUCE_LANES`-th partition (a power of two, at most the warp).
 pub const REDUCE_LANES: u32 = 8;
+// A lane group is whole inside a warp and a block: its shuffles never cross either.
+const _: () = assert!(
+    REDUCE_LANES.is_power_of_two()
+        && REDUCE_LANES <= WARP_SIZE
+        && REDUCE_THREADS.is_multiple_of(REDUCE_LANES)
+);
 /// Most 16-byte chunks of one head vector a thread holds (`head_dim <= 256`).
 pub const fn max_vec(per_v4: u32) -> u32 {
     let v = 256 / (per_v4 * WARP_SIZE);
