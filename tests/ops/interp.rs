@@ -191,46 +191,35 @@ fn decode_all(a: &Arch) -> Outcome {
     for dtype in [DType::F16, DType::Bf16] {
         for head_dim in MMA_HEAD_DIMS {
             for cache in caches {
-                cases.push((
-                    Params {
-                        dtype,
-                        head_dim,
-                        block_size: FIXED_BLOCK_SIZE,
-                        num_kv_heads: 1,
-                        group: 4,
-                        batch: 2,
-                        max_len: 500,
-                        window: Some(300),
-                        softcap: Some(12.0),
-                        alibi: true,
-                        partition: Some(128),
-                        narrow_heads: false,
-                        seed: 300 + i,
-                        full_length: false,
-                    },
-                    cache,
-                ));
+                let long = Params {
+                    dtype,
+                    head_dim,
+                    block_size: FIXED_BLOCK_SIZE,
+                    num_kv_heads: 1,
+                    group: 4,
+                    batch: 2,
+                    max_len: 500,
+                    window: Some(300),
+                    softcap: Some(12.0),
+                    alibi: true,
+                    partition: Some(128),
+                    narrow_heads: false,
+                    seed: 300 + i,
+                    full_length: false,
+                };
                 // And once without soft-cap, window or ALiBi (the other side of
                 // each of their branches), shorter.
-                cases.push((
-                    Params {
-                        dtype,
-                        head_dim,
-                        block_size: FIXED_BLOCK_SIZE,
-                        num_kv_heads: 1,
-                        group: 4,
-                        batch: 2,
-                        max_len: 150,
-                        window: None,
-                        softcap: None,
-                        alibi: false,
-                        partition: Some(64),
-                        narrow_heads: false,
-                        seed: 350 + i,
-                        full_length: false,
-                    },
-                    cache,
-                ));
+                let plain = Params {
+                    max_len: 150,
+                    window: None,
+                    softcap: None,
+                    alibi: false,
+                    partition: Some(64),
+                    seed: 350 + i,
+                    ..long
+                };
+                cases.push((long, cache));
+                cases.push((plain, cache));
                 i += 1;
             }
         }
