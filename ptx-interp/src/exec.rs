@@ -1078,6 +1078,7 @@ impl Cta<'_, '_> {
                         AddF32 => fb(f(x) + f(y)),
                         SubF32 => fb(f(x) - f(y)),
                         MulF32 => fb(f(x) * f(y)),
+                        MulF16x2 => num::mul_f16x2(x as u32, y as u32) as u64,
                         DivF32 => fb(f(x) / f(y)),
                         E4m3x2FromF32 => num::f32x2_to_fp8x2(E4M3, f(x), f(y)) as u64,
                         E5m2x2FromF32 => num::f32x2_to_fp8x2(E5M2, f(x), f(y)) as u64,

@@ -58,6 +58,8 @@ pub(crate) enum BinOp {
     AddF32,
     SubF32,
     MulF32,
+    /// `mul.rn.f16x2`: per 16-bit half, the f16 product rounded to nearest even.
+    MulF16x2,
     DivF32,
     AndPred,
     OrPred,
@@ -330,7 +332,9 @@ impl Op {
         use BinOp::*;
         match self {
             Op::Bin { op, .. } => match op {
-                AddF32 | SubF32 | MulF32 | E4m3x2FromF32 | E5m2x2FromF32 => InstClass::Float,
+                AddF32 | SubF32 | MulF32 | MulF16x2 | E4m3x2FromF32 | E5m2x2FromF32 => {
+                    InstClass::Float
+                }
                 DivF32 => InstClass::Special,
                 _ => InstClass::Integer,
             },

@@ -155,6 +155,15 @@ pub(crate) fn f32_to_f16(x: f32) -> u16 {
     F16.round_to(x as f64, false) as u16
 }
 
+/// `mul.rn.f16x2 d, a, b` (PTX ISA, mul (half precision)): per 16-bit half, the
+/// product of the f16 values rounded to nearest even, subnormals kept (no `.ftz`).
+/// The f64 product of two f16s is exact, so this rounds once.
+pub(crate) fn mul_f16x2(a: u32, b: u32) -> u32 {
+    let half =
+        |x: u32, y: u32| F16.round_to(F16.decode(x & 0xFFFF) * F16.decode(y & 0xFFFF), false);
+    half(a, b) | half(a >> 16, b >> 16) << 16
+}
+
 /// `cvt.rn.bf16.f32`.
 pub(crate) fn f32_to_bf16(x: f32) -> u16 {
     BF16.round_to(x as f64, false) as u16

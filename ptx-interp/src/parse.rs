@@ -876,6 +876,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "add.rn.f32" => bin(self, AddF32, f32t, f32t)?,
             "sub.rn.f32" => bin(self, SubF32, f32t, f32t)?,
             "mul.rn.f32" => bin(self, MulF32, f32t, f32t)?,
+            "mul.rn.f16x2" => bin(self, MulF16x2, b32, b32)?,
             "div.rn.f32" => bin(self, DivF32, f32t, f32t)?,
             "cvt.rn.satfinite.e4m3x2.f32" => bin(self, E4m3x2FromF32, f32t, f32t)?,
             "cvt.rn.satfinite.e5m2x2.f32" => bin(self, E5m2x2FromF32, f32t, f32t)?,

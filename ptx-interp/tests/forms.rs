@@ -392,6 +392,28 @@ fn xor_and_funnel_shift_forms() {
     assert_eq!(buf[5], 0x1234_5678, "shf.l.wrap by 36 shifts by 4");
 }
 
+/// `mul.rn.f16x2` (PTX ISA, half-precision mul): per half, the f16 product rounded to
+/// nearest even, subnormals kept: 1 x 256; the smallest subnormal x 256 (2^-16, still
+/// subnormal); (1 + 2^-10)^2 = 1 + 2^-9 + 2^-20, which rounds to 1 + 2^-9; 65504 x 2
+/// overflows to infinity. sm_80's packed fp8 decode multiplies by 256 with it.
+#[test]
+fn f16x2_multiply_form() {
+    let body = "\tld.global.u32 %r2, [%rd2];\n\tld.global.u32 %r3, [%rd2+4];\n\
+        \tld.global.u32 %r4, [%rd2+8];\n\tld.global.u32 %r5, [%rd2+12];\n\
+        \tmul.rn.f16x2 %r6, %r2, %r3;\n\tst.global.u32 [%rd2+16], %r6;\n\
+        \tmul.rn.f16x2 %r7, %r4, %r5;\n\tst.global.u32 [%rd2+20], %r7;";
+    let mut buf = vec![0u32; 6];
+    buf[0] = 0x0001_3C00; // (1, 2^-24)
+    buf[1] = 0x5C00_5C00; // (256, 256)
+    buf[2] = 0x7BFF_3C01; // (1 + 2^-10, 65504)
+    buf[3] = 0x4000_3C01; // (1 + 2^-10, 2)
+    run(body, 1, 0, &mut buf);
+    assert_eq!(buf[4] & 0xFFFF, 0x5C00, "1 x 256");
+    assert_eq!(buf[4] >> 16, 0x0100, "2^-24 x 256 = 2^-16, a subnormal");
+    assert_eq!(buf[5] & 0xFFFF, 0x3C02, "(1 + 2^-10)^2 rounds to 1 + 2^-9");
+    assert_eq!(buf[5] >> 16, 0x7C00, "65504 x 2 overflows to infinity");
+}
+
 /// `cp.async` with a src-size operand: 0 reads nothing and zero-fills the 16 bytes
 /// (checked in shared memory: the launch traps otherwise), 16 copies them; only the
 /// bytes read count as read. Any other src-size is refused.
