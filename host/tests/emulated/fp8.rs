@@ -153,20 +153,36 @@ fn check_encode(x: f32, f: Fmt, table: &[(f64, u8)]) {
     }
 }
 
-/// The f16 decoders of one format: software (per byte, through the x2 form) and the
-/// hardware model.
-fn f16x2_decoders(f: Fmt) -> [F16x2Decoder; 3] {
+/// `mul.rn.f16x2` in software: each half's product is exact in f32 (11-bit
+/// significands), then rounded to f16 once.
+fn mul_f16x2(a: u32, b: u32) -> u32 {
+    use pagedkv_kernels::device::{f16_to_f32, f32_to_f16};
+    let half = |x: u32, y: u32| f32_to_f16(f16_to_f32(x as u16) * f16_to_f32(y as u16)) as u32;
+    half(a, b) | half(a >> 16, b >> 16) << 16
+}
+
+/// sm_80's two-at-a-time e4m3 decoder, with the software f16x2 multiply.
+fn packed_e4m3(v: u16) -> u32 {
+    dev::packed::e4m3x2_to_f16x2(v, mul_f16x2)
+}
+
+/// The f16 decoders of one format: software (per byte, through the x2 form), the
+/// hardware model, the device's (on the host: the software one) and the packed one
+/// the sm_80 PTX runs.
+fn f16x2_decoders(f: Fmt) -> [F16x2Decoder; 4] {
     if f.ieee_specials {
         [
             ("soft", soft::e5m2x2_to_f16x2),
             ("hw model", hw::cvt_rn_f16x2_e5m2x2),
             ("device", dev::e5m2x2_to_f16x2),
+            ("packed", dev::packed::e5m2x2_to_f16x2),
         ]
     } else {
         [
             ("soft", soft::e4m3x2_to_f16x2),
             ("hw model", hw::cvt_rn_f16x2_e4m3x2),
             ("device", dev::e4m3x2_to_f16x2),
+            ("packed", packed_e4m3),
         ]
     }
 }
@@ -231,10 +247,11 @@ fn every_byte_decodes_exactly() {
 fn every_byte_pair_unpacks_to_f16x2_alike() {
     for f in FORMATS {
         for v in 0..=u16::MAX {
-            let [(_, soft_dec), (_, hw_dec), (_, dev_dec)] = f16x2_decoders(f);
+            let [(_, soft_dec), (_, hw_dec), (_, dev_dec), (_, packed_dec)] = f16x2_decoders(f);
             let s = soft_dec(v);
             assert_eq!(s, hw_dec(v), "{} soft vs hw model on {v:#06x}", f.name);
             assert_eq!(s, dev_dec(v), "{} soft vs device on {v:#06x}", f.name);
+            assert_eq!(s, packed_dec(v), "{} soft vs packed on {v:#06x}", f.name);
             // Element 0 (low byte) lands in the low half, and each half is the byte's
             // value (exact in f16).
             for (half, byte) in [(s as u16, v as u8), ((s >> 16) as u16, (v >> 8) as u8)] {

@@ -111,17 +111,102 @@ pub fn f32x2_to_e5m2x2(lo: f32, hi: f32) -> u16 {
 
 /// Two packed `e4m3` → two packed f16 (exact): bits 7:0 → bits 15:0, bits 15:8 →
 /// bits 31:16 (`cvt.rn.f16x2.e4m3x2`). Widen each half with
-/// [`f16_to_f32`](super::f16_to_f32).
+/// [`f16_to_f32`](super::f16_to_f32). On nvptx without the hardware conversion (the
+/// `sm_80` PTX) both bytes are decoded at once ([`packed`]).
 #[inline(always)]
 pub fn e4m3x2_to_f16x2(v: u16) -> u32 {
-    imp::e4m3x2_to_f16x2(v)
+    #[cfg(all(
+        target_arch = "nvptx64",
+        not(any(
+            target_feature = "sm_90",
+            all(target_feature = "sm_89", target_feature = "ptx81")
+        ))
+    ))]
+    {
+        packed::e4m3x2_to_f16x2(v, super::nvptx::mul_rn_f16x2)
+    }
+    #[cfg(not(all(
+        target_arch = "nvptx64",
+        not(any(
+            target_feature = "sm_90",
+            all(target_feature = "sm_89", target_feature = "ptx81")
+        ))
+    )))]
+    {
+        imp::e4m3x2_to_f16x2(v)
+    }
 }
 
 /// Two packed `e5m2` → two packed f16 (exact): bits 7:0 → bits 15:0, bits 15:8 →
-/// bits 31:16 (`cvt.rn.f16x2.e5m2x2`).
+/// bits 31:16 (`cvt.rn.f16x2.e5m2x2`). As [`e4m3x2_to_f16x2`], both bytes at once on
+/// nvptx without the hardware conversion.
 #[inline(always)]
 pub fn e5m2x2_to_f16x2(v: u16) -> u32 {
-    imp::e5m2x2_to_f16x2(v)
+    #[cfg(all(
+        target_arch = "nvptx64",
+        not(any(
+            target_feature = "sm_90",
+            all(target_feature = "sm_89", target_feature = "ptx81")
+        ))
+    ))]
+    {
+        packed::e5m2x2_to_f16x2(v)
+    }
+    #[cfg(not(all(
+        target_arch = "nvptx64",
+        not(any(
+            target_feature = "sm_90",
+            all(target_feature = "sm_89", target_feature = "ptx81")
+        ))
+    )))]
+    {
+        imp::e5m2x2_to_f16x2(v)
+    }
+}
+
+/// The two-at-a-time software decoders of the `sm_80` PTX: integer operations on both
+/// 16-bit halves at once and, for `e4m3`, one `f16x2` multiply (passed in as `mul`:
+/// `mul.rn.f16x2` on the GPU; tests pass a software one). Bit-exact with [`soft`]'s
+/// pair decoders (NaN bytes give [`F16_NAN`]), checked for all 65536 inputs by this
+/// module's tests.
+pub mod packed {
+    use super::F16_NAN;
+
+    /// Byte 0 of `v` in bits 7:0 and byte 1 in bits 23:16.
+    #[inline(always)]
+    fn spread(v: u16) -> u32 {
+        let v = v as u32;
+        (v & 0xff) | ((v & 0xff00) << 8)
+    }
+
+    /// `0xffff` in each half whose bit 7 is set in `x`, 0 in the others.
+    #[inline(always)]
+    fn half_mask(x: u32) -> u32 {
+        ((x & 0x0080_0080) >> 7) * 0xffff
+    }
+
+    /// See [`super::e4m3x2_to_f16x2`]. The sign and the seven exponent-and-mantissa
+    /// bits placed at f16 bits 15 and 13:7 form an f16 of the value times 2^-8 (a
+    /// subnormal for `e4m3`'s subnormals); `mul` by 2^8 (`0x5c00`) is exact. A NaN byte
+    /// (magnitude `0x7f`) is the only one whose magnitude plus 1 reaches bit 7.
+    #[inline(always)]
+    pub fn e4m3x2_to_f16x2(v: u16, mul: impl Fn(u32, u32) -> u32) -> u32 {
+        let x = spread(v);
+        let mag = x & 0x007f_007f;
+        let scaled = mul(((x & 0x0080_0080) << 8) | (mag << 7), 0x5c00_5c00);
+        let nan = half_mask(mag + 0x0001_0001);
+        (scaled & !nan) | ((F16_NAN as u32 * 0x0001_0001) & nan)
+    }
+
+    /// See [`super::e5m2x2_to_f16x2`]: each byte is the top byte of its f16; the NaN
+    /// bytes (magnitude `0x7d..=0x7f`) are the ones whose magnitude plus 3 reaches
+    /// bit 7.
+    #[inline(always)]
+    pub fn e5m2x2_to_f16x2(v: u16) -> u32 {
+        let x = spread(v);
+        let nan = half_mask((x & 0x007f_007f) + 0x0003_0003);
+        ((x << 8) & !nan) | ((F16_NAN as u32 * 0x0001_0001) & nan)
+    }
 }
 
 /// The software conversions: integer operations only, bit-exact with the hardware

@@ -81,6 +81,21 @@ pub(super) fn cvt_rn_bf16_f32(f: f32) -> u16 {
     h
 }
 
+/// `mul.rn.f16x2`: the two f16 halves of `a` times those of `b`, each rounded to
+/// nearest even, subnormals kept (no `.ftz`). sm_80's packed fp8 decode multiplies by
+/// 2^8 with it (see [`super::fp8::packed`]).
+#[allow(dead_code)] // unused where the hardware fp8 conversions serve instead
+#[inline(always)]
+pub(super) fn mul_rn_f16x2(a: u32, b: u32) -> u32 {
+    let d: u32;
+    // SAFETY: register-only arithmetic.
+    unsafe {
+        asm!("mul.rn.f16x2 {d}, {a}, {b};", d = out(reg32) d, a = in(reg32) a,
+             b = in(reg32) b, options(pure, nomem, nostack));
+    }
+    d
+}
+
 /// The hardware FP8 conversions behind [`super::fp8`]'s functions, with the same
 /// names and operand order as [`super::fp8::soft`]: `sm_90`+, or `sm_89` with PTX ISA
 /// 8.1 (the gate is in `fp8.rs`).
