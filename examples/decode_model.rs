@@ -398,6 +398,13 @@ fn main() -> ExitCode {
             }
         }
     }
+    println!(
+        "\n`reduce µs` is the reduce kernel's own time. Its launch (a second kernel after \
+         decode) is reported apart and not added: the gap between the two kernels (wider \
+         launched one by one than inside a CUDA graph) is the driver's and the GPU's, \
+         which this model does not know; the kernels benchmark (`scripts/gpu-check.sh`) \
+         times a decode call, its reduce included, on a GPU."
+    );
     println!();
     if failures.is_empty() {
         println!("Every bar of issue #29 holds in this model.");
