@@ -8,6 +8,7 @@
 pub mod attention;
 pub mod copy_blocks;
 pub mod kv_append;
+pub(crate) mod kv_tiles;
 pub mod prefill;
 
 pub use attention::{DecodeParams, DecodeReduce, PagedDecode, ReduceParams};

@@ -39,8 +39,8 @@
 //! merge through the same memory: each publishes its output fragments and `(m, l)` per
 //! row, and every thread folds the four for a slice of one row.
 
-use crate::device::{Ctx, e4m3x2_to_f16x2, e5m2x2_to_f16x2};
-use crate::elem::{Bf16, E4m3, E5m2, F16, KvElem};
+use crate::device::Ctx;
+use crate::kernels::kv_tiles::{KvProducer, MmaCache, compute_pv, compute_qk, each_upto};
 use crate::kernels::prefill::MmaElem;
 use crate::softmax::{LOG2_E, SoftmaxState};
 
@@ -54,313 +54,6 @@ const WARPS: u32 = THREADS / 32;
 /// Rows of a stage one warp computes on (one cache block).
 const WARP_ROWS: u32 = MMA_STAGE_TOKENS / WARPS;
 const _: () = assert!(WARP_ROWS == FIXED_BLOCK_SIZE && WARP_ROWS == 16);
-
-/// Calls `f(i)` for `i` in `0..n` (`n <= 16`, a constant after inlining), written out
-/// so the fragments `f` indexes stay in registers.
-#[inline(always)]
-fn each_upto(n: u32, mut f: impl FnMut(usize)) {
-    crate::kernels::each16(|i| {
-        if i < n {
-            f(i as usize);
-        }
-    });
-}
-
-/// K's B fragments for k-steps `4u..4u + 4` of the warp's two 8-token tiles,
-/// `[k-step][tile]`.
-type KFrags = [[[u32; 2]; 2]; 4];
-
-/// A cache element type the tensor-core decode reads, over q and output of `T`: how its
-/// K and V rows lie in a stage and how a lane builds its `mma` B fragments from them
-/// (see the [module docs](self)). Lane `(g, t) = (lane / 4, lane % 4)` throughout.
-pub(super) trait MmaCache<T: MmaElem>: KvElem {
-    /// Bytes per element.
-    const BYTES: u32;
-
-    /// The 16-byte chunk of a stage's K row `row` where the row's chunk `c` lies
-    /// (`chunks` per row).
-    #[inline(always)]
-    fn k_chunk(_row: u32, c: u32, _chunks: u32) -> u32 {
-        c
-    }
-
-    /// K's B fragments for k-steps `4u..4u + 4` (`u < HEAD_DIM / 64`) of the warp's
-    /// rows (8-token tile `nt` is rows `8nt..8nt + 8`), the rows at word `kbase`, `rw`
-    /// words apart.
-    fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags;
-
-    /// V's B fragments for dim tiles `4u..4u + 4` (`u < HEAD_DIM / 32`) over the warp's
-    /// 16 rows (the tokens of `P`'s columns), the rows at word `vbase`, `rw` words
-    /// apart.
-    fn v_frags<C: Ctx>(ctx: &C, vbase: u32, rw: u32, lane: u32, u: u32) -> [[u32; 2]; 4];
-
-    /// The first dims of the two q pairs of lane `t`'s A fragment at k-step `ks`
-    /// (words 0 and 1 hold the first pair, of rows `g` and `g + 8`; words 2 and 3 the
-    /// second).
-    fn q_dims(ks: u32, t: u32) -> (u32, u32);
-
-    /// The head dim of element `e` of lane `t`'s output fragment of dim tile `j`.
-    fn o_dim(j: u32, t: u32, e: u32) -> u32;
-}
-
-/// The 16-bit caches: `ldmatrix` reads the fragments in the `mma`'s own order.
-macro_rules! mma_cache_16 {
-    ($t:ty) => {
-        impl MmaCache<$t> for $t {
-            const BYTES: u32 = 2;
-
-            #[inline(always)]
-            fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags {
-                // ldmatrix row addresses: matrix lane / 8, row lane % 8.
-                let (mi, mr) = (lane / 8, lane % 8);
-                let mut f = [[[0u32; 2]; 2]; 4];
-                each_upto(4, |j| {
-                    let ks = 4 * u + j as u32;
-                    let row = (mi / 2) * 8 + mr;
-                    let kb = ctx.ldmatrix_x4::<false>(kbase + row * rw + 8 * ks + (mi % 2) * 4);
-                    f[j] = [[kb[0], kb[1]], [kb[2], kb[3]]];
-                });
-                f
-            }
-
-            #[inline(always)]
-            fn v_frags<C: Ctx>(ctx: &C, vbase: u32, rw: u32, lane: u32, u: u32) -> [[u32; 2]; 4] {
-                let (mi, mr) = (lane / 8, lane % 8);
-                let mut f = [[0u32; 2]; 4];
-                each_upto(2, |h| {
-                    let jj = 2 * u + h as u32;
-                    let row = (mi % 2) * 8 + mr;
-                    let vb = ctx.ldmatrix_x4::<true>(vbase + row * rw + 8 * jj + (mi / 2) * 4);
-                    f[2 * h] = [vb[0], vb[1]];
-                    f[2 * h + 1] = [vb[2], vb[3]];
-                });
-                f
-            }
-
-            #[inline(always)]
-            fn q_dims(ks: u32, t: u32) -> (u32, u32) {
-                (16 * ks + 2 * t, 16 * ks + 2 * t + 8)
-            }
-
-            #[inline(always)]
-            fn o_dim(j: u32, t: u32, e: u32) -> u32 {
-                8 * j + 2 * t + e % 2
-            }
-        }
-    };
-}
-mma_cache_16!(F16);
-mma_cache_16!(Bf16);
-
-/// The fp8 caches over q of `$t`: `$cvt` decodes two packed fp8 values to two f16s.
-macro_rules! mma_cache_fp8 {
-    ($t:ty, $k:ty, $cvt:ident) => {
-        impl MmaCache<$t> for $k {
-            const BYTES: u32 = 1;
-
-            /// Odd rows swap the halves of a row of 8 or more chunks: a quarter-warp
-            /// (rows `2i`, `2i + 1`, 4 lanes each reading 16 bytes) then covers all
-            /// 32 banks once.
-            #[inline(always)]
-            fn k_chunk(row: u32, c: u32, chunks: u32) -> u32 {
-                if chunks >= 8 { c ^ (4 * (row % 2)) } else { c }
-            }
-
-            #[inline(always)]
-            fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags {
-                let (g, t) = (lane / 4, lane % 4);
-                let chunks = rw / 4;
-                // Row 8nt + g's 16 bytes: word j holds k-step 4u + j's 4 values.
-                let row = |nt: u32| {
-                    let r = 8 * nt + g;
-                    let c = <$k as MmaCache<$t>>::k_chunk(r, 4 * u + t, chunks);
-                    ctx.smem_ld_v4(kbase + r * rw + 4 * c)
-                };
-                let (a, b) = (row(0), row(1));
-                let cv = |w: u32| -> [u32; 2] {
-                    [
-                        <$t>::from_f16x2($cvt(w as u16)),
-                        <$t>::from_f16x2($cvt((w >> 16) as u16)),
-                    ]
-                };
-                [
-                    [cv(a[0]), cv(b[0])],
-                    [cv(a[1]), cv(b[1])],
-                    [cv(a[2]), cv(b[2])],
-                    [cv(a[3]), cv(b[3])],
-                ]
-            }
-
-            #[inline(always)]
-            fn v_frags<C: Ctx>(ctx: &C, vbase: u32, rw: u32, lane: u32, u: u32) -> [[u32; 2]; 4] {
-                let (g, t) = (lane / 4, lane % 4);
-                // Rows 2t, 2t + 1 (k = 2t, 2t + 1) and 2t + 8, 2t + 9; word 8u + g.
-                let w = |r: u32| ctx.smem_ld_u32(vbase + r * rw + 8 * u + g);
-                let (w0, w1, w2, w3) = (w(2 * t), w(2 * t + 1), w(2 * t + 8), w(2 * t + 9));
-                // Byte i of two rows, as one fp8 pair decoded to `T`.
-                let cv = |a: u32, b: u32, i: u32| -> u32 {
-                    let pair = ((a >> (8 * i)) & 0xff) | (((b >> (8 * i)) & 0xff) << 8);
-                    <$t>::from_f16x2($cvt(pair as u16))
-                };
-                [
-                    [cv(w0, w1, 0), cv(w2, w3, 0)],
-                    [cv(w0, w1, 1), cv(w2, w3, 1)],
-                    [cv(w0, w1, 2), cv(w2, w3, 2)],
-                    [cv(w0, w1, 3), cv(w2, w3, 3)],
-                ]
-            }
-
-            #[inline(always)]
-            fn q_dims(ks: u32, t: u32) -> (u32, u32) {
-                let d = 64 * (ks / 4) + 16 * t + 4 * (ks % 4);
-                (d, d + 2)
-            }
-
-            #[inline(always)]
-            fn o_dim(j: u32, t: u32, e: u32) -> u32 {
-                32 * (j / 4) + 4 * (2 * t + e % 2) + j % 4
-            }
-        }
-    };
-}
-mma_cache_fp8!(F16, E4m3, e4m3x2_to_f16x2);
-mma_cache_fp8!(F16, E5m2, e5m2x2_to_f16x2);
-mma_cache_fp8!(Bf16, E4m3, e4m3x2_to_f16x2);
-mma_cache_fp8!(Bf16, E5m2, e5m2x2_to_f16x2);
-
-/// `produce_kv`: one thread's share of staging K and V. With `chunks` 16-byte chunks
-/// per row, thread `tid` copies chunk `tid % chunks` of rows `tid / chunks + k *
-/// (THREADS / chunks)`, of K for `k < chunks / 2` and of V after; rows outside
-/// `start..end` are zero-filled. Methods, not closures: LLVM declines to inline a
-/// closure this large called from three places, and its captures then live in a stack
-/// frame.
-struct KvProducer<const D: u32> {
-    tid: u32,
-    /// First token of stage 0 (`start` rounded down to a stage).
-    first: u32,
-    /// The attended range `start..end`.
-    start: u32,
-    end: u32,
-    num_stages: u32,
-    /// Index of the sequence's first block-table entry.
-    table_row: u64,
-    /// Elements between physical blocks.
-    block_stride: u64,
-    /// Offset of this thread's chunk in a block, its KV head's rows included.
-    kv_off: u32,
-}
-
-impl<const D: u32> KvProducer<D> {
-    /// Looks up the physical blocks of stage `s` that hold an attended token (the
-    /// others keep a stale entry, never read through).
-    #[inline(always)]
-    fn lookup<T: MmaElem, K: MmaCache<T>, C: Ctx>(
-        &self,
-        ctx: &C,
-        p: &DecodeParams<T, K>,
-        phys: &mut [u32; 4],
-        s: u32,
-    ) {
-        each_upto(4, |blk| {
-            let t0 = self.first + s * MMA_STAGE_TOKENS + blk as u32 * FIXED_BLOCK_SIZE;
-            if s < self.num_stages && t0 + FIXED_BLOCK_SIZE > self.start && t0 < self.end {
-                phys[blk] = ctx.ld(
-                    &p.block_tables,
-                    self.table_row + (t0 / FIXED_BLOCK_SIZE) as u64,
-                ) as u32;
-            }
-        });
-    }
-
-    /// Issues stage `s`'s copies into `slot` (none past the last stage) and commits a
-    /// group either way, so the group count per stage stays fixed.
-    #[inline(always)]
-    fn issue<T: MmaElem, K: MmaCache<T>, C: Ctx>(
-        &self,
-        ctx: &C,
-        p: &DecodeParams<T, K>,
-        phys: &[u32; 4],
-        s: u32,
-        slot: u32,
-    ) {
-        let chunks = D * K::BYTES / 16;
-        let (krw, vrw) = (mma_k_row_words(D, K::BYTES), mma_v_row_words(D, K::BYTES));
-        let k_words = MMA_STAGE_TOKENS * krw;
-        let rows_per_pass = THREADS / chunks;
-        if s < self.num_stages {
-            let base = slot * (k_words + MMA_STAGE_TOKENS * vrw);
-            let span = self.end - self.start;
-            let c = self.tid % chunks;
-            each_upto(chunks, |k| {
-                let kv = k as u32 / (chunks / 2); // 0: K, 1: V
-                let pass = k as u32 % (chunks / 2);
-                let row = self.tid / chunks + pass * rows_per_pass;
-                // The row's block: a constant when `rows_per_pass` (8 or 16) divides
-                // or is the block size; of two when it is 32 (fp8 at head_dim 64).
-                let lo = (pass * rows_per_pass / FIXED_BLOCK_SIZE) as usize;
-                let block =
-                    if rows_per_pass > FIXED_BLOCK_SIZE && self.tid / chunks >= FIXED_BLOCK_SIZE {
-                        phys[lo + 1]
-                    } else {
-                        phys[lo]
-                    };
-                let tok = self.first + s * MMA_STAGE_TOKENS + row;
-                let src = block as u64 * self.block_stride
-                    + (self.kv_off + (row % FIXED_BLOCK_SIZE) * D) as u64;
-                let read = tok.wrapping_sub(self.start) < span;
-                if kv == 0 {
-                    let word = base + row * krw + 4 * K::k_chunk(row, c, chunks);
-                    ctx.cp_async_16_or_zero(word, &p.key_cache, src, read);
-                } else {
-                    let word = base + k_words + row * vrw + 4 * c;
-                    ctx.cp_async_16_or_zero(word, &p.value_cache, src, read);
-                }
-            });
-        }
-        ctx.cp_async_commit();
-    }
-}
-
-/// `compute_qk` for k-steps `4u..4u + 4` (head dims of unit `u`): adds their
-/// products to the scores of the warp's two 8-token tiles. A function, not a closure,
-/// called once per unit: the closure LLVM would not inline (its captures then go to
-/// local memory).
-#[inline(always)]
-fn compute_qk<T: MmaElem, K: MmaCache<T>, C: Ctx>(
-    ctx: &C,
-    kbase: u32,
-    krw: u32,
-    lane: u32,
-    u: u32,
-    qa: &[[u32; 4]; 8],
-    sc: &mut [[f32; 4]; 2],
-) {
-    let kb = K::k_frags(ctx, kbase, krw, lane, u);
-    each_upto(4, |j| {
-        let ks = (4 * u) as usize + j;
-        sc[0] = T::mma(ctx, qa[ks], kb[j][0], sc[0]);
-        sc[1] = T::mma(ctx, qa[ks], kb[j][1], sc[1]);
-    });
-}
-
-/// `compute_pv` for dim tiles `4u..4u + 4`: adds `P V` to their output fragments (see
-/// [`compute_qk`] for why a function).
-#[inline(always)]
-fn compute_pv<T: MmaElem, K: MmaCache<T>, C: Ctx>(
-    ctx: &C,
-    vbase: u32,
-    vrw: u32,
-    lane: u32,
-    u: u32,
-    pa: &[u32; 4],
-    o: &mut [[f32; 4]; 16],
-) {
-    let vb = K::v_frags(ctx, vbase, vrw, lane, u);
-    each_upto(4, |i| {
-        let j = (4 * u) as usize + i;
-        o[j] = T::mma(ctx, *pa, vb[i], o[j]);
-    });
-}
 
 /// The tensor-core decode kernel: head_dim `D` (64 or 128), block size 16, q / out of
 /// `T`, a cache of `K` (`T`, or fp8 with per-KV-head scales; see the [module
@@ -453,22 +146,25 @@ pub(super) fn decode_mma<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     let pos0 = -((ctx_len - 1) as f32);
 
     // produce_kv, a stage's 4 blocks looked up one stage ahead.
-    let producer = KvProducer::<D> {
+    let producer = KvProducer::<K, D> {
         tid,
         first,
         start,
         end,
         num_stages,
+        block_tables: p.block_tables,
         table_row: seq as u64 * p.max_blocks_per_seq as u64,
+        key_cache: p.key_cache,
+        value_cache: p.value_cache,
         block_stride: l.num_kv_heads as u64 * (FIXED_BLOCK_SIZE * D) as u64,
         kv_off: kv_head * FIXED_BLOCK_SIZE * D + (tid % chunks) * (16 / K::BYTES),
     };
     let mut phys = [0u32; 4];
-    producer.lookup(ctx, p, &mut phys, 0);
+    producer.lookup(ctx, &mut phys, 0);
     let mut s = 0;
     while s < MMA_STAGES - 1 {
-        producer.issue(ctx, p, &phys, s, s);
-        producer.lookup(ctx, p, &mut phys, s + 1);
+        producer.issue::<T, C>(ctx, &phys, s, s);
+        producer.lookup(ctx, &mut phys, s + 1);
         s += 1;
     }
 
@@ -482,8 +178,8 @@ pub(super) fn decode_mma<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
         ctx.cp_async_wait::<{ MMA_STAGES - 2 }>();
         ctx.sync_threads();
         let fill = if slot == 0 { MMA_STAGES - 1 } else { slot - 1 };
-        producer.issue(ctx, p, &phys, i + MMA_STAGES - 1, fill);
-        producer.lookup(ctx, p, &mut phys, i + MMA_STAGES);
+        producer.issue::<T, C>(ctx, &phys, i + MMA_STAGES - 1, fill);
+        producer.lookup(ctx, &mut phys, i + MMA_STAGES);
 
         let kbase = slot * slot_words + warp * WARP_ROWS * krw;
         let vbase = slot * slot_words + k_words + warp * WARP_ROWS * vrw;
