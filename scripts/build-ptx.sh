@@ -14,8 +14,9 @@ set -euo pipefail
 
 TOOLCHAIN=nightly-2026-05-19
 ARCHS=(sm_80 sm_90)
-# Threads per block of each kernel (by entry-point prefix), written as `.maxntid`.
-MAXNTID="copy_blocks=128 kv_append=128 paged_decode_attention=128 paged_decode_reduce=64 paged_prefill_attention=32 paged_prefill_attention_f32=128"
+# Threads per block of each kernel (by entry-point prefix, or `prefix*suffix`),
+# written as `.maxntid`.
+MAXNTID="copy_blocks=128 kv_append=128 paged_decode_attention=128 paged_decode_reduce=64 paged_prefill_attention=32 paged_prefill_attention_f32=128 paged_prefill_attention*_d64=128 paged_prefill_attention*_d128=128"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
@@ -62,7 +63,8 @@ for arch in "${ARCHS[@]}"; do
   # rustc has no attribute for `.maxntid`: add it to every entry point here, the most
   # threads a block of that kernel has (the host's launch configurations: checked by
   # tests/ops/ptx.rs), so ptxas and the driver enforce the block size the host
-  # launches. The longest matching prefix wins; an entry with none fails the build.
+  # launches. The longest matching key wins (a `prefix*suffix` key matches names with
+  # both, its length theirs together); an entry with none fails the build.
   awk -v table="$MAXNTID" '
     BEGIN { n = split(table, t, " ") }
     /^\.visible \.entry / { name = $3; sub(/\(.*/, "", name); pending = 1 }
@@ -71,7 +73,10 @@ for arch in "${ARCHS[@]}"; do
       best = ""; bl = 0
       for (i = 1; i <= n; i++) {
         split(t[i], kv, "=")
-        if (index(name, kv[1]) == 1 && length(kv[1]) > bl) { best = kv[2]; bl = length(kv[1]) }
+        pre = kv[1]; suf = ""
+        if (index(pre, "*") > 0) { suf = substr(pre, index(pre, "*") + 1); pre = substr(pre, 1, index(pre, "*") - 1) }
+        len = length(pre) + length(suf)
+        if (index(name, pre) == 1 && (suf == "" || (length(name) >= len && substr(name, length(name) - length(suf) + 1) == suf)) && len > bl) { best = kv[2]; bl = len }
       }
       if (best == "") { print "build-ptx: no .maxntid for " name > "/dev/stderr"; exit 1 }
       print ".maxntid " best ", 1, 1"

@@ -3,9 +3,12 @@
 
     sass-check.py ARCH FILE.sass      prints table rows; exit 1 if a check fails
 
-For every tensor-core `paged_prefill_attention_*` entry point (all but f32): HMMA and
-LDSM (ldmatrix) instructions exist; K/V are staged with LDGSTS (an f16/bf16 cache) or,
-for an fp8 cache (`*_e4m3`, `*_e5m2`), with 16-byte loads (LDG.128) decoded in registers.
+For every tensor-core `paged_prefill_attention_*` entry point (all but f32): HMMA
+instructions exist. The one-warp kernels (no `_d<head_dim>` suffix) read fragments with
+LDSM (ldmatrix) and stage K/V with LDGSTS (an f16/bf16 cache) or, for an fp8 cache
+(`*_e4m3`, `*_e5m2`), with 16-byte loads (LDG.128) decoded in registers. The multi-warp
+kernels (`*_d64`, `*_d128`) stage every cache type with LDGSTS and wait with DEPBAR, and
+read 16-bit caches with LDSM (fp8 is decoded from shared memory by plain loads).
 
 For every fp8 entry point on sm_90: the conversions are the hardware's (an F2FP
 instruction on E4M3/E5M2 operands), not the software path.
@@ -23,11 +26,15 @@ HEADER = re.compile(r"^//-+ \.text\.(\S+)\s+-+$", re.M)
 OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
 MAX_Q_LOADS = 2
 DECODE_KERNELS = 28  # (3 types + 2 x 2 fp8 pairs) x (runtime geometry, d64, d128, d256)
-PREFILL_KERNELS = 6  # f16, bf16 + 2 x 2 fp8 pairs
+PREFILL_KERNELS = 18  # (f16, bf16 + 2 x 2 fp8 pairs) x (one-warp, d64, d128)
 
 
 def is_fp8(name):
-    return name.endswith("_e4m3") or name.endswith("_e5m2")
+    return "_e4m3" in name or "_e5m2" in name
+
+
+def is_tiled(name):
+    return re.search(r"_d\d+$", name) is not None
 
 
 def fp8_verdict(arch, name, ops):
@@ -66,9 +73,14 @@ def main():
             verdict = []
             if hmma == 0:
                 verdict.append("no HMMA")
-            if ldsm == 0:
+            if ldsm == 0 and not (is_tiled(name) and is_fp8(name)):
                 verdict.append("no LDSM")
-            if is_fp8(name):
+            if is_tiled(name):
+                if ldgsts == 0:
+                    verdict.append("no LDGSTS")
+                if depbar == 0:
+                    verdict.append("no DEPBAR (cp.async wait)")
+            elif is_fp8(name):
                 if ldg128 == 0:
                     verdict.append("no LDG.128 (fp8 K/V loads)")
             elif ldgsts == 0:

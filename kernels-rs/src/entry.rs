@@ -161,3 +161,51 @@ decode_entries!(
     128 => paged_decode_attention_bf16_e5m2_d128,
     256 => paged_decode_attention_bf16_e5m2_d256,
 );
+
+/// The multi-warp tensor-core prefill entry points of one type pair, one per
+/// compile-time head_dim, see [`PagedPrefill`].
+macro_rules! prefill_tiled_entries {
+    ($t:ty, $k:ty, $($d:literal => $name:ident,)*) => {$(
+        /// Paged prefill attention, multi-warp, on tensor cores: see [`PagedPrefill`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(p: PrefillParams<$t, $k>) {
+            PagedPrefill::<$t, $k, $d>::run(&Gpu, &p)
+        }
+    )*};
+}
+prefill_tiled_entries!(
+    F16,
+    F16,
+    64 => paged_prefill_attention_f16_d64,
+    128 => paged_prefill_attention_f16_d128,
+);
+prefill_tiled_entries!(
+    Bf16,
+    Bf16,
+    64 => paged_prefill_attention_bf16_d64,
+    128 => paged_prefill_attention_bf16_d128,
+);
+prefill_tiled_entries!(
+    F16,
+    E4m3,
+    64 => paged_prefill_attention_f16_e4m3_d64,
+    128 => paged_prefill_attention_f16_e4m3_d128,
+);
+prefill_tiled_entries!(
+    F16,
+    E5m2,
+    64 => paged_prefill_attention_f16_e5m2_d64,
+    128 => paged_prefill_attention_f16_e5m2_d128,
+);
+prefill_tiled_entries!(
+    Bf16,
+    E4m3,
+    64 => paged_prefill_attention_bf16_e4m3_d64,
+    128 => paged_prefill_attention_bf16_e4m3_d128,
+);
+prefill_tiled_entries!(
+    Bf16,
+    E5m2,
+    64 => paged_prefill_attention_bf16_e5m2_d64,
+    128 => paged_prefill_attention_bf16_e5m2_d128,
+);

@@ -283,7 +283,50 @@ fn decode_all(a: &Arch) -> Outcome {
 }
 
 fn prefill_all(a: &Arch) -> Outcome {
-    for (p, cache) in sweep(45) {
+    // Every multi-warp kernel (each q type and cache type at head_dim 64 and 128, block
+    // 16) over several 64-token stages: once with a window, soft-cap and ALiBi, once
+    // longer with none of them.
+    let mut cases = sweep(45);
+    let mut i = 0;
+    for dtype in [DType::F16, DType::Bf16] {
+        for head_dim in MMA_HEAD_DIMS {
+            for cache in [None, Some(DType::E4m3), Some(DType::E5m2)] {
+                let long = Params {
+                    dtype,
+                    head_dim,
+                    block_size: FIXED_BLOCK_SIZE,
+                    num_kv_heads: 2,
+                    group: 4,
+                    // Each sequence's chunk is drawn (whole, one token or between):
+                    // three make a chunk of more than two tokens (rows g + 8 of a
+                    // warp valid) all but certain.
+                    batch: 3,
+                    max_len: 200,
+                    window: Some(90),
+                    softcap: Some(9.0),
+                    alibi: true,
+                    partition: None,
+                    narrow_heads: false,
+                    seed: 700 + i,
+                    full_length: true,
+                };
+                // Longer: more than 4 stages, so the steady-state loop looks up
+                // every block of a stage.
+                let plain = Params {
+                    max_len: 300,
+                    window: None,
+                    softcap: None,
+                    alibi: false,
+                    seed: 750 + i,
+                    ..long
+                };
+                cases.push((long, cache));
+                cases.push((plain, cache));
+                i += 1;
+            }
+        }
+    }
+    for (p, cache) in cases {
         let mut pc = prefill_case(&p);
         if let Some(cache) = cache {
             quantise_case(&mut pc.c, cache, true);
@@ -476,11 +519,11 @@ fn every_entry_point(arch: usize) {
         a.module.target()
     );
     // The basic-block coverage. Every loop is entered (its first block runs); in
-    // copy_blocks, kv_append, the reduce and the tensor-core decode kernels every block
-    // of every loop runs. Decode and
-    // prefill keep loop blocks no launch can reach: e.g. the V branch of a thread's
-    // first copy piece, which the geometry always makes a K piece (the compiler
-    // cannot see that); they are listed, not asserted.
+    // copy_blocks, kv_append, the reduce, the tensor-core decode kernels and the
+    // multi-warp prefill kernels every block of every loop runs. The CUDA-core decode
+    // and the one-warp prefill kernels keep loop blocks no launch can reach: e.g. the V
+    // branch of a thread's first copy piece, which the geometry always makes a K piece
+    // (the compiler cannot see that); they are listed, not asserted.
     let mut unrun = Vec::new();
     for c in a.module.coverage() {
         eprintln!(
@@ -500,7 +543,9 @@ fn every_entry_point(arch: usize) {
         let strict = c.kernel.starts_with("copy_blocks")
             || c.kernel.starts_with("kv_append")
             || c.kernel.starts_with("paged_decode_reduce")
-            || crate::ptx::tensor_core_decode(&c.kernel);
+            || crate::ptx::tensor_core_decode(&c.kernel)
+            || (c.kernel.starts_with("paged_prefill_attention")
+                && (c.kernel.ends_with("_d64") || c.kernel.ends_with("_d128")));
         let headers: Vec<u32> = c
             .missed_in_loops
             .iter()
@@ -866,28 +911,32 @@ proptest! {
     }
 }
 
-/// The tensor-core prefill's reads, by its tiling: CTA (KV head h, tile of 16 rows,
-/// sequence s) serves rows `16 * tile ..` of s's `(token, head of h's group)` rows,
+/// The tensor-core prefill's reads, by its tiling: CTA (KV head h, tile of `R` rows,
+/// sequence s) serves rows `R * tile ..` of s's `(token, head of h's group)` rows,
 /// token-major, and stages the positions `[lo, hi)` its rows see (`lo`: the first
-/// row's first visible position, window included; `hi`: the last row's position + 1)
-/// in tiles of 16, once per pass of 64 output columns. So per CTA it needs
-/// `(hi - lo) * head_dim` elements of K and of V (distinct bytes) and q for its rows,
-/// and loads V once but K once per pass (`S` is recomputed each pass: the re-read the
-/// issue-30 kernel removes).
+/// row's first visible position, window included; `hi`: the last row's position + 1).
+/// So per CTA it needs `(hi - lo) * head_dim` elements of K and of V (distinct bytes)
+/// and q for its rows. The one-warp kernel (`R` = 16) loads V once but K once per pass
+/// of 64 output columns (`S` is recomputed each pass); the multi-warp kernel (`R` = 64,
+/// head_dim 64 / 128 at block 16) loads each once (`S` once over the whole head_dim).
 fn ideal_prefill_reads(pc: &Prefill) -> [(&'static str, u64, u64); 3] {
     let c = &pc.c;
     let s = &c.shape;
     let (d, group) = (s.head_dim as u64, s.group() as u64);
     let (qsize, kvsize) = (pc.q.dtype().size() as u64, c.kc.dtype().size() as u64);
-    let passes = d.div_ceil(64);
+    let tiled = pagedkv::host::ops::prefill::prefill_head_dim(s, pc.q.dtype()) != 0;
+    let (tile_rows, passes) = if tiled { (64, 1) } else { (16, d.div_ceil(64)) };
     let (mut k, mut k_all, mut q) = (0u64, 0u64, 0u64);
     for seq in 0..s.num_seqs as usize {
         let qo = (pc.qo_indptr[seq + 1] - pc.qo_indptr[seq]) as u64;
         let len = c.lens[seq] as u64;
         let rows = qo * group;
         let pos = |row: u64| len - qo + row / group;
-        for tile in 0..rows.div_ceil(16) {
-            let (r0, last) = (16 * tile, (16 * tile + 15).min(rows - 1));
+        for tile in 0..rows.div_ceil(tile_rows) {
+            let (r0, last) = (
+                tile_rows * tile,
+                (tile_rows * tile + tile_rows - 1).min(rows - 1),
+            );
             let lo = match c.opts.window {
                 Some(w) => (pos(r0) + 1).saturating_sub(w as u64),
                 None => 0,
@@ -903,19 +952,21 @@ fn ideal_prefill_reads(pc: &Prefill) -> [(&'static str, u64, u64); 3] {
 }
 
 /// Prefill reads K, V and q exactly as its tiling says (see `ideal_prefill_reads`),
-/// f16 and bf16, with and without a window, head_dim 64 (one pass) and 128 (two).
+/// f16 and bf16, with and without a window: the multi-warp kernel at head_dim 64 and
+/// 128 (K once), the one-warp kernel at 256 (K once per pass) and at 128 with block 8.
 #[test]
 fn prefill_reads_what_its_tiling_says() {
     let a = &ARCHS[1];
-    for (dtype, head_dim, window, seed) in [
-        (DType::F16, 128, None, 85u64),
-        (DType::Bf16, 64, Some(19), 86),
-        (DType::F16, 256, Some(40), 87),
+    for (dtype, head_dim, block_size, window, seed) in [
+        (DType::F16, 128, 16, None, 85u64),
+        (DType::Bf16, 64, 16, Some(19), 86),
+        (DType::F16, 256, 16, Some(40), 87),
+        (DType::Bf16, 128, 8, Some(30), 88),
     ] {
         let p = Params {
             dtype,
             head_dim,
-            block_size: 16,
+            block_size,
             num_kv_heads: 2,
             group: 3,
             batch: 3,

@@ -26,7 +26,11 @@ fn names() -> Vec<&'static str> {
     v.extend(typed!(f32));
     v.extend([
         <PagedPrefill<F16> as Kernel>::NAME,
+        <PagedPrefill<F16, F16, 64> as Kernel>::NAME,
+        <PagedPrefill<F16, F16, 128> as Kernel>::NAME,
         <PagedPrefill<Bf16> as Kernel>::NAME,
+        <PagedPrefill<Bf16, Bf16, 64> as Kernel>::NAME,
+        <PagedPrefill<Bf16, Bf16, 128> as Kernel>::NAME,
         <PagedPrefillSimt<f32> as Kernel>::NAME,
     ]);
     // fp8 caches under f16 / bf16 queries.
@@ -39,6 +43,8 @@ fn names() -> Vec<&'static str> {
                 <PagedDecode<$t, $k, 128> as Kernel>::NAME,
                 <PagedDecode<$t, $k, 256> as Kernel>::NAME,
                 <PagedPrefill<$t, $k> as Kernel>::NAME,
+                <PagedPrefill<$t, $k, 64> as Kernel>::NAME,
+                <PagedPrefill<$t, $k, 128> as Kernel>::NAME,
             ]
         };
     }
@@ -410,9 +416,16 @@ fn every_entry_declares_the_block_size_the_host_launches() {
         } else if k.starts_with("paged_decode_reduce") {
             reduce_launch_config(&shape, DType::F16)
         } else if k == "paged_prefill_attention_f32" {
-            prefill::launch_config(&shape, DType::F32, 16)
+            prefill::launch_config(&shape, DType::F32, DType::F32, 16)
         } else {
-            prefill::launch_config(&shape, DType::F16, 16)
+            // The multi-warp kernels at their head_dim, the one-warp ones at a head_dim
+            // without one.
+            let head_dim = ["64", "128"]
+                .into_iter()
+                .find(|d| k.ends_with(&format!("_d{d}")))
+                .map_or(80, |d| d.parse().unwrap());
+            let shape = DecodeShape { head_dim, ..shape };
+            prefill::launch_config(&shape, DType::F16, DType::F16, 16)
         };
         assert_eq!((cfg.block.y, cfg.block.z), (1, 1), "{k}");
         cfg.block.x

@@ -29,7 +29,10 @@
 //! ```
 
 use pagedkv_kernels::Dim3;
-use pagedkv_kernels::kernels::prefill::{MMA_THREADS, ROWS, SIMT_THREADS, mma_shared_bytes};
+use pagedkv_kernels::kernels::attention::fixed_head_dim;
+use pagedkv_kernels::kernels::prefill::{
+    MMA_THREADS, ROWS, SIMT_THREADS, TILE_ROWS, TILED_HEAD_DIMS, TILED_THREADS, mma_shared_bytes,
+};
 
 use super::attention::{AttentionOptions, DecodeShape, validate_options};
 use super::scales::{KvScales, check_cache_types};
@@ -186,28 +189,57 @@ pub fn validate_metadata(
     Ok(max_rows as u32)
 }
 
-/// Launch configuration for the sequences' most rows `max_rows` and queries of `q_dtype`:
-/// the tensor-core kernel (16 rows a block, one warp) for 16-bit queries (whatever the
-/// cache: an fp8 one is decoded into 16-bit tiles), the f32 kernel (a row a thread) else.
-pub fn launch_config(shape: &DecodeShape, q_dtype: DType, max_rows: u32) -> LaunchConfig {
-    match q_dtype {
-        DType::F32 | DType::E4m3 | DType::E5m2 => LaunchConfig {
-            grid: Dim3::new(
-                shape.num_kv_heads,
-                max_rows.div_ceil(SIMT_THREADS).max(1),
-                shape.num_seqs,
-            ),
+/// The `HEAD_DIM` of the prefill kernel to launch for `shape` with queries of
+/// `q_dtype`: its head_dim when the multi-warp tensor-core kernel has one (16-bit
+/// queries, any cache type, block size 16, head_dim in [`TILED_HEAD_DIMS`], 32-bit
+/// in-block offsets: decode's [`fixed_head_dim`]), else 0 (the one-warp kernel, or the
+/// f32 one).
+pub fn prefill_head_dim(shape: &DecodeShape, q_dtype: DType) -> u32 {
+    let d = fixed_head_dim(&shape.layout());
+    if matches!(q_dtype, DType::F16 | DType::Bf16) && TILED_HEAD_DIMS.contains(&d) {
+        d
+    } else {
+        0
+    }
+}
+
+/// Launch configuration for the sequences' most rows `max_rows`, queries of `q_dtype`
+/// and a cache of `kv_dtype`: the multi-warp tensor-core kernel ([`TILE_ROWS`] rows a
+/// block, [`TILED_THREADS`] threads) where [`prefill_head_dim`] names one; else the
+/// one-warp tensor-core kernel (16 rows a block) for 16-bit queries (whatever the
+/// cache: an fp8 one is decoded into 16-bit tiles), the f32 kernel (a row a thread)
+/// for f32.
+pub fn launch_config(
+    shape: &DecodeShape,
+    q_dtype: DType,
+    kv_dtype: DType,
+    max_rows: u32,
+) -> LaunchConfig {
+    let grid = |rows_per_block: u32| {
+        Dim3::new(
+            shape.num_kv_heads,
+            max_rows.div_ceil(rows_per_block).max(1),
+            shape.num_seqs,
+        )
+    };
+    match (q_dtype, prefill_head_dim(shape, q_dtype)) {
+        (DType::F32 | DType::E4m3 | DType::E5m2, _) => LaunchConfig {
+            grid: grid(SIMT_THREADS),
             block: Dim3::new(SIMT_THREADS, 1, 1),
             shared_bytes: 0,
         },
-        DType::F16 | DType::Bf16 => LaunchConfig {
-            grid: Dim3::new(
-                shape.num_kv_heads,
-                max_rows.div_ceil(ROWS).max(1),
-                shape.num_seqs,
-            ),
+        (_, 0) => LaunchConfig {
+            grid: grid(ROWS),
             block: Dim3::new(MMA_THREADS, 1, 1),
             shared_bytes: mma_shared_bytes(shape.head_dim),
+        },
+        (_, d) => LaunchConfig {
+            grid: grid(TILE_ROWS),
+            block: Dim3::new(TILED_THREADS, 1, 1),
+            shared_bytes: pagedkv_kernels::kernels::attention::mma_shared_bytes(
+                d,
+                kv_dtype.size() as u32,
+            ),
         },
     }
 }

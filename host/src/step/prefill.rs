@@ -177,7 +177,13 @@ impl<D: StepDevice> StepRunner<D> {
             return Ok(());
         }
         let n = pp.shape.num_seqs as u64;
-        let cfg = prefill::launch_config(&pp.shape, self.shape.dtype, pp.max_rows);
+        let cfg = prefill::launch_config(
+            &pp.shape,
+            self.shape.dtype,
+            self.shape.kv_dtype,
+            pp.max_rows,
+        );
+        let head_dim = prefill::prefill_head_dim(&pp.shape, self.shape.dtype);
         // SAFETY: checked views of this device's space; the metadata `plan_prefill`
         // validated and uploaded into the runner's buffer; the slopes buffer it owns.
         macro_rules! params {
@@ -236,15 +242,25 @@ impl<D: StepDevice> StepRunner<D> {
                 unsafe { self.launch_prefill::<$kernel>(cfg, p) }
             }};
         }
+        // The tensor-core kernel of the pair for `head_dim` (0: the one-warp kernel).
+        macro_rules! mma {
+            ($t:ty, $k:ty) => {
+                match head_dim {
+                    64 => launch!(PagedPrefill<$t, $k, 64>, $t, $k),
+                    128 => launch!(PagedPrefill<$t, $k, 128>, $t, $k),
+                    _ => launch!(PagedPrefill<$t, $k>, $t, $k),
+                }
+            };
+        }
         use DType as D;
         match (self.shape.dtype, self.shape.kv_dtype) {
-            (D::F16, D::F16) => launch!(PagedPrefill<F16>, F16, F16),
-            (D::Bf16, D::Bf16) => launch!(PagedPrefill<Bf16>, Bf16, Bf16),
+            (D::F16, D::F16) => mma!(F16, F16),
+            (D::Bf16, D::Bf16) => mma!(Bf16, Bf16),
             (D::F32, D::F32) => launch!(PagedPrefillSimt<f32>, f32, f32),
-            (D::F16, D::E4m3) => launch!(PagedPrefill<F16, E4m3>, F16, E4m3),
-            (D::F16, D::E5m2) => launch!(PagedPrefill<F16, E5m2>, F16, E5m2),
-            (D::Bf16, D::E4m3) => launch!(PagedPrefill<Bf16, E4m3>, Bf16, E4m3),
-            (D::Bf16, D::E5m2) => launch!(PagedPrefill<Bf16, E5m2>, Bf16, E5m2),
+            (D::F16, D::E4m3) => mma!(F16, E4m3),
+            (D::F16, D::E5m2) => mma!(F16, E5m2),
+            (D::Bf16, D::E4m3) => mma!(Bf16, E4m3),
+            (D::Bf16, D::E5m2) => mma!(Bf16, E5m2),
             (q, c) => Err(Error::invalid(
                 "dtype",
                 format!("no prefill kernel for {q} queries over {c} caches"),

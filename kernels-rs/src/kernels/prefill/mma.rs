@@ -20,10 +20,14 @@ use crate::device::{Ctx, GlobalSlice, Kernel};
 use crate::elem::{Bf16, E4m3, E5m2, F16, KvElem};
 use crate::kernels::each16;
 
-/// The tensor-core prefill kernel for q / out of `T` and a cache of `K` (see the
-/// [module docs](super)).
+/// The tensor-core prefill kernel for q / out of `T` and a cache of `K`. `HEAD_DIM =
+/// 0` is the one-warp kernel for any shape (see the [module docs](super)); `HEAD_DIM`
+/// in [`TILED_HEAD_DIMS`](super::TILED_HEAD_DIMS) the multi-warp kernel for that
+/// head_dim at block size 16 ([`tiled`](super::tiled)). Launch the one
+/// [`fixed_head_dim`](crate::kernels::attention::fixed_head_dim) names when it is in
+/// `TILED_HEAD_DIMS`, else `HEAD_DIM = 0`.
 #[derive(Clone, Copy, Debug)]
-pub struct PagedPrefill<T, K = T>(Of<(T, K)>);
+pub struct PagedPrefill<T, K = T, const HEAD_DIM: u32 = 0>(Of<(T, K)>);
 
 macro_rules! kernel {
     ($t:ty, $k:ty, $name:literal) => {
@@ -33,6 +37,18 @@ macro_rules! kernel {
             #[inline(always)]
             fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
                 prefill::<$t, $k, C>(ctx, p)
+            }
+        }
+        kernel!(@tiled $t, $k, 64, concat!($name, "_d64"));
+        kernel!(@tiled $t, $k, 128, concat!($name, "_d128"));
+    };
+    (@tiled $t:ty, $k:ty, $d:literal, $name:expr) => {
+        impl Kernel for PagedPrefill<$t, $k, $d> {
+            type Params = PrefillParams<$t, $k>;
+            const NAME: &'static str = $name;
+            #[inline(always)]
+            fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
+                super::tiled::prefill_tiled::<$t, $k, C, $d>(ctx, p)
             }
         }
     };

@@ -22,11 +22,17 @@
 //!   and `O += P V` are `mma.m16n8k16` with `ldmatrix` fragments, the online softmax in
 //!   registers. The output columns are done in passes of [`PASS_DIMS`] (each pass
 //!   recomputes `S`), which bounds the accumulator registers for every head_dim.
+//! * f16 / bf16 at head_dim 64 or 128, block size 16 ([`PagedPrefill`] with a
+//!   `HEAD_DIM`, tensor cores, [`tiled`]): FlashAttention-2's decomposition, grid
+//!   `(num_kv_heads, ceil(rows / TILE_ROWS), num_seqs)`, four warps of 16 rows each
+//!   consuming every staged 64-token K/V tile of a 3-stage `cp.async` pipeline, `S`
+//!   once per tile over the whole head_dim, Q and O in registers.
 //! * f32 ([`PagedPrefillSimt`], CUDA cores): one thread per row and pass, over the
 //!   same positions, from global memory.
 
 mod mma;
 mod simt;
+pub mod tiled;
 
 use core::marker::PhantomData;
 
@@ -36,6 +42,13 @@ use crate::layout::PagedLayout;
 
 pub use mma::PagedPrefill;
 pub use simt::PagedPrefillSimt;
+pub use tiled::{TILE_ROWS, TILED_THREADS};
+
+/// head_dims with a multi-warp tensor-core prefill kernel (block size
+/// [`FIXED_BLOCK_SIZE`](crate::kernels::attention::FIXED_BLOCK_SIZE), q of f16 or bf16,
+/// every cache type; see [`tiled`]): the decode kernel's tensor-core sizes, whose K/V
+/// tiles and B-fragment readers it shares. Other shapes run the one-warp kernel.
+pub const TILED_HEAD_DIMS: [u32; 2] = crate::kernels::attention::MMA_HEAD_DIMS;
 
 /// Query rows one tensor-core block serves (the `M` of `mma.m16n8k16`).
 pub const ROWS: u32 = 16;
