@@ -7,7 +7,8 @@ For every tensor-core `paged_prefill_attention_*` entry point (all but f32): HMM
 instructions exist. The one-warp kernels (no `_d<head_dim>` suffix) read fragments with
 LDSM (ldmatrix) and stage K/V with LDGSTS (an f16/bf16 cache) or, for an fp8 cache
 (`*_e4m3`, `*_e5m2`), with 16-byte loads (LDG.128) decoded in registers. The multi-warp
-kernels (`*_d64`, `*_d128`) stage every cache type with LDGSTS and wait with DEPBAR, and
+kernels (`*_d64`, `*_d128`) stage every cache type with LDGSTS (and no 16-byte plain global
+loads: q is read as scalars) and wait with DEPBAR, and
 read 16-bit caches with LDSM (fp8 is decoded from shared memory by plain loads).
 
 For every fp8 entry point on sm_90: the conversions are the hardware's (an F2FP
@@ -78,6 +79,8 @@ def main():
             if is_tiled(name):
                 if ldgsts == 0:
                     verdict.append("no LDGSTS")
+                if ldg128 > 0:
+                    verdict.append(f"{ldg128} LDG.128 (K/V through plain loads?)")
                 if depbar == 0:
                     verdict.append("no DEPBAR (cp.async wait)")
             elif is_fp8(name):

@@ -113,6 +113,10 @@ impl StepDevice for CudaStepDevice<'_> {
         space_of(self.gpu)
     }
 
+    fn max_shared_bytes(&self) -> u32 {
+        self.gpu.max_dynamic_shared
+    }
+
     fn alloc(&mut self, bytes: usize) -> Result<DeviceAddr> {
         let s = &self.gpu.stream;
         let buf = s

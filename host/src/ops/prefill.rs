@@ -189,30 +189,42 @@ pub fn validate_metadata(
     Ok(max_rows as u32)
 }
 
-/// The `HEAD_DIM` of the prefill kernel to launch for `shape` with queries of
-/// `q_dtype`: its head_dim when the multi-warp tensor-core kernel has one (16-bit
-/// queries, any cache type, block size 16, head_dim in [`TILED_HEAD_DIMS`], 32-bit
-/// in-block offsets: decode's [`fixed_head_dim`]), else 0 (the one-warp kernel, or the
-/// f32 one).
-pub fn prefill_head_dim(shape: &DecodeShape, q_dtype: DType) -> u32 {
+/// The `HEAD_DIM` of the prefill kernel to launch for `shape`, queries of `q_dtype` and
+/// a cache of `kv_dtype` on a device allowing `max_shared_bytes` of shared memory a
+/// block: its head_dim when the multi-warp tensor-core kernel has one (16-bit queries,
+/// any cache type, block size 16, head_dim in [`TILED_HEAD_DIMS`], 32-bit in-block
+/// offsets: decode's [`fixed_head_dim`]) and its stages fit the device (at head_dim 128
+/// over a 16-bit cache they take 102 KiB, more than sm_86 / sm_89 allow), else 0 (the
+/// one-warp kernel, or the f32 one).
+pub fn prefill_head_dim(
+    shape: &DecodeShape,
+    q_dtype: DType,
+    kv_dtype: DType,
+    max_shared_bytes: u32,
+) -> u32 {
     let d = fixed_head_dim(&shape.layout());
-    if matches!(q_dtype, DType::F16 | DType::Bf16) && TILED_HEAD_DIMS.contains(&d) {
-        d
-    } else {
-        0
-    }
+    let tiled = matches!(q_dtype, DType::F16 | DType::Bf16)
+        && TILED_HEAD_DIMS.contains(&d)
+        && tiled_shared_bytes(d, kv_dtype) <= max_shared_bytes;
+    if tiled { d } else { 0 }
+}
+
+/// Shared memory of the multi-warp kernel at head_dim `d` over a cache of `kv_dtype`.
+fn tiled_shared_bytes(d: u32, kv_dtype: DType) -> u32 {
+    pagedkv_kernels::kernels::attention::mma_shared_bytes(d, kv_dtype.size() as u32)
 }
 
 /// Launch configuration for the sequences' most rows `max_rows`, queries of `q_dtype`
-/// and a cache of `kv_dtype`: the multi-warp tensor-core kernel ([`TILE_ROWS`] rows a
-/// block, [`TILED_THREADS`] threads) where [`prefill_head_dim`] names one; else the
-/// one-warp tensor-core kernel (16 rows a block) for 16-bit queries (whatever the
-/// cache: an fp8 one is decoded into 16-bit tiles), the f32 kernel (a row a thread)
-/// for f32.
+/// and a cache of `kv_dtype` with the kernel [`prefill_head_dim`] names (`head_dim`): the
+/// multi-warp tensor-core kernel ([`TILE_ROWS`] rows a block, [`TILED_THREADS`] threads)
+/// for a nonzero one; else the one-warp tensor-core kernel (16 rows a block) for 16-bit
+/// queries (whatever the cache: an fp8 one is decoded into 16-bit tiles), the f32
+/// kernel (a row a thread) for f32.
 pub fn launch_config(
     shape: &DecodeShape,
     q_dtype: DType,
     kv_dtype: DType,
+    head_dim: u32,
     max_rows: u32,
 ) -> LaunchConfig {
     let grid = |rows_per_block: u32| {
@@ -222,7 +234,7 @@ pub fn launch_config(
             shape.num_seqs,
         )
     };
-    match (q_dtype, prefill_head_dim(shape, q_dtype)) {
+    match (q_dtype, head_dim) {
         (DType::F32 | DType::E4m3 | DType::E5m2, _) => LaunchConfig {
             grid: grid(SIMT_THREADS),
             block: Dim3::new(SIMT_THREADS, 1, 1),
@@ -236,10 +248,7 @@ pub fn launch_config(
         (_, d) => LaunchConfig {
             grid: grid(TILE_ROWS),
             block: Dim3::new(TILED_THREADS, 1, 1),
-            shared_bytes: pagedkv_kernels::kernels::attention::mma_shared_bytes(
-                d,
-                kv_dtype.size() as u32,
-            ),
+            shared_bytes: tiled_shared_bytes(d, kv_dtype),
         },
     }
 }

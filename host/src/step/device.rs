@@ -73,6 +73,14 @@ pub trait StepDevice {
     /// runner calls it when it is made; whoever uploads more reserves first.
     fn reserve_upload(&mut self, bytes: usize) -> Result<()>;
 
+    /// The most dynamic shared memory one block may have on this device, bytes (a
+    /// GPU's opt-in limit; unlimited on the CPU devices). The step path picks a kernel
+    /// that fits where it has a choice (prefill's multi-warp kernel or its one-warp
+    /// one).
+    fn max_shared_bytes(&self) -> u32 {
+        u32::MAX
+    }
+
     /// Launches kernel `K` (ordered after every earlier upload and launch).
     ///
     /// # Safety

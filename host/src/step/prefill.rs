@@ -177,13 +177,10 @@ impl<D: StepDevice> StepRunner<D> {
             return Ok(());
         }
         let n = pp.shape.num_seqs as u64;
-        let cfg = prefill::launch_config(
-            &pp.shape,
-            self.shape.dtype,
-            self.shape.kv_dtype,
-            pp.max_rows,
-        );
-        let head_dim = prefill::prefill_head_dim(&pp.shape, self.shape.dtype);
+        let (q_dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
+        let head_dim =
+            prefill::prefill_head_dim(&pp.shape, q_dtype, kv_dtype, self.dev.max_shared_bytes());
+        let cfg = prefill::launch_config(&pp.shape, q_dtype, kv_dtype, head_dim, pp.max_rows);
         // SAFETY: checked views of this device's space; the metadata `plan_prefill`
         // validated and uploaded into the runner's buffer; the slopes buffer it owns.
         macro_rules! params {
