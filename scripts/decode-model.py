@@ -3,7 +3,9 @@
 
     decode-model.py ARCH FILE.sass      prints one `key=value` line per loop found
 
-For every `paged_decode_attention_*` and `paged_decode_reduce_*` entry point this builds
+For every `paged_decode_attention_*` and `paged_decode_reduce_*` entry point, and every
+multi-warp prefill kernel (`paged_prefill_attention_*_d<N>`, whose stage loop is
+modelled as a tensor-core decode's), this builds
 the control-flow graph of the SASS (basic blocks, branch targets), its dominator tree
 and natural loops, and reports:
 
@@ -272,6 +274,13 @@ def fmt(prefix, c):
     return " ".join(f"{prefix}{k}={c.get(k, 0)}" for k in keys)
 
 
+def stage_kernel(name):
+    """Whether `name` runs a cp.async stage loop this script models: every decode
+    kernel, and the multi-warp prefill kernels (`paged_prefill_attention_*_d<N>`)."""
+    return name.startswith("paged_decode_attention") or (
+        name.startswith("paged_prefill_attention") and re.search(r"_d\d+$", name) is not None)
+
+
 def analyse(name, body):
     instrs, labels = parse(body)
     spans, succ = blocks_of(instrs, labels)
@@ -283,7 +292,7 @@ def analyse(name, body):
         seq = seq_of(body_blocks)
         ops = {i.base for i in seq}
         inner = [(h2, b2) for h2, b2 in loops.items() if h2 != h and b2 < body_blocks]
-        if name.startswith("paged_decode_attention"):
+        if stage_kernel(name):
             if not {"LDGSTS", "BAR", "DEPBAR"} <= ops:
                 continue
             # innermost such loop: no inner loop also holds the copies
@@ -345,7 +354,7 @@ def main():
     arch, path = sys.argv[1], sys.argv[2]
     text = open(path, encoding="utf-8", errors="replace").read()
     for name, body in sections(text):
-        if name.startswith(("paged_decode_attention", "paged_decode_reduce")):
+        if stage_kernel(name) or name.startswith("paged_decode_reduce"):
             for line in analyse(name, body):
                 print(f"arch={arch} {line}")
     return 0
