@@ -51,10 +51,18 @@ pub(crate) trait MmaCache<T: MmaElem>: KvElem {
         c
     }
 
-    /// K's B fragments for k-steps `4u..4u + 4` (`u < HEAD_DIM / 64`) of the warp's
-    /// rows (8-token tile `nt` is rows `8nt..8nt + 8`), the rows at word `kbase`, `rw`
-    /// words apart.
-    fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags;
+    /// What a lane reads of K for k-steps `4u..4u + 4` (`u < HEAD_DIM / 64`) of the
+    /// warp's rows (8-token tile `nt` is rows `8nt..8nt + 8`), the rows at word
+    /// `kbase`, `rw` words apart: the B fragments themselves, or the bytes they are
+    /// decoded from (one k-step at a time, [`k_frag`](Self::k_frag), so the decoded
+    /// registers of all four are never live at once).
+    type KRaw: Copy;
+
+    /// Loads [`KRaw`](Self::KRaw) for unit `u`.
+    fn k_load<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> Self::KRaw;
+
+    /// K's B fragments of k-step `4u + j` for the two 8-token tiles, from `raw`.
+    fn k_frag(raw: &Self::KRaw, j: usize) -> [[u32; 2]; 2];
 
     /// V's B fragments for dim tiles `4u..4u + 4` (`u < HEAD_DIM / 32`) over the warp's
     /// 16 rows (the tokens of `P`'s columns), the rows at word `vbase`, `rw` words
@@ -76,8 +84,15 @@ macro_rules! mma_cache_16 {
         impl MmaCache<$t> for $t {
             const BYTES: u32 = 2;
 
+            type KRaw = KFrags;
+
             #[inline(always)]
-            fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags {
+            fn k_frag(raw: &KFrags, j: usize) -> [[u32; 2]; 2] {
+                raw[j]
+            }
+
+            #[inline(always)]
+            fn k_load<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags {
                 // ldmatrix row addresses: matrix lane / 8, row lane % 8.
                 let (mi, mr) = (lane / 8, lane % 8);
                 let mut f = [[[0u32; 2]; 2]; 4];
@@ -133,29 +148,30 @@ macro_rules! mma_cache_fp8 {
                 if chunks >= 8 { c ^ (4 * (row % 2)) } else { c }
             }
 
+            /// Rows `g` and `8 + g`'s 16 bytes: word j holds k-step 4u + j's 4 values.
+            type KRaw = [[u32; 4]; 2];
+
             #[inline(always)]
-            fn k_frags<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> KFrags {
+            fn k_load<C: Ctx>(ctx: &C, kbase: u32, rw: u32, lane: u32, u: u32) -> Self::KRaw {
                 let (g, t) = (lane / 4, lane % 4);
                 let chunks = rw / 4;
-                // Row 8nt + g's 16 bytes: word j holds k-step 4u + j's 4 values.
                 let row = |nt: u32| {
                     let r = 8 * nt + g;
                     let c = <$k as MmaCache<$t>>::k_chunk(r, 4 * u + t, chunks);
                     ctx.smem_ld_v4(kbase + r * rw + 4 * c)
                 };
-                let (a, b) = (row(0), row(1));
+                [row(0), row(1)]
+            }
+
+            #[inline(always)]
+            fn k_frag(raw: &Self::KRaw, j: usize) -> [[u32; 2]; 2] {
                 let cv = |w: u32| -> [u32; 2] {
                     [
                         <$t>::from_f16x2($cvt(w as u16)),
                         <$t>::from_f16x2($cvt((w >> 16) as u16)),
                     ]
                 };
-                [
-                    [cv(a[0]), cv(b[0])],
-                    [cv(a[1]), cv(b[1])],
-                    [cv(a[2]), cv(b[2])],
-                    [cv(a[3]), cv(b[3])],
-                ]
+                [cv(raw[0][j]), cv(raw[1][j])]
             }
 
             #[inline(always)]
@@ -296,11 +312,12 @@ pub(crate) fn compute_qk<T: MmaElem, K: MmaCache<T>, C: Ctx>(
     qa: &[[u32; 4]; 8],
     sc: &mut [[f32; 4]; 2],
 ) {
-    let kb = K::k_frags(ctx, kbase, krw, lane, u);
+    let raw = K::k_load(ctx, kbase, krw, lane, u);
     each_upto(4, |j| {
         let ks = (4 * u) as usize + j;
-        sc[0] = T::mma(ctx, qa[ks], kb[j][0], sc[0]);
-        sc[1] = T::mma(ctx, qa[ks], kb[j][1], sc[1]);
+        let kb = K::k_frag(&raw, j);
+        sc[0] = T::mma(ctx, qa[ks], kb[0], sc[0]);
+        sc[1] = T::mma(ctx, qa[ks], kb[1], sc[1]);
     });
 }
 

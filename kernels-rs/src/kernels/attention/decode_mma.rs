@@ -10,7 +10,8 @@
 //!
 //! # Per stage, per warp (`compute_qk`, `update_local_state`, `compute_pv`)
 //! * `S = Q Kᵀ`: Q's A fragments stay in registers for the whole launch; K's B
-//!   fragments come from shared memory ([`MmaCache::k_frags`]), `HEAD_DIM / 16` `mma`s
+//!   fragments come from shared memory ([`MmaCache::k_load`], [`MmaCache::k_frag`]),
+//!   `HEAD_DIM / 16` `mma`s
 //!   per 8 tokens.
 //! * Scale, soft-cap, ALiBi and the range mask on the 8 scores a lane holds; each row's
 //!   maximum over the 16 tokens with two xor-shuffles (the 4 lanes of a row); one

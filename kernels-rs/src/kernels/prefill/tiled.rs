@@ -78,6 +78,32 @@ fn pv_group<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     }
 }
 
+/// A 16-token group's softmax weights `exp2(x - m)` from its scores `sc`, added to the
+/// rows' sums `lsum` and packed as `P`'s A fragment.
+#[inline(always)]
+fn weights<T: MmaElem, C: Ctx>(
+    ctx: &C,
+    sc: &[[f32; 4]; 2],
+    m_use: &[f32; 2],
+    lsum: &mut [f32; 2],
+) -> [u32; 4] {
+    let mut w = [[0.0f32; 4]; 2];
+    each_upto(2, |nt| {
+        each_upto(4, |e| {
+            let h = e / 2;
+            let x = ctx.exp2(sc[nt][e] - m_use[h]);
+            lsum[h] += x;
+            w[nt][e] = x;
+        });
+    });
+    [
+        T::pack2(w[0][0], w[0][1]),
+        T::pack2(w[0][2], w[0][3]),
+        T::pack2(w[1][0], w[1][1]),
+        T::pack2(w[1][2], w[1][3]),
+    ]
+}
+
 /// The multi-warp tensor-core prefill kernel: head_dim `D` (64 or 128), block size 16,
 /// q / out of `T`, a cache of `K` (see the [module docs](self)).
 #[inline(always)]
@@ -232,30 +258,16 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
             o[j][2] *= alpha[1];
             o[j][3] *= alpha[1];
         });
-        let mut pa = [[0u32; 4]; 4];
-        each_upto(4, |j| {
-            let mut w = [[0.0f32; 4]; 2];
-            each_upto(2, |nt| {
-                each_upto(4, |e| {
-                    let h = e / 2;
-                    let x = ctx.exp2(sc[j][nt][e] - m_use[h]);
-                    lsum[h] += x;
-                    w[nt][e] = x;
-                });
-            });
-            pa[j] = [
-                T::pack2(w[0][0], w[0][1]),
-                T::pack2(w[0][2], w[0][3]),
-                T::pack2(w[1][0], w[1][1]),
-                T::pack2(w[1][2], w[1][3]),
-            ];
-        });
-
-        // compute_pv: the four 16-token groups.
-        pv_group::<T, K, C, D>(ctx, vbase, vrw, lane, &pa[0], &mut o);
-        pv_group::<T, K, C, D>(ctx, vbase + 16 * vrw, vrw, lane, &pa[1], &mut o);
-        pv_group::<T, K, C, D>(ctx, vbase + 32 * vrw, vrw, lane, &pa[2], &mut o);
-        pv_group::<T, K, C, D>(ctx, vbase + 48 * vrw, vrw, lane, &pa[3], &mut o);
+        // compute_pv: each 16-token group's weights, then its P V (a group's weights
+        // are made just before their use: fewer registers live at once).
+        let pa = weights::<T, C>(ctx, &sc[0], &m_use, &mut lsum);
+        pv_group::<T, K, C, D>(ctx, vbase, vrw, lane, &pa, &mut o);
+        let pa = weights::<T, C>(ctx, &sc[1], &m_use, &mut lsum);
+        pv_group::<T, K, C, D>(ctx, vbase + 16 * vrw, vrw, lane, &pa, &mut o);
+        let pa = weights::<T, C>(ctx, &sc[2], &m_use, &mut lsum);
+        pv_group::<T, K, C, D>(ctx, vbase + 32 * vrw, vrw, lane, &pa, &mut o);
+        let pa = weights::<T, C>(ctx, &sc[3], &m_use, &mut lsum);
+        pv_group::<T, K, C, D>(ctx, vbase + 48 * vrw, vrw, lane, &pa, &mut o);
 
         slot = if slot + 1 == MMA_STAGES { 0 } else { slot + 1 };
         i += 1;
