@@ -303,8 +303,9 @@ fn chunks_of_1_7_64_and_300_tokens_after_prefixes_that_end_mid_block() {
 
 /// The multi-warp kernel serves 16-bit queries at head_dim 64 / 128, block 16, only
 /// where its stages fit the device's shared memory: at head_dim 128 over a 16-bit cache
-/// they need 102 KiB, more than sm_86 / sm_89's 99 KiB, so such a device gets the
-/// one-warp kernel (an fp8 cache's stages, half the bytes, still fit).
+/// they need 96 KiB (unpadded, swizzled rows), within sm_86 / sm_89's 99 KiB; a device
+/// allowing 64 KiB gets the one-warp kernel there (an fp8 cache's stages, half the
+/// bytes, and head_dim 64's still fit).
 #[test]
 fn prefill_takes_the_multi_warp_kernel_only_where_it_fits() {
     use pagedkv::host::ops::prefill::prefill_head_dim;
@@ -317,12 +318,13 @@ fn prefill_takes_the_multi_warp_kernel_only_where_it_fits() {
         num_blocks: 4,
         max_blocks_per_seq: 4,
     };
-    let (sm80, sm86) = (163 * 1024, 99 * 1024);
+    let (sm80, sm86, small) = (163 * 1024, 99 * 1024, 64 * 1024);
     let d = |hd, bs, q, kv, smem| prefill_head_dim(&shape(hd, bs), q, kv, smem);
     assert_eq!(d(128, 16, DType::F16, DType::F16, sm80), 128);
-    assert_eq!(d(128, 16, DType::F16, DType::F16, sm86), 0);
-    assert_eq!(d(128, 16, DType::Bf16, DType::E4m3, sm86), 128);
-    assert_eq!(d(64, 16, DType::Bf16, DType::Bf16, sm86), 64);
+    assert_eq!(d(128, 16, DType::F16, DType::F16, sm86), 128);
+    assert_eq!(d(128, 16, DType::F16, DType::F16, small), 0);
+    assert_eq!(d(128, 16, DType::Bf16, DType::E4m3, small), 128);
+    assert_eq!(d(64, 16, DType::Bf16, DType::Bf16, small), 64);
     assert_eq!(d(128, 8, DType::F16, DType::F16, sm80), 0, "block 8");
     assert_eq!(d(80, 16, DType::F16, DType::F16, sm80), 0, "head_dim 80");
     assert_eq!(d(128, 16, DType::F32, DType::F32, sm80), 0, "f32");

@@ -249,7 +249,8 @@ impl CudaDevice {
             .load_module(Ptx::from_src(module.ptx))
             .map_err(cuda("cuModuleLoadData"))?;
         // A launch with more than 48 KiB of dynamic shared memory (the tensor-core
-        // decode kernels: ~102 KiB at head_dim 128) fails unless the function opts in.
+        // decode and multi-warp prefill kernels: 96 KiB at head_dim 128) fails unless
+        // the function opts in.
         let max_dynamic_shared = ctx
             .attribute(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,

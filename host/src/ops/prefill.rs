@@ -193,9 +193,10 @@ pub fn validate_metadata(
 /// a cache of `kv_dtype` on a device allowing `max_shared_bytes` of shared memory a
 /// block: its head_dim when the multi-warp tensor-core kernel has one (16-bit queries,
 /// any cache type, block size 16, head_dim in [`TILED_HEAD_DIMS`], 32-bit in-block
-/// offsets: decode's [`fixed_head_dim`]) and its stages fit the device (at head_dim 128
-/// over a 16-bit cache they take 102 KiB, more than sm_86 / sm_89 allow), else 0 (the
-/// one-warp kernel, or the f32 one).
+/// offsets: decode's [`fixed_head_dim`]) and its stages fit the device (96 KiB at
+/// head_dim 128 over a 16-bit cache: within every supported GPU's opt-in limit, sm_86 /
+/// sm_89's 99 KiB the least; the check keeps a smaller device on the one-warp kernel),
+/// else 0 (the one-warp kernel, or the f32 one).
 pub fn prefill_head_dim(
     shape: &DecodeShape,
     q_dtype: DType,

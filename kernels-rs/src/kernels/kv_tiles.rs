@@ -6,8 +6,9 @@
 //!
 //! # Staged layout
 //! [`MMA_STAGES`](crate::kernels::attention::MMA_STAGES) slots, each the K rows then the V rows of [`MMA_STAGE_TOKENS`]
-//! tokens ([`mma_k_row_words`], [`mma_v_row_words`] words a row: padding or, for fp8
-//! K, a chunk swizzle, so a warp's loads fall in distinct banks). Rows outside the
+//! tokens ([`mma_k_row_words`], [`mma_v_row_words`] words a row: a 16-byte chunk
+//! swizzle ([`MmaCache::k_chunk`], [`MmaCache::v_chunk`]) or, for fp8 V, padding, so a
+//! warp's loads fall in distinct banks). Rows outside the
 //! attended range are zero-filled by `cp.async` (never read from the cache).
 //!
 //! # Head-dim order
@@ -51,6 +52,12 @@ pub(crate) trait MmaCache<T: MmaElem>: KvElem {
         c
     }
 
+    /// The 16-byte chunk of a stage's V row `row` where the row's chunk `c` lies.
+    #[inline(always)]
+    fn v_chunk(_row: u32, c: u32) -> u32 {
+        c
+    }
+
     /// What a lane reads of K for k-steps `4u..4u + 4` (`u < HEAD_DIM / 64`) of the
     /// warp's rows (8-token tile `nt` is rows `8nt..8nt + 8`), the rows at word
     /// `kbase`, `rw` words apart: the B fragments themselves, or the bytes they are
@@ -84,6 +91,20 @@ macro_rules! mma_cache_16 {
         impl MmaCache<$t> for $t {
             const BYTES: u32 = 2;
 
+            /// Rows are unpadded; chunk `c` of row `r` lies at `c ^ (r % 8)`, so the 8
+            /// rows an `ldmatrix` reads at one logical chunk fall in 8 distinct chunks
+            /// of the 32 banks.
+            #[inline(always)]
+            fn k_chunk(row: u32, c: u32, _chunks: u32) -> u32 {
+                c ^ (row % 8)
+            }
+
+            /// As [`k_chunk`](Self::k_chunk) (`ldmatrix.trans` reads rows too).
+            #[inline(always)]
+            fn v_chunk(row: u32, c: u32) -> u32 {
+                c ^ (row % 8)
+            }
+
             type KRaw = KFrags;
 
             #[inline(always)]
@@ -99,7 +120,8 @@ macro_rules! mma_cache_16 {
                 each_upto(4, |j| {
                     let ks = 4 * u + j as u32;
                     let row = (mi / 2) * 8 + mr;
-                    let kb = ctx.ldmatrix_x4::<false>(kbase + row * rw + 8 * ks + (mi % 2) * 4);
+                    let c = Self::k_chunk(row, 2 * ks + mi % 2, 0);
+                    let kb = ctx.ldmatrix_x4::<false>(kbase + row * rw + 4 * c);
                     f[j] = [[kb[0], kb[1]], [kb[2], kb[3]]];
                 });
                 f
@@ -112,7 +134,8 @@ macro_rules! mma_cache_16 {
                 each_upto(2, |h| {
                     let jj = 2 * u + h as u32;
                     let row = (mi % 2) * 8 + mr;
-                    let vb = ctx.ldmatrix_x4::<true>(vbase + row * rw + 8 * jj + (mi / 2) * 4);
+                    let c = Self::v_chunk(row, 2 * jj + mi / 2);
+                    let vb = ctx.ldmatrix_x4::<true>(vbase + row * rw + 4 * c);
                     f[2 * h] = [vb[0], vb[1]];
                     f[2 * h + 1] = [vb[2], vb[3]];
                 });
@@ -289,7 +312,7 @@ impl<K: KvElem, const D: u32> KvProducer<K, D> {
                     let word = base + row * krw + 4 * K::k_chunk(row, c, chunks);
                     ctx.cp_async_16_or_zero(word, &self.key_cache, src, read);
                 } else {
-                    let word = base + k_words + row * vrw + 4 * c;
+                    let word = base + k_words + row * vrw + 4 * K::v_chunk(row, c);
                     ctx.cp_async_16_or_zero(word, &self.value_cache, src, read);
                 }
             });

@@ -117,7 +117,7 @@ pub const DECODE_REGISTERS: u32 = 96;
 pub const DECODE_REGISTERS_FP8: u32 = 128;
 /// As [`DECODE_REGISTERS`], for the tensor-core decode kernels (Q's A fragments and
 /// the output fragments stay in registers: 96 of them at head_dim 128).
-pub const DECODE_REGISTERS_MMA: u32 = 208;
+pub const DECODE_REGISTERS_MMA: u32 = 224;
 /// As [`DECODE_REGISTERS_MMA`], for the tensor-core decode kernels over an fp8 cache
 /// (sm_80 decodes fp8 in software: up to 230 registers at head_dim 128; sm_90's
 /// `cvt` needs 168).

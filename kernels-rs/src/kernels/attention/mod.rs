@@ -339,23 +339,23 @@ pub const MMA_STAGE_TOKENS: u32 = 64;
 pub const MMA_STAGES: u32 = 3;
 
 /// 32-bit words per K row of the tensor-core decode kernel's stages, for a cache of
-/// `elem_bytes`-byte elements. 16-bit: `head_dim` elements and 16 bytes of padding (so
-/// the 8 rows an `ldmatrix` reads fall in distinct banks). fp8: `head_dim` bytes, no
-/// padding (a lane reads 16 bytes of a row, and odd rows swap their halves' 16-byte
-/// chunks, so a quarter-warp's two rows fall in distinct banks).
+/// `elem_bytes`-byte elements: `head_dim` elements, no padding (16-bit rows swizzle
+/// their 16-byte chunks by row so the 8 rows an `ldmatrix` reads fall in distinct
+/// banks; fp8 rows, read 16 bytes a lane, swap their halves' chunks on odd rows).
 pub const fn mma_k_row_words(head_dim: u32, elem_bytes: u32) -> u32 {
-    if elem_bytes == 2 {
-        head_dim / 2 + 4
-    } else {
-        head_dim / 4
-    }
+    head_dim * elem_bytes / 4
 }
 
-/// 32-bit words per V row of the tensor-core decode kernel's stages: the row and 16
-/// bytes of padding (16-bit: the 8 rows an `ldmatrix.trans` reads; fp8: the 4 rows
-/// `2t, 2t + 2, ..` the lanes `t` of one word column read, in distinct banks).
+/// 32-bit words per V row of the tensor-core decode kernel's stages: 16-bit rows
+/// unpadded and swizzled as K's (for `ldmatrix.trans`); fp8 rows with 16 bytes of
+/// padding (the 4 rows `2t, 2t + 2, ..` the lanes `t` of one word column read fall in
+/// distinct banks).
 pub const fn mma_v_row_words(head_dim: u32, elem_bytes: u32) -> u32 {
-    head_dim * elem_bytes / 4 + 4
+    if elem_bytes == 2 {
+        head_dim / 2
+    } else {
+        head_dim / 4 + 4
+    }
 }
 
 /// Dynamic shared memory of the tensor-core decode kernel, in bytes, for a cache of
