@@ -5,7 +5,7 @@
 //! `compute_pv` steps over 16 staged rows.
 //!
 //! # Staged layout
-//! [`MMA_STAGES`](crate::kernels::attention::MMA_STAGES) slots, each the K rows then the V rows of [`MMA_STAGE_TOKENS`]
+//! [`MMA_STAGES`] slots, each the K rows then the V rows of [`MMA_STAGE_TOKENS`]
 //! tokens ([`mma_k_row_words`], [`mma_v_row_words`] words a row: a 16-byte chunk
 //! swizzle ([`MmaCache::k_chunk`], [`MmaCache::v_chunk`]) or, for fp8 V, padding, so a
 //! warp's loads fall in distinct banks). Rows outside the
@@ -19,7 +19,8 @@
 use crate::device::{Ctx, GlobalSlice, e4m3x2_to_f16x2, e5m2x2_to_f16x2};
 use crate::elem::{Bf16, E4m3, E5m2, F16, KvElem};
 use crate::kernels::attention::{
-    FIXED_BLOCK_SIZE, MMA_STAGE_TOKENS, THREADS, mma_k_row_words, mma_v_row_words,
+    FIXED_BLOCK_SIZE, MMA_STAGE_TOKENS, MMA_STAGES, THREADS, mma_k_row_words, mma_v_row_words,
+    stage_span,
 };
 use crate::kernels::prefill::MmaElem;
 
@@ -260,7 +261,61 @@ pub(crate) struct KvProducer<K, const D: u32> {
     pub kv_off: u32,
 }
 
+/// What a kernel tells [`KvProducer::start`]: the attended tokens, whose cache, and
+/// which KV head.
+pub(crate) struct KvSource<K> {
+    /// The attended range `start..end`, staged from `start` rounded down to a stage.
+    pub start: u32,
+    pub end: u32,
+    /// The sequence's block-table row: the table and the index of its first entry.
+    pub block_tables: GlobalSlice<i32>,
+    pub table_row: u64,
+    /// The layer's K and V caches, `num_kv_heads` heads of `D` elements a token.
+    pub key_cache: GlobalSlice<K>,
+    pub value_cache: GlobalSlice<K>,
+    pub num_kv_heads: u32,
+    pub kv_head: u32,
+}
+
 impl<K: KvElem, const D: u32> KvProducer<K, D> {
+    /// Thread `tid`'s producer for `src`, with the pipeline's prologue issued: stages
+    /// `0..MMA_STAGES - 1` in flight (slots of the same index), and `phys` holding the
+    /// blocks of the next stage. Returns the producer and its stage count.
+    #[inline(always)]
+    pub(crate) fn start<T: MmaElem, C: Ctx>(
+        ctx: &C,
+        tid: u32,
+        src: KvSource<K>,
+        phys: &mut [u32; 4],
+    ) -> Self
+    where
+        K: MmaCache<T>,
+    {
+        let (first, num_stages) = stage_span(src.start, src.end, MMA_STAGE_TOKENS);
+        let chunks = D * K::BYTES / 16;
+        let producer = KvProducer {
+            tid,
+            first,
+            start: src.start,
+            end: src.end,
+            num_stages,
+            block_tables: src.block_tables,
+            table_row: src.table_row,
+            key_cache: src.key_cache,
+            value_cache: src.value_cache,
+            block_stride: src.num_kv_heads as u64 * (FIXED_BLOCK_SIZE * D) as u64,
+            kv_off: src.kv_head * FIXED_BLOCK_SIZE * D + (tid % chunks) * (16 / K::BYTES),
+        };
+        producer.lookup(ctx, phys, 0);
+        let mut s = 0;
+        while s < MMA_STAGES - 1 {
+            producer.issue::<T, C>(ctx, phys, s, s);
+            producer.lookup(ctx, phys, s + 1);
+            s += 1;
+        }
+        producer
+    }
+
     /// Looks up the physical blocks of stage `s` that hold an attended token (the
     /// others keep a stale entry, never read through).
     #[inline(always)]

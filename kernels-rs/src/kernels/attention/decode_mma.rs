@@ -41,7 +41,7 @@
 //! row, and every thread folds the four for a slice of one row.
 
 use crate::device::Ctx;
-use crate::kernels::kv_tiles::{KvProducer, MmaCache, compute_pv, compute_qk, each_upto};
+use crate::kernels::kv_tiles::{KvProducer, KvSource, MmaCache, compute_pv, compute_qk, each_upto};
 use crate::kernels::prefill::MmaElem;
 use crate::softmax::{LOG2_E, SoftmaxState};
 
@@ -69,7 +69,6 @@ pub(super) fn decode_mma<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     let (krw, vrw) = (mma_k_row_words(D, K::BYTES), mma_v_row_words(D, K::BYTES));
     let k_words = MMA_STAGE_TOKENS * krw; // words of one slot's K rows
     let slot_words = k_words + MMA_STAGE_TOKENS * vrw;
-    let chunks = D * K::BYTES / 16; // 16-byte chunks per row
     let tid = ctx.thread_idx().x % THREADS;
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t) = (lane / 4, lane % 4);
@@ -146,28 +145,24 @@ pub(super) fn decode_mma<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     let inv_cap = p.inv_softcap * (1.0 / LOG2_E);
     let pos0 = -((ctx_len - 1) as f32);
 
-    // produce_kv, a stage's 4 blocks looked up one stage ahead.
-    let producer = KvProducer::<K, D> {
-        tid,
-        first,
-        start,
-        end,
-        num_stages,
-        block_tables: p.block_tables,
-        table_row: seq as u64 * p.max_blocks_per_seq as u64,
-        key_cache: p.key_cache,
-        value_cache: p.value_cache,
-        block_stride: l.num_kv_heads as u64 * (FIXED_BLOCK_SIZE * D) as u64,
-        kv_off: kv_head * FIXED_BLOCK_SIZE * D + (tid % chunks) * (16 / K::BYTES),
-    };
+    // produce_kv: the prologue's stages in flight, a stage's blocks looked up one
+    // stage ahead.
     let mut phys = [0u32; 4];
-    producer.lookup(ctx, &mut phys, 0);
-    let mut s = 0;
-    while s < MMA_STAGES - 1 {
-        producer.issue::<T, C>(ctx, &phys, s, s);
-        producer.lookup(ctx, &mut phys, s + 1);
-        s += 1;
-    }
+    let producer = KvProducer::<K, D>::start::<T, C>(
+        ctx,
+        tid,
+        KvSource {
+            start,
+            end,
+            block_tables: p.block_tables,
+            table_row: seq as u64 * p.max_blocks_per_seq as u64,
+            key_cache: p.key_cache,
+            value_cache: p.value_cache,
+            num_kv_heads: l.num_kv_heads,
+            kv_head,
+        },
+        &mut phys,
+    );
 
     let mut state = [SoftmaxState::EMPTY; 2]; // rows g, g + 8 (l: this lane's share)
     let mut o = [[0.0f32; 4]; 16]; // D / 8 dim tiles

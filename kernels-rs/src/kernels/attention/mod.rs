@@ -309,14 +309,21 @@ impl TokenRange {
     /// of `stage_tokens` (a power of two) that cover the range; none when it is empty.
     #[inline(always)]
     pub(crate) fn stages(&self, stage_tokens: u32) -> (u32, u32) {
-        let first = self.start & !(stage_tokens - 1);
-        let n = if self.end > self.start {
-            (self.end - first).div_ceil(stage_tokens)
-        } else {
-            0
-        };
-        (first, n)
+        stage_span(self.start, self.end, stage_tokens)
     }
+}
+
+/// `(first, count)`: the first token of the stage of `stage_tokens` (a power of two)
+/// holding `start`, and the stages that cover `start..end`; none when it is empty.
+#[inline(always)]
+pub(crate) const fn stage_span(start: u32, end: u32, stage_tokens: u32) -> (u32, u32) {
+    let first = start & !(stage_tokens - 1);
+    let n = if end > start {
+        (end - first).div_ceil(stage_tokens)
+    } else {
+        0
+    };
+    (first, n)
 }
 
 /// Block size of the compile-time-geometry decode kernels.

@@ -29,9 +29,9 @@
 use super::{MmaElem, PrefillParams, Row, Seq};
 use crate::device::Ctx;
 use crate::kernels::attention::{
-    FIXED_BLOCK_SIZE, MMA_STAGE_TOKENS, MMA_STAGES, THREADS, mma_k_row_words, mma_v_row_words,
+    MMA_STAGE_TOKENS, MMA_STAGES, THREADS, mma_k_row_words, mma_v_row_words,
 };
-use crate::kernels::kv_tiles::{KvProducer, MmaCache, compute_pv, compute_qk, each_upto};
+use crate::kernels::kv_tiles::{KvProducer, KvSource, MmaCache, compute_pv, compute_qk, each_upto};
 
 /// Query rows one block of the multi-warp kernel serves (16 per warp).
 pub const TILE_ROWS: u32 = 64;
@@ -122,7 +122,6 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     let (krw, vrw) = (mma_k_row_words(D, K::BYTES), mma_v_row_words(D, K::BYTES));
     let k_words = MMA_STAGE_TOKENS * krw;
     let slot_words = k_words + MMA_STAGE_TOKENS * vrw;
-    let chunks = D * K::BYTES / 16; // 16-byte chunks per cache row
     let tid = ctx.thread_idx().x % TILED_THREADS;
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t) = (lane / 4, lane % 4);
@@ -141,8 +140,6 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     } - 1;
     let start = sq.first_visible(p, row0 / sq.group);
     let end = sq.pos(last / sq.group) + 1;
-    let first = start & !(MMA_STAGE_TOKENS - 1);
-    let num_stages = (end - first).div_ceil(MMA_STAGE_TOKENS);
     let v_scale = if K::SCALED {
         ctx.ld(&p.v_scales, kvh as u64)
     } else {
@@ -170,29 +167,25 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
         ];
     });
 
-    // produce_kv, a stage's 4 blocks looked up one stage ahead.
-    let l = &p.layout;
-    let producer = KvProducer::<K, D> {
-        tid,
-        first,
-        start,
-        end,
-        num_stages,
-        block_tables: p.block_tables,
-        table_row: s as u64 * p.max_blocks_per_seq as u64,
-        key_cache: p.key_cache,
-        value_cache: p.value_cache,
-        block_stride: l.num_kv_heads as u64 * (FIXED_BLOCK_SIZE * D) as u64,
-        kv_off: kvh * FIXED_BLOCK_SIZE * D + (tid % chunks) * (16 / K::BYTES),
-    };
+    // produce_kv: the prologue's stages in flight, a stage's blocks looked up one
+    // stage ahead.
     let mut phys = [0u32; 4];
-    producer.lookup(ctx, &mut phys, 0);
-    let mut st = 0;
-    while st < MMA_STAGES - 1 {
-        producer.issue::<T, C>(ctx, &phys, st, st);
-        producer.lookup(ctx, &mut phys, st + 1);
-        st += 1;
-    }
+    let producer = KvProducer::<K, D>::start::<T, C>(
+        ctx,
+        tid,
+        KvSource {
+            start,
+            end,
+            block_tables: p.block_tables,
+            table_row: s as u64 * p.max_blocks_per_seq as u64,
+            key_cache: p.key_cache,
+            value_cache: p.value_cache,
+            num_kv_heads: p.layout.num_kv_heads,
+            kv_head: kvh,
+        },
+        &mut phys,
+    );
+    let (first, num_stages) = (producer.first, producer.num_stages);
 
     let mut m = [f32::NEG_INFINITY; 2]; // rows g, g + 8
     let mut lsum = [0.0f32; 2]; // this lane's share of each row's sum
