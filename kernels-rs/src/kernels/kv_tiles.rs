@@ -23,6 +23,7 @@ use crate::kernels::attention::{
     stage_span,
 };
 use crate::kernels::prefill::MmaElem;
+use crate::softmax::SoftmaxState;
 
 /// Calls `f(i)` for `i` in `0..n` (`n <= 16`, a constant after inlining), written out
 /// so the fragments `f` indexes stay in registers.
@@ -416,4 +417,71 @@ pub(crate) fn compute_pv<T: MmaElem, K: MmaCache<T>, C: Ctx>(
         let j = (4 * u) as usize + i;
         o[j] = T::mma(ctx, *pa, vb[i], o[j]);
     });
+}
+
+/// `update_local_state` once a stage's scores are in: each of a lane's two rows (`g`,
+/// `g + 8`) takes its maximum `mx` over the row's 4 lanes (two xor-shuffles), its
+/// state's `m` moves to the larger, and its `l` and the first `dim_tiles` output
+/// fragments of `o` are rescaled once. Returns the maximum to subtract from the scores
+/// (0 for a row that has seen nothing yet: its scores are `-inf`, its weights 0).
+#[inline(always)]
+pub(crate) fn update_rows<C: Ctx>(
+    ctx: &C,
+    mx: &[f32; 2],
+    state: &mut [SoftmaxState; 2],
+    o: &mut [[f32; 4]; 16],
+    dim_tiles: u32,
+) -> [f32; 2] {
+    let mut alpha = [0.0f32; 2];
+    let mut m_use = [0.0f32; 2];
+    each_upto(2, |h| {
+        let a = ctx.shfl_xor_f32(mx[h], 1);
+        let m1 = if a > mx[h] { a } else { mx[h] };
+        let b2 = ctx.shfl_xor_f32(m1, 2);
+        let m2 = if b2 > m1 { b2 } else { m1 };
+        let m_new = if m2 > state[h].m { m2 } else { state[h].m };
+        m_use[h] = if m_new == f32::NEG_INFINITY {
+            0.0
+        } else {
+            m_new
+        };
+        alpha[h] = ctx.exp2(state[h].m - m_use[h]);
+        state[h] = SoftmaxState {
+            m: m_new,
+            l: state[h].l * alpha[h],
+        };
+    });
+    each_upto(dim_tiles, |j| {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+    });
+    m_use
+}
+
+/// 16 staged tokens' softmax weights `exp2(x - m)` from their scores `sc` (two 8-token
+/// tiles of C fragments), added to the rows' `l` and packed as `P`'s A fragment.
+#[inline(always)]
+pub(crate) fn weights<T: MmaElem, C: Ctx>(
+    ctx: &C,
+    sc: &[[f32; 4]; 2],
+    m_use: &[f32; 2],
+    state: &mut [SoftmaxState; 2],
+) -> [u32; 4] {
+    let mut w = [[0.0f32; 4]; 2];
+    each_upto(2, |nt| {
+        each_upto(4, |e| {
+            let h = e / 2;
+            let x = ctx.exp2(sc[nt][e] - m_use[h]);
+            state[h].l += x;
+            w[nt][e] = x;
+        });
+    });
+    [
+        T::pack2(w[0][0], w[0][1]),
+        T::pack2(w[0][2], w[0][3]),
+        T::pack2(w[1][0], w[1][1]),
+        T::pack2(w[1][2], w[1][3]),
+    ]
 }

@@ -41,7 +41,9 @@
 //! row, and every thread folds the four for a slice of one row.
 
 use crate::device::Ctx;
-use crate::kernels::kv_tiles::{KvProducer, KvSource, MmaCache, compute_pv, compute_qk, each_upto};
+use crate::kernels::kv_tiles::{
+    KvProducer, KvSource, MmaCache, compute_pv, compute_qk, each_upto, update_rows, weights,
+};
 use crate::kernels::prefill::MmaElem;
 use crate::softmax::{LOG2_E, SoftmaxState};
 
@@ -206,46 +208,8 @@ pub(super) fn decode_mma<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
                 }
             });
         });
-        let mut alpha = [0.0f32; 2];
-        let mut m_use = [0.0f32; 2];
-        each_upto(2, |h| {
-            let a = ctx.shfl_xor_f32(mx[h], 1);
-            let m1 = if a > mx[h] { a } else { mx[h] };
-            let b2 = ctx.shfl_xor_f32(m1, 2);
-            let m2 = if b2 > m1 { b2 } else { m1 };
-            let m_new = if m2 > state[h].m { m2 } else { state[h].m };
-            m_use[h] = if m_new == f32::NEG_INFINITY {
-                0.0
-            } else {
-                m_new
-            };
-            alpha[h] = ctx.exp2(state[h].m - m_use[h]);
-            state[h] = SoftmaxState {
-                m: m_new,
-                l: state[h].l * alpha[h],
-            };
-        });
-        each_upto(D / 8, |j| {
-            o[j][0] *= alpha[0];
-            o[j][1] *= alpha[0];
-            o[j][2] *= alpha[1];
-            o[j][3] *= alpha[1];
-        });
-        let mut pw = [[0.0f32; 4]; 2];
-        each_upto(2, |nt| {
-            each_upto(4, |e| {
-                let h = e / 2;
-                let w = ctx.exp2(sc[nt][e] - m_use[h]);
-                state[h].l += w;
-                pw[nt][e] = w;
-            });
-        });
-        let pa = [
-            T::pack2(pw[0][0], pw[0][1]),
-            T::pack2(pw[0][2], pw[0][3]),
-            T::pack2(pw[1][0], pw[1][1]),
-            T::pack2(pw[1][2], pw[1][3]),
-        ];
+        let m_use = update_rows(ctx, &mx, &mut state, &mut o, D / 8);
+        let pa = weights::<T, C>(ctx, &sc, &m_use, &mut state);
         // compute_pv: four dim tiles (32 dims) a unit.
         compute_pv::<T, K, C>(ctx, vbase, vrw, lane, 0, &pa, &mut o);
         compute_pv::<T, K, C>(ctx, vbase, vrw, lane, 1, &pa, &mut o);

@@ -31,7 +31,10 @@ use crate::device::Ctx;
 use crate::kernels::attention::{
     MMA_STAGE_TOKENS, MMA_STAGES, THREADS, mma_k_row_words, mma_v_row_words,
 };
-use crate::kernels::kv_tiles::{KvProducer, KvSource, MmaCache, compute_pv, compute_qk, each_upto};
+use crate::kernels::kv_tiles::{
+    KvProducer, KvSource, MmaCache, compute_pv, compute_qk, each_upto, update_rows, weights,
+};
+use crate::softmax::SoftmaxState;
 
 /// Query rows one block of the multi-warp kernel serves (16 per warp).
 pub const TILE_ROWS: u32 = 64;
@@ -76,32 +79,6 @@ fn pv_group<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
         compute_pv::<T, K, C>(ctx, vbase, vrw, lane, 2, pa, o);
         compute_pv::<T, K, C>(ctx, vbase, vrw, lane, 3, pa, o);
     }
-}
-
-/// A 16-token group's softmax weights `exp2(x - m)` from its scores `sc`, added to the
-/// rows' sums `lsum` and packed as `P`'s A fragment.
-#[inline(always)]
-fn weights<T: MmaElem, C: Ctx>(
-    ctx: &C,
-    sc: &[[f32; 4]; 2],
-    m_use: &[f32; 2],
-    lsum: &mut [f32; 2],
-) -> [u32; 4] {
-    let mut w = [[0.0f32; 4]; 2];
-    each_upto(2, |nt| {
-        each_upto(4, |e| {
-            let h = e / 2;
-            let x = ctx.exp2(sc[nt][e] - m_use[h]);
-            lsum[h] += x;
-            w[nt][e] = x;
-        });
-    });
-    [
-        T::pack2(w[0][0], w[0][1]),
-        T::pack2(w[0][2], w[0][3]),
-        T::pack2(w[1][0], w[1][1]),
-        T::pack2(w[1][2], w[1][3]),
-    ]
 }
 
 /// The multi-warp tensor-core prefill kernel: head_dim `D` (64 or 128), block size 16,
@@ -187,8 +164,7 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     );
     let (first, num_stages) = (producer.first, producer.num_stages);
 
-    let mut m = [f32::NEG_INFINITY; 2]; // rows g, g + 8
-    let mut lsum = [0.0f32; 2]; // this lane's share of each row's sum
+    let mut state = [SoftmaxState::EMPTY; 2]; // rows g, g + 8 (l: this lane's share)
     let mut o = [[0.0f32; 4]; 16]; // D / 8 dim tiles
     let mut slot = 0;
     let mut i = 0;
@@ -227,39 +203,16 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
                 });
             });
         });
-        let mut alpha = [0.0f32; 2];
-        let mut m_use = [0.0f32; 2];
-        each_upto(2, |h| {
-            let a = ctx.shfl_xor_f32(mx[h], 1);
-            let m1 = if a > mx[h] { a } else { mx[h] };
-            let b2 = ctx.shfl_xor_f32(m1, 2);
-            let m2 = if b2 > m1 { b2 } else { m1 };
-            let m_new = if m2 > m[h] { m2 } else { m[h] };
-            // A row that has seen nothing yet keeps m = -inf; its weights are 0.
-            m_use[h] = if m_new == f32::NEG_INFINITY {
-                0.0
-            } else {
-                m_new
-            };
-            alpha[h] = ctx.exp2(m[h] - m_use[h]);
-            m[h] = m_new;
-            lsum[h] *= alpha[h];
-        });
-        each_upto(D / 8, |j| {
-            o[j][0] *= alpha[0];
-            o[j][1] *= alpha[0];
-            o[j][2] *= alpha[1];
-            o[j][3] *= alpha[1];
-        });
+        let m_use = update_rows(ctx, &mx, &mut state, &mut o, D / 8);
         // compute_pv: each 16-token group's weights, then its P V (a group's weights
         // are made just before their use: fewer registers live at once).
-        let pa = weights::<T, C>(ctx, &sc[0], &m_use, &mut lsum);
+        let pa = weights::<T, C>(ctx, &sc[0], &m_use, &mut state);
         pv_group::<T, K, C, D>(ctx, vbase, vrw, lane, &pa, &mut o);
-        let pa = weights::<T, C>(ctx, &sc[1], &m_use, &mut lsum);
+        let pa = weights::<T, C>(ctx, &sc[1], &m_use, &mut state);
         pv_group::<T, K, C, D>(ctx, vbase + 16 * vrw, vrw, lane, &pa, &mut o);
-        let pa = weights::<T, C>(ctx, &sc[2], &m_use, &mut lsum);
+        let pa = weights::<T, C>(ctx, &sc[2], &m_use, &mut state);
         pv_group::<T, K, C, D>(ctx, vbase + 32 * vrw, vrw, lane, &pa, &mut o);
-        let pa = weights::<T, C>(ctx, &sc[3], &m_use, &mut lsum);
+        let pa = weights::<T, C>(ctx, &sc[3], &m_use, &mut state);
         pv_group::<T, K, C, D>(ctx, vbase + 48 * vrw, vrw, lane, &pa, &mut o);
 
         slot = if slot + 1 == MMA_STAGES { 0 } else { slot + 1 };
@@ -269,7 +222,7 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     // Each row's sum over its 4 lanes; the V scale joins the normalisation.
     let mut inv = [0.0f32; 2];
     each_upto(2, |h| {
-        let a = lsum[h] + ctx.shfl_xor_f32(lsum[h], 1);
+        let a = state[h].l + ctx.shfl_xor_f32(state[h].l, 1);
         let total = a + ctx.shfl_xor_f32(a, 2);
         inv[h] = v_scale / total;
     });
