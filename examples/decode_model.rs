@@ -469,6 +469,20 @@ fn prefill_report(regs: &HashMap<(String, String), u32>, loops: &[Loop]) -> Vec<
     failures
 }
 
+/// Prints `all_hold` when `failures` is empty, else the list of issue `issue`'s missed
+/// bars.
+fn print_bars(failures: &[String], all_hold: &str, issue: u32) {
+    if failures.is_empty() {
+        println!("{all_hold}");
+    } else {
+        println!("Bars of issue #{issue} this model misses:");
+        println!();
+        for f in failures {
+            println!("- {f}");
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let enforce = args.iter().any(|a| a == "--enforce");
@@ -616,26 +630,14 @@ fn main() -> ExitCode {
          times a decode call, its reduce included, on a GPU."
     );
     println!();
-    if failures.is_empty() {
-        println!("Every bar of issue #29 holds in this model.");
-    } else {
-        println!("Bars of issue #29 this model misses:");
-        println!();
-        for f in &failures {
-            println!("- {f}");
-        }
-    }
+    print_bars(&failures, "Every bar of issue #29 holds in this model.", 29);
     let prefill_failures = prefill_report(&regs, &loops);
     println!();
-    if prefill_failures.is_empty() {
-        println!("Every bar of issue #30 this model checks holds.");
-    } else {
-        println!("Bars of issue #30 this model misses:");
-        println!();
-        for f in &prefill_failures {
-            println!("- {f}");
-        }
-    }
+    print_bars(
+        &prefill_failures,
+        "Every bar of issue #30 this model checks holds.",
+        30,
+    );
     let missed = failures.len() + prefill_failures.len();
     if enforce && missed > 0 {
         eprintln!("decode_model: {missed} bar(s) missed (see ptx/resources.md)");
