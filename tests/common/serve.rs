@@ -14,6 +14,7 @@ use pagedkv::host::backend::{
     decode_rows, prefill_rows,
 };
 use pagedkv::host::ops::attention::AttentionOptions;
+use pagedkv::host::ops::prefill::PrefillKernel;
 use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::dense_decode_attention;
 use pagedkv::host::scheduler::{PreemptionMode, Request, Scheduler, SchedulerConfig};
@@ -120,6 +121,10 @@ pub struct Served {
     pub prefill_checked: usize,
     /// Steps whose decode launch used split-K.
     pub split_steps: usize,
+    /// Steps whose prefill the plan gave the multi-warp tensor-core kernel, and those of
+    /// them that also decoded rows (a step mixing decodes with prefill chunks).
+    pub multi_warp_steps: usize,
+    pub mixed_multi_warp_steps: usize,
     /// Prompt tokens served from the prefix cache, in all, and in the first step.
     pub cached_tokens: usize,
     pub cached_first_step: usize,
@@ -233,6 +238,8 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
         swapped_in: 0,
         preempted: 0,
         split_steps: 0,
+        multi_warp_steps: 0,
+        mixed_multi_warp_steps: 0,
         prefill_checked: 0,
         cached_tokens: 0,
         cached_first_step: 0,
@@ -251,6 +258,17 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
         s.preempted += batch.preempted.len();
         let planned = be.begin_step(&batch, &mut cache).unwrap();
         s.split_steps += planned.decode.is_some_and(|(_, p)| p.is_split()) as usize;
+        assert_eq!(
+            planned.prefill.is_some(),
+            !prefill_rows(&batch).is_empty(),
+            "a prefill plan exactly when the step prefills"
+        );
+        if let Some(p) = planned.prefill
+            && matches!(p.kernel, PrefillKernel::MultiWarp { .. })
+        {
+            s.multi_warp_steps += 1;
+            s.mixed_multi_warp_steps += planned.decode.is_some() as usize;
+        }
         // (token, position) of every new token, and of every decoding row's query.
         let mut new = Vec::new();
         for q in &batch.seqs {

@@ -19,6 +19,7 @@ use pagedkv::host::emulator::Emulator;
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{DecodeInputs, SplitPlan, plan};
 use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
+use pagedkv::host::ops::prefill::PrefillKernel;
 use pagedkv::host::ops::scales::KvScales;
 use pagedkv::host::reference::{paged_decode_attention, paged_prefill_attention};
 use pagedkv::host::step::{EmuDevice, StepDevice, once};
@@ -924,8 +925,10 @@ fn ideal_prefill_reads(pc: &Prefill) -> [(&'static str, u64, u64); 3] {
     let s = &c.shape;
     let (d, group) = (s.head_dim as u64, s.group() as u64);
     let (qsize, kvsize) = (pc.q.dtype().size() as u64, c.kc.dtype().size() as u64);
-    let tiled =
-        pagedkv::host::ops::prefill::prefill_head_dim(s, pc.q.dtype(), c.kc.dtype(), u32::MAX) != 0;
+    let tiled = matches!(
+        PrefillKernel::choose(s, pc.q.dtype(), c.kc.dtype(), u32::MAX),
+        PrefillKernel::MultiWarp { .. }
+    );
     let (tile_rows, passes) = if tiled { (64, 1) } else { (16, d.div_ceil(64)) };
     let (mut k, mut k_all, mut q) = (0u64, 0u64, 0u64);
     for seq in 0..s.num_seqs as usize {

@@ -308,7 +308,7 @@ fn chunks_of_1_7_64_and_300_tokens_after_prefixes_that_end_mid_block() {
 /// bytes, and head_dim 64's still fit).
 #[test]
 fn prefill_takes_the_multi_warp_kernel_only_where_it_fits() {
-    use pagedkv::host::ops::prefill::prefill_head_dim;
+    use pagedkv::host::ops::prefill::PrefillKernel;
     let shape = |head_dim, block_size| DecodeShape {
         num_seqs: 1,
         num_q_heads: 8,
@@ -319,13 +319,21 @@ fn prefill_takes_the_multi_warp_kernel_only_where_it_fits() {
         max_blocks_per_seq: 4,
     };
     let (sm80, sm86, small) = (163 * 1024, 99 * 1024, 64 * 1024);
-    let d = |hd, bs, q, kv, smem| prefill_head_dim(&shape(hd, bs), q, kv, smem);
-    assert_eq!(d(128, 16, DType::F16, DType::F16, sm80), 128);
-    assert_eq!(d(128, 16, DType::F16, DType::F16, sm86), 128);
-    assert_eq!(d(128, 16, DType::F16, DType::F16, small), 0);
-    assert_eq!(d(128, 16, DType::Bf16, DType::E4m3, small), 128);
-    assert_eq!(d(64, 16, DType::Bf16, DType::Bf16, small), 64);
-    assert_eq!(d(128, 8, DType::F16, DType::F16, sm80), 0, "block 8");
-    assert_eq!(d(80, 16, DType::F16, DType::F16, sm80), 0, "head_dim 80");
-    assert_eq!(d(128, 16, DType::F32, DType::F32, sm80), 0, "f32");
+    let d = |hd, bs, q, kv, smem| PrefillKernel::choose(&shape(hd, bs), q, kv, smem);
+    let (multi, one) = (
+        |head_dim| PrefillKernel::MultiWarp { head_dim },
+        PrefillKernel::OneWarp,
+    );
+    assert_eq!(d(128, 16, DType::F16, DType::F16, sm80), multi(128));
+    assert_eq!(d(128, 16, DType::F16, DType::F16, sm86), multi(128));
+    assert_eq!(d(128, 16, DType::F16, DType::F16, small), one);
+    assert_eq!(d(128, 16, DType::Bf16, DType::E4m3, small), multi(128));
+    assert_eq!(d(64, 16, DType::Bf16, DType::Bf16, small), multi(64));
+    assert_eq!(d(128, 8, DType::F16, DType::F16, sm80), one, "block 8");
+    assert_eq!(d(80, 16, DType::F16, DType::F16, sm80), one, "head_dim 80");
+    assert_eq!(
+        d(128, 16, DType::F32, DType::F32, sm80),
+        PrefillKernel::Simt,
+        "f32"
+    );
 }

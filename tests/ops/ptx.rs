@@ -407,27 +407,28 @@ fn every_entry_declares_the_block_size_the_host_launches() {
         num_partitions: 1,
     };
     let block = |k: &str| -> u32 {
-        let cfg = if k == "copy_blocks" {
-            copy_blocks::launch_config(1, 1)
-        } else if k.starts_with("kv_append") {
-            kv_append::launch_config(1)
-        } else if k.starts_with("paged_decode_attention") {
-            decode_launch_config(&shape, DType::F16, &plan)
-        } else if k.starts_with("paged_decode_reduce") {
-            reduce_launch_config(&shape, DType::F16)
-        } else if k == "paged_prefill_attention_f32" {
-            prefill::launch_config(&shape, DType::F32, DType::F32, 0, 16)
-        } else {
-            // The multi-warp kernels at their head_dim, the one-warp ones at a head_dim
-            // without one.
-            let head_dim = ["64", "128"]
-                .into_iter()
-                .find(|d| k.ends_with(&format!("_d{d}")))
-                .map_or(80, |d| d.parse().unwrap());
-            let shape = DecodeShape { head_dim, ..shape };
-            let fixed = prefill::prefill_head_dim(&shape, DType::F16, DType::F16, u32::MAX);
-            prefill::launch_config(&shape, DType::F16, DType::F16, fixed, 16)
-        };
+        let cfg =
+            if k == "copy_blocks" {
+                copy_blocks::launch_config(1, 1)
+            } else if k.starts_with("kv_append") {
+                kv_append::launch_config(1)
+            } else if k.starts_with("paged_decode_attention") {
+                decode_launch_config(&shape, DType::F16, &plan)
+            } else if k.starts_with("paged_decode_reduce") {
+                reduce_launch_config(&shape, DType::F16)
+            } else if k == "paged_prefill_attention_f32" {
+                prefill::PrefillKernel::Simt.launch_config(&shape, DType::F32, 16)
+            } else {
+                // The multi-warp kernels at their head_dim, the one-warp ones at a head_dim
+                // without one.
+                let head_dim = ["64", "128"]
+                    .into_iter()
+                    .find(|d| k.ends_with(&format!("_d{d}")))
+                    .map_or(80, |d| d.parse().unwrap());
+                let shape = DecodeShape { head_dim, ..shape };
+                prefill::PrefillKernel::choose(&shape, DType::F16, DType::F16, u32::MAX)
+                    .launch_config(&shape, DType::F16, 16)
+            };
         assert_eq!((cfg.block.y, cfg.block.z), (1, 1), "{k}");
         cfg.block.x
     };

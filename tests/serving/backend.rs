@@ -38,6 +38,43 @@ fn the_cpu_backend_serves_a_batch_through_swaps_and_prefix_hits() {
     }
 }
 
+/// Chunked prefill at block 16, head_dim 64, f16 and bf16, an e4m3 cache under f16:
+/// the planner gives each step's prefill rows the multi-warp tensor-core kernel, steps
+/// mix decoding rows with prefill chunks (prefix hits and swaps too), and every
+/// prefilling token and decode output holds against f64 attention.
+#[test]
+fn steps_mixing_decodes_and_prefill_chunks_on_the_multi_warp_kernel() {
+    for (dtype, kv) in [
+        (DType::F16, DType::F16),
+        (DType::Bf16, DType::Bf16),
+        (DType::F16, DType::E4m3),
+    ] {
+        let shape = StepShape {
+            block_size: 16,
+            num_blocks: 14,
+            kv_dtype: kv,
+            ..shape(dtype, 1)
+        };
+        let mut c = BackendConfig::new(shape, LAYERS, 16, 128 / 16);
+        c.num_host_blocks = HOST_BLOCKS;
+        let mut be = CpuBackend::new(c).unwrap();
+        let mut case = common::serve::shared_prefix_case(2);
+        case.sched.block_size = 16;
+        case.sched.num_blocks = 14;
+        case.sched.max_tokens_per_step = 40;
+        case.chunked = true;
+        let s = serve_case(&mut be, &case);
+        assert!(
+            s.mixed_multi_warp_steps > 0 && s.prefill_checked > 100 && s.checked > 100,
+            "{dtype}/{kv}: {s:?}"
+        );
+        assert!(
+            s.swapped_out > 0 && s.cached_tokens > 0,
+            "{dtype}/{kv}: {s:?}"
+        );
+    }
+}
+
 /// The same serving loop over fp8 caches (e4m3 under f16 queries, e5m2 under bf16):
 /// every output against f64 attention over what the cache holds (each K/V value
 /// through `encode(x / scale)`, decoded, times the layer's and head's scale), through

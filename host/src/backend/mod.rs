@@ -381,7 +381,9 @@ pub trait AttentionBackend {
 
     /// Checks the batch's metadata once (block ids inside the pool, lengths, slots
     /// inside the pool and distinct), plans the decode launch of its decoding rows and
-    /// uploads the metadata ([`begin_step`](Self::begin_step) without the block moves).
+    /// the prefill launch of its prefilling rows ([`Planned::prefill`]: the kernel and
+    /// query tile it chose) and uploads the metadata ([`begin_step`](Self::begin_step)
+    /// without the block moves).
     fn plan(&mut self, batch: &Batch) -> Result<Planned>;
 
     /// Sets layer `layer`'s fp8 scales (one K and one V scale per KV head, see

@@ -100,7 +100,7 @@ impl<D: StepDevice> StepCore<D> {
             slot_mapping: &batch.slot_mapping,
             window: batch.sliding_window,
         };
-        let planned = self.runner.plan(&meta).copied()?;
+        let mut planned = self.runner.plan(&meta).copied()?;
         // The prefilling rows: one prefill launch over their new tokens.
         self.ptables.clear();
         self.plens.clear();
@@ -115,13 +115,13 @@ impl<D: StepDevice> StepCore<D> {
             self.pindptr.push(end);
         }
         if !self.plens.is_empty() {
-            self.runner.plan_prefill(&PrefillMeta {
+            planned.prefill = Some(self.runner.plan_prefill(&PrefillMeta {
                 block_tables: &self.ptables,
                 max_blocks_per_seq: w as u32,
                 qo_indptr: &self.pindptr,
                 context_lens: &self.plens,
                 window: batch.sliding_window,
-            })?;
+            })?);
         }
         Ok(planned)
     }

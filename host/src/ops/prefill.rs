@@ -189,69 +189,93 @@ pub fn validate_metadata(
     Ok(max_rows as u32)
 }
 
-/// The `HEAD_DIM` of the prefill kernel to launch for `shape`, queries of `q_dtype` and
-/// a cache of `kv_dtype` on a device allowing `max_shared_bytes` of shared memory a
-/// block: its head_dim when the multi-warp tensor-core kernel has one (16-bit queries,
-/// any cache type, block size 16, head_dim in [`TILED_HEAD_DIMS`], 32-bit in-block
-/// offsets: decode's [`fixed_head_dim`]) and its stages fit the device (96 KiB at
-/// head_dim 128 over a 16-bit cache: within every supported GPU's opt-in limit, sm_86 /
-/// sm_89's 99 KiB the least; the check keeps a smaller device on the one-warp kernel),
-/// else 0 (the one-warp kernel, or the f32 one).
-pub fn prefill_head_dim(
-    shape: &DecodeShape,
-    q_dtype: DType,
-    kv_dtype: DType,
-    max_shared_bytes: u32,
-) -> u32 {
-    let d = fixed_head_dim(&shape.layout());
-    let tiled = matches!(q_dtype, DType::F16 | DType::Bf16)
-        && TILED_HEAD_DIMS.contains(&d)
-        && tiled_shared_bytes(d, kv_dtype) <= max_shared_bytes;
-    if tiled { d } else { 0 }
+/// The prefill kernel a step launches, which the planner picks per step
+/// ([`PrefillKernel::choose`], in
+/// [`StepRunner::plan_prefill`](crate::step::StepRunner::plan_prefill)): the query
+/// tile (rows a block), the warps sharing each staged K/V tile, and whether the head
+/// dim is fixed at compile time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// CUDA cores, one query row a thread, [`SIMT_THREADS`] rows a block: f32 queries.
+    Simt,
+    /// Tensor cores, one warp of [`ROWS`] query rows a block, any head dim (`S`
+    /// recomputed per 64 output columns past 64): 16-bit queries the multi-warp kernel
+    /// does not serve.
+    OneWarp,
+    /// Tensor cores, [`TILE_ROWS`] query rows a block in [`TILED_THREADS`] / 32 warps
+    /// sharing each staged K/V tile, `S` once over the whole head dim, `head_dim` fixed
+    /// at compile time (one of [`TILED_HEAD_DIMS`]).
+    MultiWarp {
+        /// The kernel's compile-time head dim.
+        head_dim: u32,
+    },
+}
+
+impl PrefillKernel {
+    /// The kernel for `shape`, queries of `q_dtype` and a cache of `kv_dtype` on a
+    /// device allowing `max_shared_bytes` of shared memory a block: the multi-warp
+    /// kernel for 16-bit queries, any cache type, block size 16, head_dim in
+    /// [`TILED_HEAD_DIMS`] and 32-bit in-block offsets (decode's [`fixed_head_dim`])
+    /// when its stages fit the device (96 KiB at head_dim 128 over a 16-bit cache:
+    /// within every supported GPU's opt-in limit, sm_86 / sm_89's 99 KiB the least; the
+    /// check keeps a smaller device on the one-warp kernel); else the one-warp kernel
+    /// for 16-bit queries, [`Simt`](Self::Simt) for f32.
+    pub fn choose(
+        shape: &DecodeShape,
+        q_dtype: DType,
+        kv_dtype: DType,
+        max_shared_bytes: u32,
+    ) -> Self {
+        if !matches!(q_dtype, DType::F16 | DType::Bf16) {
+            return Self::Simt;
+        }
+        let d = fixed_head_dim(&shape.layout());
+        if TILED_HEAD_DIMS.contains(&d) && tiled_shared_bytes(d, kv_dtype) <= max_shared_bytes {
+            Self::MultiWarp { head_dim: d }
+        } else {
+            Self::OneWarp
+        }
+    }
+
+    /// Query rows (tokens × the group's query heads) a block computes.
+    pub fn rows_per_block(self) -> u32 {
+        match self {
+            Self::Simt => SIMT_THREADS,
+            Self::OneWarp => ROWS,
+            Self::MultiWarp { .. } => TILE_ROWS,
+        }
+    }
+
+    /// Launch configuration for `shape` over a cache of `kv_dtype` when one sequence's
+    /// KV head has at most `max_rows` query rows: a block per (KV head, tile of
+    /// [`rows_per_block`](Self::rows_per_block) rows, sequence).
+    pub fn launch_config(
+        self,
+        shape: &DecodeShape,
+        kv_dtype: DType,
+        max_rows: u32,
+    ) -> LaunchConfig {
+        let grid = Dim3::new(
+            shape.num_kv_heads,
+            max_rows.div_ceil(self.rows_per_block()).max(1),
+            shape.num_seqs,
+        );
+        let (threads, shared_bytes) = match self {
+            Self::Simt => (SIMT_THREADS, 0),
+            Self::OneWarp => (MMA_THREADS, mma_shared_bytes(shape.head_dim)),
+            Self::MultiWarp { head_dim } => (TILED_THREADS, tiled_shared_bytes(head_dim, kv_dtype)),
+        };
+        LaunchConfig {
+            grid,
+            block: Dim3::new(threads, 1, 1),
+            shared_bytes,
+        }
+    }
 }
 
 /// Shared memory of the multi-warp kernel at head_dim `d` over a cache of `kv_dtype`.
 fn tiled_shared_bytes(d: u32, kv_dtype: DType) -> u32 {
     pagedkv_kernels::kernels::attention::mma_shared_bytes(d, kv_dtype.size() as u32)
-}
-
-/// Launch configuration for the sequences' most rows `max_rows`, queries of `q_dtype`
-/// and a cache of `kv_dtype` with the kernel [`prefill_head_dim`] names (`head_dim`): the
-/// multi-warp tensor-core kernel ([`TILE_ROWS`] rows a block, [`TILED_THREADS`] threads)
-/// for a nonzero one; else the one-warp tensor-core kernel (16 rows a block) for 16-bit
-/// queries (whatever the cache: an fp8 one is decoded into 16-bit tiles), the f32
-/// kernel (a row a thread) for f32.
-pub fn launch_config(
-    shape: &DecodeShape,
-    q_dtype: DType,
-    kv_dtype: DType,
-    head_dim: u32,
-    max_rows: u32,
-) -> LaunchConfig {
-    let grid = |rows_per_block: u32| {
-        Dim3::new(
-            shape.num_kv_heads,
-            max_rows.div_ceil(rows_per_block).max(1),
-            shape.num_seqs,
-        )
-    };
-    match (q_dtype, head_dim) {
-        (DType::F32 | DType::E4m3 | DType::E5m2, _) => LaunchConfig {
-            grid: grid(SIMT_THREADS),
-            block: Dim3::new(SIMT_THREADS, 1, 1),
-            shared_bytes: 0,
-        },
-        (_, 0) => LaunchConfig {
-            grid: grid(ROWS),
-            block: Dim3::new(MMA_THREADS, 1, 1),
-            shared_bytes: mma_shared_bytes(shape.head_dim),
-        },
-        (_, d) => LaunchConfig {
-            grid: grid(TILE_ROWS),
-            block: Dim3::new(TILED_THREADS, 1, 1),
-            shared_bytes: tiled_shared_bytes(d, kv_dtype),
-        },
-    }
 }
 
 /// Runs the real prefill kernel in the emulator, after [`validate`]: a one-shot use

@@ -10,7 +10,7 @@ use super::runner::StepRunner;
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::ops::attention::{AttentionOptions, DecodeShape, validate_options};
-use crate::ops::prefill;
+use crate::ops::prefill::{self, PrefillKernel};
 use crate::tensor::DType;
 
 /// One step's prefill metadata: the sequences whose new tokens the prefill kernel
@@ -57,6 +57,9 @@ pub struct PlannedPrefill {
     pub max_rows: u32,
     /// The window the metadata was validated for ([`PrefillMeta::window`]).
     pub window: Option<u32>,
+    /// The kernel every layer's [`prefill`](StepRunner::prefill) launches this step,
+    /// chosen from the shapes, dtypes and the device's shared memory.
+    pub kernel: PrefillKernel,
 }
 
 /// Byte offsets of a step's prefill metadata sections in the runner's prefill buffer
@@ -141,7 +144,16 @@ impl<D: StepDevice> StepRunner<D> {
             num_tokens,
             max_rows,
             window: meta.window,
+            kernel: PrefillKernel::choose(
+                &shape,
+                self.shape.dtype,
+                self.shape.kv_dtype,
+                self.dev.max_shared_bytes(),
+            ),
         };
+        if let Some(step) = self.planned.as_mut() {
+            step.prefill = Some(planned);
+        }
         self.planned_prefill = Some((
             planned,
             PrefillOffsets {
@@ -177,10 +189,9 @@ impl<D: StepDevice> StepRunner<D> {
             return Ok(());
         }
         let n = pp.shape.num_seqs as u64;
-        let (q_dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
-        let head_dim =
-            prefill::prefill_head_dim(&pp.shape, q_dtype, kv_dtype, self.dev.max_shared_bytes());
-        let cfg = prefill::launch_config(&pp.shape, q_dtype, kv_dtype, head_dim, pp.max_rows);
+        let cfg = pp
+            .kernel
+            .launch_config(&pp.shape, self.shape.kv_dtype, pp.max_rows);
         // SAFETY: checked views of this device's space; the metadata `plan_prefill`
         // validated and uploaded into the runner's buffer; the slopes buffer it owns.
         macro_rules! params {
@@ -239,13 +250,20 @@ impl<D: StepDevice> StepRunner<D> {
                 unsafe { self.launch_prefill::<$kernel>(cfg, p) }
             }};
         }
-        // The tensor-core kernel of the pair for `head_dim` (0: the one-warp kernel).
+        // The tensor-core kernel of the pair the plan chose.
         macro_rules! mma {
             ($t:ty, $k:ty) => {
-                match head_dim {
-                    64 => launch!(PagedPrefill<$t, $k, 64>, $t, $k),
-                    128 => launch!(PagedPrefill<$t, $k, 128>, $t, $k),
-                    _ => launch!(PagedPrefill<$t, $k>, $t, $k),
+                match pp.kernel {
+                    PrefillKernel::MultiWarp { head_dim: 64 } => {
+                        launch!(PagedPrefill<$t, $k, 64>, $t, $k)
+                    }
+                    PrefillKernel::MultiWarp { head_dim: 128 } => {
+                        launch!(PagedPrefill<$t, $k, 128>, $t, $k)
+                    }
+                    PrefillKernel::OneWarp => launch!(PagedPrefill<$t, $k>, $t, $k),
+                    other => Err(Error::InvalidState(format!(
+                        "a {other:?} prefill planned for 16-bit queries"
+                    ))),
                 }
             };
         }

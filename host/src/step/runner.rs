@@ -136,6 +136,9 @@ pub struct Planned {
     pub num_tokens: u32,
     /// The window the metadata was validated for ([`StepMeta::window`]).
     pub window: Option<u32>,
+    /// The step's prefill launch, once [`plan_prefill`](StepRunner::plan_prefill)
+    /// planned one (`None` when the step prefills no sequence).
+    pub prefill: Option<super::PlannedPrefill>,
     /// Where the step's metadata sections start in the metadata buffer.
     pub(super) offsets: MetaOffsets,
 }
@@ -476,6 +479,7 @@ impl<D: StepDevice> StepRunner<D> {
             decode,
             num_tokens: tokens as u32,
             window: meta.window,
+            prefill: None,
             offsets,
         }))
     }
