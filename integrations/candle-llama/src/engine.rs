@@ -10,6 +10,7 @@ use candle_transformers::models::llama::Config;
 use pagedkv::host::DType;
 use pagedkv::host::backend::{BackendConfig, CpuBackend, PagedCache};
 use pagedkv::host::ops::attention::AttentionOptions;
+use pagedkv::host::ops::prefill::PrefillKernel;
 use pagedkv::host::scheduler::{
     Metrics, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig,
 };
@@ -49,6 +50,9 @@ pub struct StepReport {
     pub prefix_hits: Vec<(RequestId, u32)>,
     /// Blocks swapped out and in.
     pub swapped: (usize, usize),
+    /// The prefill kernel pagedkv's planner chose for the step's prefilling rows
+    /// (`None` when none prefilled).
+    pub prefill_kernel: Option<PrefillKernel>,
 }
 
 /// The scheduler and cache settings of an [`Engine`].
@@ -58,6 +62,11 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Emulator worker threads (0: the machine's parallelism).
     pub emulator_workers: usize,
+    /// The attention's dtype: queries, outputs and the paged cache (f32, f16 or bf16;
+    /// the model's other layers run in f32 either way). A 16-bit dtype takes pagedkv's
+    /// tensor-core kernels: at block size 16 and head_dim 64 or 128 the multi-warp
+    /// prefill ([`PrefillKernel::MultiWarp`]).
+    pub dtype: DType,
 }
 
 /// A request in flight: everything it has (prompt and output) and what it generated.
@@ -89,17 +98,22 @@ impl<B: CandleBackend> std::fmt::Debug for Engine<B> {
     }
 }
 
-/// The backend configuration for `cfg`'s attention under `sched`'s pool: f32, the
-/// scheduler's blocks and swap space, steps of up to `max_num_seqs` sequences.
-pub fn backend_config(cfg: &Config, sched: &SchedulerConfig) -> Result<BackendConfig> {
+/// The backend configuration for `cfg`'s attention under `sched`'s pool: queries and
+/// cache of `dtype`, the scheduler's blocks and swap space, steps of up to
+/// `max_num_seqs` sequences.
+pub fn backend_config(
+    cfg: &Config,
+    sched: &SchedulerConfig,
+    dtype: DType,
+) -> Result<BackendConfig> {
     let shape = StepShape {
         num_q_heads: cfg.num_attention_heads as u32,
         num_kv_heads: cfg.num_key_value_heads as u32,
         head_dim: (cfg.hidden_size / cfg.num_attention_heads) as u32,
         block_size: sched.block_size,
         num_blocks: sched.num_blocks,
-        dtype: DType::F32,
-        kv_dtype: DType::F32,
+        dtype,
+        kv_dtype: dtype,
     };
     let max_blocks = sched.max_model_len.div_ceil(sched.block_size);
     let mut c = BackendConfig::new(
@@ -119,7 +133,7 @@ impl Engine<CpuBackend> {
         if ec.emulator_workers > 0 {
             emu = emu.with_workers(ec.emulator_workers);
         }
-        let be = CpuBackend::with_emulator(backend_config(cfg, &ec.scheduler)?, emu)?;
+        let be = CpuBackend::with_emulator(backend_config(cfg, &ec.scheduler, ec.dtype)?, emu)?;
         Self::new(model, be, ec.scheduler.clone())
     }
 }
@@ -224,7 +238,11 @@ impl<B: CandleBackend> Engine<B> {
         }
         report.tokens = tokens.len();
 
-        self.be.begin_step(&batch, &mut self.cache)?;
+        report.prefill_kernel = self
+            .be
+            .begin_step(&batch, &mut self.cache)?
+            .prefill
+            .map(|p| p.kernel);
         let logits = self.model.forward(
             &mut self.be,
             &mut self.cache,

@@ -2,25 +2,28 @@
 //! (continuous batching, preemption, prefix caching), its paged cache holds K and V,
 //! and its kernels (through the engine-facing
 //! [`AttentionBackend`](pagedkv::host::backend::AttentionBackend) trait) write the cache
-//! and compute decode attention; candle computes everything else. The model has the
-//! weight names of `candle_transformers::models::llama`, so the very same weights load
-//! into both, and [`reference`] runs candle's own Llama one request at a time with its
-//! own KV cache: the test compares every step's logits.
+//! and compute all attention, decode and prefill; candle computes everything else. The
+//! model has the weight names of `candle_transformers::models::llama`, so the very same
+//! weights load into both, and [`reference`](mod@reference) runs candle's own Llama one
+//! request at a time with its own KV cache: the test compares every step's logits.
 //!
 //! * [`weights`]: a tiny config and seeded random weights (no download);
 //! * [`model`]: [`PagedLlama`], the model whose attention goes through pagedkv;
 //! * [`bridge`]: [`CandleBackend`], how candle tensors reach a backend (views of their
-//!   storage, no copy) and how a prefill reads the paged cache back;
+//!   storage, no copy);
 //! * [`engine`]: [`Engine`], the serving loop (scheduler, backend, cache, model,
 //!   greedy sampling);
-//! * [`reference`]: candle's Llama, request by request, and the comparison;
+//! * [`reference`](mod@reference): candle's Llama, request by request, and the
+//!   comparison;
 //! * [`workload`]: the requests and pool of the test and of the speed comparison.
 //!
-//! Prefill: pagedkv has no multi-query prefill kernel yet, so a prefill's new tokens
-//! are appended to the paged cache by the kernel like every token, and their attention
-//! is computed by candle over K and V gathered from the paged cache through the
-//! sequence's block table (so a prefix-cache hit reads the blocks another request
-//! wrote). Decode rows use pagedkv's decode kernel.
+//! Attention: each layer appends the step's new K and V to the paged cache with the
+//! kv_append kernel, then runs the decode kernel for the decoding rows and the prefill
+//! kernel for the prefilling rows (causal over the paged cache, so a prefix-cache hit
+//! reads the blocks another request wrote): the model computes no attention of its
+//! own. [`EngineConfig::dtype`] sets the attention's dtype: f32 (the CUDA-core
+//! kernels), or f16 / bf16 (the tensor-core kernels; at block size 16 the multi-warp
+//! prefill) with the rest of the model in f32.
 //!
 //! [`Scheduler`]: pagedkv::host::scheduler::Scheduler
 

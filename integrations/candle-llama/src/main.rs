@@ -3,12 +3,15 @@
 //! in the CPU emulator) and by candle's own Llama, one request at a time with its own
 //! KV cache; then checks that both produced the same tokens and logits.
 //!
-//! `cargo run --release -- [requests] [new_tokens]` (defaults: 8 requests, 32 new
-//! tokens each) from `integrations/candle-llama`.
+//! `cargo run --release -- [requests] [new_tokens] [f32|f16|bf16]` (defaults: 8
+//! requests, 32 new tokens each, f32 attention) from `integrations/candle-llama`. A
+//! 16-bit attention runs pagedkv's tensor-core kernels (the rest of the model stays
+//! f32); its logits then differ from candle's f32 ones by the dtype's rounding.
 
 use std::time::Instant;
 
 use candle_transformers::models::llama::Llama;
+use pagedkv::host::DType;
 use pagedkv::host::scheduler::SchedulerConfig;
 use pagedkv_candle_llama::engine::{Arrival, EngineConfig, serve};
 use pagedkv_candle_llama::{Engine, PagedLlama, Result, reference, weights, workload};
@@ -17,6 +20,12 @@ fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let requests: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(8);
     let new_tokens: u32 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(32);
+    let dtype = match args.next().as_deref() {
+        None | Some("f32") => DType::F32,
+        Some("f16") => DType::F16,
+        Some("bf16") => DType::Bf16,
+        Some(other) => return Err(format!("attention dtype {other}: f32, f16 or bf16").into()),
+    };
 
     let cfg = weights::config(2, 512, 8, 2, 1024, 512);
     let w = weights::random(&cfg, 7)?;
@@ -31,7 +40,7 @@ fn main() -> Result<()> {
         .collect();
     let total: usize = arrivals.iter().map(|a| a.max_tokens as usize).sum();
     println!(
-        "model: {} layers, hidden {}, {} q / {} kv heads of {}, vocab {} (f32, seeded random weights)",
+        "model: {} layers, hidden {}, {} q / {} kv heads of {}, vocab {} (f32, seeded random weights; attention in {dtype})",
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.num_attention_heads,
@@ -57,6 +66,7 @@ fn main() -> Result<()> {
     let ec = EngineConfig {
         scheduler: sched,
         emulator_workers: 0,
+        dtype,
     };
     let mut engine = Engine::on_cpu(model, &cfg, &ec)?;
     let t = Instant::now();
@@ -74,7 +84,7 @@ fn main() -> Result<()> {
         total as f64 / paged
     );
     println!(
-        "         of which pagedkv's kv_append and decode (emulated): {:.2} s",
+        "         of which pagedkv's kv_append, decode and prefill (emulated): {:.2} s",
         engine.copies.kernel_time.as_secs_f64()
     );
     println!(

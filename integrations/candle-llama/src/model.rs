@@ -4,19 +4,22 @@
 //!
 //! One forward pass serves a whole scheduler [`Batch`]: the new tokens of every
 //! sequence (a prefill's many, a decode's one) go through the projections, RoPE and
-//! MLP as one `[tokens, hidden]` matrix; each layer appends every token's K and V to
-//! the paged cache with the kernel, runs the decode kernel for the decoding rows, and
-//! computes each prefill's causal attention over K and V gathered from the cache.
+//! MLP as one `[tokens, hidden]` matrix in f32; each layer appends every token's K and
+//! V to the paged cache with the kernel, runs the decode kernel for the decoding rows
+//! and the prefill kernel for the prefilling rows (causal, over the paged cache: a
+//! prefix-cache hit reads the blocks another request wrote). The attention's q, K and
+//! V are cast to the backend's dtype (f32, f16 or bf16) and its output back to f32:
+//! the model computes no attention of its own.
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder, embedding, linear_no_bias, rms_norm};
 use candle_transformers::models::llama::Config;
-use pagedkv::host::backend::PagedCache;
+use pagedkv::host::backend::{PagedCache, decode_rows};
 use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::scheduler::Batch;
 
 use crate::Result;
-use crate::bridge::{CandleBackend, Copies};
+use crate::bridge::{CandleBackend, Copies, candle_dtype};
 
 #[derive(Debug)]
 struct Layer {
@@ -121,7 +124,22 @@ impl PagedLlama {
         if n != batch.slot_mapping.len() {
             return Err(format!("{n} tokens for {} slots", batch.slot_mapping.len()).into());
         }
+        // The backend's layout of a step: the decoding rows first (one token each),
+        // then the prefilling rows, each row's new tokens after the previous row's.
+        let decodes = decode_rows(batch).len();
+        let mut offset = 0;
+        for s in &batch.seqs {
+            if s.token_offset != offset {
+                return Err(format!(
+                    "row {}: tokens from {}, not {offset}",
+                    s.seq, s.token_offset
+                )
+                .into());
+            }
+            offset += s.num_new_tokens;
+        }
         let (hq, hkv, d) = (self.heads, self.kv_heads, self.head_dim);
+        let dtype = candle_dtype(be.config().shape.dtype)?;
         let positions: Vec<u32> = batch
             .seqs
             .iter()
@@ -130,16 +148,6 @@ impl PagedLlama {
         let positions = Tensor::new(positions, &dev)?;
         let cos = self.cos.index_select(&positions, 0)?;
         let sin = self.sin.index_select(&positions, 0)?;
-        // The decoding rows' tokens (one each), in batch order.
-        let decode_tokens: Vec<u32> = batch
-            .seqs
-            .iter()
-            .filter(|s| !s.is_prefill)
-            .map(|s| s.token_offset)
-            .collect();
-        let all_decode = decode_tokens.len() == n;
-        let decode_tokens = Tensor::new(decode_tokens.as_slice(), &dev)?;
-        let w = batch.max_blocks_per_seq as usize;
 
         let mut x = self.embed.forward(&Tensor::new(tokens, &dev)?)?;
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
@@ -148,44 +156,23 @@ impl PagedLlama {
                 let t = t.reshape((1, n, heads, d))?;
                 Ok(candle_nn::rotary_emb::rope_thd(&t, &cos, &sin)?.reshape((n, heads, d))?)
             };
-            let q = rope(layer.q.forward(&h)?, hq)?;
-            let k = rope(layer.k.forward(&h)?, hkv)?;
-            let v = layer.v.forward(&h)?.reshape((n, hkv, d))?;
+            // The attention's inputs in the backend's dtype (a copy unless f32).
+            let q = rope(layer.q.forward(&h)?, hq)?.to_dtype(dtype)?;
+            let k = rope(layer.k.forward(&h)?, hkv)?.to_dtype(dtype)?;
+            let v = layer.v.forward(&h)?.reshape((n, hkv, d))?.to_dtype(dtype)?;
             be.append_kv(&k, &v, lc, copies)?;
 
-            let decoded = if decode_tokens.dim(0)? == 0 {
-                None
-            } else {
-                let q = if all_decode {
-                    q.clone()
-                } else {
-                    q.index_select(&decode_tokens, 0)?
-                };
-                Some(be.decode_q(opts, &q, lc, copies)?)
-            };
-            let mut pieces = Vec::with_capacity(batch.seqs.len());
-            let mut row = 0;
-            for (i, s) in batch.seqs.iter().enumerate() {
-                if !s.is_prefill {
-                    pieces.push(decoded.as_ref().ok_or("no decode")?.narrow(0, row, 1)?);
-                    row += 1;
-                    continue;
-                }
-                let (off, len) = (s.token_offset as usize, s.num_new_tokens as usize);
-                let table = &batch.block_tables[i * w..(i + 1) * w];
-                let (kc, vc) = be.gather_kv(lc, table, s.context_len as usize)?;
-                let qs = q.narrow(0, off, len)?.transpose(0, 1)?.contiguous()?;
-                let out = prefill_attention(
-                    &qs.unsqueeze(0)?,
-                    kc,
-                    vc,
-                    hq / hkv,
-                    s.start_pos as usize,
-                    d,
-                )?;
-                pieces.push(out.squeeze(0)?.transpose(0, 1)?);
+            let mut pieces = Vec::with_capacity(2);
+            if decodes > 0 {
+                pieces.push(be.decode_q(opts, &q.narrow(0, 0, decodes)?, lc, copies)?);
             }
-            let attn = Tensor::cat(&pieces, 0)?.reshape((n, hq * d))?;
+            if decodes < n {
+                let q = q.narrow(0, decodes, n - decodes)?;
+                pieces.push(be.prefill_q(opts, &q, lc, copies)?);
+            }
+            let attn = Tensor::cat(&pieces, 0)?
+                .to_dtype(DType::F32)?
+                .reshape((n, hq * d))?;
             let x1 = (layer.o.forward(&attn)? + &x)?;
             let hm = layer.norm_mlp.forward(&x1)?;
             let mlp =
@@ -200,31 +187,4 @@ impl PagedLlama {
         let x = x.index_select(&Tensor::new(last, &dev)?, 0)?;
         Ok(self.lm_head.forward(&self.norm.forward(&x)?)?)
     }
-}
-
-/// Causal attention of a prefill's queries `q` (`[1, q_heads, len, d]`, positions
-/// `start..start + len`) over the sequence's whole K and V (`[1, kv_heads, start + len,
-/// d]`), in candle's Llama's order of operations.
-fn prefill_attention(
-    q: &Tensor,
-    k: Tensor,
-    v: Tensor,
-    n_rep: usize,
-    start: usize,
-    d: usize,
-) -> Result<Tensor> {
-    let k = candle_transformers::utils::repeat_kv(k, n_rep)?;
-    let v = candle_transformers::utils::repeat_kv(v, n_rep)?;
-    let att = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
-    let len = q.dim(2)?;
-    let att = if len == 1 {
-        att
-    } else {
-        let mask = candle_transformers::utils::build_causal_mask(len, start, q.device())?
-            .broadcast_as(att.shape())?;
-        let ninf = Tensor::new(f32::NEG_INFINITY, q.device())?.broadcast_as(att.shape())?;
-        mask.where_cond(&ninf, &att)?
-    };
-    let att = candle_nn::ops::softmax_last_dim(&att)?;
-    Ok(att.matmul(&v.contiguous()?)?)
 }

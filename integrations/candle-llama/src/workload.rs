@@ -54,13 +54,14 @@ pub fn mixed(vocab: u32) -> Vec<Arrival> {
     ]
 }
 
-/// The scheduler for [`mixed`]: blocks of 8 tokens, 11 usable blocks (the requests
-/// hold 14 at once if none is preempted, so the newest is preempted by `mode`), 8 host
-/// blocks for swapping, prefix caching on, sequences of up to 64 tokens.
-pub fn tight(mode: PreemptionMode) -> SchedulerConfig {
+/// The scheduler for [`mixed`] with blocks of `block_size` tokens (8 or 16): 11 usable
+/// blocks of 8 or 6 of 16 (the requests hold 14 of 8 or 10 of 16 at once if none is
+/// preempted, so the newest is preempted by `mode`), 8 host blocks for swapping,
+/// prefix caching on, sequences of up to 64 tokens.
+pub fn tight(mode: PreemptionMode, block_size: u32) -> SchedulerConfig {
     SchedulerConfig {
-        num_blocks: 12,
-        block_size: 8,
+        num_blocks: if block_size >= 16 { 7 } else { 12 },
+        block_size,
         num_host_blocks: 8,
         max_num_seqs: 8,
         max_model_len: 64,
