@@ -9,17 +9,17 @@
 //! NaN byte) and in the outputs, windows with freed blocks, soft-cap, ALiBi, GQA.
 
 use crate::common;
+use crate::prefill::{Prefill, prefill_case, prefill_holds_emulated};
 
 use common::case::{Case, Params, build};
 use common::fp8::{calibrate, head_of, quantise_case};
-use common::{approx_tolerance, cases, rel_l2, rng, split_tolerance, tolerance, uniform};
+use common::{approx_tolerance, cases, rel_l2, rng, split_tolerance, tolerance};
 use pagedkv::host::emulator::{BlockOrder, Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{DecodeInputs, decode_emulated, plan};
 use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_emulated, kv_append_reference};
-use pagedkv::host::ops::prefill::{PrefillInputs, prefill_emulated};
 use pagedkv::host::ops::scales::KvScales;
-use pagedkv::host::reference::{paged_decode_attention, paged_prefill_attention};
+use pagedkv::host::reference::paged_decode_attention;
 use pagedkv::host::{DType, Error, HostTensor};
 use pagedkv::kernels::PagedLayout;
 use proptest::prelude::*;
@@ -77,6 +77,18 @@ fn fp8_case(p: &Params, cache: DType, per_head: bool) -> Case {
     c
 }
 
+/// A prefill case ([`prefill_case`]: whole prompts, single tokens and chunks, freed
+/// blocks before windows) of at most 90 tokens a sequence over `cache`, quantised with
+/// per-tensor or per-head scales.
+pub(crate) fn fp8_prefill_case(p: &Params, cache: DType, per_head: bool) -> Prefill {
+    let mut pc = prefill_case(&Params {
+        max_len: p.max_len.min(90),
+        ..p.clone()
+    });
+    quantise_case(&mut pc.c, cache, per_head);
+    pc
+}
+
 fn decode(c: &Case, inputs: DecodeInputs<'_, HostTensor>, emu: &Emulator) -> Vec<f64> {
     let mut out = HostTensor::full(c.q.dtype(), c.q.shape(), f64::NAN);
     decode_emulated(emu, inputs, &mut out).unwrap();
@@ -116,50 +128,14 @@ proptest! {
     }
 
     /// Prefill (tensor cores, the fp8 tile decoded into 16-bit shared memory) over an
-    /// fp8 cache against the dequantised reference.
+    /// fp8 cache against the dequantised reference, exact and approximate math.
     #[test]
     fn prefill_over_an_fp8_cache_matches_the_dequantised_reference(
         (p, cache, per_head) in params()
     ) {
-        let p = Params { max_len: p.max_len.min(90), ..p };
-        let mut c = build(&Params { window: None, ..p.clone() });
-        c.opts.window = p.window;
-        quantise_case(&mut c, cache, per_head);
-        let mut r = rng(p.seed ^ 0xf8);
-        let w = c.shape.max_blocks_per_seq as usize;
-        let mut qo_indptr = vec![0i32];
-        for s in 0..p.batch as usize {
-            let len = c.lens[s];
-            let qo = r.random_range(1..=len);
-            qo_indptr.push(qo_indptr[s] + qo);
-            if let Some(win) = p.window {
-                let first = (len - qo + 1) as u32;
-                if first > win {
-                    for lb in 0..(first - win) / p.block_size {
-                        c.tables[s * w + lb as usize] = -3;
-                    }
-                }
-            }
-        }
-        let total = *qo_indptr.last().unwrap() as usize;
-        let (qh, d) = (c.shape.num_q_heads as usize, p.head_dim as usize);
-        let q = HostTensor::from_f64(p.dtype, &[total, qh, d], &uniform(&mut r, total * qh * d)).unwrap();
-        let inputs = PrefillInputs {
-            shape: &c.shape,
-            opts: &c.opts,
-            q: &q,
-            key_cache: &c.kc,
-            value_cache: &c.vc,
-            block_tables: &c.tables,
-            qo_indptr: &qo_indptr,
-            context_lens: &c.lens,
-            kv_scales: c.scales.as_ref(),
-        };
-        let want = paged_prefill_attention(&inputs);
-        let mut out = HostTensor::full(p.dtype, q.shape(), f64::NAN);
-        prefill_emulated(&Emulator::new(), inputs, &mut out).unwrap();
-        let e = rel_l2(&out.to_f64(), &want);
-        prop_assert!(e <= tolerance(p.dtype), "prefill: rel L2 {:e}", e);
+        let pc = fp8_prefill_case(&p, cache, per_head);
+        let r = prefill_holds_emulated(&format!("prefill over {cache}"), &pc, p.seed);
+        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
     }
 
     /// kv_append into an fp8 cache writes exactly the reference's bytes (x / scale in

@@ -11,7 +11,8 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::common;
-use crate::prefill::{Prefill, prefill_case};
+use crate::fp8_cache::fp8_prefill_case;
+use crate::prefill::{Prefill, chunk_cases, prefill_case, prefill_holds, prefill_on};
 use common::case::{Case, Params, build};
 use common::fp8::quantise_case;
 use common::{cases, rel_l2, rng, tolerance, uniform};
@@ -336,18 +337,19 @@ fn prefill_all(a: &Arch) -> Outcome {
             "prefill {:?} cache {cache:?}, window {:?}",
             p.dtype, p.window
         );
-        let want = paged_prefill_attention(&pc.inputs());
-        let emu = prefill_on(EmuDevice::new(Emulator::new()), &pc)?;
-        let got = prefill_on(a.device(), &pc)?;
-        check(&what, &got, &emu, &want, tolerance(p.dtype))?;
+        prefill_holds_on_ptx(a, &what, &pc, p.seed)?;
     }
     Ok(())
 }
 
-fn prefill_on<D: StepDevice>(dev: D, pc: &Prefill) -> Result<HostTensor, String> {
-    let mut out = HostTensor::full(pc.q.dtype(), pc.q.shape(), f64::NAN);
-    once::prefill(dev, pc.inputs(), &mut out).map_err(|e| format!("prefill: {e}"))?;
-    Ok(out)
+/// The prefill proof ([`prefill_holds`]: exact and approximate math against the f64
+/// reference) on module `a`, and its exact output equal to the emulator's bit for bit.
+fn prefill_holds_on_ptx(a: &Arch, what: &str, pc: &Prefill, seed: u64) -> Outcome {
+    let what = format!("{} {what}", a.module.target());
+    let approx = PtxDevice::new(a.module.clone(), MathMode::Approx { seed });
+    let got = prefill_holds(&what, pc, a.device(), approx)?;
+    let emu = prefill_on(EmuDevice::new(Emulator::new()), pc)?;
+    first_difference(&what, &got, &emu).map_or(Ok(()), Err)
 }
 
 fn kv_append_all(a: &Arch) -> Outcome {
@@ -867,9 +869,10 @@ proptest! {
 
     /// The decode, prefill and fp8 properties of `attention.rs`, `prefill.rs` and
     /// `fp8_cache.rs` (their strategies: every dtype and head_dim, GQA and MQA, batch
-    /// 1/3/17, windows, soft-cap, ALiBi, narrower head chunks), on the interpreter over
-    /// a module drawn at random: equal to the emulator bit for bit, and within the
-    /// tolerance of the f64 reference.
+    /// 1/3/17, windows, soft-cap, ALiBi, narrower head chunks; prefill over a 16-bit
+    /// and over an fp8 cache), on the interpreter over a module drawn at random: equal
+    /// to the emulator bit for bit, and within the tolerance of the f64 reference; the
+    /// prefills also in approximate math.
     #[test]
     fn random_cases_match_the_emulator_on_the_committed_ptx(
         p in crate::attention::params(),
@@ -878,7 +881,7 @@ proptest! {
         arch in 0usize..2,
     ) {
         let a = &ARCHS[arch];
-        for (p, cache) in [(p, None), (p8, Some((cache, per_head)))] {
+        for (p, cache) in [(p, None), (p8.clone(), Some((cache, per_head)))] {
             let mut c = build(&p);
             if let Some((cache, per_head)) = cache {
                 quantise_case(&mut c, cache, per_head);
@@ -901,13 +904,30 @@ proptest! {
                 prop_assert!(false, "{}", e);
             }
         }
-        let pc = prefill_case(&pp);
-        let want = paged_prefill_attention(&pc.inputs());
-        let emu = prefill_on(EmuDevice::new(Emulator::new()), &pc).unwrap();
-        let got = prefill_on(a.device(), &pc).unwrap();
-        let what = format!("{} prefill {pp:?}", a.module.target());
-        if let Err(e) = check(&what, &got, &emu, &want, tolerance(pp.dtype)) {
-            prop_assert!(false, "{}", e);
+        let prefills = [
+            (format!("prefill {pp:?}"), prefill_case(&pp)),
+            (
+                format!("prefill over {cache} (per head {per_head}) {p8:?}"),
+                fp8_prefill_case(&p8, cache, per_head),
+            ),
+        ];
+        for (what, pc) in prefills {
+            if let Err(e) = prefill_holds_on_ptx(a, &what, &pc, pp.seed) {
+                prop_assert!(false, "{}", e);
+            }
+        }
+    }
+}
+
+/// The prefill chunks after prefixes ending mid-block (`chunk_cases`: 1, 7, 64 and 300
+/// tokens, every dtype, windows, soft-cap, ALiBi; multi-tile CTAs partial at both ends)
+/// on both committed modules, exact and approximate math, bit for bit with the
+/// emulator in exact math.
+#[test]
+fn prefill_chunks_hold_on_the_committed_ptx() {
+    for a in ARCHS.iter() {
+        for (what, pc) in chunk_cases() {
+            prefill_holds_on_ptx(a, &what, &pc, 3).unwrap();
         }
     }
 }

@@ -13,6 +13,7 @@ use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{DecodeInputs, DecodeShape, decode_emulated};
 use pagedkv::host::ops::prefill::{PrefillInputs, prefill_emulated};
 use pagedkv::host::reference::paged_prefill_attention;
+use pagedkv::host::step::{EmuDevice, StepDevice, once};
 use pagedkv::host::{DType, Error, HostTensor};
 use proptest::prelude::*;
 use rand::Rng;
@@ -117,12 +118,58 @@ impl Prefill {
             kv_scales: self.c.scales.as_ref(),
         }
     }
+}
 
-    fn run(&self, math: MathMode) -> Result<Vec<f64>, Error> {
-        let mut out = HostTensor::full(self.q.dtype(), self.q.shape(), f64::NAN);
-        prefill_emulated(&Emulator::new().with_math(math), self.inputs(), &mut out)?;
-        Ok(out.to_f64())
+/// `pc` on `dev` through the one-shot step path (the launch engines run), the output
+/// poisoned with NaN first.
+pub(crate) fn prefill_on<D: StepDevice>(dev: D, pc: &Prefill) -> Result<HostTensor, String> {
+    let mut out = HostTensor::full(pc.q.dtype(), pc.q.shape(), f64::NAN);
+    once::prefill(dev, pc.inputs(), &mut out).map_err(|e| format!("prefill: {e}"))?;
+    Ok(out)
+}
+
+/// The prefill proof, one body for every device (the emulator, the PTX interpreter on
+/// either module): `pc` on `exact` (exact math) within [`tolerance`] of the f64
+/// reference, and on `approx` (the GPU's `ex2.approx` / `tanh.approx` model) within
+/// [`approx_tolerance`]. Returns the exact output.
+pub(crate) fn prefill_holds<D: StepDevice>(
+    what: &str,
+    pc: &Prefill,
+    exact: D,
+    approx: D,
+) -> Result<HostTensor, String> {
+    let want = paged_prefill_attention(&pc.inputs());
+    let dtype = pc.q.dtype();
+    let got = prefill_on(exact, pc)?;
+    let e = rel_l2(&got.to_f64(), &want);
+    if e > tolerance(dtype) {
+        return Err(format!(
+            "{what}, exact math: rel L2 {e:e} > {:e}",
+            tolerance(dtype)
+        ));
     }
+    let tol = approx_tolerance(dtype, pc.c.opts.softcap);
+    let e = rel_l2(&prefill_on(approx, pc)?.to_f64(), &want);
+    if e > tol {
+        return Err(format!("{what}, approximate math: rel L2 {e:e} > {tol:e}"));
+    }
+    Ok(got)
+}
+
+/// [`prefill_holds`] on the emulator (approximate math seeded with `seed`).
+pub(crate) fn prefill_holds_emulated(
+    what: &str,
+    pc: &Prefill,
+    seed: u64,
+) -> Result<Vec<f64>, String> {
+    let emu = |math| EmuDevice::new(Emulator::new().with_math(math));
+    prefill_holds(
+        what,
+        pc,
+        emu(MathMode::Exact),
+        emu(MathMode::Approx { seed }),
+    )
+    .map(|t| t.to_f64())
 }
 
 proptest! {
@@ -131,14 +178,9 @@ proptest! {
     #[test]
     fn prefill_matches_the_f64_reference(p in params()) {
         let pc = prefill_case(&p);
-        let want = paged_prefill_attention(&pc.inputs());
-        let got = pc.run(MathMode::Exact).unwrap();
-        let e = rel_l2(&got, &want);
-        prop_assert!(e <= tolerance(p.dtype), "exact math: rel L2 {:e}", e);
-        let approx = pc.run(MathMode::Approx { seed: p.seed }).unwrap();
-        let e = rel_l2(&approx, &want);
-        let tol = approx_tolerance(p.dtype, p.softcap);
-        prop_assert!(e <= tol, "approximate math: rel L2 {:e} > {:e}", e, tol);
+        let got = prefill_holds_emulated("prefill", &pc, p.seed);
+        prop_assert!(got.is_ok(), "{}", got.unwrap_err());
+        let got = got.unwrap();
 
         // A chunk of one token asks decode's question: the decode kernel agrees (both
         // with exact math).
@@ -244,10 +286,13 @@ fn bad_prefill_inputs_are_errors_naming_the_argument() {
 }
 
 /// Chunks of 1, 7, 64 and 300 new tokens after prefixes that end mid-block (339, 333,
-/// 276 and 40 cached tokens, block 16), every dtype, GQA 4 over 2 KV heads, a window
-/// that crosses the longest chunk's start, soft-cap and ALiBi.
-#[test]
-fn chunks_of_1_7_64_and_300_tokens_after_prefixes_that_end_mid_block() {
+/// 276 and 40 cached tokens, block 16), every dtype, GQA 4 over 2 KV heads, with and
+/// without a window that crosses the longest chunk's start (the blocks before each
+/// chunk's first window poisoned), soft-cap and ALiBi. f16 at head_dim 128 and bf16 at
+/// 64 take the multi-warp kernel (the 300-token chunk spans ten 64-row tiles, partial
+/// at both ends: it starts mid-block and ends mid-tile), f32 the CUDA-core one.
+pub(crate) fn chunk_cases() -> Vec<(String, Prefill)> {
+    let mut cases = Vec::new();
     for (dtype, head_dim) in [(DType::F16, 128), (DType::Bf16, 64), (DType::F32, 32)] {
         for window in [None, Some(100)] {
             let p = Params {
@@ -290,14 +335,18 @@ fn chunks_of_1_7_64_and_300_tokens_after_prefixes_that_end_mid_block() {
                     }
                 }
             }
-            let want = paged_prefill_attention(&pc.inputs());
-            let got = pc.run(MathMode::Exact).unwrap();
-            let e = rel_l2(&got, &want);
-            assert!(
-                e <= tolerance(dtype),
-                "{dtype} window {window:?}: rel L2 {e:e}"
-            );
+            cases.push((format!("{dtype} d{head_dim} window {window:?}"), pc));
         }
+    }
+    cases
+}
+
+/// [`chunk_cases`] in both math modes on the emulator (`tests/ops/interp.rs` runs them
+/// on the committed PTX).
+#[test]
+fn chunks_of_1_7_64_and_300_tokens_after_prefixes_that_end_mid_block() {
+    for (what, pc) in chunk_cases() {
+        prefill_holds_emulated(&what, &pc, 3).unwrap();
     }
 }
 
