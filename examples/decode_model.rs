@@ -290,7 +290,10 @@ fn model(
 /// A modelled prefill launch of the multi-warp kernel.
 struct PrefillModelled {
     resident: u32,
-    instr_per_stage: f64,
+    /// Issued instructions a warp-stage: plain, masked.
+    instr_per_stage: (f64, f64),
+    /// The fraction of CTA-stages that are plain.
+    plain_fraction: f64,
     useful_hmma: f64,
     tflops: f64,
     ceiling_tflops: f64,
@@ -324,24 +327,12 @@ fn prefill_model(
         })
         .ok_or_else(|| format!("no modelled stage loop in {} {name}", gpu.arch))?;
     let warps = (TILED_THREADS / 32) as f64;
-    let stage = |k: &str| num(lp, &format!("stage_{k}"));
-    // One CTA-stage's cost in SM cycles by each pipe (4 schedulers; MUFU 16 lanes a
-    // cycle; SHFL one warp-instruction a cycle; shared loads 128 B a cycle; the tensor
-    // pipe at the architecture's mma.sync rate).
-    let pipes = [
-        ("issue", warps * stage("instr") / 4.0),
-        (
-            "tensor",
-            warps * stage("hmma") * 4096.0 / gpu.mma_flop_per_clk,
-        ),
-        ("MUFU", warps * stage("mufu") * 2.0),
-        ("SHFL", warps * stage("shfl")),
-        ("LDS", warps * stage("lds_bytes") / 128.0),
-    ];
-    let (limit, c_sm) = pipes
-        .iter()
-        .copied()
-        .fold(("issue", 0.0), |a, b| if b.1 > a.1 { b } else { a });
+    // A path's count: `stage_*` the masked stages' (the longest path), `plain_*` the
+    // plain stages' (every score of every warp's rows unmasked, no soft-cap or ALiBi).
+    let count = |path: &str, k: &str| num(lp, &format!("{path}_{k}"));
+    if count("plain", "instr") == 0.0 {
+        return Err(format!("no plain stage path in {} {name}", gpu.arch));
+    }
     // Resident CTAs per SM: registers (per warp, in units of 256), threads, shared
     // memory (the stages; the driver's reserve per block), the block limit.
     let l = &gpu.limits;
@@ -352,30 +343,67 @@ fn prefill_model(
         .min(l.shared_bytes / smem)
         .min(l.blocks)
         .max(1);
-    // A CTA's time on its slot: its stages at 1 / resident of the SM's throughput, and
-    // no faster than the loop's dependent chain a stage.
-    let per_stage = (resident as f64 * c_sm).max(stage("chain"));
-    let limit = if stage("chain") > resident as f64 * c_sm {
-        "chain"
-    } else {
-        limit
+    // One CTA-stage's cost in SM cycles by each pipe (4 schedulers; MUFU 16 lanes a
+    // cycle; SHFL one warp-instruction a cycle; shared loads 128 B a cycle; the tensor
+    // pipe at the architecture's mma.sync rate); a CTA's time a stage on its slot is
+    // that at 1 / resident of the SM's throughput, and no less than the path's
+    // dependent chain. Returns (what limits it, cycles).
+    let stage_cost = |path: &str| -> (&'static str, f64) {
+        let c = |k: &str| count(path, k);
+        let pipes = [
+            ("issue", warps * c("instr") / 4.0),
+            ("tensor", warps * c("hmma") * 4096.0 / gpu.mma_flop_per_clk),
+            ("MUFU", warps * c("mufu") * 2.0),
+            ("SHFL", warps * c("shfl")),
+            ("LDS", warps * c("lds_bytes") / 128.0),
+        ];
+        let (limit, c_sm) = pipes
+            .iter()
+            .copied()
+            .fold(("issue", 0.0), |a, b| if b.1 > a.1 { b } else { a });
+        if c("chain") > resident as f64 * c_sm {
+            ("chain", c("chain"))
+        } else {
+            (limit, resident as f64 * c_sm)
+        }
     };
+    let (limit, plain_cost) = stage_cost("plain");
+    let (_, masked_cost) = stage_cost("stage");
     // CTAs in launch order (x: KV head, y: 64-row tile, z: sequence), each to the
     // slot that frees first (list scheduling: the causal tail and the last wave are in).
-    let tiles = (new as u64 * group).div_ceil(TILE_ROWS as u64);
+    // A CTA's stages are plain while all four warps' are (the kernel's test per warp:
+    // all 16 rows exist and the stage ends at or before the warp's first row's
+    // position + 1; no window, so every range starts at 0), else masked.
+    let rows = new as u64 * group;
+    let tiles = rows.div_ceil(TILE_ROWS as u64);
     let mut slots = std::collections::BinaryHeap::new();
     for _ in 0..gpu.sms * resident {
         slots.push(std::cmp::Reverse(0u64));
     }
-    let mut end = 0u64;
+    let (mut end, mut plain_stages, mut all_stages) = (0u64, 0u64, 0u64);
     for _seq in 0..seqs {
         for tile in 0..tiles {
+            let row0 = tile * TILE_ROWS as u64;
             // Its last token's position + 1: the positions it stages, in 64-token stages.
-            let last_tok = ((tile + 1) * TILE_ROWS as u64).min(new as u64 * group) / group;
+            let last_tok = (row0 + TILE_ROWS as u64).min(rows) / group;
             let stages = (prefix as u64 + last_tok).div_ceil(64);
+            let plain = (0..TILED_THREADS as u64 / 32)
+                .map(|w| {
+                    let wrow0 = row0 + 16 * w;
+                    if wrow0 + 16 > rows {
+                        0
+                    } else {
+                        ((prefix as u64 + wrow0 / group + 1) / 64).min(stages)
+                    }
+                })
+                .min()
+                .unwrap_or(0);
+            let cycles = plain as f64 * plain_cost + (stages - plain) as f64 * masked_cost;
             for _kv in 0..kv_heads {
+                plain_stages += plain;
+                all_stages += stages;
                 let std::cmp::Reverse(free) = slots.pop().unwrap();
-                let done = free + (stages as f64 * per_stage).ceil() as u64;
+                let done = free + cycles.ceil() as u64;
                 end = end.max(done);
                 slots.push(std::cmp::Reverse(done));
             }
@@ -389,8 +417,9 @@ fn prefill_model(
     let min_hmma = (2 * 16 * 64 * D * 2) as f64 / 4096.0;
     Ok(PrefillModelled {
         resident,
-        instr_per_stage: stage("instr"),
-        useful_hmma: min_hmma / stage("hmma"),
+        instr_per_stage: (count("plain", "instr"), count("stage", "instr")),
+        plain_fraction: plain_stages as f64 / all_stages.max(1) as f64,
+        useful_hmma: min_hmma / count("stage", "hmma").max(count("plain", "hmma")),
         tflops: flops / seconds / 1e12,
         ceiling_tflops: gpu.sms as f64 * gpu.clock_ghz * 1e9 * gpu.mma_flop_per_clk / 1e12,
         limit,
@@ -406,8 +435,12 @@ fn prefill_report(regs: &HashMap<(String, String), u32>, loops: &[Loop]) -> Vec<
          block 16, causal. (a) 8 sequences x 2048 new tokens (FlashAttention-2's benchmark size); (b) 8 \
          sequences x a 512-token chunk over a 4096-token cached prefix. Per stage (64 tokens) of a warp the \
          SASS loop's issued instructions, HMMA, MUFU, SHFL and shared-load bytes give one CTA-stage's cost \
-         on an SM by each pipe (the slowest is `limit`; `chain` when the loop's dependent chain is longer \
-         than the resident CTAs' share of the SM); CTAs are list-scheduled in launch order onto every \
+         on an SM by each pipe (the slowest is `limit`, given for plain stages; `chain` when the path's \
+         dependent chain is longer than the resident CTAs' share of the SM), for each of the loop's two \
+         paths: plain stages (every score of all four warps' rows unmasked; no soft-cap or ALiBi, as \
+         here) and masked ones (the longest path: per-score masks, soft-cap and ALiBi terms), a CTA's \
+         stages counted as the kernel's per-warp test splits them (`plain`: their share of all \
+         CTA-stages); CTAs are list-scheduled in launch order onto every \
          SM's resident slots (the causal tail and the last wave are in), each at 1 / resident of its SM. \
          Useful FLOPs are 4 x head_dim x query heads x attended pairs (masked positions inside a diagonal \
          tile are computed but not counted). Ceiling: SMs x sustained clock x mma.sync FLOP per clock \
@@ -416,9 +449,9 @@ fn prefill_report(regs: &HashMap<(String, String), u32>, loops: &[Loop]) -> Vec<
          issues. The prologue (Q fragments, the first stages) and the epilogue are not counted.\n"
     );
     println!(
-        "| shape | q | GPU | CTAs/SM resident | instr/warp-stage | useful HMMA | limit | TFLOP/s | ceiling TFLOP/s | % of ceiling |"
+        "| shape | q | GPU | CTAs/SM resident | instr/warp-stage plain / masked | plain | useful HMMA | limit | TFLOP/s | ceiling TFLOP/s | % of ceiling |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut failures = Vec::new();
     for (label, seqs, new, prefix) in [
         ("(a) 8 x 2048 new", 8u32, 2048u32, 0u32),
@@ -430,10 +463,12 @@ fn prefill_report(regs: &HashMap<(String, String), u32>, loops: &[Loop]) -> Vec<
                     Ok(m) => {
                         let frac = m.tflops / m.ceiling_tflops;
                         println!(
-                            "| {label} | {dtype} | {} | {} | {:.0} | {:.0}% | {} | {:.0} | {:.0} | {:.0}% |",
+                            "| {label} | {dtype} | {} | {} | {:.0} / {:.0} | {:.0}% | {:.0}% | {} | {:.0} | {:.0} | {:.0}% |",
                             gpu.name,
                             m.resident,
-                            m.instr_per_stage,
+                            m.instr_per_stage.0,
+                            m.instr_per_stage.1,
+                            100.0 * m.plain_fraction,
                             100.0 * m.useful_hmma,
                             m.limit,
                             m.tflops,
@@ -457,7 +492,7 @@ fn prefill_report(regs: &HashMap<(String, String), u32>, loops: &[Loop]) -> Vec<
                     }
                     Err(e) => {
                         println!(
-                            "| {label} | {dtype} | {} | not modelled: {e} |||||||",
+                            "| {label} | {dtype} | {} | not modelled: {e} ||||||||",
                             gpu.name
                         );
                         failures.push(format!("prefill {dtype} {}: {e}", gpu.name));

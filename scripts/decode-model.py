@@ -24,7 +24,10 @@ Counting rules (a static model, not a trace):
   divergent warp issues both sides); `stage_all_instr` counts every block of the loop
   for comparison. With an inner (tile) loop, the outer blocks are all counted and the
   inner loop's count is multiplied by its trip count (supplied by the caller). Blocks
-  reached only through a branch out of the loop are not part of it.
+  reached only through a branch out of the loop are not part of it. For the multi-warp
+  prefill, `plain_*` counts the lightest path through one iteration that passes every
+  block with a cp.async copy or an HMMA: its plain stages (every score of a warp's rows
+  unmasked, no soft-cap, no ALiBi: `prefill/tiled.rs`) take it.
 * the dependent chain is the longest path through one iteration's instructions in
   address order over register (R, UR, P, UP) dependencies, with the latencies in
   LATENCY below (published microbenchmark figures for Ampere/Hopper, rounded up). A
@@ -224,6 +227,40 @@ def longest_path(blocks, succ, head, spans, instrs, weight):
     return result
 
 
+def via_shortest(blocks, succ, head, spans, weight, must):
+    """The blocks of the lightest path (by `weight`) through one iteration of the loop
+    `blocks` (header `head` to a back edge, forward edges only) that passes every block
+    of `must` (in address order); [] when there is none."""
+    def lightest(src, dst):
+        # dst None: any block with a back edge to the header.
+        order = sorted(blocks, key=lambda b: spans[b][0])
+        best = {src: (weight(src), [src])}
+        found = None
+        for b in order:
+            if b not in best:
+                continue
+            w, path = best[b]
+            if b == dst or (dst is None and head in succ[b]):
+                if found is None or w < found[0]:
+                    found = (w, path)
+                if b == dst:
+                    continue
+            for v in succ[b]:
+                if v in blocks and v != head and spans[v][0] > spans[b][0]:
+                    cand = (w + weight(v), path + [v])
+                    if v not in best or cand[0] < best[v][0]:
+                        best[v] = cand
+        return found
+    path, at = [], head
+    for m in [b for b in must if b != head] + [None]:
+        leg = lightest(at, m)
+        if leg is None:
+            return []
+        path += leg[1] if not path else leg[1][1:]
+        at = m
+    return path
+
+
 def chain(seq):
     """Longest register-dependency path (cycles) through instructions in order."""
     ready = {}
@@ -315,6 +352,15 @@ def analyse(name, body):
                 n_path, path = longest_path(body_blocks, succ, h, spans, instrs, size)
                 outer = seq_of(set(path))
                 out_all = len(seq_of(body_blocks))
+                # The plain path: the fewest instructions through one iteration that
+                # still pass every block with a cp.async copy or an HMMA (the stage's
+                # copies and matrix work); in the multi-warp prefill, the stages
+                # inside every row's range with no soft-cap and no ALiBi.
+                must = sorted((b for b in body_blocks
+                               if any(instrs[i].base in ("LDGSTS", "HMMA")
+                                      for i in range(*spans[b]))),
+                              key=lambda b: spans[b][0])
+                plain = seq_of(set(via_shortest(body_blocks, succ, h, spans, size, must)))
             c_out, c_tile = counts(outer), counts(tile)
             # A tensor-core loop (HMMA) serves a whole stage per iteration: no tile.
             mma = c_out["hmma"] + c_tile["hmma"] > 0
@@ -325,7 +371,9 @@ def analyse(name, body):
                 f"tile_loop={'yes' if tiles else 'no'} "
                 f"stage_all_instr={out_all if not tiles else len(outer)} "
                 f"{fmt('stage_', c_out)} {fmt('tile_', c_tile)} "
-                f"stage_chain={chain(outer)} tile_chain={chain(tile)}")
+                f"stage_chain={chain(outer)} tile_chain={chain(tile)}"
+                + (f" {fmt('plain_', counts(plain))} plain_chain={chain(plain)}"
+                   if not tiles and plain and name.startswith("paged_prefill") else ""))
         elif name.startswith("paged_decode_reduce"):
             if inner or not ({"LDG", "LD"} & ops):
                 continue

@@ -288,13 +288,20 @@ fn bad_prefill_inputs_are_errors_naming_the_argument() {
 /// Chunks of 1, 7, 64 and 300 new tokens after prefixes that end mid-block (339, 333,
 /// 276 and 40 cached tokens, block 16), every dtype, GQA 4 over 2 KV heads, with and
 /// without a window that crosses the longest chunk's start (the blocks before each
-/// chunk's first window poisoned), soft-cap and ALiBi. f16 at head_dim 128 and bf16 at
-/// 64 take the multi-warp kernel (the 300-token chunk spans ten 64-row tiles, partial
-/// at both ends: it starts mid-block and ends mid-tile), f32 the CUDA-core one.
+/// chunk's first window poisoned), with soft-cap and ALiBi and with neither (the
+/// multi-warp kernel's plain stages: no per-score masks where a stage lies inside every
+/// row's range). f16 at head_dim 128 and bf16 at 64 take the multi-warp kernel (the
+/// 300-token chunk spans ten 64-row tiles, partial at both ends: it starts mid-block
+/// and ends mid-tile), f32 the CUDA-core one.
 pub(crate) fn chunk_cases() -> Vec<(String, Prefill)> {
     let mut cases = Vec::new();
     for (dtype, head_dim) in [(DType::F16, 128), (DType::Bf16, 64), (DType::F32, 32)] {
-        for window in [None, Some(100)] {
+        for (window, terms) in [
+            (None, true),
+            (Some(100), true),
+            (None, false),
+            (Some(100), false),
+        ] {
             let p = Params {
                 dtype,
                 head_dim,
@@ -304,8 +311,8 @@ pub(crate) fn chunk_cases() -> Vec<(String, Prefill)> {
                 batch: 4,
                 max_len: 340,
                 window,
-                softcap: Some(20.0),
-                alibi: true,
+                softcap: terms.then_some(20.0),
+                alibi: terms,
                 partition: None,
                 narrow_heads: false,
                 seed: 11,
@@ -335,7 +342,8 @@ pub(crate) fn chunk_cases() -> Vec<(String, Prefill)> {
                     }
                 }
             }
-            cases.push((format!("{dtype} d{head_dim} window {window:?}"), pc));
+            let terms = if terms { "soft-cap, ALiBi" } else { "plain" };
+            cases.push((format!("{dtype} d{head_dim} window {window:?} {terms}"), pc));
         }
     }
     cases

@@ -20,7 +20,10 @@
 //!   fragments as the cache type reads them, see `kv_tiles::MmaCache`);
 //! * `update_local_state`: scale, soft-cap, ALiBi and the causal / window mask on the
 //!   32 scores a lane holds (rows `g` and `g + 8`), each row's maximum over the stage
-//!   with two xor-shuffles, one rescale of the output fragments per stage;
+//!   with two xor-shuffles, one rescale of the output fragments per stage. A *plain*
+//!   stage (no soft-cap, no ALiBi, the warp's 16 rows all exist and the stage lies
+//!   inside every one of their ranges: all but the stages on the diagonal and the
+//!   window's edge) only scales: one `FMUL` a score, no per-score tests;
 //! * `compute_pv`: `O += P V`, `P` repacked from the score fragments.
 //!
 //! The output fragments stay in registers; at the end each lane normalises its rows
@@ -164,6 +167,23 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     );
     let (first, num_stages) = (producer.first, producer.num_stages);
 
+    // Plain stages `plain.0..plain.1`: every score of this warp's rows is just
+    // `dot * scale * log2(e)` (no soft-cap, no ALiBi, all 16 rows exist, and the stage
+    // lies inside every row's window and causal range), so they skip the per-score
+    // masks and terms; the stages that cross a row's range take the general path.
+    let plain = if p.softcap == 0.0 && p.alibi_slopes.is_empty() && wrow0 + 16 <= rows {
+        // The warp's latest first visible position and earliest query position.
+        let lo = sq.first_visible(p, (wrow0 + 15) / sq.group);
+        let hi = sq.pos(wrow0 / sq.group) + 1;
+        (
+            (lo - first).div_ceil(MMA_STAGE_TOKENS),
+            (hi - first) / MMA_STAGE_TOKENS,
+        )
+    } else {
+        (1, 0)
+    };
+    let plain_scale = row[0].scale * crate::softmax::LOG2_E;
+
     let mut state = [SoftmaxState::EMPTY; 2]; // rows g, g + 8 (l: this lane's share)
     let mut o = [[0.0f32; 4]; 16]; // D / 8 dim tiles
     let mut slot = 0;
@@ -190,19 +210,33 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
 
         // update_local_state: scores and masks, row maxima, one rescale.
         let mut mx = [f32::NEG_INFINITY; 2];
-        each_upto(4, |j| {
-            each_upto(2, |nt| {
-                each_upto(4, |e| {
-                    let h = e / 2;
-                    let kpos = tok0 + 16 * j as u32 + 8 * nt as u32 + 2 * t + e as u32 % 2;
-                    let x = row[h].score(ctx, p, sc[j][nt][e], kpos);
-                    sc[j][nt][e] = x;
-                    if x > mx[h] {
-                        mx[h] = x;
-                    }
+        if i >= plain.0 && i < plain.1 {
+            each_upto(4, |j| {
+                each_upto(2, |nt| {
+                    each_upto(4, |e| {
+                        let x = sc[j][nt][e] * plain_scale;
+                        sc[j][nt][e] = x;
+                        if x > mx[e / 2] {
+                            mx[e / 2] = x;
+                        }
+                    });
                 });
             });
-        });
+        } else {
+            each_upto(4, |j| {
+                each_upto(2, |nt| {
+                    each_upto(4, |e| {
+                        let h = e / 2;
+                        let kpos = tok0 + 16 * j as u32 + 8 * nt as u32 + 2 * t + e as u32 % 2;
+                        let x = row[h].score(ctx, p, sc[j][nt][e], kpos);
+                        sc[j][nt][e] = x;
+                        if x > mx[h] {
+                            mx[h] = x;
+                        }
+                    });
+                });
+            });
+        }
         let m_use = update_rows(ctx, &mx, &mut state, &mut o, D / 8);
         // compute_pv: each 16-token group's weights, then its P V (a group's weights
         // are made just before their use: fewer registers live at once).
