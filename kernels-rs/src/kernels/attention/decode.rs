@@ -150,9 +150,19 @@ impl<T: Elem, K: KvElem> Block<'_, T, K> {
         let mut k = 0;
         each_piece(&mut pieces, |pc| {
             let i = self.tid + k * THREADS;
-            k += 1;
             pc.live = i < 2 * half;
-            pc.is_v = i >= half;
+            // V pieces are those past the stage's `half` K pieces. As constants where
+            // the geometry fixes them (no branch side that no launch can take): `half
+            // <= 2 * THREADS` (a stage is at most STAGE_BYTES), so pieces 2 and 3 are V
+            // whenever they exist; piece 0 is K whenever a head vector has at least 4
+            // chunks (then `half >= THREADS`): at every supported head_dim (>= 32) for
+            // 16-bit and f32 elements, not for fp8 at head_dim 32.
+            pc.is_v = match k {
+                0 => K::PER_V4 > 8 && i >= half,
+                1 => i >= half,
+                _ => true,
+            };
+            k += 1;
             let r = if pc.is_v { i - half } else { i };
             pc.tok = r / chunks;
             let col = (r - pc.tok * chunks) * kp;

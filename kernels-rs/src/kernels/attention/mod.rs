@@ -71,6 +71,9 @@ pub const STAGES: u32 = 4;
 pub const STAGE_BYTES: u32 = 8192;
 /// 16-byte copies one thread issues per stage (`STAGE_BYTES / 16 / THREADS`).
 pub const PIECES_PER_THREAD: u32 = STAGE_BYTES / 16 / THREADS;
+// The decode kernel's pieces 0..4, K then V: a stage's K half is at most two pieces of
+// every thread (its K/V choice per piece relies on it).
+const _: () = assert!(PIECES_PER_THREAD == 4 && STAGE_BYTES / 2 / 16 <= 2 * THREADS);
 /// Threads per block of the reduce kernel (a multiple of [`REDUCE_LANES`]).
 pub const REDUCE_THREADS: u32 = 64;
 /// Adjacent lanes of the reduce that share one `(query head, 16-byte chunk)`, each

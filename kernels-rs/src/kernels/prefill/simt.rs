@@ -85,15 +85,21 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
         let mut kpos = row.first;
         while kpos <= row.qpos {
             let base = cache_at(ctx, p, s, kvh, kpos);
+            // q . k, 16 dims (four 16-byte chunks) an iteration: every supported
+            // head_dim is a multiple of 16, so no remainder iteration exists (one the
+            // compiler would emit and no launch would run).
             let mut dot = 0f32;
             let mut c = 0;
             while c < d / 4 {
-                let qv = ctx.ld_v4(&p.q, q_at + 4 * c as u64);
-                let kv = ctx.ld_nc_v4(&p.key_cache, base + 4 * c as u64);
-                for e in 0..4 {
-                    dot = ctx.fma(f32::from_bits(qv[e]), f32::from_bits(kv[e]), dot);
+                for j in 0..4 {
+                    let at = 4 * (c + j) as u64;
+                    let qv = ctx.ld_v4(&p.q, q_at + at);
+                    let kv = ctx.ld_nc_v4(&p.key_cache, base + at);
+                    for e in 0..4 {
+                        dot = ctx.fma(f32::from_bits(qv[e]), f32::from_bits(kv[e]), dot);
+                    }
                 }
-                c += 1;
+                c += 4;
             }
             let sc = row.score(ctx, p, dot, kpos);
             let m_new = if sc > m { sc } else { m };
