@@ -105,8 +105,9 @@ pub struct Coverage {
     /// PTX lines of the first instruction of every block no launch reached.
     pub missed: Vec<u32>,
     /// The subset of `missed` inside a loop (between a backward branch's target and
-    /// the branch) that is not a panic path (a block ending in `trap` or a panic call):
-    /// the main-loop blocks the tests never ran.
+    /// the branch) that is not a panic path (a block that traps or calls a panic
+    /// function, or from which every path leads to one, e.g. the branch to a division's
+    /// zero check): the main-loop blocks the tests never ran.
     pub missed_in_loops: Vec<u32>,
     /// PTX lines of every loop's first block (a backward branch's target).
     pub loop_headers: Vec<u32>,
@@ -320,6 +321,7 @@ impl Module {
                         _ => None,
                     })
                     .collect();
+                let doomed = panic_paths(f);
                 let (mut missed, mut missed_in_loops) = (Vec::new(), Vec::new());
                 for (k, &b) in f.blocks.iter().enumerate() {
                     if h.is_some_and(|h| h[b as usize] > 0) {
@@ -327,11 +329,7 @@ impl Module {
                     }
                     let line = f.code[b as usize].line;
                     missed.push(line);
-                    let end = f.blocks.get(k + 1).map_or(f.code.len(), |&e| e as usize);
-                    let panics = f.code[b as usize..end]
-                        .iter()
-                        .any(|i| matches!(i.op, ir::Op::Trap | ir::Op::Call { .. }));
-                    if !panics && loops.iter().any(|&(lo, hi)| lo <= b && b <= hi) {
+                    if !doomed[k] && loops.iter().any(|&(lo, hi)| lo <= b && b <= hi) {
                         missed_in_loops.push(line);
                     }
                 }
@@ -352,5 +350,48 @@ impl Module {
             .collect();
         out.sort_by(|a, b| a.kernel.cmp(&b.kernel));
         out
+    }
+}
+
+/// For each basic block of `f`, whether it is a panic path: it traps or calls a (panic,
+/// `.noreturn`) function unconditionally, or it has successors and every one of them
+/// is a panic path.
+fn panic_paths(f: &parse::Function) -> Vec<bool> {
+    let n = f.blocks.len();
+    let block_of = |i: u32| f.blocks.partition_point(|&b| b <= i) - 1;
+    let ends = |k: usize| f.blocks.get(k + 1).map_or(f.code.len(), |&e| e as usize);
+    let mut panics = vec![false; n];
+    let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for k in 0..n {
+        let (start, end) = (f.blocks[k] as usize, ends(k));
+        let code = &f.code[start..end];
+        panics[k] = code
+            .iter()
+            .any(|i| i.guard.is_none() && matches!(i.op, ir::Op::Trap | ir::Op::Call { .. }));
+        let Some(last) = code.last() else { continue };
+        let falls = last.guard.is_some()
+            || !matches!(
+                last.op,
+                ir::Op::Bra(_) | ir::Op::Exit | ir::Op::Ret | ir::Op::Trap | ir::Op::Call { .. }
+            );
+        if let ir::Op::Bra(t) = last.op {
+            succ[k].push(block_of(t));
+        }
+        if falls && k + 1 < n {
+            succ[k].push(k + 1);
+        }
+    }
+    let mut doomed = panics;
+    loop {
+        let mut changed = false;
+        for k in 0..n {
+            if !doomed[k] && !succ[k].is_empty() && succ[k].iter().all(|&s| doomed[s]) {
+                doomed[k] = true;
+                changed = true;
+            }
+        }
+        if !changed {
+            return doomed;
+        }
     }
 }

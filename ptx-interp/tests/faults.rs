@@ -342,3 +342,39 @@ fn registers_of_the_wrong_width_and_bad_module_data_are_refused() {
     let e = Module::parse("t", &module("").replace("{107, 46,", "{300, 46,")).unwrap_err();
     assert!(e.to_string().contains("300 does not fit"), "{e}");
 }
+
+/// Coverage lists a loop block no launch ran, and not the branch that only leads to a
+/// panic (a block whose every path traps or calls a panic function).
+#[test]
+fn coverage_names_unrun_loop_blocks_but_not_panic_paths() {
+    let body = "\tmov.u32 %r2, 0;\n\tmov.u32 %r3, 0;\n\
+        $L__loop:\n\tsetp.lt.u32 %p1, %r2, 100;\n\t@%p1 bra $L__ok;\n\tbra.uni $L__die;\n\
+        $L__ok:\n\tsetp.eq.b32 %p2, %r2, 77;\n\t@!%p2 bra $L__next;\n\
+        \tadd.s32 %r3, %r3, 1;\n\
+        $L__next:\n\tadd.s32 %r2, %r2, 1;\n\tsetp.lt.u32 %p3, %r2, 4;\n\t@%p3 bra $L__loop;\n\
+        \tbra.uni $L__end;\n\
+        $L__die:\n\tmov.b64 %rd10, loc;\n\tcvta.global.u64 %rd11, %rd10;\n\
+        \t{ // callseq 0, 0\n\t.param .b64 param0;\n\tst.param.b64 [param0], %rd11;\n\
+        \tcall.uni die, (param0);\n\t}\n\
+        $L__end:";
+    let src = module(body);
+    let m = Module::parse("t", &src).unwrap();
+    let mut buf = vec![0u32; 4];
+    let params: Vec<u8> = [buf.as_mut_ptr() as u64, 4]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let cfg = LaunchConfig {
+        grid: Dim3::new(1, 1, 1),
+        block: Dim3::new(32, 1, 1),
+        shared_bytes: 0,
+    };
+    // SAFETY: the kernel touches no global memory.
+    unsafe { m.launch_bytes("k", cfg, &params, 8, &[], MathMode::Exact) }.unwrap();
+    let line_of = |text: &str| 1 + src.lines().position(|l| l.contains(text)).unwrap() as u32;
+    let c = m.coverage().into_iter().find(|c| c.kernel == "k").unwrap();
+    assert_eq!(c.missed_in_loops, [line_of("add.s32 %r3")], "{c:?}");
+    // The branch to the panic and the panic itself did not run either.
+    assert!(c.missed.contains(&line_of("bra.uni $L__die")), "{c:?}");
+    assert!(c.missed.contains(&line_of("mov.b64 %rd10, loc")), "{c:?}");
+}
