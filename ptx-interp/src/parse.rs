@@ -95,6 +95,34 @@ impl Ty {
     }
 }
 
+/// The type an arithmetic, logic or conversion instruction `opc` writes: a predicate
+/// for `setp`, the wide product for `mul.wide`, the first type of a `cvt` (its
+/// destination's), else the last type in the opcode.
+fn dst_ty(opc: &str) -> Option<Ty> {
+    let ty_of = |t: &str| {
+        Some(match t {
+            "pred" => Ty::Pred,
+            "b16" | "u16" | "s16" | "f16" | "bf16" | "e4m3x2" | "e5m2x2" => Ty::B16,
+            "b32" | "u32" | "s32" | "f16x2" | "bf16x2" => Ty::B32,
+            "f32" => Ty::F32,
+            "b64" | "u64" | "s64" => Ty::B64,
+            _ => return None,
+        })
+    };
+    match opc {
+        "mul.wide.u16" => return Some(Ty::B32),
+        "mul.wide.u32" => return Some(Ty::B64),
+        _ if opc.starts_with("setp.") => return Some(Ty::Pred),
+        _ => {}
+    }
+    let mut types = opc.split('.').filter_map(ty_of);
+    if opc.starts_with("cvt.") {
+        types.next()
+    } else {
+        types.next_back()
+    }
+}
+
 struct Parser<'a, 'f> {
     file: &'f str,
     toks: Vec<Token<'a>>,
@@ -639,11 +667,49 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
         }
     }
 
-    /// A destination that may be the sink `_`.
-    fn reg_or_sink(&self, o: &Opnd<'a>) -> Result<Option<Reg>> {
+    /// Register `o`, which the instruction writes (or, for `verb` "reads", reads) as
+    /// `ty`: an error when it was declared of another width.
+    fn reg_as(&self, o: &Opnd<'a>, ty: Ty, verb: &str) -> Result<Reg> {
+        let r = self.reg(o)?;
+        if let Opnd::Name(n) = o
+            && let Some((_, rty)) = self.lookup(n)
+            && rty.bits() != ty.bits()
+        {
+            return self.err(format!(
+                "register `{n}` ({} bits) where the instruction {verb} {} bits",
+                rty.bits(),
+                ty.bits()
+            ));
+        }
+        Ok(r)
+    }
+
+    /// A destination register of type `ty` (its declared width checked).
+    fn dst(&self, o: &Opnd<'a>, ty: Ty) -> Result<Reg> {
+        self.reg_as(o, ty, "writes")
+    }
+
+    /// A load's destination register: of `ty`'s width or wider (the ISA lets a load
+    /// write a wider register, zero-extending: `ld.param.b32 %rd6`), never a predicate.
+    fn ld_dst(&self, o: &Opnd<'a>, ty: Ty) -> Result<Reg> {
+        if let Opnd::Name(n) = o
+            && let Some((_, rty)) = self.lookup(n)
+            && (rty.bits() < ty.bits() || rty == Ty::Pred)
+        {
+            return self.err(format!(
+                "register `{n}` ({} bits) where the load writes {} bits",
+                rty.bits(),
+                ty.bits()
+            ));
+        }
+        self.reg(o)
+    }
+
+    /// A destination of type `ty` that may be the sink `_`.
+    fn dst_or_sink(&self, o: &Opnd<'a>, ty: Ty) -> Result<Option<Reg>> {
         match o {
             Opnd::Name("_") => Ok(None),
-            _ => self.reg(o).map(Some),
+            _ => self.dst(o, ty).map(Some),
         }
     }
 
@@ -783,12 +849,13 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
         Ok(())
     }
 
-    fn vec_regs<const N: usize>(&self, o: &Opnd<'a>) -> Result<[Reg; N]> {
+    /// A vector of `N` destination registers of type `ty`.
+    fn vec_dsts<const N: usize>(&self, o: &Opnd<'a>, ty: Ty) -> Result<[Reg; N]> {
         match o {
             Opnd::Vec(v) if v.len() == N => {
                 let mut out = [0; N];
                 for (d, e) in out.iter_mut().zip(v) {
-                    *d = self.reg(e)?;
+                    *d = self.dst(e, ty)?;
                 }
                 Ok(out)
             }
@@ -811,11 +878,19 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
 
     fn decode(&mut self, opc: &'a str, ops: &[Opnd<'a>], line: u32) -> Result<Op> {
         use BinOp::*;
+        // The type the instruction writes: its destination's declared width must match.
+        let dty = dst_ty(opc);
+        let dreg = |s: &Self| -> Result<Reg> {
+            match dty {
+                Some(t) => s.dst(&ops[0], t),
+                None => s.err(format!("no destination type in `{opc}`")),
+            }
+        };
         let bin = |s: &Self, op: BinOp, ty: Ty, bty: Ty| -> Result<Op> {
             s.arity(opc, ops, 3)?;
             Ok(Op::Bin {
                 op,
-                d: s.reg(&ops[0])?,
+                d: dreg(s)?,
                 a: s.src(&ops[1], ty)?,
                 b: s.src(&ops[2], bty)?,
             })
@@ -824,7 +899,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             s.arity(opc, ops, 2)?;
             Ok(Op::Un {
                 op,
-                d: s.reg(&ops[0])?,
+                d: dreg(s)?,
                 a: s.src(&ops[1], ty)?,
                 mask,
             })
@@ -833,7 +908,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             s.arity(opc, ops, 4)?;
             Ok(Op::Tern {
                 op,
-                d: s.reg(&ops[0])?,
+                d: dreg(s)?,
                 a: s.src(&ops[1], ty)?,
                 b: s.src(&ops[2], ty)?,
                 c: s.src(&ops[3], ty)?,
@@ -918,10 +993,10 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
                     _ => return self.err(format!("unsupported `{opc}`")),
                 };
                 Op::Selp {
-                    d: self.reg(&ops[0])?,
+                    d: self.dst(&ops[0], ty)?,
                     a: self.src(&ops[1], ty)?,
                     b: self.src(&ops[2], ty)?,
-                    p: self.reg(&ops[3])?,
+                    p: self.reg_as(&ops[3], pred, "reads")?,
                 }
             }
             _ if opc.starts_with("ld.") || opc.starts_with("st.") => self.memory(opc, ops)?,
@@ -970,7 +1045,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "shfl.sync.bfly.b32" => {
                 self.arity(opc, ops, 5)?;
                 Op::Shfl {
-                    d: self.reg(&ops[0])?,
+                    d: self.dst(&ops[0], b32)?,
                     a: self.src(&ops[1], b32)?,
                     lane: self.src(&ops[2], b32)?,
                     clamp: self.src(&ops[3], b32)?,
@@ -992,10 +1067,10 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
                 match &ops[0] {
                     Opnd::Vec(v) if v.len() == n as usize => {
                         for (i, e) in v.iter().enumerate() {
-                            d[i] = self.reg(e)?;
+                            d[i] = self.dst(e, b32)?;
                         }
                     }
-                    Opnd::Name(_) if n == 1 => d[0] = self.reg(&ops[0])?,
+                    Opnd::Name(_) if n == 1 => d[0] = self.dst(&ops[0], b32)?,
                     o => return self.err(format!("`{opc}` destination {o:?}")),
                 }
                 let (addr, sym) = self.addr(&ops[1])?;
@@ -1009,7 +1084,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
                 self.arity(opc, ops, 4)?;
                 Op::Mma {
                     bf16: opc.contains("bf16"),
-                    d: self.vec_regs::<4>(&ops[0])?,
+                    d: self.vec_dsts::<4>(&ops[0], f32t)?,
                     a: self.vec_srcs::<4>(&ops[1], b32)?,
                     b: self.vec_srcs::<2>(&ops[2], b32)?,
                     c: self.vec_srcs::<4>(&ops[3], f32t)?,
@@ -1074,13 +1149,13 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
                 return self.err(format!("`{opc}` unpacks into two halves"));
             }
             return Ok(Op::Unpack {
-                lo: self.reg_or_sink(&v[0])?,
-                hi: self.reg_or_sink(&v[1])?,
+                lo: self.dst_or_sink(&v[0], half_ty)?,
+                hi: self.dst_or_sink(&v[1], half_ty)?,
                 a: self.src(&ops[1], ty)?,
                 half: half_ty.bits(),
             });
         }
-        let d = self.reg(&ops[0])?;
+        let d = self.dst(&ops[0], ty)?;
         if let Opnd::Vec(v) = &ops[1] {
             if v.len() != 2 || half_ty == Ty::Pred {
                 return self.err(format!("`{opc}` packs two halves"));
@@ -1163,7 +1238,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
         Ok(Op::Setp {
             ty,
             cmp,
-            d: self.reg(&ops[0])?,
+            d: self.dst(&ops[0], Ty::Pred)?,
             a: self.src(&ops[1], sty)?,
             b: self.src(&ops[2], sty)?,
         })
@@ -1231,9 +1306,9 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
                 };
                 let mut d = [0; 4];
                 if n == 4 {
-                    d = self.vec_regs::<4>(val)?;
+                    d = self.vec_dsts::<4>(val, ty)?;
                 } else {
-                    d[0] = self.reg(val)?;
+                    d[0] = self.ld_dst(val, ty)?;
                 }
                 return Ok(Op::Ld {
                     space,
@@ -1264,9 +1339,9 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
         if is_ld {
             let mut d = [0; 4];
             if n == 4 {
-                d = self.vec_regs::<4>(val)?;
+                d = self.vec_dsts::<4>(val, ty)?;
             } else {
-                d[0] = self.reg(val)?;
+                d[0] = self.ld_dst(val, ty)?;
             }
             Ok(Op::Ld {
                 space,

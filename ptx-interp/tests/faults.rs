@@ -333,6 +333,55 @@ fn registers_of_the_wrong_width_and_bad_module_data_are_refused() {
             .contains("`%rd1` (64 bits) where the instruction reads 32"),
         "{e}"
     );
+    // Destinations: each instruction's written width, from its type (a predicate for
+    // setp, the wide product for mul.wide, a cvt's first type).
+    for (body, want) in [
+        (
+            "\tadd.s32 %rd4, %r1, 1;",
+            "`%rd4` (64 bits) where the instruction writes 32",
+        ),
+        (
+            "\tsetp.lt.u32 %r2, %r1, 5;",
+            "`%r2` (32 bits) where the instruction writes 1",
+        ),
+        (
+            "\tmul.wide.u32 %r2, %r1, 4;",
+            "`%r2` (32 bits) where the instruction writes 64",
+        ),
+        (
+            "\tcvt.u64.u32 %r2, %r1;",
+            "`%r2` (32 bits) where the instruction writes 64",
+        ),
+        (
+            "\tcvt.rn.f16.f32 %r2, %r1;",
+            "`%r2` (32 bits) where the instruction writes 16",
+        ),
+        (
+            "\tselp.b32 %rs2, %r1, %r1, %p1;",
+            "`%rs2` (16 bits) where the instruction writes 32",
+        ),
+        (
+            "\tselp.b32 %r2, %r1, %r1, %r3;",
+            "`%r3` (32 bits) where the instruction reads 1",
+        ),
+        (
+            "\tshfl.sync.bfly.b32 %rd4, %r1, 1, 31, -1;",
+            "`%rd4` (64 bits) where the instruction writes 32",
+        ),
+        (
+            "\tld.global.b64 %r2, [%rd2];",
+            "`%r2` (32 bits) where the load writes 64",
+        ),
+        (
+            "\tld.global.b32 %p2, [%rd2];",
+            "`%p2` (1 bits) where the load writes 32",
+        ),
+    ] {
+        let e = Module::parse("t", &module(body)).unwrap_err();
+        assert!(e.to_string().contains(want), "{body}: {e}");
+    }
+    // A load may write a wider register (zero-extended), as rustc's `ld.param.b32 %rd`.
+    Module::parse("t", &module("\tld.global.b32 %rd4, [%rd2];")).unwrap();
     let e = Module::parse(
         "t",
         &module("").replace(".address_size 64", ".address_size 32"),
