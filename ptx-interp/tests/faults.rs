@@ -185,23 +185,8 @@ fn cp_async_is_asynchronous() {
 
 #[test]
 fn a_panic_reports_its_rust_location_and_trap_stops() {
-    let m = Module::parse(
-        "t",
-        &module("\tmov.b64 %rd10, loc;\n\tcvta.global.u64 %rd11, %rd10;\n\t{ // callseq 0, 0\n\t.param .b64 param0;\n\tst.param.b64 [param0], %rd11;\n\tcall.uni die, (param0);\n\t}"),
-    )
-    .unwrap();
-    let mut buf = vec![0u32; 4];
-    let params: Vec<u8> = [buf.as_mut_ptr() as u64, 4]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-    let cfg = LaunchConfig {
-        grid: Dim3::new(2, 1, 1),
-        block: Dim3::new(32, 1, 1),
-        shared_bytes: 0,
-    };
-    // SAFETY: the kernel touches no global memory before it panics.
-    let e = unsafe { m.launch_bytes("k", cfg, &params, 8, &[], MathMode::Exact) }.unwrap_err();
+    let m = Module::parse("t", &module(kit::PANIC)).unwrap();
+    let e = kit::launch_bare(&m, 2).unwrap_err();
     match e {
         Error::Panic {
             file,
@@ -402,24 +387,10 @@ fn coverage_names_unrun_loop_blocks_but_not_panic_paths() {
         \tadd.s32 %r3, %r3, 1;\n\
         $L__next:\n\tadd.s32 %r2, %r2, 1;\n\tsetp.lt.u32 %p3, %r2, 4;\n\t@%p3 bra $L__loop;\n\
         \tbra.uni $L__end;\n\
-        $L__die:\n\tmov.b64 %rd10, loc;\n\tcvta.global.u64 %rd11, %rd10;\n\
-        \t{ // callseq 0, 0\n\t.param .b64 param0;\n\tst.param.b64 [param0], %rd11;\n\
-        \tcall.uni die, (param0);\n\t}\n\
-        $L__end:";
-    let src = module(body);
+        $L__die:\n";
+    let src = module(&format!("{body}{}\n$L__end:", kit::PANIC));
     let m = Module::parse("t", &src).unwrap();
-    let mut buf = vec![0u32; 4];
-    let params: Vec<u8> = [buf.as_mut_ptr() as u64, 4]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-    let cfg = LaunchConfig {
-        grid: Dim3::new(1, 1, 1),
-        block: Dim3::new(32, 1, 1),
-        shared_bytes: 0,
-    };
-    // SAFETY: the kernel touches no global memory.
-    unsafe { m.launch_bytes("k", cfg, &params, 8, &[], MathMode::Exact) }.unwrap();
+    kit::launch_bare(&m, 1).unwrap();
     let line_of = |text: &str| 1 + src.lines().position(|l| l.contains(text)).unwrap() as u32;
     let c = m.coverage().into_iter().find(|c| c.kernel == "k").unwrap();
     assert_eq!(c.missed_in_loops, [line_of("add.s32 %r3")], "{c:?}");
