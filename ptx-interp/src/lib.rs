@@ -354,13 +354,15 @@ impl Module {
 }
 
 /// For each basic block of `f`, whether it is a panic path: it traps or calls a (panic,
-/// `.noreturn`) function unconditionally, or it has successors and every one of them
-/// is a panic path.
+/// `.noreturn`) function unconditionally, or it cannot end the thread itself (no
+/// `exit` or `ret`, guarded or not), has successors, and every one of them is a panic
+/// path.
 fn panic_paths(f: &parse::Function) -> Vec<bool> {
     let n = f.blocks.len();
     let block_of = |i: u32| f.blocks.partition_point(|&b| b <= i) - 1;
     let ends = |k: usize| f.blocks.get(k + 1).map_or(f.code.len(), |&e| e as usize);
     let mut panics = vec![false; n];
+    let mut exits = vec![false; n];
     let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
     for k in 0..n {
         let (start, end) = (f.blocks[k] as usize, ends(k));
@@ -368,6 +370,11 @@ fn panic_paths(f: &parse::Function) -> Vec<bool> {
         panics[k] = code
             .iter()
             .any(|i| i.guard.is_none() && matches!(i.op, ir::Op::Trap | ir::Op::Call { .. }));
+        // A block that may end the thread normally (an `exit` or `ret`, guarded or not)
+        // is never a panic path.
+        exits[k] = code
+            .iter()
+            .any(|i| matches!(i.op, ir::Op::Exit | ir::Op::Ret));
         let Some(last) = code.last() else { continue };
         let falls = last.guard.is_some()
             || !matches!(
@@ -385,7 +392,8 @@ fn panic_paths(f: &parse::Function) -> Vec<bool> {
     loop {
         let mut changed = false;
         for k in 0..n {
-            if !doomed[k] && !succ[k].is_empty() && succ[k].iter().all(|&s| doomed[s]) {
+            if !doomed[k] && !exits[k] && !succ[k].is_empty() && succ[k].iter().all(|&s| doomed[s])
+            {
                 doomed[k] = true;
                 changed = true;
             }

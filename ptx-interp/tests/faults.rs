@@ -377,14 +377,15 @@ fn registers_of_the_wrong_width_and_bad_module_data_are_refused() {
     assert!(e.to_string().contains("300 does not fit"), "{e}");
 }
 
-/// Coverage lists a loop block no launch ran, and not the branch that only leads to a
-/// panic (a block whose every path traps or calls a panic function).
+/// Coverage lists a loop block no launch ran (one that may exit, though it otherwise
+/// goes on to a panic), and not the branch that only leads to a panic (a block whose
+/// every path traps or calls a panic function).
 #[test]
 fn coverage_names_unrun_loop_blocks_but_not_panic_paths() {
     let body = "\tmov.u32 %r2, 0;\n\tmov.u32 %r3, 0;\n\
         $L__loop:\n\tsetp.lt.u32 %p1, %r2, 100;\n\t@%p1 bra $L__ok;\n\tbra.uni $L__die;\n\
         $L__ok:\n\tsetp.eq.b32 %p2, %r2, 77;\n\t@!%p2 bra $L__next;\n\
-        \tadd.s32 %r3, %r3, 1;\n\
+        \tadd.s32 %r3, %r3, 1;\n\tsetp.eq.b32 %p4, %r3, 5;\n\t@%p4 exit;\n\tbra.uni $L__die;\n\
         $L__next:\n\tadd.s32 %r2, %r2, 1;\n\tsetp.lt.u32 %p3, %r2, 4;\n\t@%p3 bra $L__loop;\n\
         \tbra.uni $L__end;\n\
         $L__die:\n";

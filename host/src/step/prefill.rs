@@ -88,6 +88,9 @@ impl<D: StepDevice> StepRunner<D> {
     /// [`plan`](Self::plan) (which forgets the previous step's prefill).
     pub fn plan_prefill(&mut self, meta: &PrefillMeta<'_>) -> Result<PlannedPrefill> {
         self.planned_prefill = None;
+        if let Some(step) = self.planned.as_mut() {
+            step.prefill = None;
+        }
         let n = meta.context_lens.len();
         let width = meta.max_blocks_per_seq;
         if n == 0 || n > self.cap.max_seqs as usize || width > self.cap.max_blocks_per_seq {

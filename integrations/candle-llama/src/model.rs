@@ -128,7 +128,12 @@ impl PagedLlama {
         // then the prefilling rows, each row's new tokens after the previous row's.
         let decodes = decode_rows(batch).len();
         let mut offset = 0;
-        for s in &batch.seqs {
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if i < decodes && s.num_new_tokens != 1 {
+                return Err(
+                    format!("decoding row {}: {} new tokens", s.seq, s.num_new_tokens).into(),
+                );
+            }
             if s.token_offset != offset {
                 return Err(format!(
                     "row {}: tokens from {}, not {offset}",

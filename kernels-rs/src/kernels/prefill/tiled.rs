@@ -182,6 +182,8 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     } else {
         (1, 0)
     };
+    // (One rounding fewer than the masked path's `dot * scale`, then `* log2 e`: the
+    // two may differ in the last place, well inside every tolerance.)
     let plain_scale = row[0].scale * crate::softmax::LOG2_E;
 
     let mut state = [SoftmaxState::EMPTY; 2]; // rows g, g + 8 (l: this lane's share)
