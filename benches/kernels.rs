@@ -72,6 +72,7 @@ fn cpu_reference(c: &mut Criterion) {
             context_lens: &lens,
             plan: None,
             kv_scales: None,
+            sinks: None,
         };
         b.iter(|| paged_decode_attention(&inputs))
     });
@@ -214,6 +215,7 @@ fn prefill_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
                         q: q.view(),
                         key_cache: kc.view(),
                         value_cache: vc.view(),
+                        sinks: None,
                         out: out.view_mut(),
                         kv_scales: None,
                     },
@@ -432,6 +434,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaDevice) {
                                     q: q.view(),
                                     key_cache: kc.view(),
                                     value_cache: vc.view(),
+                                    sinks: None,
                                     out: out.view_mut(),
                                     kv_scales: scales.as_ref().map(|s| s.view()),
                                 },

@@ -421,6 +421,7 @@ unsafe fn decode_on(
             context_lens: cl,
             plan: None,
             kv_scales: t.scales.as_ref(),
+            sinks: None,
         },
         &mut ot,
     )
@@ -549,6 +550,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
                 q: qv,
                 key_cache: kv,
                 value_cache: vv,
+                sinks: None,
                 out: ov,
                 kv_scales: None,
             },

@@ -127,6 +127,7 @@ pub unsafe extern "C" fn pagedkv_reference_decode_attention(
                 context_lens: cl,
                 plan: None,
                 kv_scales: None,
+                sinks: None,
             };
             pagedkv::host::ops::attention::validate(&inputs, &ot).map_err(|e| from_error(&e))?;
             let r = paged_decode_attention(&inputs);

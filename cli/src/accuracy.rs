@@ -19,7 +19,7 @@ use pagedkv::host::emulator::Emulator;
 use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape, decode_emulated};
 use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_emulated};
 use pagedkv::host::ops::scales::KvScales;
-use pagedkv::host::reference::{dense_decode_attention, paged_decode_attention};
+use pagedkv::host::reference::{DenseInputs, dense_decode_attention, paged_decode_attention};
 use pagedkv::host::{DType, HostTensor, Result};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -137,15 +137,16 @@ impl Problem {
         let mut first = 0;
         for (s, &n) in setup.context_lens.iter().enumerate() {
             let kv = first * row_kv..(first + n as usize) * row_kv;
-            exact.extend(dense_decode_attention(
-                &q[s * row_q..(s + 1) * row_q],
-                &k[kv.clone()],
-                &v[kv],
-                setup.num_q_heads(),
-                kvh,
-                d,
-                &opts,
-            ));
+            exact.extend(dense_decode_attention(&DenseInputs {
+                q: &q[s * row_q..(s + 1) * row_q],
+                k: &k[kv.clone()],
+                v: &v[kv],
+                num_q_heads: setup.num_q_heads(),
+                num_kv_heads: kvh,
+                head_dim: d,
+                opts: &opts,
+                sinks: None,
+            }));
             first += n as usize;
         }
         Problem {
@@ -335,6 +336,7 @@ pub fn measure(emu: &Emulator, problem: &Problem, config: Config) -> Result<Erro
         context_lens: &lens,
         plan: None,
         kv_scales: scales.as_ref(),
+        sinks: None,
     };
     decode_emulated(emu, inputs, &mut out)?;
     let got = out.to_f64();

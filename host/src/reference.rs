@@ -17,20 +17,45 @@ use crate::ops::scales::KvScales;
 use crate::tensor::HostTensor;
 use pagedkv_kernels::PagedLayout;
 
+/// The inputs of [`dense_decode_attention`]: one query token over `ctx` contiguous
+/// tokens, by name.
+#[derive(Clone, Copy, Debug)]
+pub struct DenseInputs<'a> {
+    /// `[num_q_heads, head_dim]`.
+    pub q: &'a [f64],
+    /// `[ctx, num_kv_heads, head_dim]`.
+    pub k: &'a [f64],
+    /// `[ctx, num_kv_heads, head_dim]`.
+    pub v: &'a [f64],
+    /// Query heads (a multiple of `num_kv_heads`).
+    pub num_q_heads: usize,
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Elements per head vector.
+    pub head_dim: usize,
+    /// Scale, window, soft-cap, ALiBi.
+    pub opts: &'a AttentionOptions,
+    /// `[num_q_heads]`: attention-sink logits, or `None` (see
+    /// [`DecodeInputs::sinks`]).
+    pub sinks: Option<&'a [f32]>,
+}
+
 /// Decode attention of one query token over `ctx` contiguous tokens.
 ///
-/// * `q`: `[num_q_heads, head_dim]`; `k`, `v`: `[ctx, num_kv_heads, head_dim]`.
 /// * Query head `h` attends with KV head `h / (num_q_heads / num_kv_heads)`.
+/// * With a sink `σ_h`, `exp(σ_h)` joins head `h`'s softmax denominator.
 /// * Returns `[num_q_heads, head_dim]`.
-pub fn dense_decode_attention(
-    q: &[f64],
-    k: &[f64],
-    v: &[f64],
-    num_q_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    opts: &AttentionOptions,
-) -> Vec<f64> {
+pub fn dense_decode_attention(inputs: &DenseInputs<'_>) -> Vec<f64> {
+    let &DenseInputs {
+        q,
+        k,
+        v,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        opts,
+        sinks,
+    } = inputs;
     let ctx = k.len() / (num_kv_heads * head_dim);
     let group = num_q_heads / num_kv_heads;
     let first = match opts.window {
@@ -56,9 +81,14 @@ pub fn dense_decode_attention(
                 s
             })
             .collect();
-        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let sink = sinks.map(|s| s[h] as f64);
+        let m = scores
+            .iter()
+            .cloned()
+            .chain(sink)
+            .fold(f64::NEG_INFINITY, f64::max);
         let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-        let sum: f64 = w.iter().sum();
+        let sum: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
         for (i, t) in (first..ctx).enumerate() {
             for d in 0..head_dim {
                 out[h * head_dim + d] += w[i] / sum * v[row(t) + d];
@@ -137,6 +167,7 @@ pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64>
         block_tables,
         context_lens,
         kv_scales,
+        sinks,
         plan: _,
     } = inputs;
     let (qh, kvh, d) = (
@@ -164,7 +195,16 @@ pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64>
             (first, ctx),
         );
         let qs: Vec<f64> = (0..qh * d).map(|i| q.get(seq * qh * d + i)).collect();
-        out.extend(dense_decode_attention(&qs, &k, &v, qh, kvh, d, opts));
+        out.extend(dense_decode_attention(&DenseInputs {
+            q: &qs,
+            k: &k,
+            v: &v,
+            num_q_heads: qh,
+            num_kv_heads: kvh,
+            head_dim: d,
+            opts,
+            sinks,
+        }));
     }
     out
 }
@@ -236,15 +276,16 @@ pub fn paged_prefill_attention(
         for (i, tok) in (q0..q1).enumerate() {
             let end = (ctx - (q1 - q0) + i + 1) * kvh * d;
             let q: Vec<f64> = (0..row).map(|e| inputs.q.get(tok * row + e)).collect();
-            out.extend(dense_decode_attention(
-                &q,
-                &k[..end],
-                &v[..end],
-                qh,
-                kvh,
-                d,
-                inputs.opts,
-            ));
+            out.extend(dense_decode_attention(&DenseInputs {
+                q: &q,
+                k: &k[..end],
+                v: &v[..end],
+                num_q_heads: qh,
+                num_kv_heads: kvh,
+                head_dim: d,
+                opts: inputs.opts,
+                sinks: inputs.sinks,
+            }));
         }
     }
     out

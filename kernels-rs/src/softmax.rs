@@ -6,11 +6,28 @@
 //! `sum(exp2(s - m) * v)`. Two states over disjoint sets merge into the state of their
 //! union, with the factors that rescale each side's accumulator. The decode kernel uses
 //! the merge for every tile; the split-K reduce uses the same merge across partitions.
+//!
+//! An *attention sink* (gpt-oss: one learned logit per query head) is one more score
+//! whose value row is zero: it joins the denominator and nothing else. Its state is
+//! [`SoftmaxState::sink`], and [`SoftmaxState::normaliser`] merges it in once, where
+//! the output is normalised (never per tile or per split-K partition, which would
+//! count it once per part).
 
-use crate::device::Ctx;
+use crate::device::{Ctx, GlobalSlice};
 
 /// `log2(e)`: converts natural-log-domain scores to base 2.
 pub const LOG2_E: f32 = core::f32::consts::LOG2_E;
+
+/// The sink logit of query head `head` (natural units), or `None` when `sinks` is
+/// empty (no attention sinks): the kernels' parameters hold `[num_q_heads]` of them.
+#[inline(always)]
+pub fn load_sink<C: Ctx>(ctx: &C, sinks: &GlobalSlice<f32>, head: u64) -> Option<f32> {
+    if sinks.is_empty() {
+        None
+    } else {
+        Some(ctx.ld(sinks, head))
+    }
+}
 
 /// The online-softmax state of a set of scores (empty: `m = -inf`, `l = 0`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -27,6 +44,31 @@ impl SoftmaxState {
         m: f32::NEG_INFINITY,
         l: 0.0,
     };
+
+    /// The state of an attention sink of logit `logit` (natural units): one score,
+    /// whose value row is zero.
+    #[inline(always)]
+    pub fn sink(logit: f32) -> SoftmaxState {
+        SoftmaxState {
+            m: logit * LOG2_E,
+            l: 1.0,
+        }
+    }
+
+    /// The factor that normalises an accumulator against this state: `1 / l`, or with
+    /// an attention sink of logit `sink` (natural units), the sink merged in first
+    /// (`a / l'`, where the merge rescales the accumulator by `a` and the merged sum is
+    /// `l'`). Call it once per output, on the state of every score the output saw.
+    #[inline(always)]
+    pub fn normaliser<C: Ctx>(self, sink: Option<f32>, ctx: &C) -> f32 {
+        match sink {
+            None => 1.0 / self.l,
+            Some(logit) => {
+                let (merged, a, _) = self.merge(SoftmaxState::sink(logit), ctx);
+                a / merged.l
+            }
+        }
+    }
 
     /// Merges two states. Returns the merged state and the factors `(a, b)` by which
     /// accumulators against `self` and `other` must be multiplied before they are

@@ -60,6 +60,7 @@ fn main() {
         block_tables: &tables,
         context_lens: &lens,
         kv_scales: None,
+        sinks: None,
         plan: None,
     };
     let mut out = HostTensor::full(DType::F16, &[17, 8, 128], f64::NAN);

@@ -1,7 +1,7 @@
 //! The decode-attention test case shared by the emulator proptests and the GPU tests:
 //! a batch over a shuffled pool with shared blocks, NaN in every unused cache slot,
 //! garbage in unused block-table entries, optional window (freeing the blocks before
-//! it), soft-cap and ALiBi.
+//! it), soft-cap, ALiBi and attention sinks.
 
 use pagedkv::host::ops::attention::{AttentionOptions, DecodeInputs, DecodeShape};
 use pagedkv::host::ops::scales::KvScales;
@@ -24,6 +24,8 @@ pub struct Params {
     pub window: Option<u32>,
     pub softcap: Option<f32>,
     pub alibi: bool,
+    /// One attention-sink logit per query head.
+    pub sinks: bool,
     pub partition: Option<u32>,
     pub narrow_heads: bool,
     pub seed: u64,
@@ -43,6 +45,8 @@ pub struct Case {
     pub windowed: bool,
     /// An fp8 cache's scales (`fp8::quantise_case` sets them).
     pub scales: Option<KvScales>,
+    /// Attention-sink logits, one per query head.
+    pub sinks: Option<Vec<f32>>,
 }
 
 pub fn build(p: &Params) -> Case {
@@ -156,7 +160,24 @@ pub fn build(p: &Params) -> Case {
         lens,
         windowed,
         scales: None,
+        sinks: p.sinks.then(|| sink_logits(&mut r, shape.num_q_heads)),
     }
+}
+
+/// Attention-sink logits for `heads` query heads (drawn last, so a case without sinks
+/// draws what it drew before they existed): mostly of the scores' size, so each takes a
+/// real share of its head's denominator, and one far above every score (the merge's
+/// rescale of the output, the sink as the maximum).
+pub fn sink_logits(r: &mut impl Rng, heads: u32) -> Vec<f32> {
+    (0..heads)
+        .map(|h| {
+            if h == heads / 2 {
+                8.0
+            } else {
+                r.random_range(-3.0..3.0)
+            }
+        })
+        .collect()
 }
 
 impl Case {
@@ -172,6 +193,7 @@ impl Case {
             context_lens: &self.lens,
             plan: None,
             kv_scales: self.scales.as_ref(),
+            sinks: self.sinks.as_deref(),
         }
     }
 }

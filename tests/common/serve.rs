@@ -16,7 +16,7 @@ use pagedkv::host::backend::{
 use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::ops::prefill::PrefillKernel;
 use pagedkv::host::ops::scales::KvScales;
-use pagedkv::host::reference::dense_decode_attention;
+use pagedkv::host::reference::{DenseInputs, dense_decode_attention};
 use pagedkv::host::scheduler::{PreemptionMode, Request, Scheduler, SchedulerConfig};
 use pagedkv::host::step::StepShape;
 use pagedkv::host::{DType, HostTensor};
@@ -141,11 +141,21 @@ pub struct ServeCase {
     pub requests: Vec<(Vec<u32>, u32)>,
     /// Scale, window, soft-cap, ALiBi.
     pub opts: AttentionOptions,
+    /// Every layer with attention sinks of its own ([`sink_logits`]).
+    pub sinks: bool,
+}
+
+/// Layer `li`'s attention-sink logits for `heads` query heads (different in every
+/// layer and head, some above the scores, some below).
+pub fn sink_logits(li: usize, heads: usize) -> Vec<f32> {
+    (0..heads)
+        .map(|h| 0.75 * h as f32 - 1.0 + li as f32)
+        .collect()
 }
 
 /// The base case at `scale`: seven requests, four of them sharing a 17-token prefix
 /// (two full blocks and a bit), through a pool small enough to swap, prefix caching
-/// on, soft-cap and ALiBi.
+/// on, soft-cap, ALiBi and attention sinks.
 pub fn shared_prefix_case(scale: u32) -> ServeCase {
     let sc = scale as usize;
     let requests = (0..7u64)
@@ -187,6 +197,7 @@ pub fn shared_prefix_case(scale: u32) -> ServeCase {
             alibi_slopes: Some(vec![0.25, 0.125, 0.0625, 0.03125]),
             ..AttentionOptions::new(64)
         },
+        sinks: true,
     }
 }
 
@@ -232,6 +243,20 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
             .unwrap();
     }
     let opts = &case.opts;
+    // Each layer's sinks, on the backend's device (as a model's weights would be).
+    let sinks: Vec<Option<Vec<f32>>> = (0..layers)
+        .map(|li| case.sinks.then(|| sink_logits(li, qh)))
+        .collect();
+    let sink_bufs: Vec<_> = sinks
+        .iter()
+        .map(|s| {
+            s.as_ref().map(|s| {
+                let v: Vec<f64> = s.iter().map(|&x| x as f64).collect();
+                be.upload(&HostTensor::from_f64(DType::F32, &[qh], &v).unwrap())
+                    .unwrap()
+            })
+        })
+        .collect();
     let mut s = Served {
         checked: 0,
         swapped_out: 0,
@@ -321,6 +346,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                     opts,
                     q: q.view(),
                     cache: layer,
+                    sinks: sink_bufs[li].as_ref().map(|b| b.view()),
                     out: out.view_mut(),
                 })
                 .unwrap();
@@ -331,7 +357,16 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                     let k = cached(&hist, li, salt + 1, false);
                     let v = cached(&hist, li, salt + 2, true);
                     let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
-                    let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, opts);
+                    let want = dense_decode_attention(&DenseInputs {
+                        q: &qs,
+                        k: &k,
+                        v: &v,
+                        num_q_heads: qh,
+                        num_kv_heads: kvh,
+                        head_dim: d,
+                        opts,
+                        sinks: sinks[li].as_deref(),
+                    });
                     let e = rel_l2(&got[j * qh * d..(j + 1) * qh * d], &want);
                     assert!(
                         e <= tolerance(dtype),
@@ -352,6 +387,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                 opts,
                 q: q.view(),
                 cache: layer,
+                sinks: sink_bufs[li].as_ref().map(|b| b.view()),
                 out: out.view_mut(),
             })
             .unwrap();
@@ -364,7 +400,16 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                 let k = cached(&hist, li, salt + 1, false);
                 let v = cached(&hist, li, salt + 2, true);
                 let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
-                let want = dense_decode_attention(&qs, &k, &v, qh, kvh, d, opts);
+                let want = dense_decode_attention(&DenseInputs {
+                    q: &qs,
+                    k: &k,
+                    v: &v,
+                    num_q_heads: qh,
+                    num_kv_heads: kvh,
+                    head_dim: d,
+                    opts,
+                    sinks: sinks[li].as_deref(),
+                });
                 let e = rel_l2(&got[j * qh * d..(j + 1) * qh * d], &want);
                 assert!(
                     e <= tolerance(dtype),

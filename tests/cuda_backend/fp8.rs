@@ -111,6 +111,7 @@ fn fp8_decode_awkward_shapes_split_and_unsplit() {
     let gpu = gpu();
     for (i, (dtype, cache)) in PAIRS.into_iter().enumerate() {
         let p = Params {
+            sinks: false,
             dtype,
             head_dim: [64, 80, 128, 256][i],
             block_size: [8, 16, 32, 16][i],

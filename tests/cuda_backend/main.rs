@@ -53,6 +53,7 @@ fn decode_case(
     want_split: Option<bool>,
 ) {
     let p = Params {
+        sinks: false,
         dtype,
         head_dim: 128,
         block_size: 16,
@@ -87,6 +88,7 @@ fn decode_case(
                 context_lens: &c.lens,
                 plan: None,
                 kv_scales: c.scales.as_ref(),
+                sinks: c.sinks.as_deref(),
             },
             &mut out,
         )
@@ -126,6 +128,7 @@ fn decode_awkward_shapes_with_every_option() {
     let gpu = gpu();
     for (i, dtype) in DType::ALL.into_iter().enumerate() {
         let p = Params {
+            sinks: false,
             dtype,
             head_dim: [80, 96, 256][i],
             block_size: [8, 16, 32][i],
@@ -192,6 +195,7 @@ pub fn decode_on_gpu(
             context_lens: &c.lens,
             plan,
             kv_scales: c.scales.as_ref(),
+            sinks: None,
         },
         &mut out,
     )
@@ -323,6 +327,7 @@ fn sanitizer_decode(parts: u32, heads_per_block: u32) {
     let gpu = gpu();
     let dtype = DType::F16;
     let p = Params {
+        sinks: false,
         dtype,
         head_dim: 128,
         block_size: 16,

@@ -13,6 +13,7 @@ use pagedkv::host::{DType, HostTensor};
 
 fn step_case(dtype: DType, batch: u32, len: u32, seed: u64) -> common::case::Case {
     build(&Params {
+        sinks: false,
         dtype,
         head_dim: 128,
         block_size: 16,
@@ -89,6 +90,7 @@ fn the_runner_on_the_gpu_matches_the_reference_split_and_unsplit() {
                     q: q.view(),
                     key_cache: kc.view(),
                     value_cache: vc.view(),
+                    sinks: None,
                     out: out.view_mut(),
                     kv_scales: None,
                 },
@@ -147,6 +149,7 @@ fn a_captured_step_replays_like_direct_launches_after_the_tables_change() {
                     q: q.view(),
                     key_cache: kc.view(),
                     value_cache: vc.view(),
+                    sinks: None,
                     out: o.view_mut(),
                     kv_scales: None,
                 },
@@ -242,6 +245,7 @@ fn sanitizer_small_prefill() {
     let g = gpu();
     for dtype in [DType::F16, DType::Bf16, DType::F32] {
         let mut c = build(&Params {
+            sinks: false,
             dtype,
             head_dim: 128,
             block_size: 16,
@@ -273,6 +277,7 @@ fn sanitizer_small_prefill() {
             qo_indptr: &indptr,
             context_lens: &c.lens,
             kv_scales: c.scales.as_ref(),
+            sinks: None,
         });
         let cap = StepCapacity {
             max_seqs: 3,
@@ -318,6 +323,7 @@ fn sanitizer_small_prefill() {
                 q: qd.view(),
                 key_cache: kc.view(),
                 value_cache: vc.view(),
+                sinks: None,
                 out: out.view_mut(),
                 kv_scales: None,
             },
@@ -358,6 +364,7 @@ fn views_of_an_engines_cuda_slices_match_the_reference() {
             q: TensorView::of_cuda_slice(&g, &q, 4, n, dtype).unwrap(),
             key_cache: TensorView::of_cuda_slice(&g, &kc, 0, kc.len(), dtype).unwrap(),
             value_cache: TensorView::of_cuda_slice(&g, &vc, 0, vc.len(), dtype).unwrap(),
+            sinks: None,
             out: TensorViewMut::of_cuda_slice_mut(&g, &mut out, 4, n, dtype).unwrap(),
             kv_scales: None,
         },

@@ -16,7 +16,9 @@ use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{
     DecodeInputs, SplitPlan, decode_emulated, max_heads_per_block, plan,
 };
-use pagedkv::host::reference::{dense_decode_attention, gather, paged_decode_attention};
+use pagedkv::host::reference::{
+    DenseInputs, dense_decode_attention, gather, paged_decode_attention,
+};
 use pagedkv::host::{DType, HostTensor};
 use proptest::prelude::*;
 
@@ -36,6 +38,7 @@ fn params_with(head_dims: Vec<u32>) -> impl Strategy<Value = Params> {
         (
             prop::option::weighted(0.3, 2.0f32..30.0),
             prop::bool::weighted(0.3),
+            prop::bool::weighted(0.3),
             prop::option::weighted(0.5, prop::sample::select(vec![64u32, 128])),
             prop::bool::weighted(0.2),
             any::<u64>(),
@@ -43,7 +46,7 @@ fn params_with(head_dims: Vec<u32>) -> impl Strategy<Value = Params> {
     )
         .prop_map(
             |(dtype, head_dim, block_size, kvh, group, batch, (max_len, window), rest)| {
-                let (softcap, alibi, partition, narrow_heads, seed) = rest;
+                let (softcap, alibi, sinks, partition, narrow_heads, seed) = rest;
                 // Batch 17 with long contexts is slow in the emulator: keep it shorter.
                 let max_len = if batch == 17 {
                     max_len.min(80)
@@ -53,6 +56,7 @@ fn params_with(head_dims: Vec<u32>) -> impl Strategy<Value = Params> {
                 // MQA: one KV head for the large groups.
                 let num_kv_heads = if group > 8 { 1 } else { kvh };
                 Params {
+                    sinks,
                     dtype,
                     head_dim,
                     block_size,
@@ -103,7 +107,16 @@ fn check_case(p: Params) -> Result<(), TestCaseError> {
         for s in 0..c.shape.num_seqs as usize {
             let (k, v) = gather(&c.shape, &c.kc, &c.vc, &c.tables, c.lens[s] as usize, s);
             let q: Vec<f64> = (0..qh * d).map(|i| c.q.get(s * qh * d + i)).collect();
-            let dense = dense_decode_attention(&q, &k, &v, qh, kvh, d, &c.opts);
+            let dense = dense_decode_attention(&DenseInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                num_q_heads: qh,
+                num_kv_heads: kvh,
+                head_dim: d,
+                opts: &c.opts,
+                sinks: c.sinks.as_deref(),
+            });
             let e = rel_l2(&want[s * qh * d..(s + 1) * qh * d], &dense);
             prop_assert!(e <= 1e-12, "paged reference vs dense, seq {}: {:e}", s, e);
         }
@@ -221,6 +234,36 @@ fn token_groups_divide_every_stage() {
                 assert_eq!(g.stage_tokens % bdz, 0, "{what}: bdz {bdz}");
                 assert!(g.stage_tokens / bdz >= 1, "{what}");
             }
+        }
+    }
+}
+
+/// Attention sinks join each head's denominator once: in the decode kernel without
+/// split, once in the reduce with it (five partitions here, so a sink counted per
+/// partition, or not at all, is far off the reference), for every q dtype on the
+/// runtime-geometry, fixed-geometry and tensor-core kernels, with a window and GQA.
+#[test]
+fn attention_sinks_join_the_denominator_once() {
+    for dtype in DType::ALL {
+        for head_dim in [32, 64, 128] {
+            check_case(Params {
+                dtype,
+                head_dim,
+                block_size: 16,
+                num_kv_heads: 2,
+                group: 4,
+                batch: 3,
+                max_len: 300,
+                window: (head_dim == 64).then_some(200),
+                softcap: None,
+                alibi: false,
+                sinks: true,
+                partition: Some(64),
+                narrow_heads: false,
+                seed: 7 + head_dim as u64,
+                full_length: true,
+            })
+            .unwrap_or_else(|e| panic!("{dtype} head_dim {head_dim}: {e}"));
         }
     }
 }

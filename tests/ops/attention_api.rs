@@ -61,6 +61,7 @@ fn run(i: &mut Inputs) -> Result<(), Error> {
         context_lens: &i.lens,
         plan: Some(p),
         kv_scales: None,
+        sinks: None,
     };
     decode_emulated(&Emulator::new(), inputs, &mut i.out).map(|_| ())
 }

@@ -39,14 +39,16 @@ pub(crate) fn params() -> impl Strategy<Value = (Params, DType, bool)> {
         (
             prop::option::weighted(0.3, 2.0f32..30.0),
             prop::bool::weighted(0.3),
+            prop::bool::weighted(0.3),
             any::<bool>(),
             any::<u64>(),
         ),
     )
         .prop_map(
             |(dtype, cache, head_dim, block_size, kvh, group, batch, (max_len, window), rest)| {
-                let (softcap, alibi, per_head, seed) = rest;
+                let (softcap, alibi, sinks, per_head, seed) = rest;
                 let p = Params {
+                    sinks,
                     dtype,
                     head_dim,
                     block_size,
@@ -218,6 +220,7 @@ proptest! {
 #[test]
 fn each_kv_head_is_read_with_its_own_scale() {
     let p = Params {
+        sinks: false,
         dtype: DType::F16,
         head_dim: 64,
         block_size: 16,
@@ -266,6 +269,7 @@ fn each_kv_head_is_read_with_its_own_scale() {
 #[test]
 fn bad_cache_types_and_scales_are_errors() {
     let p = Params {
+        sinks: false,
         dtype: DType::F16,
         head_dim: 64,
         block_size: 16,

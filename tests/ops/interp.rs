@@ -131,7 +131,8 @@ const DTYPES: [(DType, Option<DType>); 7] = [
 
 /// The sweep both attention families run: every dtype and cache with every supported
 /// head_dim, block sizes 8/16/32 in turn, lengths off the block size, and the options
-/// in turn (none; window + soft-cap; ALiBi + GQA 8 over one KV head; window + ALiBi),
+/// in turn (none; window + soft-cap + sinks; ALiBi + GQA 8 over one KV head + sinks;
+/// window + ALiBi),
 /// so every branch of the kernels' loops is taken somewhere. Batch 17 for head_dim 128.
 fn sweep(max_len: u32) -> Vec<(Params, Option<DType>)> {
     let mut v = Vec::new();
@@ -141,6 +142,7 @@ fn sweep(max_len: u32) -> Vec<(Params, Option<DType>)> {
             let variant = i % 4;
             v.push((
                 Params {
+                    sinks: matches!(variant, 1 | 2),
                     dtype,
                     head_dim,
                     block_size: [8, 16, 32][i as usize % 3],
@@ -194,6 +196,7 @@ fn decode_all(a: &Arch) -> Outcome {
         for head_dim in MMA_HEAD_DIMS {
             for cache in caches {
                 let long = Params {
+                    sinks: true,
                     dtype,
                     head_dim,
                     block_size: FIXED_BLOCK_SIZE,
@@ -216,6 +219,7 @@ fn decode_all(a: &Arch) -> Outcome {
                     window: None,
                     softcap: None,
                     alibi: false,
+                    sinks: false,
                     partition: Some(64),
                     seed: 350 + i,
                     ..long
@@ -245,6 +249,7 @@ fn decode_all(a: &Arch) -> Outcome {
             .filter(|_| cache.is_some());
         for (head_dim, block_size) in fixed.chain(runtime) {
             let long = Params {
+                sinks: true,
                 dtype,
                 head_dim,
                 block_size,
@@ -264,6 +269,7 @@ fn decode_all(a: &Arch) -> Outcome {
                 window: None,
                 softcap: None,
                 alibi: false,
+                sinks: false,
                 seed: 550 + i,
                 ..long
             };
@@ -287,6 +293,8 @@ fn decode_all(a: &Arch) -> Outcome {
     {
         cases.push((
             Params {
+                // (The reduce joins the sinks: once for one of them.)
+                sinks: k == 1,
                 dtype,
                 head_dim: 32,
                 block_size: FIXED_BLOCK_SIZE,
@@ -345,6 +353,7 @@ fn prefill_all(a: &Arch) -> Outcome {
         for head_dim in MMA_HEAD_DIMS {
             for cache in [None, Some(DType::E4m3), Some(DType::E5m2)] {
                 let long = Params {
+                    sinks: false,
                     dtype,
                     head_dim,
                     block_size: FIXED_BLOCK_SIZE,
@@ -803,6 +812,7 @@ fn decode_reads_what_its_plan_needs() {
     let a = &ARCHS[1];
     for (window, seed) in [(None, 80u64), (Some(37), 81)] {
         let p = Params {
+            sinks: false,
             dtype: DType::F16,
             head_dim: 128,
             block_size: 16,
@@ -851,6 +861,7 @@ fn approximate_math_stays_within_the_gpu_tolerance() {
     for (arch, a) in ARCHS.iter().enumerate() {
         for (softcap, dtype) in [(None, DType::F16), (Some(15.0), DType::Bf16)] {
             let p = Params {
+                sinks: false,
                 dtype,
                 head_dim: 128,
                 block_size: 16,
@@ -1021,6 +1032,7 @@ fn prefill_reads_what_its_tiling_says() {
         (DType::Bf16, 128, 8, Some(30), 88),
     ] {
         let p = Params {
+            sinks: false,
             dtype,
             head_dim,
             block_size,

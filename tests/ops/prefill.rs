@@ -30,13 +30,15 @@ pub(crate) fn params() -> impl Strategy<Value = Params> {
         (
             prop::option::weighted(0.3, 2.0f32..30.0),
             prop::bool::weighted(0.3),
+            prop::bool::weighted(0.3),
             any::<u64>(),
         ),
     )
         .prop_map(
             |(dtype, head_dim, block_size, kvh, group, batch, (max_len, window), rest)| {
-                let (softcap, alibi, seed) = rest;
+                let (softcap, alibi, sinks, seed) = rest;
                 Params {
+                    sinks,
                     dtype,
                     head_dim,
                     block_size,
@@ -116,6 +118,7 @@ impl Prefill {
             qo_indptr: &self.qo_indptr,
             context_lens: &self.c.lens,
             kv_scales: self.c.scales.as_ref(),
+            sinks: self.c.sinks.as_deref(),
         }
     }
 }
@@ -205,6 +208,7 @@ proptest! {
                 context_lens: &pc.c.lens[s..s + 1],
                 plan: None,
                 kv_scales: None,
+                sinks: pc.c.sinks.as_deref(),
             };
             decode_emulated(&Emulator::new(), inputs, &mut out).unwrap();
             let e = rel_l2(&got[row * qh * d..(row + 1) * qh * d], &out.to_f64());
@@ -216,6 +220,7 @@ proptest! {
 #[test]
 fn bad_prefill_inputs_are_errors_naming_the_argument() {
     let p = Params {
+        sinks: false,
         dtype: DType::F16,
         head_dim: 64,
         block_size: 16,
@@ -303,6 +308,7 @@ pub(crate) fn chunk_cases() -> Vec<(String, Prefill)> {
             (Some(100), false),
         ] {
             let p = Params {
+                sinks: terms,
                 dtype,
                 head_dim,
                 block_size: 16,

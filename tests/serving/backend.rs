@@ -240,6 +240,7 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
         opts: &opts,
         q: q.view(),
         cache: &cache.layers[0],
+        sinks: None,
         out: out.view_mut(),
     });
     assert!(matches!(e, Err(Error::InvalidState(_))), "{e:?}");
@@ -265,6 +266,7 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
         opts: &opts,
         q: q2.view(),
         cache: &cache.layers[0],
+        sinks: None,
         out: out2.view_mut(),
     });
     assert!(
@@ -353,6 +355,7 @@ proptest! {
                 window: Some(window),
                 ..AttentionOptions::new(32)
             },
+            sinks: window % 2 == 1, // gpt-oss: windows with sinks
         };
         let s = serve_case(&mut be, &case);
         prop_assert!(s.prefill_checked > 0);
@@ -388,6 +391,7 @@ fn the_reported_windowed_prefills_have_no_nan_rows() {
                     window: Some(16),
                     ..AttentionOptions::new(64)
                 },
+                sinks: false,
             };
             let s = serve_case(&mut be, &case);
             assert_eq!(s.prefill_checked, prompt, "{dtype} prompt {prompt}");
@@ -422,6 +426,7 @@ fn fp8_caches_with_one_or_three_kv_heads_serve() {
             chunked: false,
             requests: vec![((0..13).collect(), 4), ((5..30).collect(), 3)],
             opts: AttentionOptions::new(64),
+            sinks: true, // 6 query heads: 24 bytes of sinks
         };
         let s = serve_case(&mut be, &case);
         assert!(s.checked > 0 && s.prefill_checked > 0, "{kvh} KV heads");
@@ -499,6 +504,7 @@ fn attention_over_a_windowed_batch_needs_its_window() {
             opts: &opts,
             q: q.view(),
             cache: &cache.layers[0],
+            sinks: None,
             out: out.view_mut(),
         });
         match e {
@@ -544,6 +550,7 @@ fn a_burst_with_one_system_prompt_computes_it_once_and_reads_it_right() {
             chunked: false,
             requests,
             opts: AttentionOptions::new(64),
+            sinks: false,
         };
         let s = serve_case(&mut be, &case);
         // Four full blocks of the system prompt (32 tokens) shared by the four later

@@ -96,6 +96,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
                         q: qkv.as_view(),
                         key_cache: kc.as_view(),
                         value_cache: vc.as_view(),
+                        sinks: None,
                         out: out.reborrow(),
                         kv_scales: None,
                     },
@@ -130,6 +131,7 @@ fn params() -> impl Strategy<Value = (Params, u64, u64)> {
         .prop_map(
             |(dtype, head_dim, block_size, kvh, group, batch, max_len, seed, pads)| {
                 let p = Params {
+                    sinks: false,
                     dtype,
                     head_dim,
                     block_size,
@@ -197,6 +199,7 @@ proptest! {
                 q: qv,
                 key_cache: TensorView::of_host(&c.kc),
                 value_cache: TensorView::of_host(&c.vc),
+                sinks: None,
                 out: ov,
                 kv_scales: None,
             }).unwrap();
@@ -290,6 +293,7 @@ fn bad_views_and_metadata_are_errors_naming_the_argument() {
                 key_cache: kc_view,
                 value_cache: kc_view,
                 kv_scales: None,
+                sinks: None,
                 out,
             },
         )
@@ -395,6 +399,7 @@ fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
                 key_cache: TensorView::of_host(&kc),
                 value_cache: TensorView::of_host(&kc),
                 kv_scales: None,
+                sinks: None,
                 out: TensorViewMut::of_host(&mut out),
             },
         );
@@ -406,6 +411,7 @@ fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
                 key_cache: TensorView::of_host(&kc),
                 value_cache: TensorView::of_host(&kc),
                 kv_scales: None,
+                sinks: None,
                 out: TensorViewMut::of_host(&mut out).with_row_stride(stride),
             },
         );
@@ -464,6 +470,7 @@ proptest! {
                 key_cache: TensorView::of_host(&kc),
                 value_cache: TensorView::of_host(&kc),
                 kv_scales: None,
+                sinks: None,
                 out: ov,
             },
         );

@@ -209,6 +209,7 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         context_lens: &[37, 20],
         plan: None,
         kv_scales: None,
+        sinks: None,
     });
     let got: Vec<f64> = line(&out, "attention")
         .split_whitespace()

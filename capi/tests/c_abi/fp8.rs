@@ -629,6 +629,7 @@ mod gpu {
             context_lens: lens,
             plan: None,
             kv_scales: Some(&scales),
+            sinks: None,
         });
         let out = HostTensor::full(q, &[n], f64::NAN);
         let (dq, dkc, dvc, dout) = (g.upload(&qt), g.upload(&kc), g.upload(&vc), g.upload(&out));

@@ -71,6 +71,7 @@ pub(super) fn step<B: AttentionBackend>(
                 opts: c.opts,
                 q: qd.view(),
                 cache: lc,
+                sinks: None,
                 out: out.view_mut(),
             })?;
             outv = be.download(&out)?.to_f64();
@@ -99,6 +100,7 @@ pub(super) fn step<B: AttentionBackend>(
                 opts: c.opts,
                 q: qd.view(),
                 cache: lc,
+                sinks: None,
                 out: out.view_mut(),
             })?;
             pout = be.download(&out)?.to_f64();

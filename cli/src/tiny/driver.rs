@@ -8,7 +8,7 @@ use rand::Rng;
 
 use pagedkv::host::backend::{AttentionBackend, PagedCache};
 use pagedkv::host::ops::attention::AttentionOptions;
-use pagedkv::host::reference::{dense_decode_attention, gather};
+use pagedkv::host::reference::{DenseInputs, dense_decode_attention, gather};
 use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
 use pagedkv::host::{DType, HostTensor};
 
@@ -43,7 +43,16 @@ impl Check {
             cfg.num_kv_heads as usize,
             cfg.head_dim as usize,
         );
-        let want = dense_decode_attention(q, &kg, &vg, qh, kvh, d, opts);
+        let want = dense_decode_attention(&DenseInputs {
+            q,
+            k: &kg,
+            v: &vg,
+            num_q_heads: qh,
+            num_kv_heads: kvh,
+            head_dim: d,
+            opts,
+            sinks: None,
+        });
         let num: f64 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
         let den: f64 = want.iter().map(|b| b * b).sum();
         let e = (num / den.max(f64::MIN_POSITIVE)).sqrt();

@@ -78,6 +78,7 @@ pub(super) fn step<B: AttentionBackend>(
             opts: c.opts,
             q: qd.view(),
             cache: lc,
+            sinks: None,
             out: out.view_mut(),
         })?;
         let outv = be.download(&out)?.to_f64();

@@ -273,6 +273,7 @@ mod tests {
                         opts: &opts,
                         q: TensorView::from_host_bytes(qb, DType::F32).unwrap(),
                         cache: &cache.layers[0],
+                        sinks: None,
                         out: TensorViewMut::from_host_bytes_mut(bytes, DType::F32).unwrap(),
                     })
                     .unwrap();
@@ -287,6 +288,7 @@ mod tests {
                         opts: &opts,
                         q: q.view(),
                         cache: &cache.layers[0],
+                        sinks: None,
                         out: out.view_mut(),
                     })
                     .unwrap();

@@ -60,7 +60,7 @@
 //!         let q = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], 1.0))?;
 //!         let mut out = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], f64::NAN))?;
 //!         be.decode(DecodeArgs { opts: &opts, q: q.view(), cache: &cache.layers[0],
-//!                                out: out.view_mut() })?;
+//!                                sinks: None, out: out.view_mut() })?;
 //!         // Every cached V is 2.0, so attention returns 2.0 whatever the scores.
 //!         assert!(be.download(&out)?.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));
 //!         decoded += rows;
@@ -277,13 +277,17 @@ pub struct KvAppendArgs<'a, T> {
 /// [`KvAppendArgs`]; q and out may be row-strided: [`TensorView::with_row_stride`]).
 #[derive(Debug)]
 pub struct DecodeArgs<'a, T> {
-    /// Scale, window, soft-cap, ALiBi (the same every layer, usually).
+    /// Scale, window, soft-cap, ALiBi (the same every layer, usually; a layer's
+    /// attention sinks are its own tensor, `sinks`).
     pub opts: &'a AttentionOptions,
     /// `[num_decode_rows, num_q_heads, head_dim]`: one query per decoding sequence, in
     /// [`decode_rows`] order.
     pub q: TensorView<'a>,
     /// The layer's cache.
     pub cache: &'a LayerCache<T>,
+    /// `[num_q_heads]` f32 on the backend's device: the layer's attention-sink logits
+    /// (gpt-oss), or `None` (see [`DecodeIo::sinks`](crate::step::DecodeIo::sinks)).
+    pub sinks: Option<TensorView<'a>>,
     /// `[num_decode_rows, num_q_heads, head_dim]`: written.
     pub out: TensorViewMut<'a>,
 }
@@ -299,6 +303,8 @@ pub struct PrefillArgs<'a, T> {
     pub q: TensorView<'a>,
     /// The layer's cache (this step's tokens appended first).
     pub cache: &'a LayerCache<T>,
+    /// The layer's attention-sink logits, as [`DecodeArgs::sinks`].
+    pub sinks: Option<TensorView<'a>>,
     /// `[num_prefill_tokens, num_q_heads, head_dim]`: written.
     pub out: TensorViewMut<'a>,
 }

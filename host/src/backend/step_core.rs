@@ -135,6 +135,7 @@ impl<D: StepDevice> StepCore<D> {
                 key_cache: args.cache.key.view(),
                 value_cache: args.cache.value.view(),
                 kv_scales: args.cache.kv_scales.as_ref().map(|s| s.view()),
+                sinks: args.sinks,
                 out: args.out,
             },
         )
@@ -192,6 +193,7 @@ impl<D: StepDevice> StepCore<D> {
                 key_cache: args.cache.key.view(),
                 value_cache: args.cache.value.view(),
                 kv_scales: args.cache.kv_scales.as_ref().map(|s| s.view()),
+                sinks: args.sinks,
                 out: args.out,
             },
         )?;

@@ -23,7 +23,7 @@
 //! let opts = AttentionOptions::new(64);
 //! prefill_emulated(&Emulator::new(), PrefillInputs { shape: &shape, opts: &opts, q: &q,
 //!     key_cache: &kc, value_cache: &vc, block_tables: &[1], qo_indptr: &[0, 3],
-//!     context_lens: &[5], kv_scales: None }, &mut out)?;
+//!     context_lens: &[5], kv_scales: None, sinks: None }, &mut out)?;
 //! assert!(out.to_f64().iter().all(|&x| x == 3.0));
 //! # Ok::<(), pagedkv_host::Error>(())
 //! ```
@@ -65,6 +65,9 @@ pub struct PrefillInputs<'a, T> {
     /// The per-KV-head scales of an fp8 cache, as
     /// [`DecodeInputs::kv_scales`](super::attention::DecodeInputs::kv_scales).
     pub kv_scales: Option<&'a KvScales>,
+    /// `[num_q_heads]`: attention-sink logits, as
+    /// [`DecodeInputs::sinks`](super::attention::DecodeInputs::sinks).
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl<T> Clone for PrefillInputs<'_, T> {
@@ -96,6 +99,9 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
     check_tensor("key_cache", inputs.key_cache, dtype, l.pool_elems())?;
     check_tensor("value_cache", inputs.value_cache, dtype, l.pool_elems())?;
     check_cache_types(qd, dtype, inputs.kv_scales, sh.num_kv_heads)?;
+    if let Some(s) = inputs.sinks {
+        crate::ops::attention::check_per_head("sinks", s, sh.num_q_heads)?;
+    }
     check_tensor("q", inputs.q, qd, qn)?;
     check_tensor("out", out, qd, qn)?;
     Ok(max_rows)

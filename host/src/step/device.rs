@@ -504,6 +504,7 @@ mod tests {
                     q: qv,
                     key_cache: kcv.as_view(),
                     value_cache: vcv.as_view(),
+                    sinks: None,
                     out: out_view,
                     kv_scales: None,
                 },

@@ -50,7 +50,7 @@
 //! let q = HostTensor::full(DType::F32, &[1, 4, 64], 1.0);
 //! let mut out = HostTensor::full(DType::F32, &[1, 4, 64], f64::NAN);
 //! runner.decode(&AttentionOptions::new(64), DecodeIo { q: TensorView::of_host(&q),
-//!     key_cache: kv.as_view(), value_cache: vv.as_view(), kv_scales: None,
+//!     key_cache: kv.as_view(), value_cache: vv.as_view(), kv_scales: None, sinks: None,
 //!     out: TensorViewMut::of_host(&mut out) })?;
 //! drop((kv, vv));
 //! assert!(out.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));

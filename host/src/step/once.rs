@@ -56,19 +56,32 @@ fn upload_scales<D: StepDevice>(
     let Some(s) = scales else {
         return Ok(None);
     };
-    let bytes: Vec<u8> =
-        s.k.iter()
-            .chain(&s.v)
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
+    upload_f32(runner, s.k.iter().chain(&s.v)).map(Some)
+}
+
+/// Uploads attention-sink logits (`[num_q_heads]` f32) into a buffer of the runner's
+/// device.
+fn upload_sinks<D: StepDevice>(
+    runner: &mut StepRunner<D>,
+    sinks: Option<&[f32]>,
+) -> Result<Option<Uploaded>> {
+    sinks.map(|s| upload_f32(runner, s.iter())).transpose()
+}
+
+/// Uploads f32 values into a new buffer of the runner's device.
+fn upload_f32<'a, D: StepDevice>(
+    runner: &mut StepRunner<D>,
+    values: impl Iterator<Item = &'a f32>,
+) -> Result<Uploaded> {
+    let bytes: Vec<u8> = values.flat_map(|x| x.to_le_bytes()).collect();
     let dev = runner.device_mut();
     dev.reserve_upload(bytes.len())?;
     let addr = dev.alloc(bytes.len())?;
     dev.upload(addr, &bytes)?;
-    Ok(Some(Uploaded {
+    Ok(Uploaded {
         addr,
-        elems: (s.k.len() + s.v.len()) as u64,
-    }))
+        elems: bytes.len() as u64 / 4,
+    })
 }
 
 /// One decode call on `dev` (whose GPU has `sm_count` SMs; `None`: never split): the
@@ -97,6 +110,7 @@ pub fn decode<D: StepDevice, T: AsView + TensorDesc>(
     let mut runner = StepRunner::with_workspace(dev, shape, cap, None, rows)?;
     runner.set_alibi_slopes(inputs.opts.alibi_slopes.as_deref())?;
     let scales = upload_scales(&mut runner, inputs.kv_scales)?;
+    let sinks = upload_sinks(&mut runner, inputs.sinks)?;
     runner.plan_split(
         &StepMeta {
             block_tables: inputs.block_tables,
@@ -114,6 +128,7 @@ pub fn decode<D: StepDevice, T: AsView + TensorDesc>(
             key_cache: inputs.key_cache.view(),
             value_cache: inputs.value_cache.view(),
             kv_scales: scales.map(|s| s.view(&runner)),
+            sinks: sinks.map(|s| s.view(&runner)),
             out: out.view_mut(),
         },
     )?;
@@ -187,6 +202,7 @@ pub fn prefill<D: StepDevice, T: AsView + TensorDesc>(
     let mut runner = StepRunner::with_split(dev, shape, cap, None)?;
     runner.set_alibi_slopes(inputs.opts.alibi_slopes.as_deref())?;
     let scales = upload_scales(&mut runner, inputs.kv_scales)?;
+    let sinks = upload_sinks(&mut runner, inputs.sinks)?;
     runner.plan(&StepMeta {
         block_tables: &[],
         max_blocks_per_seq: 0,
@@ -208,6 +224,7 @@ pub fn prefill<D: StepDevice, T: AsView + TensorDesc>(
             key_cache: inputs.key_cache.view(),
             value_cache: inputs.value_cache.view(),
             kv_scales: scales.map(|s| s.view(&runner)),
+            sinks: sinks.map(|s| s.view(&runner)),
             out: out.view_mut(),
         },
     )

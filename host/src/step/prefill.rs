@@ -42,6 +42,8 @@ pub struct PrefillIo<'a> {
     pub value_cache: TensorView<'a>,
     /// The layer's fp8 scales, as [`KvAppendIo::kv_scales`](super::KvAppendIo::kv_scales).
     pub kv_scales: Option<TensorView<'a>>,
+    /// The layer's attention-sink logits, as [`DecodeIo::sinks`](super::DecodeIo::sinks).
+    pub sinks: Option<TensorView<'a>>,
     /// `[qo_indptr[num_seqs], num_q_heads, head_dim]`, dense: written.
     pub out: TensorViewMut<'a>,
 }
@@ -188,6 +190,7 @@ impl<D: StepDevice> StepRunner<D> {
         self.check_view("out", &io.out.raw, rows, row, false)?;
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
         let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
+        let sinks = self.sink_slice(io.sinks.as_ref())?;
         if pp.max_rows == 0 {
             return Ok(());
         }
@@ -232,6 +235,7 @@ impl<D: StepDevice> StepRunner<D> {
                         } else {
                             GlobalSlice::empty()
                         },
+                        sinks,
                         out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut $t, rows * row),
                         layout: l,
                         num_q_heads: pp.shape.num_q_heads,

@@ -85,6 +85,18 @@ impl<D: StepDevice> StepRunner<D> {
         }
     }
 
+    /// Checks a layer's attention-sink view (`[num_q_heads]` f32, dense); returns its
+    /// slice (empty for `None`: no sinks).
+    pub(super) fn sink_slice(&self, sinks: Option<&TensorView<'_>>) -> Result<GlobalSlice<f32>> {
+        let Some(v) = sinks else {
+            return Ok(GlobalSlice::empty());
+        };
+        let h = self.shape.num_q_heads as u64;
+        self.check_view_as("sinks", &v.raw, DType::F32, 1, h, false)?;
+        // SAFETY: a checked view of this device's space of `h` f32.
+        Ok(unsafe { GlobalSlice::from_raw_parts(v.raw.addr as *const f32, h) })
+    }
+
     /// Checks a view: its memory space, dtype, 16-byte alignment, and element count
     /// (`rows` rows of `row` elements, `stride` apart, for row-strided views; exactly
     /// `elems` for dense ones). Returns the row stride (dense: `row`).
@@ -244,6 +256,7 @@ impl<D: StepDevice> StepRunner<D> {
         let out_stride = self.check_view("out", &io.out.raw, rows, row, true)?;
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
         let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
+        let sinks = self.sink_slice(io.sinks.as_ref())?;
         let (dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
         let tables = self.meta.offset(planned.offsets.tables).get();
         let lens = self.meta.offset(planned.offsets.lens).get();
@@ -265,6 +278,8 @@ impl<D: StepDevice> StepRunner<D> {
                     } else {
                         GlobalSlice::empty()
                     },
+                    // Read by the decode kernel without split, by the reduce with it.
+                    sinks,
                     out: if p.is_split() {
                         GlobalSliceMut::empty()
                     } else {
@@ -298,6 +313,7 @@ impl<D: StepDevice> StepRunner<D> {
                     ReduceParams::<T> {
                         part_out: params.part_out.as_const(),
                         part_ml: params.part_ml.as_const(),
+                        sinks,
                         out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems),
                         num_q_heads: ds.num_q_heads,
                         head_dim: ds.head_dim,

@@ -123,6 +123,12 @@ pub struct DecodeIo<'a> {
     pub value_cache: TensorView<'a>,
     /// The layer's fp8 scales, as [`KvAppendIo::kv_scales`].
     pub kv_scales: Option<TensorView<'a>>,
+    /// `[num_q_heads]` f32: the layer's attention-sink logits (gpt-oss), one per query
+    /// head, each joining its head's softmax denominator once; `None` for none. (A
+    /// tensor, not an [`AttentionOptions`](crate::ops::attention::AttentionOptions)
+    /// field: sinks are learned weights, different in every layer, and live on the
+    /// device beside them.)
+    pub sinks: Option<TensorView<'a>>,
     /// `[num_seqs, row_stride]`: the output rows (row stride as for `q`).
     pub out: TensorViewMut<'a>,
 }
@@ -355,7 +361,7 @@ impl<D: StepDevice> StepRunner<D> {
     /// or clears them. Not a run: call it once, outside the layer loop.
     pub fn set_alibi_slopes(&mut self, slopes: Option<&[f32]>) -> Result<()> {
         if let Some(s) = slopes {
-            attention::check_alibi_slopes(s, self.shape.num_q_heads)?;
+            attention::check_per_head("alibi_slopes", s, self.shape.num_q_heads)?;
             let bytes: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
             self.dev.upload(self.slopes, &bytes)?;
         }

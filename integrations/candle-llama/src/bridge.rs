@@ -200,6 +200,7 @@ impl CandleBackend for CpuBackend {
                 opts,
                 q,
                 cache,
+                sinks: None,
                 out,
             })?)
         })
@@ -217,6 +218,7 @@ impl CandleBackend for CpuBackend {
                 opts,
                 q,
                 cache,
+                sinks: None,
                 out,
             })?)
         })

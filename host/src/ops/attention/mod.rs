@@ -10,7 +10,9 @@
 //! 2. soft-cap, if set: `x = softcap * tanh(x / softcap)`;
 //! 3. then ALiBi, if set: `x += alibi_slopes[h] * (t - (n - 1))` (the bias is added
 //!    after the cap, so it is never capped);
-//! 4. `out[s, h] = Σ_t softmax(x)_t * v[t]`.
+//! 4. `out[s, h] = Σ_t softmax(x)_t * v[t]`; with an attention sink `σ_h`
+//!    ([`DecodeInputs::sinks`]) the softmax's denominator gains `exp(σ_h)`:
+//!    `out[s, h] = Σ_t exp(x_t) v[t] / (exp(σ_h) + Σ_t exp(x_t))`.
 //!
 //! The same definitions hold for every backend and for the f64 reference
 //! ([`crate::reference`]).
@@ -34,7 +36,7 @@
 //! let mut out = HostTensor::full(DType::F32, &[2, 4, 64], f64::NAN);
 //! let inputs = DecodeInputs { shape: &shape, opts: &opts, q: &q, key_cache: &kc,
 //!     value_cache: &vc, block_tables: &tables, context_lens: &lens, kv_scales: None,
-//!     plan: None };
+//!     sinks: None, plan: None };
 //! decode_emulated(&Emulator::new(), inputs, &mut out).unwrap();
 //! let want = paged_decode_attention(&inputs);
 //! let err = out.to_f64().iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
@@ -151,20 +153,18 @@ pub(crate) fn check_heads(num_q_heads: u32, num_kv_heads: u32) -> Result<()> {
     Ok(())
 }
 
-/// ALiBi slopes: one finite slope per query head (the one check, for the options and
-/// for the step runner's upload).
-pub(crate) fn check_alibi_slopes(slopes: &[f32], num_q_heads: u32) -> Result<()> {
-    if slopes.len() != num_q_heads as usize {
+/// One finite value per query head: ALiBi slopes, attention-sink logits (`arg` names
+/// them). The one check, for the options, the per-call inputs and the step runner's
+/// upload.
+pub(crate) fn check_per_head(arg: &'static str, values: &[f32], num_q_heads: u32) -> Result<()> {
+    if values.len() != num_q_heads as usize {
         return Err(Error::invalid(
-            "alibi_slopes",
-            format!("{} slopes for {} query heads", slopes.len(), num_q_heads),
+            arg,
+            format!("{} values for {} query heads", values.len(), num_q_heads),
         ));
     }
-    if let Some(x) = slopes.iter().find(|x| !x.is_finite()) {
-        return Err(Error::invalid(
-            "alibi_slopes",
-            format!("slope {x} is not finite"),
-        ));
+    if let Some(x) = values.iter().find(|x| !x.is_finite()) {
+        return Err(Error::invalid(arg, format!("{x} is not finite")));
     }
     Ok(())
 }
@@ -219,6 +219,12 @@ pub struct DecodeInputs<'a, T> {
     /// takes the same scales as a `[2, num_kv_heads]` f32 tensor of the layer
     /// ([`DecodeIo::kv_scales`](crate::step::DecodeIo::kv_scales)).
     pub kv_scales: Option<&'a KvScales>,
+    /// `[num_q_heads]`: attention-sink logits (natural units, finite), one per query
+    /// head, or `None`. A sink is one more score of its head whose value row is zero
+    /// (gpt-oss): it joins the softmax denominator once (with split-K, in the reduce,
+    /// not once per partition). The step path takes them as the layer's tensor
+    /// ([`DecodeIo::sinks`](crate::step::DecodeIo::sinks)).
+    pub sinks: Option<&'a [f32]>,
     /// How to cut the launch up; `None`: the backend decides (the emulator never
     /// splits, the CUDA device plans for its GPU's SMs with [`plan`]).
     pub plan: Option<SplitPlan>,
@@ -249,6 +255,7 @@ pub fn validate<T: TensorDesc>(inputs: &DecodeInputs<'_, T>, out: &T) -> Result<
         block_tables,
         context_lens,
         kv_scales,
+        sinks,
         plan: _,
     } = *inputs;
     let l = shape.layout();
@@ -264,6 +271,9 @@ pub fn validate<T: TensorDesc>(inputs: &DecodeInputs<'_, T>, out: &T) -> Result<
     check_tensor("q", q, q.dtype(), qn)?;
     check_tensor("out", out, q.dtype(), qn)?;
     validate_options(opts, shape.num_q_heads)?;
+    if let Some(s) = sinks {
+        check_per_head("sinks", s, shape.num_q_heads)?;
+    }
     validate_metadata(shape, opts.window, block_tables, context_lens)
 }
 
@@ -288,7 +298,7 @@ pub fn validate_options(opts: &AttentionOptions, num_q_heads: u32) -> Result<()>
         return Err(Error::invalid("window", "must be at least 1 token"));
     }
     if let Some(s) = &opts.alibi_slopes {
-        check_alibi_slopes(s, num_q_heads)?;
+        check_per_head("alibi_slopes", s, num_q_heads)?;
     }
     Ok(())
 }

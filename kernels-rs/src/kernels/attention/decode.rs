@@ -4,7 +4,7 @@
 use crate::device::{Ctx, Kernel};
 use crate::elem::{Bf16, E4m3, E5m2, Elem, F16, KvElem};
 use crate::kernels::each16;
-use crate::softmax::{LOG2_E, SoftmaxState};
+use crate::softmax::{LOG2_E, SoftmaxState, load_sink};
 
 use super::{
     ACC_WORDS, DecodeGeometry, DecodeParams, FIXED_BLOCK_SIZE, PIECES_PER_THREAD, PagedDecode,
@@ -504,7 +504,12 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const D: u32>(ctx: &C, p: &Deco
 
     // Epilogue: one 16-byte store per chunk (non-split), or the partials.
     let d = head_dim as u64;
-    let inv = if split { v_scale } else { v_scale / state.l };
+    // The sink (if any) joins here without split, in the reduce with it.
+    let inv = if split {
+        v_scale
+    } else {
+        v_scale * state.normaliser(load_sink(ctx, &p.sinks, qh), ctx)
+    };
     each_vec::<K>(|v| {
         let c = tx + v * bdx;
         if c >= chunks {

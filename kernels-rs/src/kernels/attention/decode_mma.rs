@@ -45,7 +45,7 @@ use crate::kernels::kv_tiles::{
     KvProducer, KvSource, MmaCache, compute_pv, compute_qk, each_upto, update_rows, weights,
 };
 use crate::kernels::prefill::MmaElem;
-use crate::softmax::{LOG2_E, SoftmaxState};
+use crate::softmax::{LOG2_E, SoftmaxState, load_sink};
 
 use super::{
     DecodeParams, FIXED_BLOCK_SIZE, MMA_MAX_HEADS, MMA_STAGE_TOKENS, MMA_STAGES, THREADS,
@@ -292,7 +292,7 @@ pub(super) fn decode_mma<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
             ctx.st(&p.part_ml, mlat + 1, merged.l);
         }
     } else {
-        let inv = v_scale / merged.l;
+        let inv = v_scale * merged.normaliser(load_sink(ctx, &p.sinks, (qh0 + row) as u64), ctx);
         let at = seq as u64 * p.out_row_stride + (qh0 + row) as u64 * D as u64 + d0 as u64;
         each_upto(per / 8, |w| {
             let vals: [f32; 8] = core::array::from_fn(|e| acc[8 * w + e] * inv);

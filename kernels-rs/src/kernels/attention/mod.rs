@@ -197,6 +197,9 @@ pub struct DecodeParams<T, K = T> {
     pub context_lens: GlobalSlice<i32>,
     /// `[num_q_heads]`: ALiBi slope per query head, or empty for no ALiBi.
     pub alibi_slopes: GlobalSlice<f32>,
+    /// `[num_q_heads]`: attention-sink logit per query head, or empty for none (read
+    /// without split only: with split the reduce joins them, once).
+    pub sinks: GlobalSlice<f32>,
     /// `[num_seqs, out_row_stride]`: the output, `num_q_heads * head_dim` elements at
     /// the start of each row (written without split).
     pub out: GlobalSliceMut<T>,
@@ -235,9 +238,9 @@ pub struct DecodeParams<T, K = T> {
     pub out_row_stride: u64,
 }
 
-// SAFETY: 11 views (16 bytes each), the 16-byte layout, four-byte fields with the
-// explicit `_pad` (10), two u64 strides: 248 bytes, no padding (asserted below).
-const _: () = assert!(core::mem::size_of::<DecodeParams<f32>>() == 11 * 16 + 16 + 10 * 4 + 16);
+// SAFETY: 12 views (16 bytes each), the 16-byte layout, four-byte fields with the
+// explicit `_pad` (10), two u64 strides: 264 bytes, no padding (asserted below).
+const _: () = assert!(core::mem::size_of::<DecodeParams<f32>>() == 12 * 16 + 16 + 10 * 4 + 16);
 unsafe impl<T: 'static, K: 'static> KernelParams for DecodeParams<T, K>
 where
     Self: Copy,
@@ -251,6 +254,7 @@ where
         f(self.block_tables.range("block_tables"));
         f(self.context_lens.range("context_lens"));
         f(self.alibi_slopes.range("alibi_slopes"));
+        f(self.sinks.range("sinks"));
         f(self.out.range("out"));
         f(self.part_out.range("part_out"));
         f(self.part_ml.range("part_ml"));
@@ -401,6 +405,9 @@ pub struct ReduceParams<T> {
     pub part_out: GlobalSlice<f32>,
     /// `[num_seqs, num_q_heads, num_partitions, 2]`: `(m, l)` of each partial.
     pub part_ml: GlobalSlice<f32>,
+    /// `[num_q_heads]`: attention-sink logit per query head, or empty for none: joined
+    /// here, once, after the partitions' merge.
+    pub sinks: GlobalSlice<f32>,
     /// `[num_seqs, out_row_stride]`: the output (`num_q_heads * head_dim` per row).
     pub out: GlobalSliceMut<T>,
     /// Query heads.
@@ -416,9 +423,9 @@ pub struct ReduceParams<T> {
     pub out_row_stride: u64,
 }
 
-// SAFETY: 3 views, 4 four-byte fields (the explicit `_pad` one), one u64: 72 bytes,
+// SAFETY: 4 views, 4 four-byte fields (the explicit `_pad` one), one u64: 88 bytes,
 // no padding (asserted below).
-const _: () = assert!(core::mem::size_of::<ReduceParams<f32>>() == 3 * 16 + 4 * 4 + 8);
+const _: () = assert!(core::mem::size_of::<ReduceParams<f32>>() == 4 * 16 + 4 * 4 + 8);
 unsafe impl<T: 'static> KernelParams for ReduceParams<T>
 where
     Self: Copy,
@@ -426,6 +433,7 @@ where
     fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
         f(self.part_out.range("part_out"));
         f(self.part_ml.range("part_ml"));
+        f(self.sinks.range("sinks"));
         f(self.out.range("out"));
     }
 }

@@ -4,7 +4,7 @@ use core::marker::PhantomData;
 
 use crate::device::{Ctx, Kernel};
 use crate::elem::{Bf16, Elem, F16};
-use crate::softmax::SoftmaxState;
+use crate::softmax::{SoftmaxState, load_sink};
 
 use super::{REDUCE_LANES, REDUCE_THREADS, ReduceParams};
 
@@ -108,7 +108,10 @@ fn reduce<T: Elem, C: Ctx>(ctx: &C, p: &ReduceParams<T>) {
     if !valid || lane != 0 {
         return;
     }
-    let inv = 1.0 / fold.state.l;
+    // The sink (if any) joins once, after every partition is merged.
+    let inv = fold
+        .state
+        .normaliser(load_sink(ctx, &p.sinks, qh as u64), ctx);
     for x in fold.acc.iter_mut() {
         *x *= inv;
     }

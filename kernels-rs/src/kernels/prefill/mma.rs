@@ -19,6 +19,7 @@ use super::{
 use crate::device::{Ctx, GlobalSlice, Kernel};
 use crate::elem::{Bf16, E4m3, E5m2, F16, KvElem};
 use crate::kernels::each16;
+use crate::softmax::{SoftmaxState, load_sink};
 
 /// The tensor-core prefill kernel for q / out of `T` and a cache of `K`. `HEAD_DIM =
 /// 0` is the one-warp kernel for any shape (see the [module docs](super)); `HEAD_DIM`
@@ -256,12 +257,14 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
             ctx.sync_threads();
             kv += KV_TILE;
         }
-        // Each lane summed its own columns: the row's total is the group's.
-        for x in l.iter_mut() {
+        // Each lane summed its own columns: the row's total is the group's; the sink
+        // (if any) and the V scale come in with the normalisation.
+        let mut inv = [0f32; 2];
+        for (r, x) in l.iter_mut().enumerate() {
             *x += ctx.shfl_xor_f32(*x, 1);
             *x += ctx.shfl_xor_f32(*x, 2);
-            // The V scale comes in with the normalisation.
-            *x /= v_scale;
+            let sink = load_sink(ctx, &p.sinks, row[r].head as u64);
+            inv[r] = v_scale * SoftmaxState { m: m[r], l: *x }.normaliser(sink, ctx);
         }
         each_blk(&mut o, |nd, f| {
             if nd < nblk {
@@ -269,7 +272,7 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
                     let r = &row[i / 2];
                     if r.valid {
                         let dim = pass * PASS_DIMS + 8 * nd + 2 * t + (i % 2) as u32;
-                        ctx.st(&p.out, r.at(p, &sq, dim), T::from_f32(x / l[i / 2]));
+                        ctx.st(&p.out, r.at(p, &sq, dim), T::from_f32(x * inv[i / 2]));
                     }
                 }
             }

@@ -91,6 +91,8 @@ pub struct PrefillParams<T, K = T> {
     pub context_lens: GlobalSlice<i32>,
     /// `[num_q_heads]`: ALiBi slope per query head, or empty for no ALiBi.
     pub alibi_slopes: GlobalSlice<f32>,
+    /// `[num_q_heads]`: attention-sink logit per query head, or empty for none.
+    pub sinks: GlobalSlice<f32>,
     /// `[total_tokens, num_q_heads, head_dim]`: the output.
     pub out: GlobalSliceMut<T>,
     /// The cache's shape.
@@ -109,9 +111,9 @@ pub struct PrefillParams<T, K = T> {
     pub window: u32,
 }
 
-// SAFETY: 10 views, the 16-byte layout, 6 four-byte fields: 200 bytes, no padding
+// SAFETY: 11 views, the 16-byte layout, 6 four-byte fields: 216 bytes, no padding
 // (asserted below).
-const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 10 * 16 + 16 + 6 * 4);
+const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 11 * 16 + 16 + 6 * 4);
 unsafe impl<T: 'static, K: 'static> KernelParams for PrefillParams<T, K>
 where
     Self: Copy,
@@ -126,6 +128,7 @@ where
         f(self.qo_indptr.range("qo_indptr"));
         f(self.context_lens.range("context_lens"));
         f(self.alibi_slopes.range("alibi_slopes"));
+        f(self.sinks.range("sinks"));
         f(self.out.range("out"));
     }
 }

@@ -3,6 +3,7 @@
 
 use super::{Of, PASS_DIMS, PrefillParams, Row, SIMT_THREADS, Seq, cache_at, weight};
 use crate::device::{Ctx, Kernel};
+use crate::softmax::{SoftmaxState, load_sink};
 
 /// The f32 prefill kernel (see the [module docs](super)): grid `(num_kv_heads,
 /// ceil(rows / SIMT_THREADS), num_seqs)`, [`SIMT_THREADS`] threads.
@@ -117,9 +118,10 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
             });
             kpos += 1;
         }
+        let inv = SoftmaxState { m, l }.normaliser(load_sink(ctx, &p.sinks, row.head as u64), ctx);
         each_chunk(&mut acc, |c, a| {
             if c < nchunks {
-                let out = [a[0] / l, a[1] / l, a[2] / l, a[3] / l].map(f32::to_bits);
+                let out = [a[0] * inv, a[1] * inv, a[2] * inv, a[3] * inv].map(f32::to_bits);
                 ctx.st_v4(&p.out, q_at + (pass * PASS_DIMS + 4 * c) as u64, out);
             }
         });

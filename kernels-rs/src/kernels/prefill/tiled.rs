@@ -37,7 +37,7 @@ use crate::kernels::attention::{
 use crate::kernels::kv_tiles::{
     KvProducer, KvSource, MmaCache, compute_pv, compute_qk, each_upto, update_rows, weights,
 };
-use crate::softmax::SoftmaxState;
+use crate::softmax::{SoftmaxState, load_sink};
 
 /// Query rows one block of the multi-warp kernel serves (16 per warp).
 pub const TILE_ROWS: u32 = 64;
@@ -255,12 +255,18 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
         i += 1;
     }
 
-    // Each row's sum over its 4 lanes; the V scale joins the normalisation.
+    // Each row's sum over its 4 lanes; the sink (if any) and the V scale join the
+    // normalisation.
     let mut inv = [0.0f32; 2];
     each_upto(2, |h| {
         let a = state[h].l + ctx.shfl_xor_f32(state[h].l, 1);
         let total = a + ctx.shfl_xor_f32(a, 2);
-        inv[h] = v_scale / total;
+        let sink = load_sink(ctx, &p.sinks, row[h].head as u64);
+        let merged = SoftmaxState {
+            m: state[h].m,
+            l: total,
+        };
+        inv[h] = v_scale * merged.normaliser(sink, ctx);
     });
     each_upto(D / 8, |j| {
         each_upto(4, |e| {
