@@ -222,6 +222,8 @@ pub unsafe extern "C" fn pagedkv_scheduler_create(
             },
             enable_prefix_caching: c.enable_prefix_caching != 0,
             sliding_window: (c.sliding_window != 0).then_some(c.sliding_window),
+            // (Layer groups are not in the C ABI yet: one group.)
+            kv_groups: Vec::new(),
             max_model_len: c.max_model_len,
         };
         let inner = match Scheduler::new(cfg) {

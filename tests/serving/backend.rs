@@ -611,3 +611,29 @@ proptest! {
         }
     }
 }
+
+/// A batch of a model with several layer groups (the scheduler plans them) is
+/// refused by the step path with an error naming it, nothing run: the backends serve
+/// models of one group so far.
+#[test]
+fn a_batch_of_several_layer_groups_is_refused() {
+    use pagedkv::host::block::KvSpec;
+    let mut be = CpuBackend::new(config(DType::F32, SplitPolicy::Auto, 1)).unwrap();
+    let mut cache = be.alloc_cache().unwrap();
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks: NUM_BLOCKS,
+        block_size: shape(DType::F32, 1).block_size,
+        max_model_len: 64,
+        kv_groups: vec![KvSpec::SlidingWindow(16), KvSpec::Full],
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    s.add_request(Request::new(1, (0..20).collect(), 2))
+        .unwrap();
+    let batch = s.step().unwrap().clone();
+    assert_eq!(batch.num_groups(), 2);
+    match be.begin_step(&batch, &mut cache) {
+        Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "batch"),
+        other => panic!("expected a refusal, got {:?}", other.map(drop)),
+    }
+}

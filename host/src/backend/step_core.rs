@@ -86,6 +86,17 @@ impl<D: StepDevice> StepCore<D> {
             ));
         }
         super::check_rows(batch)?;
+        if batch.num_groups() > 1 {
+            // (The scheduler plans hybrid models; the step path serves one group.)
+            return Err(Error::invalid(
+                "batch",
+                format!(
+                    "has {} layer groups: the backends serve models of one group (one \
+                     window) so far",
+                    batch.num_groups()
+                ),
+            ));
+        }
         // The decodes are the leading rows: their tables and lengths in one copy each.
         let nd = super::decode_rows(batch).end;
         self.tables.clear();

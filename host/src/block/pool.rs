@@ -68,6 +68,31 @@ impl BlockHash {
         Self(w)
     }
 
+    /// The name under which layer group `group`'s block of these tokens is cached:
+    /// the name itself for group 0, else the name XOR a 256-bit constant of the group
+    /// (each group's copy of a prefix is a block of its own). A block served to the
+    /// wrong group would need two names whose XOR is a given constant: as hard as a
+    /// SHA-256 collision (about 2^128 work, the birthday bound), so groups never serve
+    /// each other's blocks. Every word changes, the map's key included.
+    pub fn in_group(self, group: usize) -> BlockHash {
+        if group == 0 {
+            return self;
+        }
+        // splitmix64 of the group, four times: a fixed, well-mixed constant per group.
+        let mut x = group as u64;
+        let mut w = self.0;
+        for pair in w.chunks_exact_mut(2) {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            pair[0] ^= (z >> 32) as u32;
+            pair[1] ^= z as u32;
+        }
+        BlockHash(w)
+    }
+
     /// The prefix map's key: the first 64 bits. Only a key: a lookup compares the
     /// whole name, so two names that share a key never serve each other's block.
     pub(crate) fn key(&self) -> u64 {

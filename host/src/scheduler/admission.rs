@@ -46,7 +46,7 @@ impl Scheduler {
         let need = self.max_blocks(&req) as u64;
         let usable = self.kv.device().num_usable() as u64;
         if need > usable {
-            let hint = if self.cfg.sliding_window.is_some() && !self.chunked {
+            let hint = if self.specs.iter().any(|s| s.window().is_some()) && !self.chunked {
                 " (a sliding window lowers that only with chunked prefill: a whole \
                  prefill or recompute holds every block of its tokens)"
             } else {
@@ -72,7 +72,8 @@ impl Scheduler {
             &self.arena,
         );
         let hot = Hot::new(cold.max_len, tokens, req.stop_token);
-        self.seqs.insert(seq, step, cold, hot);
+        let extra = (1..self.specs.len()).map(BlockTable::for_group).collect();
+        self.seqs.insert(seq, step, cold, hot, extra);
         let g = Group {
             req,
             arrival,
@@ -84,16 +85,24 @@ impl Scheduler {
         Ok(seq)
     }
 
-    /// Blocks one sequence of `req` holds at its largest: all of `prompt + max_tokens`.
-    /// With a sliding window and chunked prefill, at most the window's blocks plus one
-    /// partial block: a step's queries read every block the window of its first new
-    /// token sees, and a chunk takes only the tokens whose blocks fit. Without chunked
-    /// prefill a window does not lower it: a prefill's queries read all its tokens at
-    /// once, and a recomputed sequence prefills everything it has in one step.
+    /// Blocks one sequence of `req` holds at its largest, in all its layer groups.
     fn max_blocks(&self, req: &Request) -> u32 {
+        (0..self.specs.len())
+            .map(|g| self.max_blocks_in(req, g))
+            .sum()
+    }
+
+    /// Blocks one sequence of `req` holds at its largest in layer group `g`: all of
+    /// `prompt + max_tokens`. With a sliding window and chunked prefill, at most the
+    /// window's blocks plus one partial block: a step's queries read every block the
+    /// window of its first new token sees, and a chunk takes only the tokens whose
+    /// blocks fit. Without chunked prefill a window does not lower it: a prefill's
+    /// queries read all its tokens at once, and a recomputed sequence prefills
+    /// everything it has in one step.
+    fn max_blocks_in(&self, req: &Request, g: usize) -> u32 {
         let total = req.prompt.len() as u32 + req.max_tokens;
         let mut need = self.kv.blocks_for(total);
-        if let Some(w) = self.cfg.sliding_window
+        if let Some(w) = self.specs[g].window()
             && self.chunked
         {
             need = need.min(self.kv.blocks_for(w) + 1);
@@ -144,7 +153,12 @@ impl Scheduler {
                 ),
             ));
         }
-        let table = self.kv.fork(&mut self.seqs.get_mut(&seq).unwrap().table)?;
+        let (t0, extra) = self.seqs.tables_mut(seq);
+        let table = self.kv.fork(t0)?;
+        let extra = extra
+            .iter_mut()
+            .map(|t| self.kv.fork(t))
+            .collect::<Result<Vec<_>>>()?;
         let child_id = self.seqs.alloc_id();
         let tokens = self.seqs.tokens(seq).unwrap().clone();
         let child = Seq {
@@ -159,7 +173,7 @@ impl Scheduler {
         let mut hot = Hot::new(cold.max_len, tokens, parent_hot.stop);
         hot.num_computed = parent_hot.num_computed;
         let (id, request) = (child_id, child.request);
-        self.seqs.insert(id, child, cold, hot);
+        self.seqs.insert(id, child, cold, hot, extra);
         self.groups.get_mut(&request).unwrap().seqs.push(id);
         self.push_row(id);
         Ok(id)
@@ -184,9 +198,11 @@ impl Scheduler {
             }
             let salt = self.groups[&id].req.cache_salt;
             // With chunked prefill a first chunk holds at most the blocks a sequence of
-            // the request may hold at once (with a sliding window, fewer than its
-            // prompt's), so that it fits the pool alone.
-            let max_held = self.max_blocks(&self.groups[&id].req) as usize;
+            // the request may hold at once in each layer group (with a sliding window,
+            // fewer than its prompt's), so that it fits the pool alone.
+            let max_held: Vec<usize> = (0..self.specs.len())
+                .map(|g| self.max_blocks_in(&self.groups[&id].req, g) as usize)
+                .collect();
             let bs = self.cfg.block_size as usize;
             let (mut tokens_needed, mut blocks_needed) = (0usize, 0u32);
             // How many leading tokens of each sequence's tokens this step gives slots.
@@ -203,10 +219,13 @@ impl Scheduler {
                     let cached = (hits * self.cfg.block_size) as usize;
                     let mut take = t.len() - cached;
                     if self.chunked {
-                        // It holds `blocks_for(end) - dead` blocks.
-                        let dead = self.kv.dead_before(cached as u32) as usize;
-                        let fit = ((max_held + dead) * bs).saturating_sub(cached);
-                        take = take.min(budget).min(fit);
+                        // It holds `blocks_for(end) - dead` blocks in each group.
+                        for (g, &held) in max_held.iter().enumerate() {
+                            let dead = self.kv.dead_before(g, cached as u32) as usize;
+                            let fit = ((held + dead) * bs).saturating_sub(cached);
+                            take = take.min(fit);
+                        }
+                        take = take.min(budget);
                     }
                     // The prefix has the same hits: they keep at least one token to
                     // compute, and `take >= 1` is past them.
@@ -222,7 +241,7 @@ impl Scheduler {
                     if self.chunked {
                         // At least one token for each of the sequences after this one.
                         let left = seqs.len() - i - 1;
-                        let fit = max_held * bs;
+                        let fit = max_held.iter().min().unwrap() * bs;
                         end = end
                             .min(budget.saturating_sub(tokens_needed + left))
                             .min(fit);
@@ -230,7 +249,8 @@ impl Scheduler {
                     let n = end as u32;
                     starved |= n == 0;
                     tokens_needed += end;
-                    blocks_needed += self.kv.blocks_for(n) - self.kv.dead_before(0);
+                    // (No block is before the window of position 0.)
+                    blocks_needed += self.kv.blocks_for(n) * self.specs.len() as u32;
                     ends.push(n);
                 }
             }
@@ -248,29 +268,41 @@ impl Scheduler {
             for (s, end) in seqs.into_iter().zip(ends) {
                 let slot = (s & 0xffff_ffff) as usize; // a live sequence's id
                 let seq = self.seqs.slots[slot].as_mut().unwrap();
+                let extra = &mut self.seqs.extra[slot];
                 let cold = &mut self.seqs.cold[slot];
                 let tokens = self.seqs.hot[slot].tokens.as_slice();
                 // Room to grow, in the arena (see `initial_room`).
                 let room = initial_room(tokens.len(), cold.max_len as usize);
-                seq.table
-                    .reserve_in(&self.arena, self.kv.blocks_for(room as u32) as usize);
+                let room = self.kv.blocks_for(room as u32) as usize;
+                seq.table.reserve_in(&self.arena, room);
+                for t in extra.iter_mut() {
+                    t.reserve_in(&self.arena, room);
+                }
+                // Every group's table at once (a hit is the prefix they all serve).
+                let mut tables: Vec<&mut BlockTable> = std::iter::once(&mut seq.table)
+                    .chain(extra.iter_mut())
+                    .collect();
                 // A group of one sequence had its hits found above; forks assume none.
                 let cached = if single {
                     self.kv.allocate_prefill_with(
-                        &mut seq.table,
+                        &mut tables,
                         &tokens[..end as usize],
                         &self.hits,
                     )?
                 } else {
                     self.kv
-                        .allocate_prefill(&mut seq.table, &tokens[..end as usize], salt)?
+                        .allocate_prefill(&mut tables, &tokens[..end as usize], salt)?
                 };
                 // Its full blocks are registered now, not after the step: a prompt
                 // admitted after it in this step that begins the same way shares them
                 // (their K/V is written by this step's kv_append, before any of the
-                // step's attention reads it), as vLLM does.
+                // step's attention reads it), as vLLM does. The other groups take
+                // group 0's names.
                 self.kv
                     .commit(&mut seq.table, &tokens[..end as usize], salt)?;
+                for t in extra.iter_mut() {
+                    self.kv.adopt_names(t, seq.table.hashes())?;
+                }
                 self.metrics.prefix_queried_tokens += tokens.len() as u64;
                 self.metrics.prefix_hit_tokens += cached as u64;
                 cold.prefill_end = tokens.len() as u32;
@@ -278,6 +310,11 @@ impl Scheduler {
                 let offset = self.batch.slot_mapping.len() as u32;
                 for pos in cached..end {
                     self.batch.slot_mapping.push(self.kv.slot(&seq.table, pos)?);
+                }
+                for (t, plane) in extra.iter().zip(&mut self.batch.groups) {
+                    for pos in cached..end {
+                        plane.slot_mapping.push(self.kv.slot(t, pos)?);
+                    }
                 }
                 self.batch.num_cached_tokens += cached;
                 let request = seq.request;

@@ -106,6 +106,61 @@ pub struct Batch {
     /// `(dst, src)` row moves removals deferred while the batch was out, in order; the
     /// arrays are then cut to the rows left.
     pub(super) moves: Vec<(u32, u32)>,
+    /// The block tables and slot mappings of layer groups 1.. ([`group`](Self::group)
+    /// names every group's, 0 included), row for row and token for token as
+    /// `block_tables` and `slot_mapping`; empty for a model of one group. The copies
+    /// and swaps above are of blocks of the one pool, whatever their group: run them
+    /// on every K/V tensor of the cache.
+    pub groups: Vec<GroupTables>,
+}
+
+/// A layer group's part of a [`Batch`] (groups 1..; group 0's are the batch's own
+/// fields).
+#[derive(Clone, Debug, Default)]
+pub struct GroupTables {
+    /// `[seqs.len(), max_blocks_per_seq]`, as [`Batch::block_tables`]: this group's
+    /// blocks (`NULL_BLOCK` before its window).
+    pub block_tables: Vec<i32>,
+    /// `[total new tokens]`, as [`Batch::slot_mapping`]: this group's slots.
+    pub slot_mapping: Vec<i64>,
+    /// This group's sliding window (as [`Batch::sliding_window`]).
+    pub sliding_window: Option<u32>,
+}
+
+/// One layer group's view of a [`Batch`] ([`Batch::group`]): what its layers'
+/// `kv_append` and attention read.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupView<'a> {
+    /// `[seqs.len(), max_blocks_per_seq]`.
+    pub block_tables: &'a [i32],
+    /// `[total new tokens]`.
+    pub slot_mapping: &'a [i64],
+    /// The group's sliding window.
+    pub sliding_window: Option<u32>,
+}
+
+impl Batch {
+    /// Layer groups (1 for a model of one group).
+    pub fn num_groups(&self) -> usize {
+        1 + self.groups.len()
+    }
+
+    /// Layer group `g`'s block tables, slot mapping and window (`g <
+    /// num_groups()`; group 0's are `block_tables`, `slot_mapping`, `sliding_window`).
+    pub fn group(&self, g: usize) -> Option<GroupView<'_>> {
+        match g {
+            0 => Some(GroupView {
+                block_tables: &self.block_tables,
+                slot_mapping: &self.slot_mapping,
+                sliding_window: self.sliding_window,
+            }),
+            g => self.groups.get(g - 1).map(|t| GroupView {
+                block_tables: &t.block_tables,
+                slot_mapping: &t.slot_mapping,
+                sliding_window: t.sliding_window,
+            }),
+        }
+    }
 }
 
 impl Scheduler {
@@ -124,6 +179,16 @@ impl Scheduler {
         }
         self.batch.context_lens[row] = s.table.num_tokens() as i32;
         let commit_at = self.kv.commit_at(&s.table);
+        for (t, plane) in self.seqs.extra(seq).iter().zip(&mut self.batch.groups) {
+            let r = &mut plane.block_tables[row * w..(row + 1) * w];
+            let blocks = t.blocks();
+            for (dst, b) in r.iter_mut().zip(blocks) {
+                *dst = *b as i32;
+            }
+            for dst in r[blocks.len().min(w)..].iter_mut() {
+                *dst = NULL_BLOCK as i32;
+            }
+        }
         self.seqs.set_commit_at(seq, commit_at);
     }
 
@@ -140,10 +205,16 @@ impl Scheduler {
         for i in 0..b.moves.len() {
             let (dst, src) = (b.moves[i].0 as usize, b.moves[i].1 as usize);
             b.block_tables.copy_within(src * w..(src + 1) * w, dst * w);
+            for g in &mut b.groups {
+                g.block_tables.copy_within(src * w..(src + 1) * w, dst * w);
+            }
             b.context_lens[dst] = b.context_lens[src];
         }
         b.moves.clear();
         b.block_tables.truncate(rows * w);
+        for g in &mut b.groups {
+            g.block_tables.truncate(rows * w);
+        }
         b.context_lens.truncate(rows);
     }
 
@@ -158,6 +229,9 @@ impl Scheduler {
         self.batch
             .block_tables
             .resize((row + 1) * w, NULL_BLOCK as i32);
+        for g in &mut self.batch.groups {
+            g.block_tables.resize((row + 1) * w, NULL_BLOCK as i32);
+        }
         self.batch.context_lens.resize(row + 1, 0);
         self.seqs.cold_mut(seq).row = row;
         self.write_row(row, seq);
@@ -169,6 +243,10 @@ impl Scheduler {
         let (lo, hi) = (a.min(b), a.max(b));
         let (head, tail) = self.batch.block_tables.split_at_mut(hi * w);
         head[lo * w..(lo + 1) * w].swap_with_slice(&mut tail[..w]);
+        for g in &mut self.batch.groups {
+            let (head, tail) = g.block_tables.split_at_mut(hi * w);
+            head[lo * w..(lo + 1) * w].swap_with_slice(&mut tail[..w]);
+        }
         self.batch.context_lens.swap(lo, hi);
         self.rows.swap(lo, hi);
         for r in [lo, hi] {
@@ -194,6 +272,10 @@ impl Scheduler {
                 self.batch
                     .block_tables
                     .copy_within(last * w..(last + 1) * w, row * w);
+                for g in &mut self.batch.groups {
+                    g.block_tables
+                        .copy_within(last * w..(last + 1) * w, row * w);
+                }
                 self.batch.context_lens[row] = self.batch.context_lens[last];
             }
         }
@@ -201,6 +283,9 @@ impl Scheduler {
         if !self.batch.out {
             let w = self.batch.max_blocks_per_seq as usize;
             self.batch.block_tables.truncate(last * w);
+            for g in &mut self.batch.groups {
+                g.block_tables.truncate(last * w);
+            }
             self.batch.context_lens.truncate(last);
         }
         self.seqs.cold_mut(seq).row = usize::MAX;

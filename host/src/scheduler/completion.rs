@@ -49,6 +49,25 @@ impl Scheduler {
             let seq = self.seqs.slots[slot as usize].as_mut().unwrap();
             seq.table.set_hash(i as usize, name);
         }
+        // The other layer groups' tables take the names (registering their blocks)
+        // before any block is freed.
+        if !self.batch.groups.is_empty() {
+            let mut last = u32::MAX;
+            for k in 0..self.kv.named().len() {
+                let slot = self.kv.named()[k].0;
+                if slot != last {
+                    last = slot;
+                    let names = self.seqs.slots[slot as usize]
+                        .as_ref()
+                        .unwrap()
+                        .table
+                        .hashes();
+                    for t in self.seqs.extra[slot as usize].iter_mut() {
+                        self.kv.adopt_names(t, names)?;
+                    }
+                }
+            }
+        }
         result?;
         for &(s, why) in &done {
             self.finish_seq(s, why)?;
@@ -245,8 +264,11 @@ impl Scheduler {
         if status == Status::Running {
             self.remove_row(seq);
         }
-        let (mut s, tokens) = self.seqs.remove(&seq).unwrap();
+        let (mut s, tokens, extra) = self.seqs.remove(&seq).unwrap();
         self.kv.free(&mut s.table)?;
+        for mut t in extra {
+            self.kv.free(&mut t)?;
+        }
         self.finished.push((request, seq, why, tokens.into_vec()));
         let g = self.groups.get_mut(&request).unwrap();
         g.seqs.retain(|&x| x != seq);

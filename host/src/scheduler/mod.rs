@@ -93,6 +93,38 @@
 //! After sampling, [`Scheduler::on_step_done`] takes each scheduled sequence's new token;
 //! a stop token or `max_tokens` finishes it and frees its blocks at once.
 //!
+//! # Layer groups (models that mix sliding-window and full-attention layers)
+//! [`SchedulerConfig::kv_groups`] gives each layer group's [`KvSpec`] (Gemma 3: window
+//! groups and one full group, [`LayerGroups`](crate::block::LayerGroups) cuts a
+//! model's layers into them); all groups share the one pool and block size. The
+//! hybrid manager keeps, per sequence, one [`BlockTable`] per group (group 0's in the
+//! step record, the others beside it), and these invariants, each per group:
+//! * *A block id names the same token slots in every layer of its group* (and belongs
+//!   to one group: no block is in two groups' tables). Every group's table of a
+//!   sequence has the same token count; position `p` is in entry `p / block_size` of
+//!   each, so the tables are sparse ([`NULL_BLOCK`](crate::block::NULL_BLOCK) before a
+//!   window), not compact: the kernels find a position's block by index, as with one
+//!   window, and a row's width is the same in every group.
+//! * *A window group holds only its window*: the release rule of one window (the
+//!   blocks wholly before the window of a step's first new position go back to the
+//!   pool) applies to each group with its own window; a full group releases nothing.
+//!   A request of `n` tokens needs `blocks_for(n)` blocks in a full group and, with
+//!   chunked prefill, at most `blocks_for(w) + 1` in a window group: admission,
+//!   [`add_request`](Scheduler::add_request)'s refusal, preemption (each sequence's
+//!   next token may take a block in every group), watermarks and swap count every
+//!   group's own need.
+//! * *A prefix hit is the longest prefix every group serves*: a full group's cached
+//!   chain, a window group's cached blocks of the window at the first computed
+//!   position (vLLM's rule), each group's blocks under its own names
+//!   ([`BlockHash::in_group`](crate::block::BlockHash::in_group)). The names are
+//!   computed once, by group 0's table, and adopted by the others. A block a window
+//!   releases was named when it filled, so it stays in the free queue as a cached
+//!   block, a hit for the next prompt that begins the same way, until evicted.
+//! * *Copies and swaps are of pool blocks*: [`Batch::copies`], `swap_out` and
+//!   `swap_in` list blocks of any group; an engine runs them on every K/V tensor (a
+//!   block of one group is unused in another group's layers, so the copy is harmless
+//!   there). Each group's block tables and slot mapping are [`Batch::group`]'s.
+//!
 //! # Liveness
 //! Every request [`Scheduler::add_request`] accepts finishes if the caller keeps
 //! calling `step` and `on_step_done`: while any request is live, every step schedules
@@ -168,11 +200,11 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap as HashMap;
 
-pub use batch::{Batch, ScheduledSeq};
+pub use batch::{Batch, GroupTables, GroupView, ScheduledSeq};
 use seqs::{Group, GroupKey, SeqSlab};
 pub use tokens::Tokens;
 
-use crate::block::{BlockTable, KvCacheManager, PrefixHits};
+use crate::block::{BlockTable, KvCacheManager, KvSpec, PrefixHits};
 use crate::error::{Error, Result};
 use crate::mem::SeqAlloc;
 use crate::ops::SUPPORTED_BLOCK_SIZES;
@@ -237,8 +269,15 @@ pub struct SchedulerConfig {
     pub policy: QueuePolicy,
     /// Reuse cached full blocks of matching prefixes.
     pub enable_prefix_caching: bool,
-    /// Attend only to the last `w` tokens; blocks before the window are freed.
+    /// Attend only to the last `w` tokens; blocks before the window are freed. The
+    /// spec of the one layer group when `kv_groups` is empty (set one or the other).
     pub sliding_window: Option<u32>,
+    /// The KV spec of each layer group sharing the pool, for models that mix
+    /// sliding-window and full-attention layers ([`LayerGroups::specs`]; see the
+    /// module docs on layer groups). Empty: one group, of `sliding_window`'s spec.
+    ///
+    /// [`LayerGroups::specs`]: crate::block::LayerGroups::specs
+    pub kv_groups: Vec<KvSpec>,
     /// Longest sequence (prompt + output) a request may reach.
     pub max_model_len: u32,
 }
@@ -256,6 +295,7 @@ impl Default for SchedulerConfig {
             policy: QueuePolicy::Fcfs,
             enable_prefix_caching: false,
             sliding_window: None,
+            kv_groups: Vec::new(),
             max_model_len: 4096,
         }
     }
@@ -372,6 +412,9 @@ pub struct Scheduler {
     watermark_blocks: u32,
     /// The prefix hits of the group admission is looking at (its buffer reused).
     hits: PrefixHits,
+    /// The KV spec of each layer group (`cfg.kv_groups`, or the one group of
+    /// `cfg.sliding_window`).
+    specs: Vec<KvSpec>,
 }
 
 impl Scheduler {
@@ -441,16 +484,30 @@ impl Scheduler {
                 format!("{} (must be in [0, 1))", cfg.watermark),
             ));
         }
-        let kv = KvCacheManager::new(
+        let specs = if cfg.kv_groups.is_empty() {
+            if cfg.sliding_window == Some(0) {
+                return Err(Error::invalid("sliding_window", "must be at least 1 token"));
+            }
+            vec![KvSpec::from_window(cfg.sliding_window)]
+        } else if cfg.sliding_window.is_some() {
+            return Err(Error::invalid(
+                "sliding_window",
+                "set with kv_groups: give the window as a group's KvSpec",
+            ));
+        } else {
+            cfg.kv_groups.clone()
+        };
+        let kv = KvCacheManager::with_groups(
             cfg.num_blocks,
             cfg.num_host_blocks,
             cfg.block_size,
             cfg.enable_prefix_caching,
-            cfg.sliding_window,
+            &specs,
         )?;
         let watermark_blocks = (cfg.watermark * cfg.num_blocks as f64) as u32;
         let max_blocks = cfg.max_model_len.div_ceil(cfg.block_size);
-        // The batch's block tables hold up to `max_num_seqs` rows of `max_blocks` i32s.
+        // The batch's block tables hold up to `max_num_seqs` rows of `max_blocks` i32s
+        // (in each group).
         cfg.max_num_seqs
             .checked_mul(max_blocks as usize)
             .and_then(|n| n.checked_mul(size_of::<i32>()))
@@ -467,7 +524,14 @@ impl Scheduler {
         let arena = SeqAlloc::arena();
         let batch = Batch {
             max_blocks_per_seq: max_blocks,
-            sliding_window: cfg.sliding_window,
+            sliding_window: specs[0].window(),
+            groups: specs[1..]
+                .iter()
+                .map(|s| GroupTables {
+                    sliding_window: s.window(),
+                    ..GroupTables::default()
+                })
+                .collect(),
             ..Batch::default()
         };
         Ok(Self {
@@ -488,6 +552,7 @@ impl Scheduler {
             metrics: Metrics::default(),
             watermark_blocks,
             hits: PrefixHits::default(),
+            specs,
             cfg,
         })
     }
@@ -578,12 +643,33 @@ impl Scheduler {
             })
     }
 
-    /// The block table of a live sequence.
+    /// The block table of a live sequence (of layer group 0: see
+    /// [`block_table_of`](Self::block_table_of)).
     pub fn block_table(&self, seq: SeqId) -> Result<&BlockTable> {
-        self.seqs.get(&seq).map(|s| &s.table).ok_or(Error::Unknown {
+        self.block_table_of(seq, 0)
+    }
+
+    /// The block table of a live sequence in layer group `group`.
+    pub fn block_table_of(&self, seq: SeqId, group: usize) -> Result<&BlockTable> {
+        let s = self.seqs.get(&seq).ok_or(Error::Unknown {
             what: "sequence",
             id: seq,
-        })
+        })?;
+        match group {
+            0 => Ok(&s.table),
+            g => self.seqs.extra(seq).get(g - 1).ok_or_else(|| {
+                Error::invalid(
+                    "group",
+                    format!("{g}: the scheduler has {} layer groups", self.specs.len()),
+                )
+            }),
+        }
+    }
+
+    /// The KV spec of each layer group (`config().kv_groups`, or the one group of
+    /// `config().sliding_window`).
+    pub fn kv_specs(&self) -> &[KvSpec] {
+        &self.specs
     }
 
     /// Tokens whose KV is in the cache, for a live sequence.

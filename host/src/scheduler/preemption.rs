@@ -23,9 +23,9 @@ impl Scheduler {
     /// Step 1: preempts the least urgent running groups (FCFS: the newest) until every
     /// running sequence's next token fits the free blocks.
     pub(super) fn make_room(&mut self) -> Result<()> {
-        // Each sequence takes at most one block: only a nearly full pool needs the
-        // exact count (so the steady state skips this pass).
-        let mut reserved = self.rows.len() as u32;
+        // Each sequence takes at most one block in each layer group: only a nearly
+        // full pool needs the exact count (so the steady state skips this pass).
+        let mut reserved = (self.rows.len() * self.specs.len()).min(u32::MAX as usize) as u32;
         if reserved > self.kv.device().num_free() {
             reserved = self.rows_append_cost()?;
         }
@@ -71,14 +71,11 @@ impl Scheduler {
             if self.rows.len() + seqs.len() > self.cfg.max_num_seqs {
                 break;
             }
-            let mut tables: Vec<BlockTable> = seqs
-                .iter()
-                .map(|s| std::mem::take(&mut self.seqs.get_mut(s).unwrap().table))
-                .collect();
+            let mut tables = self.take_tables(&seqs);
             // Its blocks, plus what this step's decode slots take after the swap-in
             // (exact: a group that fits the pool alone always comes back).
-            let append = self.kv.group_append_cost(tables.iter());
-            let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
+            let append = self.tables_append_cost(&tables);
+            let mut refs: Vec<&mut BlockTable> = tables.iter_mut().flatten().collect();
             let cost = match (&append, self.kv.swap_in_cost(&refs)) {
                 (Ok(a), Ok(c)) => Some(a + c),
                 _ => None,
@@ -89,9 +86,7 @@ impl Scheduler {
             }) && self.kv.swap_in(&mut refs, &mut self.batch.swap_in).is_ok();
             self.metrics.swapped_in_blocks += (self.batch.swap_in.len() - before) as u64;
             // The tables go back before any error returns.
-            for (s, t) in seqs.iter().zip(tables) {
-                self.seqs.get_mut(s).unwrap().table = t;
-            }
+            self.put_tables(&seqs, tables);
             let append = append?;
             if !ok {
                 break;
@@ -120,11 +115,8 @@ impl Scheduler {
         self.running.remove(&key);
         let mut done = false;
         if mode == PreemptionMode::Swap {
-            let mut tables: Vec<BlockTable> = seqs
-                .iter()
-                .map(|s| std::mem::take(&mut self.seqs.get_mut(s).unwrap().table))
-                .collect();
-            let mut refs: Vec<&mut BlockTable> = tables.iter_mut().collect();
+            let mut tables = self.take_tables(&seqs);
+            let mut refs: Vec<&mut BlockTable> = tables.iter_mut().flatten().collect();
             let before = self.batch.swap_out.len();
             if self
                 .kv
@@ -138,14 +130,15 @@ impl Scheduler {
                 self.groups.get_mut(&id).unwrap().status = Status::Swapped;
                 self.batch.preempted.push((id, PreemptionMode::Swap));
             }
-            for (s, t) in seqs.iter().zip(tables) {
-                self.seqs.get_mut(s).unwrap().table = t;
-            }
+            self.put_tables(&seqs, tables);
         }
         if !done {
             for &s in &seqs {
-                let seq = self.seqs.get_mut(&s).unwrap();
-                self.kv.free(&mut seq.table)?;
+                let (t0, extra) = self.seqs.tables_mut(s);
+                self.kv.free(t0)?;
+                for t in extra {
+                    self.kv.free(t)?;
+                }
                 self.seqs.hot[(s & 0xffff_ffff) as usize].num_computed = 0;
             }
             self.metrics.preempted_recompute += 1;
@@ -156,21 +149,83 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Free blocks the next decode of every sequence of group `id` takes, exactly
-    /// (forks sharing a partial block copy it all but one).
+    /// Free blocks the next decode of every sequence of group `id` takes in every
+    /// layer group, exactly (forks sharing a partial block copy it all but one).
     fn group_append_cost(&self, id: RequestId) -> Result<u32> {
         let seqs = &self.seqs;
-        self.kv
-            .group_append_cost(self.groups[&id].seqs.iter().map(move |s| &seqs[s].table))
+        let ids = &self.groups[&id].seqs;
+        let mut cost = self
+            .kv
+            .group_append_cost(ids.iter().map(move |s| &seqs[s].table))?;
+        for g in 0..self.specs.len() - 1 {
+            cost += self
+                .kv
+                .group_append_cost(ids.iter().map(move |&s| &seqs.extra(s)[g]))?;
+        }
+        Ok(cost)
+    }
+
+    /// [`group_append_cost`](Self::group_append_cost) of the tables
+    /// [`take_tables`](Self::take_tables) took (swapped out: what the appends right
+    /// after their swap-in take).
+    fn tables_append_cost(&self, tables: &[Vec<BlockTable>]) -> Result<u32> {
+        (0..self.specs.len())
+            .map(|g| self.kv.group_append_cost(tables.iter().map(|t| &t[g])))
+            .sum()
     }
 
     /// An upper bound of the free blocks the next decode of every running sequence
     /// takes.
     fn rows_append_cost(&self) -> Result<u32> {
-        self.rows
-            .iter()
-            .map(|s| self.kv.append_cost(&self.seqs[s].table))
-            .sum()
+        self.rows.iter().map(|&s| self.append_cost(s)).sum()
+    }
+
+    /// An upper bound of the free blocks the next decode of sequence `id` takes, in
+    /// every layer group (exact for a sequence without forks).
+    pub(super) fn append_cost(&self, id: u64) -> Result<u32> {
+        let mut cost = self.kv.append_cost(&self.seqs[&id].table)?;
+        for t in self.seqs.extra(id) {
+            cost += self.kv.append_cost(t)?;
+        }
+        Ok(cost)
+    }
+
+    /// Takes every table of sequences `seqs` out (group 0's first, for each), to hand
+    /// them to the manager together; [`put_tables`](Self::put_tables) puts them back.
+    fn take_tables(&mut self, seqs: &[u64]) -> Vec<Vec<BlockTable>> {
+        seqs.iter()
+            .map(|&s| {
+                let (t0, extra) = self.seqs.tables_mut(s);
+                let mut v = Vec::with_capacity(1 + extra.len());
+                v.push(std::mem::take(t0));
+                v.extend(extra.iter_mut().map(std::mem::take));
+                v
+            })
+            .collect()
+    }
+
+    /// Puts back the tables [`take_tables`](Self::take_tables) took.
+    fn put_tables(&mut self, seqs: &[u64], tables: Vec<Vec<BlockTable>>) {
+        for (&s, v) in seqs.iter().zip(tables) {
+            let (t0, extra) = self.seqs.tables_mut(s);
+            let mut it = v.into_iter();
+            *t0 = it.next().expect("group 0's table");
+            for (dst, t) in extra.iter_mut().zip(it) {
+                *dst = t;
+            }
+        }
+    }
+
+    /// Records in sequence `id`'s tables of layer groups 1.. the names its group-0
+    /// table's commits computed (one hashing for every group), registering their
+    /// blocks under each group's names.
+    pub(super) fn adopt_names(&mut self, id: u64) -> Result<()> {
+        let slot = self.seqs.slot(id).expect("live sequence");
+        let names = self.seqs.slots[slot].as_ref().unwrap().table.hashes();
+        for t in self.seqs.extra[slot].iter_mut() {
+            self.kv.adopt_names(t, names)?;
+        }
+        Ok(())
     }
 
     /// The watermark admission and swap-in keep free, which applies only while some

@@ -186,6 +186,9 @@ pub(super) struct SeqSlab {
     pub(super) stamp: AVec<u64, SeqAlloc>,
     /// Per slot, its sequence's hot record.
     pub(super) hot: AVec<Hot, SeqAlloc>,
+    /// Per slot, its sequence's block tables of layer groups 1.. (group 0's is its
+    /// step record's); empty for a model of one group (no allocation).
+    pub(super) extra: Vec<Vec<BlockTable>>,
 }
 
 impl SeqSlab {
@@ -199,6 +202,7 @@ impl SeqSlab {
             free: Vec::new(),
             stamp: AVec::new_in(alloc.clone()),
             hot: AVec::new_in(alloc.clone()),
+            extra: Vec::new(),
         }
     }
 
@@ -211,6 +215,7 @@ impl SeqSlab {
                 self.generation.push(0);
                 self.stamp.push(0);
                 self.hot.push(Hot::free());
+                self.extra.push(Vec::new());
                 (self.slots.len() - 1) as u32
             }
         };
@@ -223,22 +228,40 @@ impl SeqSlab {
         (self.generation.get(slot) == Some(&((id >> 32) as u32))).then_some(slot)
     }
 
-    /// Puts `seq` and its cold and hot records in `id`'s slot.
-    pub(super) fn insert(&mut self, id: SeqId, seq: Seq, cold: Cold, hot: Hot) {
+    /// Puts `seq`, its cold and hot records and its tables of layer groups 1.. in
+    /// `id`'s slot.
+    pub(super) fn insert(
+        &mut self,
+        id: SeqId,
+        seq: Seq,
+        cold: Cold,
+        hot: Hot,
+        extra: Vec<BlockTable>,
+    ) {
         let slot = self.slot(id).expect("id from alloc_id");
         self.cold[slot] = cold;
         self.hot[slot] = hot;
         self.slots[slot] = Some(seq);
         self.stamp[slot] = 0;
+        self.extra[slot] = extra;
+    }
+
+    /// Live sequence `id`'s block tables of layer groups 1...
+    pub(super) fn extra(&self, id: SeqId) -> &[BlockTable] {
+        &self.extra[self.slot(id).expect("live sequence")]
+    }
+
+    /// Live sequence `id`'s block tables, group 0's first, mutably.
+    pub(super) fn tables_mut(&mut self, id: SeqId) -> (&mut BlockTable, &mut [BlockTable]) {
+        let slot = self.slot(id).expect("live sequence");
+        (
+            &mut self.slots[slot].as_mut().expect("live sequence").table,
+            &mut self.extra[slot],
+        )
     }
 
     pub(super) fn get(&self, id: &SeqId) -> Option<&Seq> {
         self.slots[self.slot(*id)?].as_ref()
-    }
-
-    pub(super) fn get_mut(&mut self, id: &SeqId) -> Option<&mut Seq> {
-        let slot = self.slot(*id)?;
-        self.slots[slot].as_mut()
     }
 
     /// Live sequence `id`'s cold record.
@@ -260,13 +283,14 @@ impl SeqSlab {
         self.cold(id).is_prefilling(self[&id].table.num_tokens())
     }
 
-    /// Takes a live sequence out, with its tokens.
-    pub(super) fn remove(&mut self, id: &SeqId) -> Option<(Seq, History)> {
+    /// Takes a live sequence out, with its tokens and its tables of groups 1...
+    pub(super) fn remove(&mut self, id: &SeqId) -> Option<(Seq, History, Vec<BlockTable>)> {
         let slot = self.slot(*id)?;
         let s = self.slots[slot].take()?;
         let tokens = std::mem::replace(&mut self.hot[slot], Hot::free()).tokens;
+        let extra = std::mem::take(&mut self.extra[slot]);
         self.free.push(slot as u32);
-        Some((s, tokens))
+        Some((s, tokens, extra))
     }
 
     /// Writes live sequence `id`'s pending tokens to its `Vec`, so that

@@ -60,10 +60,13 @@ impl Scheduler {
         b.swap_out.clear();
         b.swap_in.clear();
         b.preempted.clear();
+        for g in &mut b.groups {
+            g.slot_mapping.clear();
+        }
 
         // 0. With a sliding window, release what no query of this step sees, so the
         // counts below see those blocks free.
-        if self.cfg.sliding_window.is_some() {
+        if self.specs.iter().any(|s| s.window().is_some()) {
             self.slide_windows()?;
         }
         // 1. Room for every running sequence's next token, most urgent groups first.
@@ -131,7 +134,7 @@ impl Scheduler {
                 self.look_ahead(row, dist, mask, w);
             }
             if let Some(plan) = chunks.as_mut() {
-                let cost = self.kv.append_cost(&self.seqs[&id].table)?;
+                let cost = self.append_cost(id)?;
                 plan.reserve -= cost;
                 if self.seqs.is_prefilling(id) {
                     self.schedule_chunk(row, id, cost, plan)?;
@@ -163,6 +166,9 @@ impl Scheduler {
                 // (Its hashes, and so its hot `commit_at`, are as they were: a new
                 // or copied block is partial.)
             }
+            if !self.batch.groups.is_empty() {
+                self.decode_extra_groups(row, id)?;
+            }
             self.batch.num_decodes += 1;
             self.batch.context_lens[row] = (start + 1) as i32;
             self.batch.seqs.push(ScheduledSeq {
@@ -180,20 +186,44 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Step 0 (with a sliding window): releases, for every running sequence, the
-    /// blocks wholly before the window of the first position this step appends (see
-    /// the window's release rule in `block::table::append`), and writes their batch
-    /// entries `NULL_BLOCK`. The appends of step 3 then release nothing more.
+    /// The decode slot of running sequence `id` (batch row `row`) in layer groups
+    /// 1.. (group 0's is `decode_rows`' own): an append to each of its other tables,
+    /// the slot into the group's slot mapping, a new or copied block's entry into the
+    /// group's row.
+    fn decode_extra_groups(&mut self, row: usize, id: u64) -> Result<()> {
+        let w = self.batch.max_blocks_per_seq as usize;
+        let (_, extra) = self.seqs.tables_mut(id);
+        for (t, plane) in extra.iter_mut().zip(&mut self.batch.groups) {
+            let before = t.num_blocks();
+            let copies_before = self.batch.copies.len();
+            let slot = self.kv.append_slot(t, &mut self.batch.copies)?;
+            plane.slot_mapping.push(slot);
+            let n = t.num_blocks();
+            if (n != before || self.batch.copies.len() != copies_before) && n - 1 < w {
+                plane.block_tables[row * w + n - 1] = t.blocks()[n - 1] as i32;
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 0 (with a sliding window): releases, for every running sequence and
+    /// layer group, the blocks wholly before the window of the first position this
+    /// step appends (see the window's release rule in `block::table::append`), and
+    /// writes their batch entries `NULL_BLOCK`. The appends of step 3 then release
+    /// nothing more.
     fn slide_windows(&mut self) -> Result<()> {
         let w = self.batch.max_blocks_per_seq as usize;
         for row in 0..self.rows.len() {
-            let seq = self.seqs.get_mut(&self.rows[row]).unwrap();
-            let live_before = (seq.table.first_live() as usize).min(w);
-            let released = self.kv.slide_window(&mut seq.table)?;
-            let live = (seq.table.first_live() as usize).min(w);
-            if released > 0 && live > live_before {
-                self.batch.block_tables[row * w + live_before..row * w + live]
-                    .fill(NULL_BLOCK as i32);
+            let (t0, extra) = self.seqs.tables_mut(self.rows[row]);
+            let planes = std::iter::once(&mut self.batch.block_tables)
+                .chain(self.batch.groups.iter_mut().map(|g| &mut g.block_tables));
+            for (t, plane) in std::iter::once(t0).chain(extra.iter_mut()).zip(planes) {
+                let live_before = (t.first_live() as usize).min(w);
+                let released = self.kv.slide_window(t)?;
+                let live = (t.first_live() as usize).min(w);
+                if released > 0 && live > live_before {
+                    plane[row * w + live_before..row * w + live].fill(NULL_BLOCK as i32);
+                }
             }
         }
         Ok(())
@@ -243,7 +273,7 @@ impl Scheduler {
         let (mut decodes, mut reserve) = (0usize, 0u32);
         for i in 0..self.rows.len() {
             let id = self.rows[i];
-            reserve += self.kv.append_cost(&self.seqs[&id].table)?;
+            reserve += self.append_cost(id)?;
             if !self.seqs.is_prefilling(id) {
                 if i != decodes {
                     self.swap_rows(i, decodes);
@@ -280,12 +310,18 @@ impl Scheduler {
         take = take.min(plan.tokens.saturating_sub(plan.chunks)).max(1);
         // Tokens `k` more blocks hold: the rest of a partial last block (after a copy,
         // which the one-token cost counts, when it is shared), then whole blocks.
+        // Every layer group's table takes the same blocks for the same positions
+        // (a mid-prefill sequence has no forks): `cost` and the free blocks split
+        // evenly.
+        let groups = self.specs.len() as u32;
         let blocks = self
             .kv
             .device()
             .num_free()
             .saturating_sub(plan.reserve + self.watermark_now())
-            .max(cost);
+            .max(cost)
+            / groups;
+        let cost = cost / groups;
         let room = (bs - start % bs) % bs;
         let fit = if room > 0 && cost == 1 {
             room as u64 + (blocks as u64 - 1) * bs as u64
@@ -295,16 +331,24 @@ impl Scheduler {
         take = take.min(fit.min(usize::MAX as u64) as usize).max(1);
         plan.tokens = plan.tokens.saturating_sub(take);
         let offset = self.batch.slot_mapping.len() as u32;
-        let seq = self.seqs.get_mut(&id).unwrap();
         // One step's appends: a sliding window releases only what the chunk's first
         // query no longer sees.
+        let (t0, extra) = self.seqs.tables_mut(id);
         self.kv.append_chunk(
-            &mut seq.table,
+            t0,
             take as u32,
             &mut self.batch.copies,
             &mut self.batch.slot_mapping,
         )?;
-        let end = seq.table.num_tokens();
+        for (t, plane) in extra.iter_mut().zip(&mut self.batch.groups) {
+            self.kv.append_chunk(
+                t,
+                take as u32,
+                &mut self.batch.copies,
+                &mut plane.slot_mapping,
+            )?;
+        }
+        let end = self.seqs[&id].table.num_tokens();
         // The chunk's full blocks are registered now (see `admit_waiting`): a prompt
         // admitted later in this step may share them.
         let salt = self.seqs.cold(id).salt;
@@ -315,6 +359,7 @@ impl Scheduler {
         self.kv
             .commit_parts(&mut seq.table, tokens.as_slices(), salt)?;
         let (request, samples) = (seq.request, end == prefill_end);
+        self.adopt_names(id)?;
         // Several entries may change (new blocks, a copy, a window's releases): the
         // whole row is rewritten (chunks are few).
         self.write_row(row, id);

@@ -109,7 +109,7 @@ fn a_fill_larger_than_the_held_fill_is_an_error() {
 fn manager_with_table() -> (KvCacheManager, BlockTable) {
     let mut kv = KvCacheManager::new(8, 4, 8, true, None).unwrap();
     let mut t = BlockTable::new();
-    kv.allocate_prefill(&mut t, &(0..10).collect::<Vec<_>>(), None)
+    kv.allocate_prefill(&mut [&mut t], &(0..10).collect::<Vec<_>>(), None)
         .unwrap();
     (kv, t)
 }
@@ -224,8 +224,10 @@ fn a_reserved_table_never_moves_while_it_grows_to_its_reservation() {
     let (mut t, mut u) = (BlockTable::new(), BlockTable::new());
     t.reserve(24);
     let prompt: Vec<u32> = (0..40).collect();
-    m.allocate_prefill(&mut t, &prompt, None).unwrap();
-    plain.allocate_prefill(&mut u, &prompt, None).unwrap();
+    m.allocate_prefill(&mut [&mut t], &prompt, None).unwrap();
+    plain
+        .allocate_prefill(&mut [&mut u], &prompt, None)
+        .unwrap();
     let (blocks, hashes) = (t.blocks().as_ptr(), t.hashes().as_ptr());
     let mut copies = Vec::new();
     let mut tokens = prompt.clone();

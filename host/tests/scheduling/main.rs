@@ -6,4 +6,5 @@ mod liveness;
 mod scheduler;
 mod scheduler_chunked;
 mod scheduler_examples;
+mod scheduler_hybrid;
 mod scheduler_large;

@@ -18,7 +18,7 @@
 use std::collections::{HashMap, HashSet};
 
 use pagedkv_host::Error;
-use pagedkv_host::block::{Location, NULL_BLOCK, PAD_SLOT};
+use pagedkv_host::block::{KvSpec, Location, NULL_BLOCK, PAD_SLOT};
 use pagedkv_host::scheduler::{
     FinishReason, PreemptionMode, QueuePolicy, Request, Scheduler, SchedulerConfig,
 };
@@ -69,7 +69,16 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, bool)> {
         any::<bool>(),
         1usize..12,
         prop_oneof![Just(0.0), Just(0.01), 0.0f64..0.5],
-        (16u32..=128, 0usize..200),
+        (
+            16u32..=128,
+            0usize..200,
+            // Layer groups (a hybrid model) in a third of the cases: two or three,
+            // each full or windowed (then `sliding_window` is unset).
+            prop_oneof![
+                2 => Just(Vec::new()),
+                1 => prop::collection::vec(prop::option::weighted(0.6, 4u32..60), 2..=3),
+            ],
+        ),
     )
         .prop_map(
             |(
@@ -84,7 +93,7 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, bool)> {
                 prio,
                 max_seqs,
                 watermark,
-                (max_model_len, extra_tokens),
+                (max_model_len, extra_tokens, groups),
             )| {
                 let cfg = SchedulerConfig {
                     num_blocks,
@@ -108,7 +117,8 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, bool)> {
                         QueuePolicy::Fcfs
                     },
                     enable_prefix_caching: prefix,
-                    sliding_window: window,
+                    sliding_window: if groups.is_empty() { window } else { None },
+                    kv_groups: groups.into_iter().map(KvSpec::from_window).collect(),
                     max_model_len,
                 };
                 (cfg, chunked)
@@ -187,97 +197,104 @@ impl Model {
             let dev = self.dev.clone();
             Self::copy(&dev, &mut self.dev, src, dst, bs);
         }
-        // No two new tokens share a slot, and every written block is held alone.
-        let real: Vec<i64> = batch
-            .slot_mapping
-            .iter()
-            .copied()
+        // No two new tokens share a slot (in any layer group: a block id belongs to
+        // one group), and every written block is held alone.
+        let groups = self.s.kv_specs().len();
+        prop_assert_eq!(batch.num_groups(), groups);
+        let real: Vec<i64> = (0..groups)
+            .flat_map(|g| batch.group(g).unwrap().slot_mapping.iter().copied())
             .filter(|s| *s >= 0)
             .collect();
         let slots: HashSet<i64> = real.iter().copied().collect();
         prop_assert_eq!(slots.len(), real.len(), "two tokens got the same slot");
         let w = batch.max_blocks_per_seq as usize;
-        prop_assert_eq!(batch.block_tables.len(), batch.seqs.len() * w);
-        for (row, q) in batch.seqs.iter().enumerate() {
-            let tokens = self.s.tokens(q.seq).unwrap().to_vec();
-            prop_assert_eq!(batch.context_lens[row] as u32, q.context_len);
-            let table = self.s.block_table(q.seq).unwrap();
-            for (i, b) in table.blocks().iter().enumerate() {
-                prop_assert_eq!(
-                    batch.block_tables[row * w + i],
-                    *b as i32,
-                    "row {} entry {}",
-                    row,
-                    i
-                );
-            }
-            for i in table.blocks().len()..w {
-                prop_assert_eq!(
-                    batch.block_tables[row * w + i],
-                    NULL_BLOCK as i32,
-                    "padding"
-                );
-            }
-            for k in 0..q.num_new_tokens {
-                let slot = batch.slot_mapping[(q.token_offset + k) as usize];
-                let pos = q.start_pos + k;
-                // Every new token's K/V is stored: some query of the step reads it
-                // (a prefill's tokens before the window once went unstored, and
-                // its early queries read released blocks).
-                prop_assert!(slot != PAD_SLOT, "pad slot at {} of {:?}", pos, q);
-                prop_assert!(slot >= 0);
-                let block = (slot as usize / bs) as u32;
-                prop_assert_eq!(table.blocks()[pos as usize / bs], block);
-                // A block another sequence holds is written only as a full block of
-                // a prefill sharing it the step it is computed (an identical prompt
-                // admitted in the same step, as vLLM shares them), with the token
-                // every holder has there; a partial block is copied on write first.
-                if self.s.kv().device().ref_cnt(block).unwrap() > 1 {
-                    prop_assert!(
-                        q.is_prefill && (pos as usize / bs + 1) * bs <= q.context_len as usize,
-                        "write into a shared partial block at {} of {:?}",
-                        pos,
-                        q
+        for g in 0..groups {
+            let view = batch.group(g).unwrap();
+            prop_assert_eq!(view.block_tables.len(), batch.seqs.len() * w);
+            prop_assert_eq!(view.slot_mapping.len(), batch.slot_mapping.len());
+            for (row, q) in batch.seqs.iter().enumerate() {
+                let tokens = self.s.tokens(q.seq).unwrap().to_vec();
+                prop_assert_eq!(batch.context_lens[row] as u32, q.context_len);
+                let table = self.s.block_table_of(q.seq, g).unwrap();
+                for (i, b) in table.blocks().iter().enumerate() {
+                    prop_assert_eq!(
+                        view.block_tables[row * w + i],
+                        *b as i32,
+                        "group {} row {} entry {}",
+                        g,
+                        row,
+                        i
                     );
-                    for other in self.s.live_seqs() {
-                        let t = self.s.block_table(other).unwrap();
-                        if t.location() == Location::Device
-                            && t.blocks().get(pos as usize / bs) == Some(&block)
-                        {
-                            prop_assert_eq!(
-                                self.s.tokens(other).unwrap()[pos as usize],
-                                tokens[pos as usize],
-                                "sequence {} shares block {} with other tokens",
-                                other,
-                                block
-                            );
+                }
+                for i in table.blocks().len()..w {
+                    prop_assert_eq!(view.block_tables[row * w + i], NULL_BLOCK as i32, "padding");
+                }
+                for k in 0..q.num_new_tokens {
+                    let slot = view.slot_mapping[(q.token_offset + k) as usize];
+                    let pos = q.start_pos + k;
+                    // Every new token's K/V is stored: some query of the step reads it
+                    // (a prefill's tokens before the window once went unstored, and
+                    // its early queries read released blocks).
+                    prop_assert!(slot != PAD_SLOT, "pad slot at {} of {:?}", pos, q);
+                    prop_assert!(slot >= 0);
+                    let block = (slot as usize / bs) as u32;
+                    prop_assert_eq!(table.blocks()[pos as usize / bs], block);
+                    // A block another sequence holds is written only as a full block of
+                    // a prefill sharing it the step it is computed (an identical prompt
+                    // admitted in the same step, as vLLM shares them), with the token
+                    // every holder has there; a partial block is copied on write first.
+                    if self.s.kv().device().ref_cnt(block).unwrap() > 1 {
+                        prop_assert!(
+                            q.is_prefill && (pos as usize / bs + 1) * bs <= q.context_len as usize,
+                            "write into a shared partial block at {} of {:?}",
+                            pos,
+                            q
+                        );
+                        for other in self.s.live_seqs() {
+                            let t = self.s.block_table_of(other, g).unwrap();
+                            if t.location() == Location::Device
+                                && t.blocks().get(pos as usize / bs) == Some(&block)
+                            {
+                                prop_assert_eq!(
+                                    self.s.tokens(other).unwrap()[pos as usize],
+                                    tokens[pos as usize],
+                                    "sequence {} shares block {} with other tokens",
+                                    other,
+                                    block
+                                );
+                            }
                         }
                     }
+                    self.dev[slot as usize] = Some(tokens[pos as usize]);
                 }
-                self.dev[slot as usize] = Some(tokens[pos as usize]);
             }
         }
         // What the kernels read: every position some new query of the step attends to
         // (from the window of its first new position on) reads its own token back
-        // through the batch's block-table row.
-        let window = self.s.config().sliding_window;
-        for (row, q) in batch.seqs.iter().enumerate() {
-            let tokens = self.s.tokens(q.seq).unwrap().to_vec();
-            for pos in window_start(window, q.start_pos)..q.context_len {
-                let b = batch.block_tables[row * w + pos as usize / bs];
-                prop_assert!(
-                    b != NULL_BLOCK as i32,
-                    "{:?} attends to position {} in a released block",
-                    q,
-                    pos
-                );
-                prop_assert_eq!(
-                    self.dev[b as usize * bs + pos as usize % bs],
-                    Some(tokens[pos as usize]),
-                    "{:?} reads position {}",
-                    q,
-                    pos
-                );
+        // through the batch's block-table row, in every layer group.
+        for g in 0..groups {
+            let window = self.s.kv_specs()[g].window();
+            let view = batch.group(g).unwrap();
+            prop_assert_eq!(view.sliding_window, window);
+            for (row, q) in batch.seqs.iter().enumerate() {
+                let tokens = self.s.tokens(q.seq).unwrap().to_vec();
+                for pos in window_start(window, q.start_pos)..q.context_len {
+                    let b = view.block_tables[row * w + pos as usize / bs];
+                    prop_assert!(
+                        b != NULL_BLOCK as i32,
+                        "{:?} attends to position {} in a released block",
+                        q,
+                        pos
+                    );
+                    prop_assert_eq!(
+                        self.dev[b as usize * bs + pos as usize % bs],
+                        Some(tokens[pos as usize]),
+                        "{:?} reads position {} (group {})",
+                        q,
+                        pos,
+                        g
+                    );
+                }
             }
         }
         let sampled: Vec<(u64, u32)> = batch
@@ -442,12 +459,17 @@ impl Model {
                 let cfg = self.s.config();
                 let bs = cfg.block_size as usize;
                 let total = len + max_tokens as usize;
-                let mut blocks = total.div_ceil(bs);
-                // (Without chunked prefill a prefill holds all its tokens' blocks.)
-                if let Some(w) = cfg.sliding_window
-                    && self.s.chunked_prefill()
-                {
-                    blocks = blocks.min((w as usize).div_ceil(bs) + 1);
+                // Every layer group's blocks. (Without chunked prefill a prefill
+                // holds all its tokens' blocks.)
+                let mut blocks = 0;
+                for spec in self.s.kv_specs() {
+                    let mut b = total.div_ceil(bs);
+                    if let Some(w) = spec.window()
+                        && self.s.chunked_prefill()
+                    {
+                        b = b.min((w as usize).div_ceil(bs) + 1);
+                    }
+                    blocks += b;
                 }
                 let usable = cfg.num_blocks as usize - 1;
                 prop_assert!(
@@ -487,8 +509,14 @@ impl Model {
         let mut dref: HashMap<u32, u32> = HashMap::new();
         let mut dfill: HashMap<u32, usize> = HashMap::new();
         let mut href: HashMap<u32, u32> = HashMap::new();
-        for seq in self.s.live_seqs() {
-            let t = self.s.block_table(seq).unwrap();
+        for (seq, g) in self
+            .s
+            .live_seqs()
+            .into_iter()
+            .flat_map(|q| (0..self.s.kv_specs().len()).map(move |g| (q, g)))
+        {
+            let t = self.s.block_table_of(seq, g).unwrap();
+            prop_assert_eq!(t.group(), g);
             let computed = self.s.num_computed(seq).unwrap() as usize;
             let tokens = self.s.tokens(seq).unwrap();
             // The blocks wholly before the window of the last step's first new
@@ -500,7 +528,7 @@ impl Model {
             } else {
                 self.last_start.get(&seq).copied().unwrap_or(0)
             };
-            let first = window_start(self.s.config().sliding_window, start) as usize / bs;
+            let first = window_start(self.s.kv_specs()[g].window(), start) as usize / bs;
             for (i, &b) in t.blocks().iter().enumerate() {
                 if i < first {
                     if t.location() == Location::Device {
@@ -702,10 +730,18 @@ proptest! {
         lens in prop::collection::vec((1usize..60, 1u32..60), 1..25),
         swap in any::<bool>(),
         chunk_budget in prop::option::of(8usize..40),
+        groups in prop_oneof![
+            Just(Vec::new()),
+            Just(vec![KvSpec::SlidingWindow(24), KvSpec::Full]),
+            Just(vec![KvSpec::Full, KvSpec::SlidingWindow(40), KvSpec::SlidingWindow(9)]),
+        ],
     ) {
-        // The pool holds the longest request (128 tokens = 8 blocks of 16) and a bit.
+        // The pool holds the longest request (128 tokens = 8 blocks of 16) and a bit,
+        // in every layer group.
+        let g = groups.len().max(1) as u32;
         let cfg = SchedulerConfig {
-            num_blocks: 12,
+            num_blocks: 12 * g,
+            kv_groups: groups,
             block_size: 16,
             num_host_blocks: if swap { 16 } else { 0 },
             max_num_seqs: 8,

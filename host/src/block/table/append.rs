@@ -188,7 +188,7 @@ impl KvCacheManager {
         if off == 0
             || self.block_mask == 0
             || t.last_maybe_shared
-            || self.window.is_some()
+            || (self.windowed >> (t.group & 63)) & 1 != 0
             || t.owner != self.id
             || t.location != Location::Device
         {
@@ -218,7 +218,7 @@ impl KvCacheManager {
 
     /// [`slide_window`](Self::slide_window) of a checked device table.
     fn slide(&mut self, t: &mut BlockTable) {
-        let dead = self.dead_before(t.num_tokens);
+        let dead = self.dead_before(t.group as usize, t.num_tokens);
         while t.first_live < dead {
             let i = t.first_live as usize;
             if t.blocks()[i] != NULL_BLOCK {

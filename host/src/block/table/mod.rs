@@ -5,7 +5,9 @@
 //! * Every entry of a device table is [`NULL_BLOCK`] or a block whose `ref_cnt` counts
 //!   it; every entry of a host (swapped) table likewise in the host pool.
 //! * Token position `p < num_tokens` of a table lives in slot
-//!   `blocks[p / block_size] * block_size + p % block_size`. With a sliding window,
+//!   `blocks[p / block_size] * block_size + p % block_size` of every layer of the
+//!   table's layer group ([`BlockTable::group`]; a manager serves one or more groups
+//!   over one pool, see [`crate::block::spec`]): a block id belongs to one group. With a sliding window,
 //!   the entries wholly before the window of the first position the table's last
 //!   step appended are `NULL_BLOCK` (released), and every later entry is held: a
 //!   step's queries read every position any of them attends to (the release rule in
@@ -59,6 +61,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rustc_hash::FxHashMap as HashMap;
 
 use super::pool::{BlockHash, BlockId, BlockPool, PAD_SLOT};
+use crate::block::spec::{KvSpec, MAX_KV_GROUPS};
 use crate::error::{Error, Result};
 use crate::mem::SeqAlloc;
 use entries::Entries;
@@ -99,6 +102,9 @@ pub struct BlockTable {
     /// The last block may be shared (set by fork and swap-in): only then does an
     /// append look at its reference count for copy-on-write.
     last_maybe_shared: bool,
+    /// The layer group whose blocks these are (its manager's window and prefix names
+    /// apply; see [`crate::block::spec`]). Kept by `free`: a table serves one group.
+    group: u8,
     /// The block ids and hashes, allocated from the global allocator, or from a
     /// scheduler's arena once it reserves the table ([`reserve_in`](Self::reserve_in)).
     entries: Entries,
@@ -118,15 +124,33 @@ impl Default for BlockTable {
             first_live: 0,
             location: Location::Device,
             last_maybe_shared: false,
+            group: 0,
             entries: Entries::new_in(SeqAlloc::Global),
         }
     }
 }
 
 impl BlockTable {
-    /// An empty table on the device, bound to no manager yet.
+    /// An empty table on the device, bound to no manager yet, of layer group 0 (a
+    /// model of one group has only that).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty table of layer group `group` (< [`MAX_KV_GROUPS`]: its manager
+    /// refuses a group it does not have).
+    ///
+    /// [`MAX_KV_GROUPS`]: crate::block::MAX_KV_GROUPS
+    pub fn for_group(group: usize) -> Self {
+        Self {
+            group: group.min(u8::MAX as usize) as u8,
+            ..Self::default()
+        }
+    }
+
+    /// The layer group of this table's blocks.
+    pub fn group(&self) -> usize {
+        self.group as usize
     }
 
     /// The [`KvCacheManager::id`] of the manager this table's blocks belong to; `None`
@@ -164,6 +188,7 @@ impl BlockTable {
             first_live: self.first_live,
             location: self.location,
             last_maybe_shared: self.last_maybe_shared,
+            group: self.group,
             entries: self.entries.duplicate(),
         }
     }
@@ -232,6 +257,8 @@ impl BlockTable {
 #[derive(Clone, Copy, Debug)]
 struct PendingCommit {
     block: BlockId,
+    /// The table's layer group (the name is registered as its group's).
+    group: u8,
     tag: u32,
     index: u32,
     parent: Parent,
@@ -265,7 +292,11 @@ pub struct KvCacheManager {
     /// `block_size - 1` when it is a power of two (offsets by mask), else 0.
     block_mask: u32,
     prefix_caching: bool,
-    window: Option<u32>,
+    /// The sliding window of each layer group (`None`: full attention); one entry
+    /// for a model of one group.
+    windows: Vec<Option<u32>>,
+    /// Bit `g` set when group `g` has a window (the inline append reads one word).
+    windowed: u64,
     scratch: HashMap<BlockId, BlockId>,
     /// Registrations [`commit_deferred`](Self::commit_deferred) left for
     /// [`flush_commits`](Self::flush_commits).
@@ -282,7 +313,8 @@ pub struct KvCacheManager {
 impl KvCacheManager {
     /// A manager over `num_blocks` device blocks (block 0 is the null block) and
     /// `num_host_blocks` host blocks for swapping (0 disables swap), each at most
-    /// [`MAX_POOL_BLOCKS`](crate::block::pool::MAX_POOL_BLOCKS).
+    /// [`MAX_POOL_BLOCKS`](crate::block::pool::MAX_POOL_BLOCKS), for one layer group
+    /// whose layers keep the last `window` tokens (`None`: all of them).
     pub fn new(
         num_blocks: u32,
         num_host_blocks: u32,
@@ -290,12 +322,46 @@ impl KvCacheManager {
         prefix_caching: bool,
         window: Option<u32>,
     ) -> Result<Self> {
-        if block_size == 0 || block_size > u16::MAX as u32 {
-            return Err(Error::invalid("block_size", format!("{block_size}")));
-        }
         if window == Some(0) {
             return Err(Error::invalid("sliding_window", "must be at least 1 token"));
         }
+        Self::with_groups(
+            num_blocks,
+            num_host_blocks,
+            block_size,
+            prefix_caching,
+            &[KvSpec::from_window(window)],
+        )
+    }
+
+    /// [`new`](Self::new) for layer groups of specs `groups` (one to
+    /// [`MAX_KV_GROUPS`] of them), sharing the pool: a table of group `g`
+    /// ([`BlockTable::for_group`]) follows `groups[g]`'s window, and its full blocks
+    /// are cached under that group's names ([`BlockHash::in_group`]).
+    pub fn with_groups(
+        num_blocks: u32,
+        num_host_blocks: u32,
+        block_size: u32,
+        prefix_caching: bool,
+        groups: &[KvSpec],
+    ) -> Result<Self> {
+        if block_size == 0 || block_size > u16::MAX as u32 {
+            return Err(Error::invalid("block_size", format!("{block_size}")));
+        }
+        if groups.is_empty() || groups.len() > MAX_KV_GROUPS {
+            return Err(Error::invalid(
+                "kv_groups",
+                format!("{} groups (1 to {MAX_KV_GROUPS})", groups.len()),
+            ));
+        }
+        for s in groups {
+            s.check("kv_groups")?;
+        }
+        let windows: Vec<Option<u32>> = groups.iter().map(|s| s.window()).collect();
+        let windowed = windows
+            .iter()
+            .enumerate()
+            .fold(0u64, |m, (g, w)| m | ((w.is_some() as u64) << g));
         let host = if num_host_blocks == 0 {
             BlockPool::new(1, false).map(|mut p| {
                 // A pool with its only block taken: swap always finds it full.
@@ -319,7 +385,8 @@ impl KvCacheManager {
                 0
             },
             prefix_caching,
-            window,
+            windows,
+            windowed,
             scratch: HashMap::default(),
             pending: Vec::new(),
             pending_tokens: Vec::new(),
@@ -334,8 +401,19 @@ impl KvCacheManager {
         self.id as u64
     }
 
-    /// [`Error::InvalidArgument`] (`table`) unless `t` is empty or this manager's.
+    /// [`Error::InvalidArgument`] (`table`) unless `t` is empty or this manager's, of
+    /// one of its groups.
     fn check(&self, t: &BlockTable) -> Result<()> {
+        if t.group as usize >= self.windows.len() {
+            return Err(Error::invalid(
+                "table",
+                format!(
+                    "of layer group {}: the manager has {}",
+                    t.group,
+                    self.windows.len()
+                ),
+            ));
+        }
         if t.owner == self.id || (t.owner == 0 && t.blocks().is_empty()) {
             Ok(())
         } else {
@@ -368,9 +446,14 @@ impl KvCacheManager {
         self.block_size
     }
 
-    /// The sliding window, if any.
-    pub fn window(&self) -> Option<u32> {
-        self.window
+    /// The sliding window of each layer group (`None`: full attention).
+    pub fn windows(&self) -> &[Option<u32>] {
+        &self.windows
+    }
+
+    /// Layer groups.
+    pub fn num_groups(&self) -> usize {
+        self.windows.len()
     }
 
     /// Slot of token position `pos` of a device table; [`PAD_SLOT`] for a position
@@ -408,13 +491,13 @@ impl KvCacheManager {
         num_tokens.div_ceil(self.block_size)
     }
 
-    /// Leading blocks that no query at position `first` or later attends to: those
-    /// wholly before the sliding window of position `first` (`first + 1 - w ..=
-    /// first`); 0 without a window. A step whose first new position is `first` may
-    /// release them, and needs every later block (see the window's release rule in
-    /// `append`).
-    pub fn dead_before(&self, first: u32) -> u32 {
-        match self.window {
+    /// Leading blocks of layer group `group` that no query at position `first` or
+    /// later attends to: those wholly before the sliding window of position `first`
+    /// (`first + 1 - w ..= first`); 0 without a window. A step whose first new
+    /// position is `first` may release them, and needs every later block (see the
+    /// window's release rule in `append`).
+    pub fn dead_before(&self, group: usize, first: u32) -> u32 {
+        match self.windows[group] {
             Some(w) => (first as u64 + 1).saturating_sub(w as u64) as u32 / self.block_size,
             None => 0,
         }
@@ -440,7 +523,7 @@ impl KvCacheManager {
             };
             pool.release(b, fill);
         }
-        *t = BlockTable::new();
+        *t = BlockTable::for_group(t.group as usize);
         Ok(())
     }
 

@@ -24,8 +24,13 @@
 //!   step's `kv_append`, which an engine runs for the whole step before the step's
 //!   attention in each layer; vLLM shares blocks as soon as they are allocated too);
 //!   a decode's block after the step that wrote its last token (`on_step_done`).
-//! * Prefix caching is off with a sliding window: a prefill may need cached tokens the
-//!   window has already released.
+//! * With sliding windows (and layer groups: [`crate::block::spec`]), a hit is the
+//!   longest prefix every group serves: a full-attention group the whole chain, a
+//!   window group the blocks its window needs at the first computed position (vLLM's
+//!   rule, PR #14097). A block a window releases stays cached in the free queue (it was
+//!   committed when it filled), so a later prompt beginning the same way still finds
+//!   it. Each group's blocks are cached under its own names
+//!   ([`BlockHash::in_group`](crate::block::BlockHash::in_group)).
 
 use super::Parent;
 use super::{BlockTable, KvCacheManager, Location, PendingCommit};
@@ -34,23 +39,27 @@ use crate::error::{Error, Result};
 use crate::mem::{prefetch, prefetch_write};
 
 /// A prompt's prefix-cache hits as [`KvCacheManager::find_prefix_hits`] found them: the
-/// names of its leading cached full blocks (capped so at least one token is left to
-/// compute), computed once and reused by [`KvCacheManager::prefill_cost_with`] and
-/// [`KvCacheManager::allocate_prefill_with`], which only look them up again. (Each
-/// name is a SHA-256 compression; an admission once hashed its prompt five times.)
+/// names of its leading full blocks (capped so at least one token is left to compute)
+/// and how many of them every layer group serves, computed once and reused by
+/// [`KvCacheManager::prefill_cost_with`] and [`KvCacheManager::allocate_prefill_with`],
+/// which only look them up again. (Each name is a SHA-256 compression; an admission
+/// once hashed its prompt five times.)
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PrefixHits {
+    /// Chain names of the leading full blocks looked at (at least `blocks` of them).
     names: Vec<BlockHash>,
+    blocks: u32,
     free: u32,
 }
 
 impl PrefixHits {
-    /// Hit blocks.
+    /// Hit blocks: the longest prefix every layer group can serve.
     pub fn blocks(&self) -> u32 {
-        self.names.len() as u32
+        self.blocks
     }
 
-    /// Of those, blocks that sit in the free queue (a hit takes them out of it).
+    /// Of the blocks the hit takes in every group, those that sit in the free queue
+    /// (a hit takes them out of it).
     pub fn free(&self) -> u32 {
         self.free
     }
@@ -58,29 +67,74 @@ impl PrefixHits {
 
 impl KvCacheManager {
     /// Finds the prefix-cache hits of a prompt into `hits` (its buffer reused): the
-    /// leading full blocks whose names are cached, capped so at least one token is left
-    /// to compute. Changes nothing else. None without prefix caching, and with a sliding
-    /// window (a prefill may need cached tokens the window has already released).
+    /// longest run of leading full blocks every layer group serves, capped so at least
+    /// one token is left to compute. A full-attention group serves `n` blocks when all
+    /// of them are cached under its names; a sliding-window group when the blocks its
+    /// window needs at the first computed position (`n * block_size`) are: those from
+    /// [`dead_before`](Self::dead_before) on (vLLM's rule). Changes nothing else. None
+    /// without prefix caching.
     pub fn find_prefix_hits(&self, tokens: &[u32], salt: Option<u64>, hits: &mut PrefixHits) {
         hits.names.clear();
+        hits.blocks = 0;
         hits.free = 0;
-        if !self.prefix_caching || self.window.is_some() || tokens.is_empty() {
+        if !self.prefix_caching || tokens.is_empty() {
             return;
         }
         let bs = self.block_size as usize;
         let max_hits = (tokens.len() - 1) / bs;
+        let full: Vec<usize> = (0..self.windows.len())
+            .filter(|&g| self.windows[g].is_none())
+            .collect();
         let mut parent = None;
         for chunk in tokens.chunks_exact(bs).take(max_hits) {
             let h = hash_block(parent, chunk, salt);
-            match self.device.lookup(h) {
-                Some(b) => {
-                    hits.names.push(h);
-                    hits.free += (self.device.rc(b) == 0) as u32;
-                    parent = Some(h);
-                }
-                None => break,
+            // A full group serves no block past its first miss; with none, a window
+            // group's run may start anywhere.
+            if full
+                .iter()
+                .any(|&g| self.device.lookup(h.in_group(g)).is_none())
+            {
+                break;
+            }
+            hits.names.push(h);
+            parent = Some(h);
+        }
+        let (n, free) = self.servable(&hits.names, hits.names.len());
+        hits.blocks = n;
+        hits.free = free;
+    }
+
+    /// The longest prefix of `names` (at most `upto` blocks) that every group serves
+    /// from the cache now, and how many blocks a hit of it takes from the free queue.
+    fn servable(&self, names: &[BlockHash], upto: usize) -> (u32, u32) {
+        let upto = upto.min(names.len());
+        let cached = |g: usize, i: usize| self.device.lookup(names[i].in_group(g));
+        // Full groups: a prefix.
+        let mut n = upto;
+        for g in (0..self.windows.len()).filter(|&g| self.windows[g].is_none()) {
+            n = (0..n).find(|&i| cached(g, i).is_none()).unwrap_or(n);
+        }
+        // Window groups: the longest `n` whose window blocks are all cached in each.
+        let windowed: Vec<usize> = (0..self.windows.len())
+            .filter(|&g| self.windows[g].is_some())
+            .collect();
+        while n > 0
+            && !windowed.iter().all(|&g| {
+                let dead = self.dead_before(g, (n * self.block_size as usize) as u32) as usize;
+                (dead..n).all(|i| cached(g, i).is_some())
+            })
+        {
+            n -= 1;
+        }
+        let mut free = 0;
+        for g in 0..self.windows.len() {
+            let dead = self.dead_before(g, (n * self.block_size as usize) as u32) as usize;
+            for i in dead..n {
+                let b = cached(g, i).expect("servable");
+                free += (self.device.rc(b) == 0) as u32;
             }
         }
+        (n as u32, free)
     }
 
     /// `(hit_blocks, hits_that_are_free)` for a prompt ([`find_prefix_hits`](Self::find_prefix_hits)).
@@ -90,9 +144,10 @@ impl KvCacheManager {
         (hits.blocks(), hits.free())
     }
 
-    /// Free device blocks a prefill of `tokens` would take: its blocks from the window
-    /// of its first computed token on (with a sliding window, the step's queries read
-    /// them all), less prefix hits, plus the hits that sit in the free queue.
+    /// Free device blocks a prefill of `tokens` would take, in every layer group: its
+    /// blocks from the window of its first computed token on (with a sliding window,
+    /// the step's queries read them all), less prefix hits, plus the hits that sit in
+    /// the free queue.
     pub fn prefill_cost(&self, tokens: &[u32], salt: Option<u64>) -> u32 {
         let mut hits = PrefixHits::default();
         self.find_prefix_hits(tokens, salt, &mut hits);
@@ -107,62 +162,73 @@ impl KvCacheManager {
         self.cost_of(num_tokens, hits, free)
     }
 
-    /// Free blocks a prefill of `n` tokens takes with `hits` hit blocks, `free` of them
-    /// in the free queue.
+    /// Free blocks a prefill of `n` tokens takes in every group with `hits` hit blocks,
+    /// `free` of the blocks they take in the free queue: each group holds blocks from
+    /// its window's start (`dead_before(hits * block_size)`, at most `hits`) on, takes
+    /// the hit ones from the cache and allocates the rest.
     fn cost_of(&self, n: u32, hits: u32, free: u32) -> u32 {
-        // (No hits with a window: `dead` and `hits` are never both nonzero.)
-        let dead = self.dead_before(hits * self.block_size);
-        self.blocks_for(n) - dead - hits + free
+        (self.blocks_for(n) - hits) * self.windows.len() as u32 + free
     }
 
-    /// The leading names of `hits` still cached (a prompt of `num_tokens` tokens keeps at
-    /// least one to compute), and how many of those are free: by lookup, no hashing.
+    /// The leading blocks of `hits` still served by every group (a prompt of
+    /// `num_tokens` tokens keeps at least one to compute), and how many of the blocks
+    /// they take are free: by lookup, no hashing.
     fn still_cached(&self, num_tokens: u32, hits: &PrefixHits) -> (u32, u32) {
         let max_hits = (num_tokens.saturating_sub(1) / self.block_size) as usize;
-        let (mut n, mut free) = (0, 0);
-        for &h in hits.names.iter().take(max_hits) {
-            match self.device.lookup(h) {
-                Some(b) => {
-                    n += 1;
-                    free += (self.device.rc(b) == 0) as u32;
-                }
-                None => break,
-            }
-        }
-        (n, free)
+        self.servable(&hits.names, max_hits.min(hits.blocks as usize))
     }
 
-    /// Gives an empty table slots for every position of `tokens`, reusing cached prefix
-    /// blocks: one step's prefill, whose queries attend together, so with a sliding
-    /// window only the blocks wholly before the window of its first computed position
-    /// get no block ([`NULL_BLOCK`] entries; the rest of the window's release waits for
-    /// the sequence's next step, see `append`). Returns the number of leading
-    /// tokens whose KV is already cached (a multiple of the block size, less than
-    /// `tokens.len()`). Nothing changes on error.
+    /// Gives one empty table per layer group (`tables[g]` of group `g`, every group
+    /// once) slots for every position of `tokens`, reusing cached prefix blocks: one
+    /// step's prefill, whose queries attend together, so with a sliding window only
+    /// the blocks wholly before the window of its first computed position get no block
+    /// ([`NULL_BLOCK`] entries; the rest of the window's release waits for the
+    /// sequence's next step, see `append`). Returns the number of leading tokens whose
+    /// KV is already cached (a multiple of the block size, less than `tokens.len()`).
+    /// Nothing changes on error.
     pub fn allocate_prefill(
         &mut self,
-        t: &mut BlockTable,
+        tables: &mut [&mut BlockTable],
         tokens: &[u32],
         salt: Option<u64>,
     ) -> Result<u32> {
         let mut hits = PrefixHits::default();
         self.find_prefix_hits(tokens, salt, &mut hits);
-        self.allocate_prefill_with(t, tokens, &hits)
+        self.allocate_prefill_with(tables, tokens, &hits)
     }
 
     /// [`allocate_prefill`](Self::allocate_prefill) with the hits
     /// [`find_prefix_hits`](Self::find_prefix_hits) found for `tokens` (or for a longer
-    /// prompt they begin): the hits still cached are taken, none hashed again.
+    /// prompt they begin): the hits every group still serves are taken (in every group
+    /// before any block is allocated, so an allocation never evicts a hit), none hashed
+    /// again.
     pub fn allocate_prefill_with(
         &mut self,
-        t: &mut BlockTable,
+        tables: &mut [&mut BlockTable],
         tokens: &[u32],
         found: &PrefixHits,
     ) -> Result<u32> {
-        self.check(t)?;
-        if !t.blocks().is_empty() || t.location != Location::Device {
+        self.check_all(tables)?;
+        if tables.len() != self.windows.len()
+            || tables
+                .iter()
+                .enumerate()
+                .any(|(g, t)| t.group as usize != g)
+        {
+            return Err(Error::invalid(
+                "tables",
+                format!(
+                    "one table per layer group, in group order ({} groups)",
+                    self.windows.len()
+                ),
+            ));
+        }
+        if tables
+            .iter()
+            .any(|t| !t.blocks().is_empty() || t.location != Location::Device)
+        {
             return Err(Error::InvalidState(
-                "allocate_prefill needs an empty device table".into(),
+                "allocate_prefill needs empty device tables".into(),
             ));
         }
         if tokens.is_empty() {
@@ -180,31 +246,41 @@ impl KvCacheManager {
                 free: self.device.num_free(),
             });
         }
-        for &h in &found.names[..hits as usize] {
-            let b = self.device.lookup(h).expect("counted hit");
-            self.device.take(b, self.block_size);
-            t.entries.push_block(b);
-            t.entries.push_hash(h);
+        let bs = self.block_size;
+        // Every group's hits first (out of the free queue), then the new blocks.
+        for (g, t) in tables.iter_mut().enumerate() {
+            let dead = self.dead_before(g, hits * bs);
+            for (i, &h) in found.names[..hits as usize].iter().enumerate() {
+                let b = if (i as u32) < dead {
+                    NULL_BLOCK
+                } else {
+                    let b = self.device.lookup(h.in_group(g)).expect("counted hit");
+                    self.device.take(b, bs);
+                    b
+                };
+                t.entries.push_block(b);
+                t.entries.push_hash(h);
+            }
         }
-        let dead = self.dead_before(hits * self.block_size);
-        debug_assert!(dead == 0 || hits == 0, "prefix hits under a window");
-        while (t.blocks().len() as u32) < self.blocks_for(n) {
-            let b = if (t.blocks().len() as u32) < dead {
-                NULL_BLOCK
-            } else {
-                self.device.allocate().expect("cost checked")
-            };
-            t.entries.push_block(b);
+        for (g, t) in tables.iter_mut().enumerate() {
+            let dead = self.dead_before(g, hits * bs);
+            while (t.blocks().len() as u32) < self.blocks_for(n) {
+                let b = if (t.blocks().len() as u32) < dead {
+                    NULL_BLOCK
+                } else {
+                    self.device.allocate().expect("cost checked")
+                };
+                t.entries.push_block(b);
+            }
+            t.first_live = dead;
+            t.num_tokens = n;
+            t.owner = self.id;
+            t.last = *t.blocks().last().expect("a prompt has a block");
+            // The new blocks' tokens (the hits were counted by `take`).
+            let new_from = hits.max(dead);
+            self.device.add_fill(n.saturating_sub(new_from * bs));
         }
-        t.first_live = dead;
-        t.num_tokens = n;
-        t.owner = self.id;
-        t.last = *t.blocks().last().expect("a prompt has a block");
-        // The new blocks' tokens (the hits were counted by `touch`).
-        let new_from = hits.max(dead);
-        self.device
-            .add_fill(n.saturating_sub(new_from * self.block_size));
-        Ok(hits * self.block_size)
+        Ok(hits * bs)
     }
 
     /// Records the hashes of `t`'s full blocks whose contents are now computed (the
@@ -250,7 +326,7 @@ impl KvCacheManager {
         tag: u32,
     ) -> Result<()> {
         self.check(t)?;
-        if !self.prefix_caching || self.window.is_some() || t.location != Location::Device {
+        if !self.prefix_caching || t.location != Location::Device {
             return Ok(());
         }
         let bs = self.block_size as usize;
@@ -274,6 +350,7 @@ impl KvCacheManager {
             }
             self.pending.push(PendingCommit {
                 block: committed_block(t, i),
+                group: t.group,
                 tag,
                 index: i as u32,
                 parent,
@@ -316,16 +393,38 @@ impl KvCacheManager {
     }
 
     /// The token count from which [`commit`](Self::commit) of `t` records something
-    /// (prefix caching is on, without a window, and a full block of `t` has no hash
-    /// yet): `u32::MAX` when no count does.
+    /// (prefix caching is on, and a full block of `t` has no hash yet): `u32::MAX`
+    /// when no count does.
     pub(crate) fn commit_at(&self, t: &BlockTable) -> u32 {
-        if !self.prefix_caching || self.window.is_some() {
+        if !self.prefix_caching {
             return u32::MAX;
         }
         (t.entries.num_hashes() as u64 + 1)
             .checked_mul(self.block_size as u64)
             .and_then(|n| u32::try_from(n).ok())
             .unwrap_or(u32::MAX)
+    }
+
+    /// Records in `t` the names `names` of its sequence's full blocks, computed by the
+    /// commits of the same sequence's table in another layer group (the chain depends
+    /// on the tokens alone), and registers `t`'s blocks under its group's names: a
+    /// commit without hashing. Entries a window released are named, not registered.
+    pub(crate) fn adopt_names(&mut self, t: &mut BlockTable, names: &[BlockHash]) -> Result<()> {
+        self.check(t)?;
+        if !self.prefix_caching || t.location != Location::Device {
+            return Ok(());
+        }
+        let full = (t.num_tokens / self.block_size) as usize;
+        let g = t.group as usize;
+        while t.entries.num_hashes() < full.min(names.len()) {
+            let i = t.entries.num_hashes();
+            let b = t.blocks()[i];
+            if b != NULL_BLOCK {
+                self.device.register(b, names[i].in_group(g));
+            }
+            t.entries.push_hash(names[i]);
+        }
+        Ok(())
     }
 
     /// Names the pending commits (SHA-256 compressions back to back, into
@@ -366,7 +465,7 @@ impl KvCacheManager {
             self.pending
                 .iter()
                 .zip(&self.named)
-                .map(|(c, n)| (c.block, n.2))
+                .map(|(c, n)| (c.block, n.2.in_group(c.group as usize)))
                 .filter(|&(b, _)| b != NULL_BLOCK),
         );
         for &(b, h) in regs.iter().take(AHEAD) {
@@ -414,7 +513,7 @@ mod tests {
         for bs in [8u32, 32, 128] {
             let tokens: Vec<u32> = (0..4 * bs + 5).map(|t| t * 7 + 1).collect();
             let fill = |m: &mut KvCacheManager, t: &mut BlockTable| {
-                m.allocate_prefill(t, &tokens[..1], None).unwrap();
+                m.allocate_prefill(&mut [t], &tokens[..1], None).unwrap();
                 let mut copies = Vec::new();
                 for _ in 1..tokens.len() {
                     m.append_slot(t, &mut copies).unwrap();
