@@ -218,6 +218,7 @@ fn prefill_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
                         sinks: None,
                         out: out.view_mut(),
                         kv_scales: None,
+                        group: 0,
                     },
                 )
                 .unwrap()
@@ -437,6 +438,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaDevice) {
                                     sinks: None,
                                     out: out.view_mut(),
                                     kv_scales: scales.as_ref().map(|s| s.view()),
+                                    group: 0,
                                 },
                             )
                             .unwrap();

@@ -553,6 +553,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
                 sinks: None,
                 out: ov,
                 kv_scales: None,
+                group: 0,
             },
         )
         .map(|_| ())

@@ -13,6 +13,7 @@ use pagedkv::host::backend::{
     AsView, AttentionBackend, BackendConfig, DecodeArgs, KvAppendArgs, PrefillArgs, SplitPolicy,
     decode_rows, prefill_rows,
 };
+use pagedkv::host::block::{KvSpec, LayerGroups};
 use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::ops::prefill::PrefillKernel;
 use pagedkv::host::ops::scales::KvScales;
@@ -143,6 +144,11 @@ pub struct ServeCase {
     pub opts: AttentionOptions,
     /// Every layer with attention sinks of its own ([`sink_logits`]).
     pub sinks: bool,
+    /// The model's layer groups (a hybrid model: the scheduler's `kv_groups` are their
+    /// specs, the backend made with `BackendConfig::for_groups`, each layer attending
+    /// with its group's window); `None`: every layer one tensor of one group, with
+    /// `opts`' window.
+    pub layer_groups: Option<LayerGroups>,
 }
 
 /// Layer `li`'s attention-sink logits for `heads` query heads (different in every
@@ -198,6 +204,7 @@ pub fn shared_prefix_case(scale: u32) -> ServeCase {
             ..AttentionOptions::new(64)
         },
         sinks: true,
+        layer_groups: None,
     }
 }
 
@@ -213,7 +220,13 @@ pub fn serve_and_check<B: AttentionBackend>(be: &mut B, scale: u32) -> Served {
 /// those functions, never read back from the cache. Returns what happened.
 pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
     let c = *be.config();
-    let layers = c.num_layers;
+    let groups = case
+        .layer_groups
+        .clone()
+        .unwrap_or_else(|| LayerGroups::uniform(KvSpec::Full, c.num_layers).unwrap());
+    assert_eq!(groups.layers_per_group(), c.num_layers);
+    // Model layers (with groups, more than the cache's tensors).
+    let layers = groups.num_layers();
     let (qh, kvh, d) = (
         c.shape.num_q_heads as usize,
         c.shape.num_kv_heads as usize,
@@ -221,7 +234,9 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
     );
     let (dtype, kv_dtype) = (c.shape.dtype, c.shape.kv_dtype);
     let mut cache = be.alloc_cache().unwrap();
-    let scales: Vec<Option<KvScales>> = (0..layers)
+    // One set of fp8 scales per cache tensor (shared by the layers of every group that
+    // use it).
+    let scales: Vec<Option<KvScales>> = (0..c.num_layers)
         .map(|li| kv_dtype.is_fp8().then(|| fp8_scales_for(kv_dtype, li, kvh)))
         .collect();
     for (li, s) in scales.iter().enumerate() {
@@ -229,9 +244,10 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
             be.set_kv_scales(&mut cache, li, s).unwrap();
         }
     }
-    // The K and V rows a layer's cache holds for `(token, position)` pairs.
-    let cached = |keys: &[(u32, u32)], li: usize, salt: u64, v: bool| {
-        let s = scales[li]
+    // The K and V rows a layer's cache (tensor `ti`) holds for `(token, position)`
+    // pairs.
+    let cached = |keys: &[(u32, u32)], ti: usize, salt: u64, v: bool| {
+        let s = scales[ti]
             .as_ref()
             .map(|s| if v { &s.v[..] } else { &s.k[..] });
         as_cached(&rows(dtype, kvh * d, keys, salt), kv_dtype, s, d)
@@ -242,7 +258,6 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
             .add_request(Request::new(i as u64, prompt.clone(), *max_tokens))
             .unwrap();
     }
-    let opts = &case.opts;
     // Each layer's sinks, on the backend's device (as a model's weights would be).
     let sinks: Vec<Option<Vec<f32>>> = (0..layers)
         .map(|li| case.sinks.then(|| sink_logits(li, qh)))
@@ -313,7 +328,18 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                 )
             })
             .collect();
-        for (li, layer) in cache.layers.iter_mut().enumerate() {
+        for li in 0..layers {
+            let (group, ti) = (groups.group_of(li), groups.tensor_of(li));
+            let layer = &mut cache.layers[ti];
+            // A hybrid model's layer attends with its group's window.
+            let lopts = match case.layer_groups {
+                Some(_) => AttentionOptions {
+                    window: groups.specs()[group].window(),
+                    ..case.opts.clone()
+                },
+                None => case.opts.clone(),
+            };
+            let opts = &lopts;
             let salt = 10 * li as u64;
             let key = be.upload(&rows(dtype, kvh * d, &new, salt + 1)).unwrap();
             let value = be.upload(&rows(dtype, kvh * d, &new, salt + 2)).unwrap();
@@ -321,6 +347,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                 key: key.view(),
                 value: value.view(),
                 cache: layer,
+                group,
             })
             .unwrap();
             // Prefilling rows: every new token against attention over its prefix.
@@ -348,14 +375,15 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                     cache: layer,
                     sinks: sink_bufs[li].as_ref().map(|b| b.view()),
                     out: out.view_mut(),
+                    group,
                 })
                 .unwrap();
                 let got = be.download(&out).unwrap().to_f64();
                 for (j, &(seq, pos)) in owners.iter().enumerate() {
                     let toks = sched.tokens(seq).unwrap();
                     let hist: Vec<(u32, u32)> = (0..=pos).map(|p| (toks[p as usize], p)).collect();
-                    let k = cached(&hist, li, salt + 1, false);
-                    let v = cached(&hist, li, salt + 2, true);
+                    let k = cached(&hist, ti, salt + 1, false);
+                    let v = cached(&hist, ti, salt + 2, true);
                     let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
                     let want = dense_decode_attention(&DenseInputs {
                         q: &qs,
@@ -389,6 +417,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                 cache: layer,
                 sinks: sink_bufs[li].as_ref().map(|b| b.view()),
                 out: out.view_mut(),
+                group,
             })
             .unwrap();
             let got = be.download(&out).unwrap().to_f64();
@@ -397,8 +426,8 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                 let ctx = batch.context_lens[i] as u32;
                 let toks = sched.tokens(seq).unwrap();
                 let hist: Vec<(u32, u32)> = (0..ctx).map(|p| (toks[p as usize], p)).collect();
-                let k = cached(&hist, li, salt + 1, false);
-                let v = cached(&hist, li, salt + 2, true);
+                let k = cached(&hist, ti, salt + 1, false);
+                let v = cached(&hist, ti, salt + 2, true);
                 let qs: Vec<f64> = (0..qh * d).map(|e| qt.get(j * qh * d + e)).collect();
                 let want = dense_decode_attention(&DenseInputs {
                     q: &qs,

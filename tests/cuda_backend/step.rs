@@ -93,6 +93,7 @@ fn the_runner_on_the_gpu_matches_the_reference_split_and_unsplit() {
                     sinks: None,
                     out: out.view_mut(),
                     kv_scales: None,
+                    group: 0,
                 },
             )
             .unwrap()
@@ -152,6 +153,7 @@ fn a_captured_step_replays_like_direct_launches_after_the_tables_change() {
                     sinks: None,
                     out: o.view_mut(),
                     kv_scales: None,
+                    group: 0,
                 },
             )?;
         }
@@ -326,6 +328,7 @@ fn sanitizer_small_prefill() {
                 sinks: None,
                 out: out.view_mut(),
                 kv_scales: None,
+                group: 0,
             },
         )
         .unwrap();
@@ -367,6 +370,7 @@ fn views_of_an_engines_cuda_slices_match_the_reference() {
             sinks: None,
             out: TensorViewMut::of_cuda_slice_mut(&g, &mut out, 4, n, dtype).unwrap(),
             kv_scales: None,
+            group: 0,
         },
     )
     .unwrap();

@@ -166,6 +166,7 @@ fn fp8_scales_are_required_and_checked() {
             key: k.view(),
             value: k.view(),
             cache: &mut cache.layers[0],
+            group: 0,
         })
     };
     assert!(matches!(
@@ -242,6 +243,7 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
         cache: &cache.layers[0],
         sinks: None,
         out: out.view_mut(),
+        group: 0,
     });
     assert!(matches!(e, Err(Error::InvalidState(_))), "{e:?}");
 
@@ -268,6 +270,7 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
         cache: &cache.layers[0],
         sinks: None,
         out: out2.view_mut(),
+        group: 0,
     });
     assert!(
         matches!(&e, Err(Error::InvalidArgument { arg: "q", .. })),
@@ -355,7 +358,8 @@ proptest! {
                 window: Some(window),
                 ..AttentionOptions::new(32)
             },
-            sinks: window % 2 == 1, // gpt-oss: windows with sinks
+            sinks: window % 2 == 1, // gpt-oss: windows with sinks,
+            layer_groups: None,
         };
         let s = serve_case(&mut be, &case);
         prop_assert!(s.prefill_checked > 0);
@@ -392,6 +396,7 @@ fn the_reported_windowed_prefills_have_no_nan_rows() {
                     ..AttentionOptions::new(64)
                 },
                 sinks: false,
+                layer_groups: None,
             };
             let s = serve_case(&mut be, &case);
             assert_eq!(s.prefill_checked, prompt, "{dtype} prompt {prompt}");
@@ -426,7 +431,8 @@ fn fp8_caches_with_one_or_three_kv_heads_serve() {
             chunked: false,
             requests: vec![((0..13).collect(), 4), ((5..30).collect(), 3)],
             opts: AttentionOptions::new(64),
-            sinks: true, // 6 query heads: 24 bytes of sinks
+            sinks: true, // 6 query heads: 24 bytes of sinks,
+            layer_groups: None,
         };
         let s = serve_case(&mut be, &case);
         assert!(s.checked > 0 && s.prefill_checked > 0, "{kvh} KV heads");
@@ -482,6 +488,7 @@ fn attention_over_a_windowed_batch_needs_its_window() {
             key: k.view(),
             value: k.view(),
             cache: layer,
+            group: 0,
         })
         .unwrap();
     }
@@ -506,6 +513,7 @@ fn attention_over_a_windowed_batch_needs_its_window() {
             cache: &cache.layers[0],
             sinks: None,
             out: out.view_mut(),
+            group: 0,
         });
         match e {
             Ok(()) => assert!(ok, "window {window:?} accepted"),
@@ -551,6 +559,7 @@ fn a_burst_with_one_system_prompt_computes_it_once_and_reads_it_right() {
             requests,
             opts: AttentionOptions::new(64),
             sinks: false,
+            layer_groups: None,
         };
         let s = serve_case(&mut be, &case);
         // Four full blocks of the system prompt (32 tokens) shared by the four later
@@ -612,28 +621,50 @@ proptest! {
     }
 }
 
-/// A batch of a model with several layer groups (the scheduler plans them) is
-/// refused by the step path with an error naming it, nothing run: the backends serve
-/// models of one group so far.
+/// A hybrid model (Gemma-3-like: two layers of a 24-token window for every full one,
+/// 6 layers in 3 groups sharing 2 K/V tensors; gpt-oss-like sinks) served end to end:
+/// prompts sharing a 34-token prefix (past the window), prefix caching on, a pool
+/// small enough to swap. Every decode and prefill output of every layer, through its
+/// group's tables and window, against f64 attention over what its K/V must be: a
+/// layer reading another group's blocks, or a block its window released (NaN in a
+/// fresh cache), fails it.
 #[test]
-fn a_batch_of_several_layer_groups_is_refused() {
-    use pagedkv::host::block::KvSpec;
-    let mut be = CpuBackend::new(config(DType::F32, SplitPolicy::Auto, 1)).unwrap();
-    let mut cache = be.alloc_cache().unwrap();
-    let mut s = Scheduler::new(SchedulerConfig {
-        num_blocks: NUM_BLOCKS,
-        block_size: shape(DType::F32, 1).block_size,
-        max_model_len: 64,
-        kv_groups: vec![KvSpec::SlidingWindow(16), KvSpec::Full],
-        ..SchedulerConfig::default()
-    })
-    .unwrap();
-    s.add_request(Request::new(1, (0..20).collect(), 2))
-        .unwrap();
-    let batch = s.step().unwrap().clone();
-    assert_eq!(batch.num_groups(), 2);
-    match be.begin_step(&batch, &mut cache) {
-        Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "batch"),
-        other => panic!("expected a refusal, got {:?}", other.map(drop)),
+fn a_hybrid_model_serves_every_layer_through_its_groups_tables() {
+    use pagedkv::host::block::{KvSpec, LayerGroups};
+    let layers: Vec<KvSpec> = (0..6)
+        .map(|l| {
+            if l % 3 == 2 {
+                KvSpec::Full
+            } else {
+                KvSpec::SlidingWindow(24)
+            }
+        })
+        .collect();
+    let groups = LayerGroups::new(&layers).unwrap();
+    assert_eq!((groups.specs().len(), groups.layers_per_group()), (3, 2));
+    for (dtype, chunked) in [(DType::F32, false), (DType::F16, true)] {
+        let mut case = common::serve::shared_prefix_case(2);
+        let blocks = 3 * case.sched.num_blocks;
+        case.sched.num_blocks = blocks;
+        case.sched.kv_groups = groups.specs().to_vec();
+        case.chunked = chunked;
+        if chunked {
+            case.sched.max_tokens_per_step = 24;
+        }
+        case.layer_groups = Some(groups.clone());
+        let shape = StepShape {
+            num_blocks: blocks,
+            ..shape(dtype, 2)
+        };
+        let mut cfg = BackendConfig::for_groups(shape, &groups, 16, 128 / shape.block_size);
+        cfg.num_host_blocks = HOST_BLOCKS;
+        let mut be = CpuBackend::new(cfg).unwrap();
+        let s = common::serve::serve_case(&mut be, &case);
+        assert!(s.checked > 100 && s.prefill_checked > 100, "{dtype}: {s:?}");
+        assert!(
+            s.cached_tokens > 24,
+            "{dtype}: no prefix hit past the window ({s:?})"
+        );
+        assert!(s.swapped_out > 0 || s.preempted > 0, "{dtype}: {s:?}");
     }
 }

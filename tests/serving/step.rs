@@ -87,6 +87,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
                 key_cache: kc.reborrow(),
                 value_cache: vc.reborrow(),
                 kv_scales: None,
+                group: 0,
             })
             .unwrap();
             let p = r
@@ -99,6 +100,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
                         sinks: None,
                         out: out.reborrow(),
                         kv_scales: None,
+                        group: 0,
                     },
                 )
                 .unwrap()
@@ -202,6 +204,7 @@ proptest! {
                 sinks: None,
                 out: ov,
                 kv_scales: None,
+                group: 0,
             }).unwrap();
         }
         let stride = row + out_pad as usize * per16;
@@ -295,6 +298,7 @@ fn bad_views_and_metadata_are_errors_naming_the_argument() {
                 kv_scales: None,
                 sinks: None,
                 out,
+                group: 0,
             },
         )
     };
@@ -401,6 +405,7 @@ fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
                 kv_scales: None,
                 sinks: None,
                 out: TensorViewMut::of_host(&mut out),
+                group: 0,
             },
         );
         names(e.unwrap_err(), "q");
@@ -413,6 +418,7 @@ fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
                 kv_scales: None,
                 sinks: None,
                 out: TensorViewMut::of_host(&mut out).with_row_stride(stride),
+                group: 0,
             },
         );
         names(e.unwrap_err(), "out");
@@ -472,6 +478,7 @@ proptest! {
                 kv_scales: None,
                 sinks: None,
                 out: ov,
+                group: 0,
             },
         );
         // (A dense view must be exactly two rows long.)

@@ -53,6 +53,7 @@ pub(super) fn step<B: AttentionBackend>(
             key: key.view(),
             value: value.view(),
             cache: lc,
+            group: 0,
         })?;
         let mut attn = vec![0.0f32; n_new * hidden];
         // Decoding sequences: the paged decode kernel over the cache.
@@ -73,6 +74,7 @@ pub(super) fn step<B: AttentionBackend>(
                 cache: lc,
                 sinks: None,
                 out: out.view_mut(),
+                group: 0,
             })?;
             outv = be.download(&out)?.to_f64();
             for (j, &i) in decode.iter().enumerate() {
@@ -102,6 +104,7 @@ pub(super) fn step<B: AttentionBackend>(
                 cache: lc,
                 sinks: None,
                 out: out.view_mut(),
+                group: 0,
             })?;
             pout = be.download(&out)?.to_f64();
             let mut j = 0;

@@ -293,6 +293,7 @@ fn run_mode(
         },
         num_host_blocks: 0,
         split: SplitPolicy::Auto,
+        num_groups: 1,
     };
     // One layer loop per mode for every backend: only the backend differs.
     macro_rules! on {

@@ -70,6 +70,7 @@ pub(super) fn step<B: AttentionBackend>(
             key: key.view(),
             value: value.view(),
             cache: lc,
+            group: 0,
         })?;
         let qt = to_host(cfg.dtype, &[n, qh, d], &q)?;
         let qd = be.upload(&qt)?;
@@ -80,6 +81,7 @@ pub(super) fn step<B: AttentionBackend>(
             cache: lc,
             sinks: None,
             out: out.view_mut(),
+            group: 0,
         })?;
         let outv = be.download(&out)?.to_f64();
         if li == 0 {

@@ -265,6 +265,7 @@ mod tests {
                         key: TensorView::from_slice(&kf),
                         value: TensorView::from_slice(&vf),
                         cache: layer,
+                        group: 0,
                     })
                     .unwrap();
                     let bytes = out.buf_mut().as_bytes_mut();
@@ -275,6 +276,7 @@ mod tests {
                         cache: &cache.layers[0],
                         sinks: None,
                         out: TensorViewMut::from_host_bytes_mut(bytes, DType::F32).unwrap(),
+                        group: 0,
                     })
                     .unwrap();
                 } else {
@@ -282,6 +284,7 @@ mod tests {
                         key: k.view(),
                         value: v.view(),
                         cache: layer,
+                        group: 0,
                     })
                     .unwrap();
                     be.decode(DecodeArgs {
@@ -290,6 +293,7 @@ mod tests {
                         cache: &cache.layers[0],
                         sinks: None,
                         out: out.view_mut(),
+                        group: 0,
                     })
                     .unwrap();
                 }

@@ -29,7 +29,19 @@
 //!
 //! ## Options
 //! [`AttentionOptions`] are defined once for every backend (scale, sliding window,
-//! soft-cap then ALiBi: see [`crate::ops::attention`]).
+//! soft-cap then ALiBi: see [`crate::ops::attention`]); a layer's attention sinks are
+//! its own tensor ([`DecodeArgs::sinks`]).
+//!
+//! ## Models of several layer groups
+//! A model that mixes sliding-window and full-attention layers (Gemma 2/3, gpt-oss)
+//! is cut into [`LayerGroups`](crate::block::LayerGroups); the scheduler's
+//! `kv_groups` are their specs, and [`BackendConfig::for_groups`] makes the backend:
+//! a cache of `layers_per_group` K/V tensors that every group shares (block ids are
+//! per group), and each batch's block tables and slot mapping per group
+//! ([`Batch::group`]) planned once per step. Layer `l`'s calls pass
+//! `cache.layers[groups.tensor_of(l)]` and `group: groups.group_of(l)`, and attend
+//! with at most their group's window. The layers sharing a tensor share its fp8
+//! scales.
 //!
 //! ```
 //! use pagedkv_host::backend::{AsView, AttentionBackend, BackendConfig, CpuBackend, DecodeArgs,
@@ -54,13 +66,14 @@
 //!     let n = batch.slot_mapping.len();
 //!     let k = be.upload(&HostTensor::full(DType::F32, &[n, 2, 64], 0.5))?;
 //!     let v = be.upload(&HostTensor::full(DType::F32, &[n, 2, 64], 2.0))?;
-//!     be.kv_append(KvAppendArgs { key: k.view(), value: v.view(), cache: &mut cache.layers[0] })?;
+//!     be.kv_append(KvAppendArgs { key: k.view(), value: v.view(), cache: &mut cache.layers[0],
+//!                                 group: 0 })?;
 //!     let rows = pagedkv_host::backend::decode_rows(&batch).count();
 //!     if rows > 0 {
 //!         let q = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], 1.0))?;
 //!         let mut out = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], f64::NAN))?;
 //!         be.decode(DecodeArgs { opts: &opts, q: q.view(), cache: &cache.layers[0],
-//!                                sinks: None, out: out.view_mut() })?;
+//!                                sinks: None, group: 0, out: out.view_mut() })?;
 //!         // Every cached V is 2.0, so attention returns 2.0 whatever the scores.
 //!         assert!(be.download(&out)?.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));
 //!         decoded += rows;
@@ -108,8 +121,13 @@ pub enum SplitPolicy {
 pub struct BackendConfig {
     /// Heads, head size, block size, pool size and dtype of every layer.
     pub shape: StepShape,
-    /// Layers of the cache [`AttentionBackend::alloc_cache`] makes.
+    /// Layers of the cache [`AttentionBackend::alloc_cache`] makes: the model's
+    /// layers, or with layer groups the K/V tensors they share
+    /// ([`LayerGroups::layers_per_group`](crate::block::LayerGroups::layers_per_group)).
     pub num_layers: usize,
+    /// Layer groups of the model (1 for a model of one group): every batch carries
+    /// this many ([`Batch::num_groups`]), and each layer's call names its group.
+    pub num_groups: usize,
     /// The most one step holds (the step buffers are allocated for it once).
     pub capacity: StepCapacity,
     /// Host blocks for swapped-out sequences (the scheduler's `num_host_blocks`), at
@@ -146,6 +164,27 @@ impl BackendConfig {
             },
             num_host_blocks: 0,
             split: SplitPolicy::Auto,
+            num_groups: 1,
+        }
+    }
+
+    /// [`new`](Self::new) for a model of layer groups: a cache of
+    /// `groups.layers_per_group()` K/V tensors, shared by the groups (see
+    /// [`crate::block::spec`]), and `groups.specs().len()` groups per batch.
+    pub fn for_groups(
+        shape: StepShape,
+        groups: &crate::block::LayerGroups,
+        max_seqs: u32,
+        max_blocks_per_seq: u32,
+    ) -> Self {
+        Self {
+            num_groups: groups.specs().len(),
+            ..Self::new(
+                shape,
+                groups.layers_per_group(),
+                max_seqs,
+                max_blocks_per_seq,
+            )
         }
     }
 
@@ -168,6 +207,16 @@ impl BackendConfig {
             return Err(Error::invalid(
                 "num_layers",
                 format!("{} (must be 1..=1024)", self.num_layers),
+            ));
+        }
+        if self.num_groups == 0 || self.num_groups > crate::block::MAX_KV_GROUPS {
+            return Err(Error::invalid(
+                "num_groups",
+                format!(
+                    "{} (must be 1..={})",
+                    self.num_groups,
+                    crate::block::MAX_KV_GROUPS
+                ),
             ));
         }
         // The pools a backend allocates, at most what a scheduler's may hold.
@@ -269,8 +318,13 @@ pub struct KvAppendArgs<'a, T> {
     pub key: TensorView<'a>,
     /// `[num_new_tokens, num_kv_heads, head_dim]`.
     pub value: TensorView<'a>,
-    /// The layer's cache.
+    /// The layer's cache: `cache.layers[l]` for layer `l` of a model of one group,
+    /// `cache.layers[groups.tensor_of(l)]` with layer groups
+    /// ([`LayerGroups`](crate::block::LayerGroups)).
     pub cache: &'a mut LayerCache<T>,
+    /// The layer's group (`groups.group_of(l)`; 0 for a model of one group): the
+    /// batch's slot mapping of that group ([`Batch::group`]) places the tokens.
+    pub group: usize,
 }
 
 /// The inputs of [`AttentionBackend::decode`] for one layer (q and out as views, see
@@ -288,6 +342,9 @@ pub struct DecodeArgs<'a, T> {
     /// `[num_q_heads]` f32 on the backend's device: the layer's attention-sink logits
     /// (gpt-oss), or `None` (see [`DecodeIo::sinks`](crate::step::DecodeIo::sinks)).
     pub sinks: Option<TensorView<'a>>,
+    /// The layer's group, as [`KvAppendArgs::group`]: attention goes through that
+    /// group's block tables, within its window (`opts.window` at most the group's).
+    pub group: usize,
     /// `[num_decode_rows, num_q_heads, head_dim]`: written.
     pub out: TensorViewMut<'a>,
 }
@@ -305,6 +362,8 @@ pub struct PrefillArgs<'a, T> {
     pub cache: &'a LayerCache<T>,
     /// The layer's attention-sink logits, as [`DecodeArgs::sinks`].
     pub sinks: Option<TensorView<'a>>,
+    /// The layer's group, as [`DecodeArgs::group`].
+    pub group: usize,
     /// `[num_prefill_tokens, num_q_heads, head_dim]`: written.
     pub out: TensorViewMut<'a>,
 }

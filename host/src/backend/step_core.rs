@@ -38,11 +38,12 @@ impl AsView for HostTensor {
 pub(crate) struct StepCore<D: StepDevice> {
     pub(crate) runner: StepRunner<D>,
     pub(crate) config: BackendConfig,
-    /// The decoding rows' block tables and context lengths.
-    tables: Vec<i32>,
+    /// The decoding rows' block tables (per layer group) and context lengths.
+    tables: Vec<Vec<i32>>,
     lens: Vec<i32>,
-    /// The prefilling rows' block tables, query offsets and context lengths.
-    ptables: Vec<i32>,
+    /// The prefilling rows' block tables (per layer group), query offsets and context
+    /// lengths.
+    ptables: Vec<Vec<i32>>,
     pindptr: Vec<i32>,
     plens: Vec<i32>,
 }
@@ -57,14 +58,16 @@ impl<D: StepDevice> StepCore<D> {
             (SplitPolicy::Auto, Some(n)) => Some(n),
             (SplitPolicy::ForSms(n), _) => Some(n),
         };
-        let runner = StepRunner::with_split(dev, config.shape, config.capacity, sms)?;
+        let mut runner = StepRunner::with_split(dev, config.shape, config.capacity, sms)?;
+        runner.set_groups(config.num_groups)?;
         let cap = &config.capacity;
+        let table = || Vec::with_capacity(cap.max_seqs as usize * cap.max_blocks_per_seq as usize);
         Ok(Self {
             runner,
             config,
-            tables: Vec::with_capacity(cap.max_seqs as usize * cap.max_blocks_per_seq as usize),
+            tables: (0..config.num_groups).map(|_| table()).collect(),
             lens: Vec::with_capacity(cap.max_seqs as usize),
-            ptables: Vec::with_capacity(cap.max_seqs as usize * cap.max_blocks_per_seq as usize),
+            ptables: (0..config.num_groups).map(|_| table()).collect(),
             pindptr: Vec::with_capacity(cap.max_seqs as usize + 1),
             plens: Vec::with_capacity(cap.max_seqs as usize),
         })
@@ -86,53 +89,80 @@ impl<D: StepDevice> StepCore<D> {
             ));
         }
         super::check_rows(batch)?;
-        if batch.num_groups() > 1 {
-            // (The scheduler plans hybrid models; the step path serves one group.)
+        let groups = batch.num_groups();
+        if groups != self.config.num_groups {
             return Err(Error::invalid(
                 "batch",
                 format!(
-                    "has {} layer groups: the backends serve models of one group (one \
-                     window) so far",
-                    batch.num_groups()
+                    "has {groups} layer groups, the backend was made for {} (BackendConfig::num_groups)",
+                    self.config.num_groups
                 ),
+            ));
+        }
+        let view = |g: usize| batch.group(g).expect("g < num_groups");
+        if (1..groups).any(|g| {
+            view(g).block_tables.len() != rows * w
+                || view(g).slot_mapping.len() != batch.slot_mapping.len()
+        }) {
+            return Err(Error::invalid(
+                "batch",
+                "a layer group's tables or slots do not match the batch's rows and tokens",
             ));
         }
         // The decodes are the leading rows: their tables and lengths in one copy each.
         let nd = super::decode_rows(batch).end;
-        self.tables.clear();
-        self.tables.extend_from_slice(&batch.block_tables[..nd * w]);
+        for (g, t) in self.tables.iter_mut().enumerate() {
+            t.clear();
+            t.extend_from_slice(&view(g).block_tables[..nd * w]);
+        }
         self.lens.clear();
         self.lens.extend_from_slice(&batch.context_lens[..nd]);
         let width = if self.lens.is_empty() { 0 } else { w as u32 };
-        let meta = StepMeta {
-            block_tables: &self.tables,
+        let meta = |g: usize| StepMeta {
+            block_tables: &self.tables[g],
             max_blocks_per_seq: width,
             context_lens: &self.lens,
-            slot_mapping: &batch.slot_mapping,
-            window: batch.sliding_window,
+            slot_mapping: view(g).slot_mapping,
+            window: view(g).sliding_window,
         };
-        let mut planned = self.runner.plan(&meta).copied()?;
+        // (One group, the common model: no list of metas to allocate.)
+        let mut planned = if groups == 1 {
+            self.runner.plan(&meta(0))
+        } else {
+            let metas: Vec<StepMeta<'_>> = (0..groups).map(meta).collect();
+            self.runner.plan_groups(&metas)
+        }
+        .copied()?;
         // The prefilling rows: one prefill launch over their new tokens.
-        self.ptables.clear();
+        for t in &mut self.ptables {
+            t.clear();
+        }
         self.plens.clear();
         self.pindptr.clear();
         self.pindptr.push(0);
         for i in super::prefill_rows(batch) {
             let sq = &batch.seqs[i];
-            self.ptables
-                .extend_from_slice(&batch.block_tables[i * w..(i + 1) * w]);
+            for (g, t) in self.ptables.iter_mut().enumerate() {
+                t.extend_from_slice(&view(g).block_tables[i * w..(i + 1) * w]);
+            }
             self.plens.push(batch.context_lens[i]);
             let end = self.pindptr[self.pindptr.len() - 1] + sq.num_new_tokens as i32;
             self.pindptr.push(end);
         }
         if !self.plens.is_empty() {
-            planned.prefill = Some(self.runner.plan_prefill(&PrefillMeta {
-                block_tables: &self.ptables,
+            let pmeta = |g: usize| PrefillMeta {
+                block_tables: &self.ptables[g],
                 max_blocks_per_seq: w as u32,
                 qo_indptr: &self.pindptr,
                 context_lens: &self.plens,
-                window: batch.sliding_window,
-            })?);
+                window: view(g).sliding_window,
+            };
+            planned.prefill = Some(if groups == 1 {
+                self.runner.plan_prefill(&pmeta(0))?
+            } else {
+                let pmetas: Vec<PrefillMeta<'_>> = (0..groups).map(pmeta).collect();
+                self.runner.plan_prefill_groups(&pmetas)?
+            });
         }
         Ok(planned)
     }
@@ -147,6 +177,7 @@ impl<D: StepDevice> StepCore<D> {
                 value_cache: args.cache.value.view(),
                 kv_scales: args.cache.kv_scales.as_ref().map(|s| s.view()),
                 sinks: args.sinks,
+                group: args.group,
                 out: args.out,
             },
         )
@@ -192,6 +223,7 @@ impl<D: StepDevice> StepCore<D> {
             key_cache: key.view_mut(),
             value_cache: value.view_mut(),
             kv_scales: kv_scales.as_ref().map(|s| s.view()),
+            group: args.group,
         })
     }
 
@@ -205,6 +237,7 @@ impl<D: StepDevice> StepCore<D> {
                 value_cache: args.cache.value.view(),
                 kv_scales: args.cache.kv_scales.as_ref().map(|s| s.view()),
                 sinks: args.sinks,
+                group: args.group,
                 out: args.out,
             },
         )?;

@@ -490,6 +490,7 @@ mod tests {
                 key_cache: kcv.reborrow(),
                 value_cache: vcv.reborrow(),
                 kv_scales: None,
+                group: 0,
             })
             .unwrap();
             let out_view = if by_slice {
@@ -507,6 +508,7 @@ mod tests {
                     sinks: None,
                     out: out_view,
                     kv_scales: None,
+                    group: 0,
                 },
             )
             .unwrap();
@@ -536,6 +538,7 @@ mod tests {
                 key_cache: kcv.reborrow(),
                 value_cache: vcv.reborrow(),
                 kv_scales: None,
+                group: 0,
             })
             .unwrap_err();
         assert!(e.to_string().contains("16-byte aligned"), "{e}");
@@ -562,6 +565,7 @@ mod tests {
                 key_cache: kr,
                 value_cache: vr,
                 kv_scales: None,
+                group: 0,
             })
             .unwrap_err();
         assert!(e.to_string().contains("memory of Host"), "{e}");

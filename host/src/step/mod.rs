@@ -46,11 +46,11 @@
 //! let (mut kv, mut vv) = (TensorViewMut::of_host(&mut kc), TensorViewMut::of_host(&mut vc));
 //! runner.kv_append(KvAppendIo { key: TensorView::of_host(&k), value: TensorView::of_host(&v),
 //!                             key_cache: kv.reborrow(), value_cache: vv.reborrow(),
-//!                             kv_scales: None })?;
+//!                             kv_scales: None, group: 0 })?;
 //! let q = HostTensor::full(DType::F32, &[1, 4, 64], 1.0);
 //! let mut out = HostTensor::full(DType::F32, &[1, 4, 64], f64::NAN);
 //! runner.decode(&AttentionOptions::new(64), DecodeIo { q: TensorView::of_host(&q),
-//!     key_cache: kv.as_view(), value_cache: vv.as_view(), kv_scales: None, sinks: None,
+//!     key_cache: kv.as_view(), value_cache: vv.as_view(), kv_scales: None, sinks: None, group: 0,
 //!     out: TensorViewMut::of_host(&mut out) })?;
 //! drop((kv, vv));
 //! assert!(out.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));

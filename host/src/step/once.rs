@@ -129,6 +129,7 @@ pub fn decode<D: StepDevice, T: AsView + TensorDesc>(
             value_cache: inputs.value_cache.view(),
             kv_scales: scales.map(|s| s.view(&runner)),
             sinks: sinks.map(|s| s.view(&runner)),
+            group: 0,
             out: out.view_mut(),
         },
     )?;
@@ -176,6 +177,7 @@ pub fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
         key_cache: io.key_cache.view_mut(),
         value_cache: io.value_cache.view_mut(),
         kv_scales: scales.map(|s| s.view(&runner)),
+        group: 0,
     })
 }
 
@@ -225,6 +227,7 @@ pub fn prefill<D: StepDevice, T: AsView + TensorDesc>(
             value_cache: inputs.value_cache.view(),
             kv_scales: scales.map(|s| s.view(&runner)),
             sinks: sinks.map(|s| s.view(&runner)),
+            group: 0,
             out: out.view_mut(),
         },
     )

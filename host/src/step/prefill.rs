@@ -44,6 +44,8 @@ pub struct PrefillIo<'a> {
     pub kv_scales: Option<TensorView<'a>>,
     /// The layer's attention-sink logits, as [`DecodeIo::sinks`](super::DecodeIo::sinks).
     pub sinks: Option<TensorView<'a>>,
+    /// The layer's layer group, as [`DecodeIo::group`](super::DecodeIo::group).
+    pub group: usize,
     /// `[qo_indptr[num_seqs], num_q_heads, head_dim]`, dense: written.
     pub out: TensorViewMut<'a>,
 }
@@ -87,11 +89,42 @@ impl<D: StepDevice> StepRunner<D> {
     /// Plans this step's prefill: validates `meta` (as `ops::prefill` does: every block
     /// a new token's window reaches must be in the pool) and uploads it with
     /// one asynchronous copy into the runner's prefill buffer. Call it after
-    /// [`plan`](Self::plan) (which forgets the previous step's prefill).
+    /// [`plan`](Self::plan) (which forgets the previous step's prefill). A runner of
+    /// several layer groups plans with [`plan_prefill_groups`](Self::plan_prefill_groups).
     pub fn plan_prefill(&mut self, meta: &PrefillMeta<'_>) -> Result<PlannedPrefill> {
+        self.plan_prefill_groups(std::slice::from_ref(meta))
+    }
+
+    /// [`plan_prefill`](Self::plan_prefill) for a model of layer groups: `metas[g]` is
+    /// group `g`'s (as [`plan_groups`](Self::plan_groups)), every group with the same
+    /// rows, query offsets and context lengths, each validated against its own window
+    /// and uploaded into its group's buffer.
+    pub fn plan_prefill_groups(&mut self, metas: &[PrefillMeta<'_>]) -> Result<PlannedPrefill> {
         self.planned_prefill = None;
         if let Some(step) = self.planned.as_mut() {
             step.prefill = None;
+        }
+        if metas.len() != self.pmeta.len() {
+            return Err(Error::invalid(
+                "metas",
+                format!(
+                    "{} groups' prefill metadata for a runner of {} layer groups",
+                    metas.len(),
+                    self.pmeta.len()
+                ),
+            ));
+        }
+        let meta = &metas[0];
+        for m in &metas[1..] {
+            if m.context_lens != meta.context_lens
+                || m.qo_indptr != meta.qo_indptr
+                || m.max_blocks_per_seq != meta.max_blocks_per_seq
+            {
+                return Err(Error::invalid(
+                    "metas",
+                    "layer groups of one step differ in rows, query offsets or context lengths",
+                ));
+            }
         }
         let n = meta.context_lens.len();
         let width = meta.max_blocks_per_seq;
@@ -115,6 +148,18 @@ impl<D: StepDevice> StepRunner<D> {
             meta.qo_indptr,
             meta.context_lens,
         )?;
+        for m in &metas[1..] {
+            if m.window == Some(0) {
+                return Err(Error::invalid("window", "must be at least 1 token"));
+            }
+            prefill::validate_metadata(
+                &shape,
+                m.window,
+                m.block_tables,
+                m.qo_indptr,
+                m.context_lens,
+            )?;
+        }
         let num_tokens = meta.qo_indptr[n] as u32;
         if num_tokens > self.cap.max_tokens {
             return Err(Error::invalid(
@@ -127,23 +172,26 @@ impl<D: StepDevice> StepRunner<D> {
         }
         let t_bytes = (4 * meta.block_tables.len()).next_multiple_of(16);
         let i_bytes = (4 * (n + 1)).next_multiple_of(16);
-        self.staging.clear();
-        self.staging.resize(t_bytes + i_bytes + 4 * n, 0);
-        let words = meta
-            .block_tables
-            .iter()
-            .map(|&x| (0, x))
-            .chain(meta.qo_indptr.iter().map(|&x| (t_bytes, x)))
-            .chain(meta.context_lens.iter().map(|&x| (t_bytes + i_bytes, x)));
-        let (mut at, mut section) = (0, 0);
-        for (start, x) in words {
-            if start != section {
-                (at, section) = (start, start);
+        for (g, m) in metas.iter().enumerate() {
+            self.staging.clear();
+            self.staging.resize(t_bytes + i_bytes + 4 * n, 0);
+            let words = m
+                .block_tables
+                .iter()
+                .map(|&x| (0, x))
+                .chain(m.qo_indptr.iter().map(|&x| (t_bytes, x)))
+                .chain(m.context_lens.iter().map(|&x| (t_bytes + i_bytes, x)));
+            let (mut at, mut section) = (0, 0);
+            for (start, x) in words {
+                if start != section {
+                    (at, section) = (start, start);
+                }
+                self.staging[at..at + 4].copy_from_slice(&x.to_le_bytes());
+                at += 4;
             }
-            self.staging[at..at + 4].copy_from_slice(&x.to_le_bytes());
-            at += 4;
+            self.dev.upload(self.pmeta[g], &self.staging)?;
+            self.pwindows[g] = m.window;
         }
-        self.dev.upload(self.pmeta, &self.staging)?;
         let planned = PlannedPrefill {
             shape,
             num_tokens,
@@ -177,7 +225,17 @@ impl<D: StepDevice> StepRunner<D> {
             .planned_prefill
             .ok_or_else(|| Error::InvalidState("no prefill planned: call plan_prefill()".into()))?;
         validate_options(opts, pp.shape.num_q_heads)?;
-        super::runner::check_window(pp.window, opts.window)?;
+        let pmeta = *self.pmeta.get(io.group).ok_or_else(|| {
+            Error::invalid(
+                "group",
+                format!(
+                    "{}: the runner plans {} layer groups",
+                    io.group,
+                    self.pmeta.len()
+                ),
+            )
+        })?;
+        super::runner::check_window(self.pwindows[io.group], opts.window)?;
         if opts.alibi_slopes != self.slopes_host {
             return Err(Error::invalid(
                 "alibi_slopes",
@@ -216,15 +274,15 @@ impl<D: StepDevice> StepRunner<D> {
                         k_scales,
                         v_scales,
                         block_tables: GlobalSlice::from_raw_parts(
-                            self.pmeta.offset(offsets.tables).get() as *const i32,
+                            pmeta.offset(offsets.tables).get() as *const i32,
                             n * pp.shape.max_blocks_per_seq as u64,
                         ),
                         qo_indptr: GlobalSlice::from_raw_parts(
-                            self.pmeta.offset(offsets.qo_indptr).get() as *const i32,
+                            pmeta.offset(offsets.qo_indptr).get() as *const i32,
                             n + 1,
                         ),
                         context_lens: GlobalSlice::from_raw_parts(
-                            self.pmeta.offset(offsets.lens).get() as *const i32,
+                            pmeta.offset(offsets.lens).get() as *const i32,
                             n,
                         ),
                         alibi_slopes: if opts.alibi_slopes.is_some() {

@@ -109,6 +109,9 @@ pub struct KvAppendIo<'a> {
     /// cache (required then, refused otherwise). Values must be finite and positive
     /// (checked where they are set, e.g. `AttentionBackend::set_kv_scales`).
     pub kv_scales: Option<TensorView<'a>>,
+    /// The layer's layer group, whose slot mapping the tokens are written through (0
+    /// for a model of one group; see [`StepRunner::plan_groups`]).
+    pub group: usize,
 }
 
 /// The tensors of one layer's decode attention.
@@ -129,6 +132,9 @@ pub struct DecodeIo<'a> {
     /// field: sinks are learned weights, different in every layer, and live on the
     /// device beside them.)
     pub sinks: Option<TensorView<'a>>,
+    /// The layer's layer group, whose block tables and window it attends through (0
+    /// for a model of one group).
+    pub group: usize,
     /// `[num_seqs, row_stride]`: the output rows (row stride as for `q`).
     pub out: TensorViewMut<'a>,
 }
@@ -140,7 +146,8 @@ pub struct Planned {
     pub decode: Option<(DecodeShape, SplitPlan)>,
     /// New tokens `kv_append` writes.
     pub num_tokens: u32,
-    /// The window the metadata was validated for ([`StepMeta::window`]).
+    /// The window the metadata was validated for ([`StepMeta::window`]; layer group
+    /// 0's, with several).
     pub window: Option<u32>,
     /// The step's prefill launch, once [`plan_prefill`](StepRunner::plan_prefill)
     /// planned one (`None` when the step prefills no sequence).
@@ -169,9 +176,12 @@ pub struct StepRunner<D: StepDevice> {
     pub(super) cap: StepCapacity,
     /// SMs the split planner plans for; `None`: never split.
     pub(super) sm_count: Option<u32>,
-    /// `[tables | lens | slots]`, 16-byte aligned sections.
-    pub(super) meta: DeviceAddr,
+    /// Per layer group, `[tables | lens | slots]`, 16-byte aligned sections (one
+    /// buffer for a model of one group; [`set_groups`](Self::set_groups) adds more).
+    pub(super) meta: Vec<DeviceAddr>,
     pub(super) meta_bytes: usize,
+    /// The window each group's metadata was validated for (`plan_groups`).
+    pub(super) windows: Vec<Option<u32>>,
     /// Split-K partials: `[rows, head_dim]` and `[rows, 2]` f32.
     pub(super) part_out: (DeviceAddr, u64),
     pub(super) part_ml: (DeviceAddr, u64),
@@ -180,8 +190,12 @@ pub struct StepRunner<D: StepDevice> {
     pub(super) slopes_host: Option<Vec<f32>>,
     pub(super) staging: Vec<u8>,
     pub(super) planned: Option<Planned>,
-    /// `[tables | qo_indptr | lens]` of the step's prefill, 16-byte aligned sections.
-    pub(super) pmeta: DeviceAddr,
+    /// Per layer group, `[tables | qo_indptr | lens]` of the step's prefill, 16-byte
+    /// aligned sections.
+    pub(super) pmeta: Vec<DeviceAddr>,
+    pub(super) pmeta_bytes: usize,
+    /// The window each group's prefill metadata was validated for.
+    pub(super) pwindows: Vec<Option<u32>>,
     /// What `plan_prefill` decided, and its sections' byte offsets in `pmeta`.
     pub(super) planned_prefill: Option<(super::PlannedPrefill, super::prefill::PrefillOffsets)>,
 }
@@ -324,17 +338,66 @@ impl<D: StepDevice> StepRunner<D> {
             shape,
             cap,
             sm_count,
-            meta,
+            meta: vec![meta],
             meta_bytes,
+            windows: vec![None],
             part_out,
             part_ml,
             slopes,
             slopes_host: None,
             staging: Vec::with_capacity(meta_bytes),
             planned: None,
-            pmeta,
+            pmeta: vec![pmeta],
+            pmeta_bytes,
+            pwindows: vec![None],
             planned_prefill: None,
         })
+    }
+
+    /// Layer groups the runner plans for: one metadata buffer each (see
+    /// [`plan_groups`](Self::plan_groups)). 1 unless [`set_groups`](Self::set_groups)
+    /// said more.
+    pub fn num_groups(&self) -> usize {
+        self.meta.len()
+    }
+
+    /// Plans for `n` layer groups (1 to [`MAX_KV_GROUPS`]) from now on: allocates the
+    /// metadata buffers of the groups beyond the first (call it once, before the first
+    /// step and before capturing a graph: the only allocations besides the
+    /// constructor's). Forgets the current plan.
+    ///
+    /// [`MAX_KV_GROUPS`]: crate::block::MAX_KV_GROUPS
+    pub fn set_groups(&mut self, n: usize) -> Result<()> {
+        if n == 0 || n > crate::block::MAX_KV_GROUPS {
+            return Err(Error::invalid(
+                "groups",
+                format!("{n} (1 to {})", crate::block::MAX_KV_GROUPS),
+            ));
+        }
+        self.planned = None;
+        self.planned_prefill = None;
+        while self.meta.len() < n {
+            let m = self.dev.alloc(self.meta_bytes)?;
+            let p = self.dev.alloc(self.pmeta_bytes)?;
+            self.meta.push(m);
+            self.pmeta.push(p);
+        }
+        self.meta.truncate(n);
+        self.pmeta.truncate(n);
+        self.windows.resize(n, None);
+        self.pwindows.resize(n, None);
+        Ok(())
+    }
+
+    /// The metadata buffer and planned window of group `g` of a layer's call.
+    pub(super) fn group(&self, g: usize) -> Result<(DeviceAddr, Option<u32>)> {
+        match self.meta.get(g) {
+            Some(&m) => Ok((m, self.windows[g])),
+            None => Err(Error::invalid(
+                "group",
+                format!("{g}: the runner plans {} layer groups", self.meta.len()),
+            )),
+        }
     }
 
     /// The device.
@@ -371,21 +434,64 @@ impl<D: StepDevice> StepRunner<D> {
 
     /// Plans the step: validates `meta` once (block ids inside the pool, lengths, slots
     /// inside the pool and distinct), decides the split, and uploads the metadata with
-    /// one asynchronous copy into the runner's persistent buffer. No allocation.
+    /// one asynchronous copy into the runner's persistent buffer. No allocation. A
+    /// runner of several layer groups plans with [`plan_groups`](Self::plan_groups).
     pub fn plan(&mut self, meta: &StepMeta<'_>) -> Result<&Planned> {
-        self.plan_split(meta, None)
+        self.plan_groups(std::slice::from_ref(meta))
     }
 
-    /// [`plan`](Self::plan), launching the decode with `split` instead of the
-    /// planner's choice when it is given (validated against the step; the workspace
-    /// must hold it: [`with_workspace`](Self::with_workspace)).
+    /// [`plan`](Self::plan) for a model of layer groups: `metas[g]` is group `g`'s
+    /// block tables, slot mapping and window (the scheduler's
+    /// [`Batch::group`](crate::scheduler::Batch::group)), one per group the runner
+    /// plans for, every group with the same rows, context lengths and token count.
+    /// Each is validated against its own window and uploaded into its group's buffer;
+    /// the split plan is the same for every group (made from the context lengths).
+    pub fn plan_groups(&mut self, metas: &[StepMeta<'_>]) -> Result<&Planned> {
+        self.plan_split_groups(metas, None)
+    }
+
+    /// [`plan_split`](Self::plan_split) of one group.
     pub(crate) fn plan_split(
         &mut self,
         meta: &StepMeta<'_>,
         split: Option<SplitPlan>,
     ) -> Result<&Planned> {
+        self.plan_split_groups(std::slice::from_ref(meta), split)
+    }
+
+    /// [`plan_groups`](Self::plan_groups), launching the decode with `split` instead
+    /// of the planner's choice when it is given (validated against the step; the
+    /// workspace must hold it: [`with_workspace`](Self::with_workspace)).
+    pub(crate) fn plan_split_groups(
+        &mut self,
+        metas: &[StepMeta<'_>],
+        split: Option<SplitPlan>,
+    ) -> Result<&Planned> {
         self.planned = None;
         self.planned_prefill = None;
+        if metas.len() != self.meta.len() {
+            return Err(Error::invalid(
+                "metas",
+                format!(
+                    "{} groups' metadata for a runner of {} layer groups",
+                    metas.len(),
+                    self.meta.len()
+                ),
+            ));
+        }
+        let meta = &metas[0];
+        for m in &metas[1..] {
+            if m.context_lens != meta.context_lens
+                || m.max_blocks_per_seq != meta.max_blocks_per_seq
+                || m.block_tables.len() != meta.block_tables.len()
+                || m.slot_mapping.len() != meta.slot_mapping.len()
+            {
+                return Err(Error::invalid(
+                    "metas",
+                    "layer groups of one step differ in rows, context lengths or tokens",
+                ));
+            }
+        }
         let n = meta.context_lens.len();
         let width = meta.max_blocks_per_seq;
         let tokens = meta.slot_mapping.len();
@@ -408,7 +514,9 @@ impl<D: StepDevice> StepRunner<D> {
             ));
         }
         let layout = self.shape.layout();
-        kv_append::validate_slots(&layout, meta.slot_mapping)?;
+        for m in metas {
+            kv_append::validate_slots(&layout, m.slot_mapping)?;
+        }
         let decode = if n == 0 {
             if !meta.block_tables.is_empty() {
                 return Err(Error::invalid("block_tables", "rows for no sequence"));
@@ -439,9 +547,16 @@ impl<D: StepDevice> StepRunner<D> {
                 )
             });
             attention::validate_plan(&ds, self.shape.kv_dtype, &p, max_len)?;
+            // The other groups' tables, each against its own window.
+            for m in &metas[1..] {
+                if m.window == Some(0) {
+                    return Err(Error::invalid("window", "must be at least 1 token"));
+                }
+                attention::validate_metadata(&ds, m.window, m.block_tables, m.context_lens)?;
+            }
             Some((ds, p))
         };
-        // Pack [tables | lens | slots] and upload it in one copy.
+        // Pack each group's [tables | lens | slots] and upload it in one copy.
         let t_bytes = 4 * meta.block_tables.len() as u64;
         let offsets = MetaOffsets {
             tables: 0,
@@ -450,27 +565,30 @@ impl<D: StepDevice> StepRunner<D> {
         };
         let used = offsets.slots as usize + 8 * tokens;
         debug_assert!(used <= self.meta_bytes);
-        self.staging.clear();
-        self.staging.resize(used, 0);
-        let mut put = |at: u64, bytes: &mut dyn Iterator<Item = u8>| {
-            for (d, b) in self.staging[at as usize..].iter_mut().zip(bytes) {
-                *d = b;
+        for (g, m) in metas.iter().enumerate() {
+            self.staging.clear();
+            self.staging.resize(used, 0);
+            let mut put = |at: u64, bytes: &mut dyn Iterator<Item = u8>| {
+                for (d, b) in self.staging[at as usize..].iter_mut().zip(bytes) {
+                    *d = b;
+                }
+            };
+            put(
+                offsets.tables,
+                &mut m.block_tables.iter().flat_map(|x| x.to_le_bytes()),
+            );
+            put(
+                offsets.lens,
+                &mut m.context_lens.iter().flat_map(|x| x.to_le_bytes()),
+            );
+            put(
+                offsets.slots,
+                &mut m.slot_mapping.iter().flat_map(|x| x.to_le_bytes()),
+            );
+            if used > 0 {
+                self.dev.upload(self.meta[g], &self.staging)?;
             }
-        };
-        put(
-            offsets.tables,
-            &mut meta.block_tables.iter().flat_map(|x| x.to_le_bytes()),
-        );
-        put(
-            offsets.lens,
-            &mut meta.context_lens.iter().flat_map(|x| x.to_le_bytes()),
-        );
-        put(
-            offsets.slots,
-            &mut meta.slot_mapping.iter().flat_map(|x| x.to_le_bytes()),
-        );
-        if used > 0 {
-            self.dev.upload(self.meta, &self.staging)?;
+            self.windows[g] = m.window;
         }
         if let Some((_, p)) = &decode {
             let rows = n as u64 * self.shape.num_q_heads as u64 * p.num_partitions as u64;

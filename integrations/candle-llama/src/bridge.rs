@@ -183,7 +183,12 @@ impl CandleBackend for CpuBackend {
         let key = host_view(cpu_bytes(&ks, kl)?, &mut kc, copies)?;
         let value = host_view(cpu_bytes(&vs, vl)?, &mut vc, copies)?;
         let t = std::time::Instant::now();
-        self.kv_append(KvAppendArgs { key, value, cache })?;
+        self.kv_append(KvAppendArgs {
+            key,
+            value,
+            cache,
+            group: 0,
+        })?;
         copies.kernel_time += t.elapsed();
         Ok(())
     }
@@ -201,6 +206,7 @@ impl CandleBackend for CpuBackend {
                 q,
                 cache,
                 sinks: None,
+                group: 0,
                 out,
             })?)
         })
@@ -219,6 +225,7 @@ impl CandleBackend for CpuBackend {
                 q,
                 cache,
                 sinks: None,
+                group: 0,
                 out,
             })?)
         })
