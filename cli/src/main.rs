@@ -36,16 +36,18 @@ enum Cmd {
 
 #[derive(Args, Default)]
 struct SimArgs {
-    /// GPU preset: a100-40gb, h100, h200.
-    #[arg(long, default_value = "a100-40gb")]
-    gpu: String,
+    /// GPU preset: a100-40gb, h100, h200 (default: a100-40gb, or h100 for the models
+    /// whose weights need it: llama-3-70b, gemma-3-27b, gpt-oss-120b).
+    #[arg(long)]
+    gpu: Option<String>,
     /// Override the GPU's memory bandwidth, GB/s.
     #[arg(long)]
     bandwidth_gbs: Option<f64>,
     /// Override the GPU's memory, GiB.
     #[arg(long)]
     memory_gib: Option<f64>,
-    /// Model preset (opt-13b, llama-3-8b, llama-3-70b) or a JSON config file.
+    /// Model preset (opt-13b, llama-3-8b, llama-3-70b; hybrid window + full models:
+    /// gemma-3-27b, gemma-3-1b, gpt-oss-120b) or a JSON config file.
     #[arg(long, default_value = "opt-13b")]
     model: String,
     /// Synthetic workload: sharegpt or alpaca (default: both of the paper's scenarios).
@@ -113,7 +115,6 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         None => simulate(SimArgs {
-            gpu: "a100-40gb".into(),
             model: "opt-13b".into(),
             kv_dtype: "f16".into(),
             ..SimArgs::default()
@@ -178,7 +179,12 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let mut gpu = GpuSpec::preset(&a.gpu)?;
+    let model = if a.model.ends_with(".json") || Path::new(&a.model).is_file() {
+        ModelSpec::from_json_file(Path::new(&a.model))?
+    } else {
+        ModelSpec::preset(&a.model)?
+    };
+    let mut gpu = GpuSpec::preset(a.gpu.as_deref().unwrap_or(model.default_gpu()))?;
     if let Some(b) = a.bandwidth_gbs {
         gpu.bandwidth_gbs = check_range("--bandwidth-gbs", b, limits::BANDWIDTH_GBS)?;
         gpu.name = format!("{} ({b} GB/s)", gpu.name);
@@ -190,11 +196,6 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(r) = a.rate {
         check_range("--rate", r, limits::RATE)?;
     }
-    let model = if a.model.ends_with(".json") || Path::new(&a.model).is_file() {
-        ModelSpec::from_json_file(Path::new(&a.model))?
-    } else {
-        ModelSpec::preset(&a.model)?
-    };
     let kv_dtype = KvDtype::parse(&a.kv_dtype)?;
     let mut cfg = SimConfig::new(gpu, model);
     if let Some(g) = a.kv_budget_gib {
@@ -238,9 +239,15 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
 
+    // (A hybrid model runs its paged policies a second time, every layer full.)
+    let paged = Policy::ALL
+        .iter()
+        .filter(|p| matches!(p, Policy::Paged(_)))
+        .count();
+    let per_run = Policy::ALL.len() + if cfg.model.is_hybrid() { paged } else { 0 };
     let total: u64 = scenarios
         .iter()
-        .map(|(w, _)| (w.requests.len() * Policy::ALL.len() * runs) as u64)
+        .map(|(w, _)| (w.requests.len() * per_run * runs) as u64)
         .sum();
     let bar = if std::io::stderr().is_terminal() {
         let b = ProgressBar::new(total);

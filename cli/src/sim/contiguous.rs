@@ -96,9 +96,9 @@ pub(super) fn simulate_contiguous(
                 on_finish();
                 continue;
             }
-            if live.len() >= cfg.max_num_seqs
-                || tokens + r.prompt_len as u64 > cfg.max_tokens_per_step as u64
-            {
+            // (A step holds at least one whole prompt, as the paged policy's does.)
+            let step_budget = (cfg.max_tokens_per_step as u64).max(max_len);
+            if live.len() >= cfg.max_num_seqs || tokens + r.prompt_len as u64 > step_budget {
                 break;
             }
             let Some(start) = alloc.alloc(reserve) else {

@@ -44,8 +44,8 @@ mod workload;
 
 pub use policy::{MemorySplit, Policy, PolicyResult, simulate};
 pub use report::{
-    DtypeRow, KvDtypeComparison, PolicyReport, ScenarioReport, binary_size, paper_batch,
-    run_scenario, run_scenario_kv_dtypes,
+    DtypeRow, HybridComparison, HybridRequest, HybridRow, KvDtypeComparison, PolicyReport,
+    ScenarioReport, binary_size, paper_batch, run_scenario, run_scenario_kv_dtypes,
 };
 pub use spec::{GpuSpec, KvDtype, KvFootprint, ModelSpec, RequestKv, SimConfig};
 pub use workload::{LENGTH_SIGMA, TraceRequest, Workload, WorkloadKind};
@@ -85,6 +85,8 @@ pub mod limits {
     pub const TFLOPS: RangeInclusive<f64> = 1e-3..=1e6;
     /// A model's parameter count.
     pub const NUM_PARAMS: RangeInclusive<f64> = 1.0..=1e15;
+    /// A model's stored weight bytes (`stored_weight_bytes`).
+    pub const WEIGHT_BYTES: RangeInclusive<f64> = 1.0..=1e16;
     /// Requests of one workload (`--num-requests`, lines of a trace).
     pub const MAX_REQUESTS: usize = 1_000_000;
     /// KV token slots the simulator can hold (the pool is simulated block by block).

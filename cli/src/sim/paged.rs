@@ -1,5 +1,8 @@
 //! The paged policy: pagedkv's real [`Scheduler`] and block pool, driven step by step
-//! over a workload.
+//! over a workload. A model that mixes sliding-window and full layers runs under the
+//! hybrid allocator: one block table per layer group, the pool's blocks pages of
+//! `layers_per_group` layers (see `pagedkv::host::block::spec`), each window group
+//! holding only its window; a step reads each layer's window of each sequence.
 
 use pagedkv::host::scheduler::{Request, Scheduler, SchedulerConfig};
 
@@ -13,11 +16,31 @@ pub(super) fn simulate_paged(
     cfg: &SimConfig,
     on_finish: &mut dyn FnMut(),
 ) -> Result<PolicyResult, SimError> {
-    let capacity = cfg.capacity_tokens()?;
+    let element = cfg.kv_dtype.element_bytes(&cfg.model);
+    let (num_blocks, kv_groups) = if cfg.model.is_hybrid() {
+        // A block is a page of every tensor a group's layers use.
+        let groups = cfg.model.layer_groups()?;
+        let page = cfg.model.layer_token_bytes(element) as f64
+            * groups.layers_per_group() as f64
+            * block_size as f64;
+        let blocks = (cfg.kv_budget_bytes()? / page).floor();
+        if blocks * block_size as f64 > super::limits::MAX_TOKEN_SLOTS as f64 {
+            return err(format!(
+                "{}: {blocks} blocks of {block_size} is more than the simulator's limit of {} token slots",
+                cfg.budget_flag(),
+                super::limits::MAX_TOKEN_SLOTS
+            ));
+        }
+        (blocks as u64 + 1, groups.specs().to_vec())
+    } else {
+        (cfg.capacity_tokens()? / block_size as u64 + 1, Vec::new())
+    };
     // One more block than the budget holds: block 0 is the scheduler's null block.
-    let num_blocks = u32::try_from(capacity / block_size as u64 + 1)
+    let num_blocks = u32::try_from(num_blocks)
         .map_err(|_| SimError(format!("{}: too many blocks", cfg.budget_flag())))?;
+    let hybrid = !kv_groups.is_empty();
     let mut s = Scheduler::new(SchedulerConfig {
+        kv_groups,
         num_blocks,
         block_size,
         num_host_blocks: 0,
@@ -61,11 +84,22 @@ pub(super) fn simulate_paged(
             return err("paged simulation stalled: requests wait but none can be admitted");
         }
         let (mut tokens, mut kv) = (0u64, 0u64);
+        let mut kv_bytes = 0.0;
         for q in &batch.seqs {
             tokens += q.num_new_tokens as u64;
             kv += q.context_len as u64;
+            if hybrid {
+                kv_bytes += cfg
+                    .model
+                    .kv_bytes_held(q.context_len as u64, element)
+                    .unwrap_or(u64::MAX) as f64;
+            }
         }
-        let dt = cfg.step_time(tokens, kv);
+        let dt = if hybrid {
+            cfg.step_time_bytes(tokens, kv_bytes)
+        } else {
+            cfg.step_time(tokens, kv)
+        };
         t += dt;
         let running = batch.seqs.len() as u32;
         sampled.clear();

@@ -50,6 +50,175 @@ pub struct ScenarioReport {
     /// next to the figures above (the model's own dtype). Absent from the JSON otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_dtype_comparison: Option<KvDtypeComparison>,
+    /// For a model that mixes sliding-window and full layers: the hybrid allocator
+    /// (the paged policies above) against the same model with every layer treated as
+    /// full, in the same budget. Absent from the JSON otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<HybridComparison>,
+}
+
+/// A hybrid model under the hybrid allocator and with every layer full: what one
+/// request keeps, how many fit the budget, and the paged policies' batches and
+/// throughput side by side. Every figure comes from the model's shapes, the
+/// step-time model and the scheduler's admission decisions.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HybridComparison {
+    /// Layers with a sliding window, and with full attention.
+    pub window_layers: u32,
+    /// Layers with full attention.
+    pub full_layers: u32,
+    /// Layer groups and layers per group (the K/V tensors the groups share).
+    pub layer_groups: usize,
+    /// Layers per group.
+    pub layers_per_group: usize,
+    /// K and V bytes of one token in one layer.
+    pub layer_token_bytes: u64,
+    /// One request at each of [`HybridComparison::REQUEST_TOKENS`] tokens.
+    pub requests: Vec<HybridRequest>,
+    /// Per paged policy, its mean batch and throughput both ways.
+    pub rows: Vec<HybridRow>,
+    /// The all-full runs' full results per paged policy.
+    pub all_full: Vec<PolicyResult>,
+}
+
+/// One request of a hybrid model, both ways.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct HybridRequest {
+    /// Tokens held.
+    pub tokens: u64,
+    /// K/V bytes the hybrid allocator keeps (each window layer its window).
+    pub hybrid_bytes: u64,
+    /// K/V bytes with every layer full.
+    pub all_full_bytes: u64,
+    /// Such requests the KV budget holds at once, hybrid.
+    pub hybrid_fit: u64,
+    /// Such requests the KV budget holds at once, all full.
+    pub all_full_fit: u64,
+}
+
+/// One paged policy under the hybrid allocator and all-full.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HybridRow {
+    /// The policy's name.
+    pub policy: String,
+    /// Mean batch, hybrid.
+    pub hybrid_mean_batch: f64,
+    /// Mean batch, all full.
+    pub all_full_mean_batch: f64,
+    /// Generated tokens per second, hybrid.
+    pub hybrid_tokens_per_s: f64,
+    /// Generated tokens per second, all full.
+    pub all_full_tokens_per_s: f64,
+}
+
+impl HybridComparison {
+    /// The request lengths the comparison prices: 4k and 32k tokens.
+    pub const REQUEST_TOKENS: [u64; 2] = [4096, 32_768];
+
+    /// The comparison for `cfg`'s (hybrid) model, whose paged policies gave `hybrid`,
+    /// running them again with every layer full.
+    fn run(
+        workload: &Workload,
+        cfg: &SimConfig,
+        (policies, hybrid): (&[Policy], &[PolicyReport]),
+        on_finish: &mut dyn FnMut(),
+    ) -> Result<Self, SimError> {
+        let m = &cfg.model;
+        let element = cfg.kv_dtype.element_bytes(m);
+        let budget = cfg.kv_budget_bytes()?;
+        let groups = m.layer_groups()?;
+        let window_layers = m.layer_windows.iter().filter(|&&w| w > 0).count() as u32;
+        let full = m.all_full();
+        let requests = Self::REQUEST_TOKENS
+            .iter()
+            .map(|&tokens| {
+                let overflow = || {
+                    SimError(format!(
+                        "--model {}: KV bytes of {tokens} tokens overflow",
+                        m.name
+                    ))
+                };
+                let h = m.kv_bytes_held(tokens, element).ok_or_else(overflow)?;
+                let f = full.kv_bytes_held(tokens, element).ok_or_else(overflow)?;
+                Ok(HybridRequest {
+                    tokens,
+                    hybrid_bytes: h,
+                    all_full_bytes: f,
+                    hybrid_fit: (budget / h.max(1) as f64) as u64,
+                    all_full_fit: (budget / f.max(1) as f64) as u64,
+                })
+            })
+            .collect::<Result<Vec<_>, SimError>>()?;
+        let mut full_cfg = cfg.clone();
+        full_cfg.model = full;
+        let (mut rows, mut all_full) = (Vec::new(), Vec::new());
+        for (&kind, p) in policies
+            .iter()
+            .zip(hybrid)
+            .filter(|(k, _)| matches!(k, Policy::Paged(_)))
+        {
+            let r = simulate(kind, workload, &full_cfg, on_finish)?;
+            rows.push(HybridRow {
+                policy: p.result.policy.clone(),
+                hybrid_mean_batch: p.result.mean_batch,
+                all_full_mean_batch: r.mean_batch,
+                hybrid_tokens_per_s: p.result.tokens_per_s,
+                all_full_tokens_per_s: r.tokens_per_s,
+            });
+            all_full.push(r);
+        }
+        Ok(Self {
+            window_layers,
+            full_layers: m.num_layers - window_layers,
+            layer_groups: groups.specs().len(),
+            layers_per_group: groups.layers_per_group(),
+            layer_token_bytes: m.layer_token_bytes(element),
+            requests,
+            rows,
+            all_full,
+        })
+    }
+
+    /// The comparison as a text table.
+    pub fn to_table(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "Hybrid allocator ({} window + {} full layers in {} groups of {}, one block table per group, window groups holding their window) vs every layer full, same budget:",
+            self.window_layers, self.full_layers, self.layer_groups, self.layers_per_group
+        );
+        for r in &self.requests {
+            let _ = writeln!(
+                o,
+                "  a {}-token request keeps {} (hybrid, {} a token) vs {} (all full, {} a token): {} vs {} such requests fit ({:.2}x)",
+                r.tokens,
+                binary_size(r.hybrid_bytes),
+                binary_size(r.hybrid_bytes / r.tokens.max(1)),
+                binary_size(r.all_full_bytes),
+                binary_size(r.all_full_bytes / r.tokens.max(1)),
+                r.hybrid_fit,
+                r.all_full_fit,
+                r.hybrid_fit as f64 / r.all_full_fit.max(1) as f64
+            );
+        }
+        let _ = writeln!(
+            o,
+            "  {:<20} {:>12} {:>12} {:>12} {:>12}",
+            "policy", "batch hyb", "batch full", "tok/s hyb", "tok/s full"
+        );
+        for r in &self.rows {
+            let _ = writeln!(
+                o,
+                "  {:<20} {:>12.2} {:>12.2} {:>12.0} {:>12.0}",
+                r.policy,
+                r.hybrid_mean_batch,
+                r.all_full_mean_batch,
+                r.hybrid_tokens_per_s,
+                r.all_full_tokens_per_s
+            );
+        }
+        o
+    }
 }
 
 /// The same scenario run twice, the cache at the model's own dtype (the report's main
@@ -417,6 +586,9 @@ impl ScenarioReport {
         if let Some(c) = &self.kv_dtype_comparison {
             o.push_str(&c.to_table(self));
         }
+        if let Some(h) = &self.hybrid {
+            o.push_str(&h.to_table());
+        }
         o
     }
 }
@@ -462,8 +634,18 @@ pub fn run_scenario(
         paper_scenario,
         policies: out,
         kv_dtype_comparison: None,
+        hybrid: None,
     };
     report.check_finite()?;
+    let mut report = report;
+    if cfg.model.is_hybrid() {
+        report.hybrid = Some(HybridComparison::run(
+            workload,
+            cfg,
+            (policies, &report.policies),
+            on_finish,
+        )?);
+    }
     Ok(report)
 }
 

@@ -6,6 +6,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use pagedkv::host::block::{KvSpec, LayerGroups};
+
 use super::{SimError, check_range, err, limits};
 
 /// A GPU: memory, bandwidth and dense 16-bit peak.
@@ -61,33 +63,149 @@ pub struct ModelSpec {
     pub dtype_bytes: u32,
     /// Longest sequence (prompt + output).
     pub max_model_len: u32,
+    /// Per layer, its sliding window in tokens (0: full attention): a model that mixes
+    /// window and full layers (Gemma 2/3, gpt-oss), served with one block table per
+    /// layer group (see `pagedkv::host::block::spec`). Empty: every layer full.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_windows: Vec<u32>,
+    /// Bytes of the stored weights when they take fewer than `dtype_bytes` a parameter
+    /// (gpt-oss ships its experts in MXFP4); `None`: `num_params * dtype_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_weight_bytes: Option<f64>,
 }
 
 impl ModelSpec {
     /// The longest model name (in characters) a report prints.
     pub const MAX_NAME_CHARS: usize = 128;
 
-    /// The presets of `../shared/workloads.md`: `opt-13b`, `llama-3-8b`, `llama-3-70b`.
+    /// The presets: those of `../shared/workloads.md` (`opt-13b`, `llama-3-8b`,
+    /// `llama-3-70b`) and three models that mix sliding-window and full layers, from
+    /// their published Hugging Face configs (docs/cli.md cites them): `gemma-3-27b` (62
+    /// layers, every sixth full, the others a 1024-token window), `gemma-3-1b` (26
+    /// layers, every sixth full, a 512-token window) and `gpt-oss-120b` (36 layers
+    /// alternating a 128-token window and full, MXFP4 experts: about 61 GiB of
+    /// weights).
     pub fn preset(name: &str) -> Result<Self, SimError> {
-        let (l, kvh, params, max_len) = match name {
-            "opt-13b" => (40, 40, 13e9, 2048),
-            "llama-3-8b" => (32, 8, 8.03e9, 8192),
-            "llama-3-70b" => (80, 8, 70.6e9, 8192),
+        // (layers, KV heads, head_dim, parameters, max_model_len)
+        let (l, kvh, hd, params, max_len) = match name {
+            "opt-13b" => (40, 40, 128, 13e9, 2048),
+            "llama-3-8b" => (32, 8, 128, 8.03e9, 8192),
+            "llama-3-70b" => (80, 8, 128, 70.6e9, 8192),
+            // (Gemma 3 27B and gpt-oss take 131072 tokens; the presets serve 32768, the
+            // longest request the reports price, so that every policy, the all-full
+            // comparison included, fits one such request in the budget.)
+            "gemma-3-27b" => (62, 16, 128, 27.0e9, 32_768),
+            "gemma-3-1b" => (26, 1, 256, 1.0e9, 32_768),
+            "gpt-oss-120b" => (36, 8, 64, 116.8e9, 32_768),
             other => {
                 return err(format!(
-                    "--model: unknown preset `{other}` (one of opt-13b, llama-3-8b, llama-3-70b, or a JSON file)"
+                    "--model: unknown preset `{other}` (one of {}, or a JSON file)",
+                    Self::PRESETS.join(", ")
                 ));
             }
+        };
+        // Gemma 3: layer i is global when (i + 1) % 6 == 0; gpt-oss: even layers slide.
+        let layer_windows = match name {
+            "gemma-3-27b" => (0..l)
+                .map(|i| if (i + 1) % 6 == 0 { 0 } else { 1024 })
+                .collect(),
+            "gemma-3-1b" => (0..l)
+                .map(|i| if (i + 1) % 6 == 0 { 0 } else { 512 })
+                .collect(),
+            "gpt-oss-120b" => (0..l).map(|i| if i % 2 == 0 { 128 } else { 0 }).collect(),
+            _ => Vec::new(),
         };
         Ok(Self {
             name: name.to_string(),
             num_layers: l,
             num_kv_heads: kvh,
-            head_dim: 128,
+            head_dim: hd,
             num_params: params,
             dtype_bytes: 2,
             max_model_len: max_len,
+            layer_windows,
+            stored_weight_bytes: (name == "gpt-oss-120b").then_some(61.0 * (1u64 << 30) as f64),
         })
+    }
+
+    /// The preset names.
+    pub const PRESETS: [&str; 6] = [
+        "opt-13b",
+        "llama-3-8b",
+        "llama-3-70b",
+        "gemma-3-27b",
+        "gemma-3-1b",
+        "gpt-oss-120b",
+    ];
+
+    /// The GPU a report uses for this model when `--gpu` is not given: one whose memory
+    /// holds the weights with room for a KV cache (the paper's A100-40GB for the small
+    /// models, an H100 for Gemma 3 27B and gpt-oss-120b).
+    pub fn default_gpu(&self) -> &'static str {
+        match self.name.as_str() {
+            "gemma-3-27b" | "gpt-oss-120b" | "llama-3-70b" => "h100",
+            _ => "a100-40gb",
+        }
+    }
+
+    /// Whether some layer has a sliding window (the hybrid allocator applies).
+    pub fn is_hybrid(&self) -> bool {
+        self.layer_windows.iter().any(|&w| w > 0)
+    }
+
+    /// The same model with every layer treated as full attention.
+    pub fn all_full(&self) -> Self {
+        Self {
+            layer_windows: Vec::new(),
+            ..self.clone()
+        }
+    }
+
+    /// Each layer's KV spec.
+    pub fn layer_specs(&self) -> Vec<KvSpec> {
+        (0..self.num_layers as usize)
+            .map(|l| match self.layer_windows.get(l) {
+                Some(&w) if w > 0 => KvSpec::SlidingWindow(w),
+                _ => KvSpec::Full,
+            })
+            .collect()
+    }
+
+    /// The model's layer groups (one for a model without windows).
+    pub fn layer_groups(&self) -> Result<LayerGroups, SimError> {
+        LayerGroups::new(&self.layer_specs())
+            .map_err(|e| SimError(format!("--model {}: layer_windows: {e}", self.name)))
+    }
+
+    /// K and V bytes one layer keeps for one token when each element takes
+    /// `element_bytes` (saturating; a checked spec never saturates).
+    pub fn layer_token_bytes(&self, element_bytes: u32) -> u64 {
+        2u64.saturating_mul(self.num_kv_heads as u64)
+            .saturating_mul(self.head_dim as u64)
+            .saturating_mul(element_bytes as u64)
+    }
+
+    /// K and V bytes a request of `tokens` tokens keeps, all layers, each layer its
+    /// last `window` tokens at most (every token for a full layer), or `None` on
+    /// overflow: the token states the hybrid allocator holds (less what its last
+    /// blocks leave unfilled), and what a decode step reads for it.
+    pub fn kv_bytes_held(&self, tokens: u64, element_bytes: u32) -> Option<u64> {
+        let per_layer = 2u64
+            .checked_mul(self.num_kv_heads as u64)?
+            .checked_mul(self.head_dim as u64)?
+            .checked_mul(element_bytes as u64)?;
+        if self.layer_windows.is_empty() {
+            return tokens
+                .checked_mul(per_layer)?
+                .checked_mul(self.num_layers as u64);
+        }
+        // (A checked spec has one window per layer.)
+        let mut total = 0u64;
+        for &w in &self.layer_windows {
+            let kept = if w > 0 { tokens.min(w as u64) } else { tokens };
+            total = total.checked_add(kept.checked_mul(per_layer)?)?;
+        }
+        Some(total)
     }
 
     /// Reads a JSON model config (the fields of [`ModelSpec`]; unknown fields are an
@@ -152,6 +270,20 @@ impl ModelSpec {
                 limits::MAX_TOKEN_SLOTS
             ));
         }
+        if !self.layer_windows.is_empty() {
+            if self.layer_windows.len() != self.num_layers as usize {
+                return err(format!(
+                    "layer_windows: {} entries for {} layers (one per layer, 0 for a full one)",
+                    self.layer_windows.len(),
+                    self.num_layers
+                ));
+            }
+            LayerGroups::new(&self.layer_specs())
+                .map_err(|e| SimError(format!("layer_windows: {e}")))?;
+        }
+        if let Some(b) = self.stored_weight_bytes {
+            check_range("stored_weight_bytes", b, limits::WEIGHT_BYTES)?;
+        }
         if self.checked_kv_bytes_per_token().is_none() {
             return err(format!(
                 "num_layers, num_kv_heads, head_dim, dtype_bytes: 2 x {} x {} x {} x {} bytes per token overflows 64 bits",
@@ -181,9 +313,10 @@ impl ModelSpec {
         self.checked_kv_bytes_per_token().unwrap_or(u64::MAX)
     }
 
-    /// Weight bytes.
+    /// Weight bytes: `stored_weight_bytes`, else `num_params * dtype_bytes`.
     pub fn weight_bytes(&self) -> f64 {
-        self.num_params * self.dtype_bytes as f64
+        self.stored_weight_bytes
+            .unwrap_or(self.num_params * self.dtype_bytes as f64)
     }
 }
 
@@ -414,7 +547,13 @@ impl SimConfig {
                 self.gpu_memory_utilization * self.gpu.memory_gib * gib - self.model.weight_bytes()
             }
         };
-        let need = self.kv_bytes_per_token() as f64 * self.model.max_model_len as f64;
+        let need = self
+            .model
+            .kv_bytes_held(
+                self.model.max_model_len as u64,
+                self.kv_dtype.element_bytes(&self.model),
+            )
+            .unwrap_or(u64::MAX) as f64;
         if self.kv_budget_gib.is_none() && b <= 0.0 {
             // The weights alone do not fit: a negative KV budget says nothing useful.
             return err(format!(
@@ -465,7 +604,13 @@ impl SimConfig {
     /// cache's dtype (an fp8 cache reads half the bytes of an f16 one); the weights are
     /// read at the model's dtype either way.
     pub fn step_time(&self, tokens: u64, kv_tokens: u64) -> f64 {
-        let bytes = self.model.weight_bytes() + kv_tokens as f64 * self.kv_bytes_per_token() as f64;
+        self.step_time_bytes(tokens, kv_tokens as f64 * self.kv_bytes_per_token() as f64)
+    }
+
+    /// [`step_time`](Self::step_time) of a step that reads `kv_bytes` of K/V (a
+    /// hybrid model's window layers read at most their window of each sequence).
+    pub fn step_time_bytes(&self, tokens: u64, kv_bytes: f64) -> f64 {
+        let bytes = self.model.weight_bytes() + kv_bytes;
         let t_mem = bytes / (self.gpu.bandwidth_gbs * 1e9 * self.bandwidth_efficiency);
         let t_compute = 2.0 * self.model.num_params * tokens as f64
             / (self.gpu.tflops * 1e12 * self.flops_efficiency);

@@ -246,3 +246,89 @@ fn the_fp8_comparison_puts_both_dtypes_side_by_side() {
         "{row:?}"
     );
 }
+
+/// The hybrid presets carry their published layer patterns: Gemma 3 a global layer
+/// every sixth (1024- and 512-token windows), gpt-oss alternating a 128-token window
+/// with full attention, its weights stored at about 61 GiB (MXFP4 experts).
+#[test]
+fn the_hybrid_presets_follow_their_published_layer_patterns() {
+    let full_layers = |m: &ModelSpec| -> Vec<usize> {
+        (0..m.num_layers as usize)
+            .filter(|&l| m.layer_windows[l] == 0)
+            .collect()
+    };
+    let g27 = ModelSpec::preset("gemma-3-27b").unwrap();
+    assert_eq!(
+        (g27.num_layers, g27.num_kv_heads, g27.head_dim),
+        (62, 16, 128)
+    );
+    assert_eq!(full_layers(&g27), (5..62).step_by(6).collect::<Vec<_>>());
+    assert!(g27.layer_windows.iter().all(|&w| w == 0 || w == 1024));
+    let g1 = ModelSpec::preset("gemma-3-1b").unwrap();
+    assert_eq!((g1.num_layers, g1.num_kv_heads, g1.head_dim), (26, 1, 256));
+    assert_eq!(full_layers(&g1), vec![5, 11, 17, 23]);
+    assert!(g1.layer_windows.iter().all(|&w| w == 0 || w == 512));
+    let oss = ModelSpec::preset("gpt-oss-120b").unwrap();
+    assert_eq!(
+        (oss.num_layers, oss.num_kv_heads, oss.head_dim),
+        (36, 8, 64)
+    );
+    assert_eq!(full_layers(&oss), (1..36).step_by(2).collect::<Vec<_>>());
+    assert_eq!(oss.weight_bytes(), 61.0 * (1u64 << 30) as f64);
+    for m in [&g27, &g1, &oss] {
+        assert!(m.is_hybrid() && m.check().is_ok(), "{}", m.name);
+        assert!(!m.all_full().is_hybrid());
+    }
+    // A model file says the same per layer; a list of the wrong length is an error.
+    let json = r#"{"name": "tiny-hybrid", "num_layers": 4, "num_kv_heads": 2, "head_dim": 64,
+        "num_params": 1e9, "dtype_bytes": 2, "max_model_len": 4096,
+        "layer_windows": [128, 0, 128, 0], "stored_weight_bytes": 5e8}"#;
+    let m = ModelSpec::from_json_str(json).unwrap();
+    assert!(m.is_hybrid());
+    assert_eq!(m.weight_bytes(), 5e8);
+    let bad = json.replace("[128, 0, 128, 0]", "[128, 0]");
+    let e = ModelSpec::from_json_str(&bad).unwrap_err();
+    assert!(e.0.contains("layer_windows"), "{e}");
+}
+
+/// Gemma 3 27B on an H100: a 32k-token request keeps 10 full layers' 32768 tokens and
+/// 52 window layers' 1024 (8 KiB a token a layer): 2.9 GiB, against 15.5 GiB with
+/// every layer full, so seven fit where one did. Requests of 3000 tokens arriving at
+/// once are memory bound: the hybrid allocator runs more of them at a time.
+#[test]
+fn the_hybrid_allocator_holds_each_window_layers_window() {
+    let c = SimConfig::new(
+        GpuSpec::preset("h100").unwrap(),
+        ModelSpec::preset("gemma-3-27b").unwrap(),
+    );
+    let layer = 2 * 16 * 128 * 2u64;
+    let w = Workload {
+        requests: (0..40)
+            .map(|i| pagedkv_cli::sim::TraceRequest {
+                arrival_s: i as f64 * 1e-3,
+                prompt_len: 3000,
+                output_len: 200,
+            })
+            .collect(),
+        description: "40 requests of 3000 + 200 tokens at once".into(),
+    };
+    let r = run_scenario(&w, None, &c, &Policy::ALL, &mut || {}).unwrap();
+    let h = r.hybrid.as_ref().expect("a hybrid model's report compares");
+    assert_eq!((h.window_layers, h.full_layers), (52, 10));
+    assert_eq!((h.layer_groups, h.layers_per_group), (7, 10));
+    let at_32k = h.requests.iter().find(|q| q.tokens == 32_768).unwrap();
+    assert_eq!(at_32k.hybrid_bytes, (10 * 32_768 + 52 * 1024) * layer);
+    assert_eq!(at_32k.all_full_bytes, 62 * 32_768 * layer);
+    assert!(at_32k.hybrid_fit >= 6 * at_32k.all_full_fit, "{at_32k:?}");
+    assert_eq!(h.rows.len(), 3);
+    for row in &h.rows {
+        assert!(
+            row.hybrid_mean_batch > 1.3 * row.all_full_mean_batch,
+            "{row:?}"
+        );
+    }
+    // A model of one group has no comparison.
+    let w = Workload::synthetic(WorkloadKind::ShareGpt, 2.0, 100, 2048, 0).unwrap();
+    let plain = run_scenario(&w, None, &a100_opt13b(), &[Policy::Paged(16)], &mut || {});
+    assert_eq!(plain.unwrap().hybrid, None);
+}
