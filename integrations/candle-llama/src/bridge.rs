@@ -40,12 +40,13 @@ pub struct Copies {
 /// or bf16: [`candle_dtype`] of `config().shape.dtype`).
 pub trait CandleBackend: AttentionBackend {
     /// Appends the step's new tokens' `k` and `v` (`[tokens, kv_heads, head_dim]`) to
-    /// one layer's cache, at the step's slots.
+    /// one layer's cache, at the step's slots of the layer's layer `group` (0 for a
+    /// model of one group).
     fn append_kv(
         &mut self,
         k: &Tensor,
         v: &Tensor,
-        cache: &mut LayerCache<Self::Tensor>,
+        layer: (&mut LayerCache<Self::Tensor>, usize),
         copies: &mut Copies,
     ) -> Result<()>;
 
@@ -56,7 +57,7 @@ pub trait CandleBackend: AttentionBackend {
         &mut self,
         opts: &AttentionOptions,
         q: &Tensor,
-        cache: &LayerCache<Self::Tensor>,
+        layer: (&LayerCache<Self::Tensor>, usize),
         copies: &mut Copies,
     ) -> Result<Tensor>;
 
@@ -68,7 +69,7 @@ pub trait CandleBackend: AttentionBackend {
         &mut self,
         opts: &AttentionOptions,
         q: &Tensor,
-        cache: &LayerCache<Self::Tensor>,
+        layer: (&LayerCache<Self::Tensor>, usize),
         copies: &mut Copies,
     ) -> Result<Tensor>;
 }
@@ -174,7 +175,7 @@ impl CandleBackend for CpuBackend {
         &mut self,
         k: &Tensor,
         v: &Tensor,
-        cache: &mut LayerCache<HostTensor>,
+        (cache, group): (&mut LayerCache<HostTensor>, usize),
         copies: &mut Copies,
     ) -> Result<()> {
         let (ks, kl) = k.storage_and_layout();
@@ -187,7 +188,7 @@ impl CandleBackend for CpuBackend {
             key,
             value,
             cache,
-            group: 0,
+            group,
         })?;
         copies.kernel_time += t.elapsed();
         Ok(())
@@ -197,7 +198,7 @@ impl CandleBackend for CpuBackend {
         &mut self,
         opts: &AttentionOptions,
         q: &Tensor,
-        cache: &LayerCache<HostTensor>,
+        (cache, group): (&LayerCache<HostTensor>, usize),
         copies: &mut Copies,
     ) -> Result<Tensor> {
         attend_any(q, copies, |q, out| {
@@ -206,7 +207,7 @@ impl CandleBackend for CpuBackend {
                 q,
                 cache,
                 sinks: None,
-                group: 0,
+                group,
                 out,
             })?)
         })
@@ -216,7 +217,7 @@ impl CandleBackend for CpuBackend {
         &mut self,
         opts: &AttentionOptions,
         q: &Tensor,
-        cache: &LayerCache<HostTensor>,
+        (cache, group): (&LayerCache<HostTensor>, usize),
         copies: &mut Copies,
     ) -> Result<Tensor> {
         attend_any(q, copies, |q, out| {
@@ -225,7 +226,7 @@ impl CandleBackend for CpuBackend {
                 q,
                 cache,
                 sinks: None,
-                group: 0,
+                group,
                 out,
             })?)
         })

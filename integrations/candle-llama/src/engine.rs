@@ -12,7 +12,7 @@ use pagedkv::host::backend::{BackendConfig, CpuBackend, PagedCache};
 use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::ops::prefill::PrefillKernel;
 use pagedkv::host::scheduler::{
-    Metrics, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig,
+    Batch, Metrics, PreemptionMode, Request, RequestId, Scheduler, SchedulerConfig,
 };
 use pagedkv::host::step::StepShape;
 
@@ -76,9 +76,50 @@ struct Live {
     out: Generated,
 }
 
-/// pagedkv's scheduler, a backend and its paged cache, serving a [`PagedLlama`].
-pub struct Engine<B: CandleBackend> {
-    model: PagedLlama,
+/// A model whose attention runs through pagedkv: one forward pass over a scheduler
+/// step's batch ([`PagedLlama`], [`PagedGemma3`](crate::gemma3::PagedGemma3)).
+pub trait PagedModel {
+    /// K/V tensors of its paged cache (the backend's `num_layers`: its layers, or with
+    /// layer groups the tensors the groups share).
+    fn num_tensors(&self) -> usize;
+
+    /// One forward pass over `batch` (whose `begin_step` already ran on `be`):
+    /// `tokens` holds each scheduled sequence's new tokens, in batch order
+    /// (`batch.slot_mapping`'s). Returns the logits after each sequence's last new
+    /// token, `[batch.seqs.len(), vocab]`.
+    fn forward<B: CandleBackend>(
+        &self,
+        be: &mut B,
+        cache: &mut PagedCache<B::Tensor>,
+        batch: &Batch,
+        tokens: &[u32],
+        opts: &AttentionOptions,
+        copies: &mut Copies,
+    ) -> Result<candle_core::Tensor>;
+}
+
+impl PagedModel for PagedLlama {
+    fn num_tensors(&self) -> usize {
+        self.num_layers()
+    }
+
+    fn forward<B: CandleBackend>(
+        &self,
+        be: &mut B,
+        cache: &mut PagedCache<B::Tensor>,
+        batch: &Batch,
+        tokens: &[u32],
+        opts: &AttentionOptions,
+        copies: &mut Copies,
+    ) -> Result<candle_core::Tensor> {
+        PagedLlama::forward(self, be, cache, batch, tokens, opts, copies)
+    }
+}
+
+/// pagedkv's scheduler, a backend and its paged cache, serving a [`PagedModel`]
+/// ([`PagedLlama`] by default).
+pub struct Engine<B: CandleBackend, M: PagedModel = PagedLlama> {
+    model: M,
     be: B,
     cache: PagedCache<B::Tensor>,
     sched: Scheduler,
@@ -89,7 +130,7 @@ pub struct Engine<B: CandleBackend> {
     pub copies: Copies,
 }
 
-impl<B: CandleBackend> std::fmt::Debug for Engine<B> {
+impl<B: CandleBackend, M: PagedModel> std::fmt::Debug for Engine<B, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
             .field("backend", &self.be.name())
@@ -129,21 +170,29 @@ pub fn backend_config(
 impl Engine<CpuBackend> {
     /// An engine on the CPU backend (pagedkv's kernels in the emulator).
     pub fn on_cpu(model: PagedLlama, cfg: &Config, ec: &EngineConfig) -> Result<Self> {
+        Self::on_cpu_with(model, backend_config(cfg, &ec.scheduler, ec.dtype)?, ec)
+    }
+}
+
+impl<M: PagedModel> Engine<CpuBackend, M> {
+    /// An engine serving `model` on the CPU backend made with `bc` (pagedkv's kernels
+    /// in the emulator; `ec.dtype` is `bc`'s).
+    pub fn on_cpu_with(model: M, bc: BackendConfig, ec: &EngineConfig) -> Result<Self> {
         let mut emu = pagedkv::host::emulator::Emulator::new();
         if ec.emulator_workers > 0 {
             emu = emu.with_workers(ec.emulator_workers);
         }
-        let be = CpuBackend::with_emulator(backend_config(cfg, &ec.scheduler, ec.dtype)?, emu)?;
+        let be = CpuBackend::with_emulator(bc, emu)?;
         Self::new(model, be, ec.scheduler.clone())
     }
 }
 
-impl<B: CandleBackend> Engine<B> {
+impl<B: CandleBackend, M: PagedModel> Engine<B, M> {
     /// An engine serving `model` on `be` (made for the model's attention and the
     /// scheduler's pool) under the scheduler settings `sched`.
-    pub fn new(model: PagedLlama, mut be: B, sched: SchedulerConfig) -> Result<Self> {
+    pub fn new(model: M, mut be: B, sched: SchedulerConfig) -> Result<Self> {
         let c = be.config();
-        if c.num_layers != model.num_layers()
+        if c.num_layers != model.num_tensors()
             || c.shape.num_blocks != sched.num_blocks
             || c.shape.block_size != sched.block_size
             || c.num_host_blocks != sched.num_host_blocks
@@ -311,7 +360,10 @@ pub struct Served {
 
 /// Serves `arrivals` on `engine` to the end: each request is added before its step,
 /// then steps run until everything finished.
-pub fn serve<B: CandleBackend>(engine: &mut Engine<B>, arrivals: &[Arrival]) -> Result<Served> {
+pub fn serve<B: CandleBackend, M: PagedModel>(
+    engine: &mut Engine<B, M>,
+    arrivals: &[Arrival],
+) -> Result<Served> {
     let mut served = Served::default();
     let mut next = 0;
     let mut step = 0;

@@ -15,7 +15,9 @@
 //!   greedy sampling);
 //! * [`reference`](mod@reference): candle's Llama, request by request, and the
 //!   comparison;
-//! * [`workload`]: the requests and pool of the test and of the speed comparison.
+//! * [`workload`]: the requests and pool of the test and of the speed comparison;
+//! * [`gemma3`]: [`PagedGemma3`], a Gemma 3 whose sliding-window and global layers are
+//!   pagedkv layer groups (the hybrid cache), its tiny config, weights and reference.
 //!
 //! Attention: each layer appends the step's new K and V to the paged cache with the
 //! kv_append kernel, then runs the decode kernel for the decoding rows and the prefill
@@ -29,13 +31,15 @@
 
 pub mod bridge;
 pub mod engine;
+pub mod gemma3;
 pub mod model;
 pub mod reference;
 pub mod weights;
 pub mod workload;
 
 pub use bridge::{CandleBackend, Copies};
-pub use engine::{Engine, EngineConfig, Generated, StepReport};
+pub use engine::{Engine, EngineConfig, Generated, PagedModel, StepReport};
+pub use gemma3::PagedGemma3;
 pub use model::PagedLlama;
 
 /// Errors of this crate: candle's, pagedkv's, or a broken expectation.

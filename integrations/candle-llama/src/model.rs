@@ -165,15 +165,15 @@ impl PagedLlama {
             let q = rope(layer.q.forward(&h)?, hq)?.to_dtype(dtype)?;
             let k = rope(layer.k.forward(&h)?, hkv)?.to_dtype(dtype)?;
             let v = layer.v.forward(&h)?.reshape((n, hkv, d))?.to_dtype(dtype)?;
-            be.append_kv(&k, &v, lc, copies)?;
+            be.append_kv(&k, &v, (lc, 0), copies)?;
 
             let mut pieces = Vec::with_capacity(2);
             if decodes > 0 {
-                pieces.push(be.decode_q(opts, &q.narrow(0, 0, decodes)?, lc, copies)?);
+                pieces.push(be.decode_q(opts, &q.narrow(0, 0, decodes)?, (lc, 0), copies)?);
             }
             if decodes < n {
                 let q = q.narrow(0, decodes, n - decodes)?;
-                pieces.push(be.prefill_q(opts, &q, lc, copies)?);
+                pieces.push(be.prefill_q(opts, &q, (lc, 0), copies)?);
             }
             let attn = Tensor::cat(&pieces, 0)?
                 .to_dtype(DType::F32)?

@@ -68,15 +68,8 @@ impl Rng {
 /// `±sqrt(3 / fan_in)` (unit variance out for unit variance in), embeddings uniform in
 /// `±1`, norm weights `1 ± 0.1`.
 pub fn random(cfg: &Config, seed: u64) -> Result<HashMap<String, Tensor>> {
-    let mut rng = Rng(seed);
-    let dev = Device::Cpu;
-    let mut t = |shape: (usize, usize), scale: f32, offset: f32| -> Result<Tensor> {
-        let v: Vec<f32> = (0..shape.0 * shape.1)
-            .map(|_| offset + scale * rng.uniform())
-            .collect();
-        let t = Tensor::from_vec(v, shape, &dev)?;
-        Ok(if shape.0 == 1 { t.squeeze(0)? } else { t })
-    };
+    let mut draw = Draw::new(seed);
+    let mut t = |shape, scale, offset| draw.tensor(shape, scale, offset);
     let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
     let d = h / cfg.num_attention_heads;
     let (q, kv) = (cfg.num_attention_heads * d, cfg.num_key_value_heads * d);
@@ -102,6 +95,31 @@ pub fn random(cfg: &Config, seed: u64) -> Result<HashMap<String, Tensor>> {
     w.insert("model.norm.weight".into(), t((1, h), 0.1, 1.0)?);
     w.insert("lm_head.weight".into(), t((v, h), lin(h), 0.0)?);
     Ok(w)
+}
+
+/// Seeded random tensors for the test models' weights.
+pub(crate) struct Draw(Rng);
+
+impl Draw {
+    /// A generator seeded with `seed`.
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(Rng(seed))
+    }
+
+    /// A `shape` tensor (`[shape.1]` when `shape.0` is 1) of `offset + scale * u`, `u`
+    /// uniform in `[-1, 1)`.
+    pub(crate) fn tensor(
+        &mut self,
+        shape: (usize, usize),
+        scale: f32,
+        offset: f32,
+    ) -> Result<Tensor> {
+        let v: Vec<f32> = (0..shape.0 * shape.1)
+            .map(|_| offset + scale * self.0.uniform())
+            .collect();
+        let t = Tensor::from_vec(v, shape, &Device::Cpu)?;
+        Ok(if shape.0 == 1 { t.squeeze(0)? } else { t })
+    }
 }
 
 /// A `VarBuilder` over `weights` (f32, CPU), for either model.
