@@ -1,7 +1,7 @@
 //! [`PagedGemma3`]: `candle_transformers::models::gemma3`'s text model (same weight
 //! names, same math) served through pagedkv's hybrid cache: its sliding-window layers
 //! and its full-attention layers are layer groups of one pool
-//! ([`LayerGroups`](pagedkv::host::block::LayerGroups)), each window group holding only
+//! ([`LayerGroups`]), each window group holding only
 //! its window, prefix caching on.
 //!
 //! # Windows
