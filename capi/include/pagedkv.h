@@ -57,6 +57,9 @@
  * - 0.2: pool sizes are capped at 2^24 blocks (num_blocks, num_host_blocks).
  * - 0.2: rows of one batch may share blocks another row of the step writes (prompts
  *   that begin alike, admitted together): kv_append the whole step before attention.
+ * - 0.2 (additions): layer groups, pagedkv_scheduler_create_groups(),
+ *   pagedkv_batch_group() and pagedkv_group_tables; pagedkv_batch is unchanged (it is
+ *   group 0's).
  */
 #ifndef PAGEDKV_H
 #define PAGEDKV_H
@@ -162,6 +165,19 @@ typedef struct pagedkv_batch {
     const uint32_t *swap_in;             /* [num_swap_in, 2] (host, device): after swap-outs */
 } pagedkv_batch;
 
+/* One layer group's block tables and slot mapping of the last step (a scheduler made
+ * with pagedkv_scheduler_create_groups(): models that mix sliding-window and
+ * full-attention layers). Rows and tokens as the batch's; valid, and unchanged, as
+ * long as the batch's arrays. */
+typedef struct pagedkv_group_tables {
+    const int32_t *block_tables;  /* [num_seqs, max_blocks_per_seq], 0-padded (and 0
+                                     before the group's window) */
+    const int64_t *slot_mapping;  /* [num_slots]: the new tokens' slots in this group's
+                                     blocks; -1: do not store */
+    uint32_t sliding_window;      /* the group's window in tokens; 0: full attention */
+    uint32_t reserved;            /* 0 */
+} pagedkv_group_tables;
+
 /* The token sampled for one scheduled sequence. */
 typedef struct pagedkv_sampled {
     uint64_t seq;
@@ -196,6 +212,18 @@ pagedkv_status pagedkv_scheduler_config_default(pagedkv_scheduler_config *out);
 pagedkv_status pagedkv_scheduler_create(const pagedkv_scheduler_config *config,
                                         pagedkv_scheduler **out);
 
+/* Creates a scheduler for a model of layer groups (since 0.2): group_windows[g] is
+ * group g's sliding window in tokens, 0 for full attention, 1 to 64 groups sharing
+ * the pool (config->sliding_window must be 0). A block id then names token slots in
+ * the layers of one group only; each group keeps its own block table per sequence, a
+ * window group only its window's blocks; a prefix hit is what every group serves.
+ * Each step's batch carries group 0's tables (as pagedkv_batch's), the others through
+ * pagedkv_batch_group(). copies, swap_out and swap_in are blocks of the one pool: run
+ * them on every K/V tensor. */
+pagedkv_status pagedkv_scheduler_create_groups(const pagedkv_scheduler_config *config,
+                                               const uint32_t *group_windows,
+                                               uint64_t num_groups, pagedkv_scheduler **out);
+
 /* Destroys the scheduler and everything it owns, batch arrays included. Destroying
  * the same handle twice is PAGEDKV_ERR_INVALID_STATE. While another call on s runs (on
  * another thread, or re-entrantly) this is PAGEDKV_ERR_INVALID_STATE and s stays alive:
@@ -217,6 +245,12 @@ pagedkv_status pagedkv_abort(pagedkv_scheduler *s, uint64_t request_id);
 /* Plans the next step into *out (see pagedkv_batch for the arrays' lifetime).
  * Feed the sampled tokens back with pagedkv_on_step_done() before the next step. */
 pagedkv_status pagedkv_step(pagedkv_scheduler *s, pagedkv_batch *out);
+
+/* Layer group `group`'s tables of the last step into *out (since 0.2; group 0's are
+ * the batch's own). A group the scheduler does not have is
+ * PAGEDKV_ERR_INVALID_ARGUMENT. */
+pagedkv_status pagedkv_batch_group(pagedkv_scheduler *s, uint32_t group,
+                                   pagedkv_group_tables *out);
 
 /* Takes one sampled token per scheduled sequence of the last step (n entries, each
  * scheduled sequence exactly once; otherwise nothing changes and an error says why).

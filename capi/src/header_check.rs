@@ -71,6 +71,12 @@ same_layout!(pagedkv_scheduled_seq {
     token_offset,
     reserved,
 });
+same_layout!(pagedkv_group_tables {
+    block_tables,
+    slot_mapping,
+    sliding_window,
+    reserved,
+});
 same_layout!(pagedkv_batch {
     num_seqs,
     seqs,
@@ -180,6 +186,11 @@ pub fn signatures() {
         r::pagedkv_reset_prefix_cache,
     );
     same::<unsafe extern "C" fn(_, _) -> _>(f::pagedkv_step, r::pagedkv_step);
+    same::<unsafe extern "C" fn(_, _, _) -> _>(f::pagedkv_batch_group, r::pagedkv_batch_group);
+    same::<unsafe extern "C" fn(_, _, _, _) -> _>(
+        f::pagedkv_scheduler_create_groups,
+        r::pagedkv_scheduler_create_groups,
+    );
     same::<unsafe extern "C" fn(_, _, _, _) -> _>(f::pagedkv_on_step_done, r::pagedkv_on_step_done);
     same::<unsafe extern "C" fn(_, _) -> _>(f::pagedkv_is_idle, r::pagedkv_is_idle);
     same::<unsafe extern "C" fn(_, _) -> _>(f::pagedkv_get_metrics, r::pagedkv_get_metrics);

@@ -76,10 +76,11 @@ pub use scheduler::pagedkv_testing_panic;
 pub use scheduler::{
     pagedkv_abort, pagedkv_add_request, pagedkv_get_metrics, pagedkv_is_idle, pagedkv_metrics,
     pagedkv_request, pagedkv_reset_prefix_cache, pagedkv_scheduler, pagedkv_scheduler_config,
-    pagedkv_scheduler_config_default, pagedkv_scheduler_create, pagedkv_scheduler_destroy,
-    pagedkv_seq_tokens,
+    pagedkv_scheduler_config_default, pagedkv_scheduler_create, pagedkv_scheduler_create_groups,
+    pagedkv_scheduler_destroy, pagedkv_seq_tokens,
 };
 pub use status::{pagedkv_last_error_message, pagedkv_status, pagedkv_version};
 pub use step::{
-    pagedkv_batch, pagedkv_on_step_done, pagedkv_sampled, pagedkv_scheduled_seq, pagedkv_step,
+    pagedkv_batch, pagedkv_batch_group, pagedkv_group_tables, pagedkv_on_step_done,
+    pagedkv_sampled, pagedkv_scheduled_seq, pagedkv_step,
 };

@@ -36,6 +36,7 @@
 //! Rust has an `Option`. Every call on the handle goes through [`with_scheduler`], i.e.
 //! the registry of [`crate::handle`]: a null, destroyed or busy scheduler is refused.
 
+use pagedkv::host::block::KvSpec;
 use pagedkv::host::scheduler::{PreemptionMode, QueuePolicy, Request, Scheduler, SchedulerConfig};
 
 use crate::args::slice;
@@ -203,42 +204,100 @@ pub unsafe extern "C" fn pagedkv_scheduler_create(
         }
         // SAFETY: non-null, valid for a read (the caller's contract).
         let c = unsafe { config.read() };
-        let cfg = SchedulerConfig {
-            num_blocks: c.num_blocks,
-            block_size: c.block_size,
-            num_host_blocks: c.num_host_blocks,
-            max_num_seqs: c.max_num_seqs.min(usize::MAX as u64) as usize,
-            max_tokens_per_step: c.max_tokens_per_step.min(usize::MAX as u64) as usize,
-            watermark: c.watermark,
-            preemption: if c.preempt_by_swap != 0 {
-                PreemptionMode::Swap
-            } else {
-                PreemptionMode::Recompute
-            },
-            policy: if c.priority_policy != 0 {
-                QueuePolicy::Priority
-            } else {
-                QueuePolicy::Fcfs
-            },
-            enable_prefix_caching: c.enable_prefix_caching != 0,
-            sliding_window: (c.sliding_window != 0).then_some(c.sliding_window),
-            // (Layer groups are not in the C ABI yet: one group.)
-            kv_groups: Vec::new(),
-            max_model_len: c.max_model_len,
-        };
-        let inner = match Scheduler::new(cfg) {
-            Ok(s) => s,
-            Err(e) => return from_error(&e),
-        };
-        let h = register(pagedkv_scheduler {
-            inner,
-            lists: StepLists::default(),
-            awaiting: 0,
-        });
-        // SAFETY: non-null, valid for a write.
-        unsafe { out.write(h) };
-        PAGEDKV_OK
+        // SAFETY: `out` is non-null and valid for a write.
+        unsafe { create(&c, Vec::new(), out) }
     })
+}
+
+/// Creates a scheduler for a model of layer groups (sliding-window and full-attention
+/// layers sharing the pool, `LayerGroups` on the Rust side): `group_windows[g]` is
+/// group `g`'s sliding window in tokens, 0 for full attention (1 to 64 groups;
+/// `config->sliding_window` must be 0). Each step's batch then carries a block table
+/// and slot mapping per group: `pagedkv_batch_group`. On success `*out` is a new
+/// handle, to be released with `pagedkv_scheduler_destroy`.
+///
+/// # Safety
+/// `config` is null or points to a valid config; `group_windows` is null or valid for
+/// `num_groups` reads; `out` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_scheduler_create_groups(
+    config: *const pagedkv_scheduler_config,
+    group_windows: *const u32,
+    num_groups: u64,
+    out: *mut *mut pagedkv_scheduler,
+) -> pagedkv_status {
+    guard(|| {
+        if config.is_null() || out.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "config or out is null");
+        }
+        if num_groups == 0 || num_groups > pagedkv::host::block::MAX_KV_GROUPS as u64 {
+            return fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!(
+                    "invalid argument `num_groups`: {num_groups} (1 to {})",
+                    pagedkv::host::block::MAX_KV_GROUPS
+                ),
+            );
+        }
+        // SAFETY: the caller's contract (null is refused).
+        let windows = match unsafe { slice(group_windows, num_groups, "group_windows") } {
+            Ok(w) => w,
+            Err(st) => return st,
+        };
+        let specs = windows
+            .iter()
+            .map(|&w| KvSpec::from_window((w != 0).then_some(w)))
+            .collect();
+        // SAFETY: non-null, valid for a read (the caller's contract).
+        let c = unsafe { config.read() };
+        // SAFETY: `out` is non-null and valid for a write.
+        unsafe { create(&c, specs, out) }
+    })
+}
+
+/// Builds and registers a scheduler of `c` and layer groups `kv_groups` into `*out`.
+///
+/// # Safety
+/// `out` is non-null and valid for a write.
+unsafe fn create(
+    c: &pagedkv_scheduler_config,
+    kv_groups: Vec<KvSpec>,
+    out: *mut *mut pagedkv_scheduler,
+) -> pagedkv_status {
+    let cfg = SchedulerConfig {
+        num_blocks: c.num_blocks,
+        block_size: c.block_size,
+        num_host_blocks: c.num_host_blocks,
+        max_num_seqs: c.max_num_seqs.min(usize::MAX as u64) as usize,
+        max_tokens_per_step: c.max_tokens_per_step.min(usize::MAX as u64) as usize,
+        watermark: c.watermark,
+        preemption: if c.preempt_by_swap != 0 {
+            PreemptionMode::Swap
+        } else {
+            PreemptionMode::Recompute
+        },
+        policy: if c.priority_policy != 0 {
+            QueuePolicy::Priority
+        } else {
+            QueuePolicy::Fcfs
+        },
+        enable_prefix_caching: c.enable_prefix_caching != 0,
+        sliding_window: (c.sliding_window != 0).then_some(c.sliding_window),
+        kv_groups,
+        max_model_len: c.max_model_len,
+    };
+    let inner = match Scheduler::new(cfg) {
+        Ok(s) => s,
+        Err(e) => return from_error(&e),
+    };
+    let h = register(pagedkv_scheduler {
+        inner,
+        lists: StepLists::default(),
+        awaiting: 0,
+    });
+    // SAFETY: non-null, valid for a write (the caller's contract).
+    unsafe { out.write(h) };
+    PAGEDKV_OK
 }
 
 /// Destroys a scheduler and everything it owns (batch arrays included). A second

@@ -96,6 +96,24 @@ pub struct pagedkv_batch {
     pub swap_in: *const u32,
 }
 
+/// One layer group's block tables and slot mapping of the last step
+/// (`pagedkv_batch_group`): the layers of group `g` write their K/V through its
+/// `slot_mapping` and attend through its `block_tables` (rows and tokens as the
+/// batch's), within its window. Valid, and unchanged, as long as the batch's arrays.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct pagedkv_group_tables {
+    /// `[num_seqs, max_blocks_per_seq]`, padded with the null block 0 (and 0 before
+    /// the group's window).
+    pub block_tables: *const i32,
+    /// `[num_slots]`: slot of each new token in this group's blocks; -1: skip.
+    pub slot_mapping: *const i64,
+    /// The group's sliding window (tokens); 0: full attention.
+    pub sliding_window: u32,
+    /// Padding (0).
+    pub reserved: u32,
+}
+
 /// A sampled token for one scheduled sequence.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -181,6 +199,45 @@ pub unsafe extern "C" fn pagedkv_step(
         h.awaiting = c.num_seqs;
         // SAFETY: non-null, valid for a write.
         unsafe { out.write(c) };
+        PAGEDKV_OK
+    })
+}
+
+/// Layer group `group`'s block tables and slot mapping of the last `pagedkv_step` of a
+/// scheduler made with `pagedkv_scheduler_create_groups` (group 0's are the batch's
+/// own; a scheduler of one group has only that). A group past the scheduler's is
+/// `PAGEDKV_ERR_INVALID_ARGUMENT`. The pointers stay valid as the batch's do.
+///
+/// # Safety
+/// `s` is null or a pointer this library returned; `out` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_batch_group(
+    s: *mut pagedkv_scheduler,
+    group: u32,
+    out: *mut pagedkv_group_tables,
+) -> pagedkv_status {
+    with_scheduler(s, |h| {
+        if out.is_null() {
+            return fail(PAGEDKV_ERR_NULL, "out is null");
+        }
+        let b = h.inner.last_batch();
+        let Some(v) = b.group(group as usize) else {
+            return fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!(
+                    "invalid argument `group`: {group} (the scheduler has {} layer groups)",
+                    b.num_groups()
+                ),
+            );
+        };
+        let t = pagedkv_group_tables {
+            block_tables: v.block_tables.as_ptr(),
+            slot_mapping: v.slot_mapping.as_ptr(),
+            sliding_window: v.sliding_window.unwrap_or(0),
+            reserved: 0,
+        };
+        // SAFETY: non-null, valid for a write.
+        unsafe { out.write(t) };
         PAGEDKV_OK
     })
 }

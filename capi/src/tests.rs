@@ -192,3 +192,87 @@ fn the_header_version_macros_are_the_library_version() {
     let lib = unsafe { std::ffi::CStr::from_ptr(pagedkv_version()) };
     assert_eq!(lib.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
 }
+
+/// A scheduler of layer groups through the C functions: each group's tables and slot
+/// mapping of a step, the group's window, group 0's equal to the batch's own, and the
+/// argument errors (no windows, no or too many groups, a scheduler window beside
+/// groups, a group past the scheduler's).
+#[test]
+fn a_scheduler_of_layer_groups_hands_out_each_groups_tables() {
+    let mut cfg = std::mem::MaybeUninit::uninit();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { pagedkv_scheduler_config_default(cfg.as_mut_ptr()) },
+        PAGEDKV_OK
+    );
+    // SAFETY: written above.
+    let mut cfg = unsafe { cfg.assume_init() };
+    cfg.num_blocks = 64;
+    let windows = [16u32, 0];
+    let mut s = std::ptr::null_mut();
+    // SAFETY: valid pointers and counts throughout.
+    unsafe {
+        assert_eq!(
+            pagedkv_scheduler_create_groups(&cfg, std::ptr::null(), 2, &mut s),
+            PAGEDKV_ERR_NULL
+        );
+        for n in [0, 65] {
+            assert_eq!(
+                pagedkv_scheduler_create_groups(&cfg, windows.as_ptr(), n, &mut s),
+                PAGEDKV_ERR_INVALID_ARGUMENT
+            );
+        }
+        let mut both = cfg;
+        both.sliding_window = 8;
+        assert_eq!(
+            pagedkv_scheduler_create_groups(&both, windows.as_ptr(), 2, &mut s),
+            PAGEDKV_ERR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            pagedkv_scheduler_create_groups(&cfg, windows.as_ptr(), 2, &mut s),
+            PAGEDKV_OK
+        );
+        let prompt: Vec<u32> = (0..40).collect();
+        let req = pagedkv_request {
+            id: 1,
+            prompt: prompt.as_ptr(),
+            prompt_len: prompt.len() as u64,
+            max_tokens: 4,
+            stop_token: -1,
+            priority: 0,
+            has_cache_salt: 0,
+            cache_salt: 0,
+        };
+        let mut seq = 0;
+        assert_eq!(pagedkv_add_request(s, &req, &mut seq), PAGEDKV_OK);
+        let mut b = std::mem::MaybeUninit::uninit();
+        assert_eq!(pagedkv_step(s, b.as_mut_ptr()), PAGEDKV_OK);
+        let b = b.assume_init();
+        let (w, n) = (b.max_blocks_per_seq as usize, b.num_slots as usize);
+        let mut g = [
+            std::mem::MaybeUninit::uninit(),
+            std::mem::MaybeUninit::uninit(),
+        ];
+        for (i, t) in g.iter_mut().enumerate() {
+            assert_eq!(pagedkv_batch_group(s, i as u32, t.as_mut_ptr()), PAGEDKV_OK);
+        }
+        let [g0, g1] = g.map(|t| t.assume_init());
+        assert_eq!((g0.sliding_window, g1.sliding_window), (16, 0));
+        assert_eq!(g0.block_tables, b.block_tables);
+        assert_eq!(g0.slot_mapping, b.slot_mapping);
+        let t0 = std::slice::from_raw_parts(g0.block_tables, w);
+        let t1 = std::slice::from_raw_parts(g1.block_tables, w);
+        let s1 = std::slice::from_raw_parts(g1.slot_mapping, n);
+        // 40 tokens: three blocks of 16 in each group, none shared between them.
+        assert!(t0[..3].iter().chain(&t1[..3]).all(|&x| x > 0));
+        assert!(t0[..3].iter().all(|x| !t1[..3].contains(x)));
+        assert_eq!(s1[0] / 16, t1[0] as i64);
+        let mut t = std::mem::MaybeUninit::uninit();
+        assert_eq!(
+            pagedkv_batch_group(s, 2, t.as_mut_ptr()),
+            PAGEDKV_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("group"), "{}", last_error());
+        assert_eq!(pagedkv_scheduler_destroy(s), PAGEDKV_OK);
+    }
+}

@@ -132,7 +132,11 @@ pub(crate) fn fp8(u: &mut Unstructured) -> Result<()> {
                     u.arbitrary()?,
                 )
             };
-            assert_ne!(check(r, "cuda_decode_attention_fp8"), PAGEDKV_OK, "null backend");
+            assert_ne!(
+                check(r, "cuda_decode_attention_fp8"),
+                PAGEDKV_OK,
+                "null backend"
+            );
         }
         _ => calibrate(u)?,
     }

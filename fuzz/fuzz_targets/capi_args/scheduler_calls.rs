@@ -101,8 +101,30 @@ pub(crate) fn create(st: &mut State, u: &mut Unstructured) -> Result<()> {
         1 => (&c, null_mut()),
         _ => (&c, &mut s),
     };
-    // SAFETY: each pointer null or valid.
-    if check(unsafe { pagedkv_scheduler_create(cp, op) }, "create") == PAGEDKV_OK {
+    // A scheduler of layer groups in a quarter of the cases: up to 3 windows (0: full)
+    // in a buffer as long as the count, or a count past the buffer's (refused first:
+    // 0 or past 64 groups), or no buffer.
+    let groups = u.ratio(1, 4)?;
+    let windows: Vec<u32> = (0..u.int_in_range(0..=3usize)?)
+        .map(|_| pick_u32(u, &[0, 1, 16, 100]))
+        .collect::<Result<_>>()?;
+    let (wp, wn) = match u.int_in_range(0..=7)? {
+        0 => (null(), windows.len() as u64),
+        1 => (windows.as_ptr(), *u.choose(&[0u64, 65, u64::MAX])?),
+        _ => (windows.as_ptr(), windows.len() as u64),
+    };
+    let status = if groups {
+        // SAFETY: each pointer null or valid; `wp` valid for `wn` reads unless `wn` is
+        // one the library refuses before reading.
+        check(
+            unsafe { pagedkv_scheduler_create_groups(cp, wp, wn, op) },
+            "create_groups",
+        )
+    } else {
+        // SAFETY: each pointer null or valid.
+        check(unsafe { pagedkv_scheduler_create(cp, op) }, "create")
+    };
+    if status == PAGEDKV_OK {
         assert!(!s.is_null());
         // A new handle may reuse a destroyed one's address: it is live again.
         st.dead.retain(|d| *d != s);
@@ -309,7 +331,19 @@ pub(crate) fn step_done(st: &mut State, u: &mut Unstructured) -> Result<()> {
 
 pub(crate) fn queries(st: &mut State, u: &mut Unstructured) -> Result<()> {
     let s = st.handle(u)?;
-    match u.int_in_range(0..=3)? {
+    match u.int_in_range(0..=4)? {
+        4 => {
+            // Any group of the last step's batch, null `out` sometimes.
+            let g = pick_u32(u, &[0, 1, 2, 3, 64, u32::MAX])?;
+            let mut t = std::mem::MaybeUninit::<pagedkv_group_tables>::uninit();
+            let p = if u.ratio(1, 8)? {
+                null_mut()
+            } else {
+                t.as_mut_ptr()
+            };
+            // SAFETY: handle null, live or destroyed; `p` null or valid for a write.
+            check(unsafe { pagedkv_batch_group(s, g, p) }, "batch_group");
+        }
         0 => {
             let mut idle = 7u32;
             let p = if u.ratio(1, 8)? {
@@ -337,7 +371,10 @@ pub(crate) fn queries(st: &mut State, u: &mut Unstructured) -> Result<()> {
             // SAFETY: handle null, live or destroyed.
             check(unsafe { pagedkv_abort(s, id) }, "abort");
             // SAFETY: as above.
-            check(unsafe { pagedkv_reset_prefix_cache(s) }, "reset_prefix_cache");
+            check(
+                unsafe { pagedkv_reset_prefix_cache(s) },
+                "reset_prefix_cache",
+            );
         }
         _ => {
             let seq = st.id(u, &st.seqs.clone())?;

@@ -666,6 +666,13 @@ impl Scheduler {
         }
     }
 
+    /// The batch the last [`step`](Self::step) returned, as it returned it: unchanged
+    /// until the next `step` or [`fork`](Self::fork) (see [`Batch`]); empty before the
+    /// first step. (The C ABI reads a layer group's tables from it.)
+    pub fn last_batch(&self) -> &Batch {
+        &self.batch
+    }
+
     /// The KV spec of each layer group (`config().kv_groups`, or the one group of
     /// `config().sliding_window`).
     pub fn kv_specs(&self) -> &[KvSpec] {
