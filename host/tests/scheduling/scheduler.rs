@@ -509,6 +509,9 @@ impl Model {
         let mut dref: HashMap<u32, u32> = HashMap::new();
         let mut dfill: HashMap<u32, usize> = HashMap::new();
         let mut href: HashMap<u32, u32> = HashMap::new();
+        // The layer group each device and host block belongs to: a block id names
+        // slots in the layers of one group only, so no two groups hold it.
+        let mut owner: HashMap<(bool, u32), usize> = HashMap::new();
         for (seq, g) in self
             .s
             .live_seqs()
@@ -548,6 +551,9 @@ impl Model {
                     &mut href
                 };
                 *m.entry(b).or_default() += 1;
+                let on_device = t.location() == Location::Device;
+                let first = *owner.entry((on_device, b)).or_insert(g);
+                prop_assert_eq!(first, g, "block {} is held in two layer groups", b);
                 if t.location() == Location::Device {
                     let fill = (t.num_tokens() as usize - i * bs).min(bs);
                     let f = dfill.entry(b).or_default();
