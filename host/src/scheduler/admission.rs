@@ -43,7 +43,7 @@ impl Scheduler {
                 ),
             ));
         }
-        let need = self.max_blocks(&req) as u64;
+        let need = self.max_blocks(&req);
         let usable = self.kv.device().num_usable() as u64;
         if need > usable {
             let hint = if self.specs.iter().any(|s| s.window().is_some()) && !self.chunked {
@@ -85,10 +85,11 @@ impl Scheduler {
         Ok(seq)
     }
 
-    /// Blocks one sequence of `req` holds at its largest, in all its layer groups.
-    fn max_blocks(&self, req: &Request) -> u32 {
+    /// Blocks one sequence of `req` holds at its largest, in all its layer groups (in
+    /// 64 bits: 64 groups of 2^28 blocks overflow `u32`).
+    fn max_blocks(&self, req: &Request) -> u64 {
         (0..self.specs.len())
-            .map(|g| self.max_blocks_in(req, g))
+            .map(|g| self.max_blocks_in(req, g) as u64)
             .sum()
     }
 
@@ -138,7 +139,7 @@ impl Scheduler {
         // A preempted group is recomputed (or swapped in) whole: refuse a fork that
         // would make it too large to ever come back.
         let size = g.seqs.len() as u64 + 1;
-        let blocks = size * self.max_blocks(&g.req) as u64;
+        let blocks = size.saturating_mul(self.max_blocks(&g.req));
         let tokens = size * (g.req.prompt.len() as u64 + g.req.max_tokens as u64);
         // With chunked prefill a recomputed group's prefills take as many steps as
         // they need (one token a sequence at least; `max_num_seqs` bounds the group,
@@ -154,11 +155,21 @@ impl Scheduler {
             ));
         }
         let (t0, extra) = self.seqs.tables_mut(seq);
-        let table = self.kv.fork(t0)?;
-        let extra = extra
-            .iter_mut()
-            .map(|t| self.kv.fork(t))
-            .collect::<Result<Vec<_>>>()?;
+        let mut table = self.kv.fork(t0)?;
+        let mut forked = Vec::with_capacity(extra.len());
+        for t in extra.iter_mut() {
+            match self.kv.fork(t) {
+                Ok(f) => forked.push(f),
+                Err(e) => {
+                    // Nothing leaks: the forks made so far give their references back.
+                    for mut f in forked.into_iter().chain([std::mem::take(&mut table)]) {
+                        self.kv.free(&mut f)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let extra = forked;
         let child_id = self.seqs.alloc_id();
         let tokens = self.seqs.tokens(seq).unwrap().clone();
         let child = Seq {
@@ -204,7 +215,7 @@ impl Scheduler {
                 .map(|g| self.max_blocks_in(&self.groups[&id].req, g) as usize)
                 .collect();
             let bs = self.cfg.block_size as usize;
-            let (mut tokens_needed, mut blocks_needed) = (0usize, 0u32);
+            let (mut tokens_needed, mut blocks_needed) = (0usize, 0u64);
             // How many leading tokens of each sequence's tokens this step gives slots.
             let mut ends: Vec<u32> = Vec::with_capacity(seqs.len());
             // Some sequence would get no token (chunked prefill, budget spent).
@@ -232,7 +243,7 @@ impl Scheduler {
                     let end = cached + take;
                     starved |= take == 0;
                     tokens_needed += take;
-                    blocks_needed += self.kv.prefill_cost_with(end as u32, &self.hits);
+                    blocks_needed += self.kv.prefill_cost_with(end as u32, &self.hits) as u64;
                     ends.push(end as u32);
                 } else {
                     // One fork's allocations may evict the cached blocks another
@@ -250,13 +261,13 @@ impl Scheduler {
                     starved |= n == 0;
                     tokens_needed += end;
                     // (No block is before the window of position 0.)
-                    blocks_needed += self.kv.blocks_for(n) * self.specs.len() as u32;
+                    blocks_needed += self.kv.blocks_for(n) as u64 * self.specs.len() as u64;
                     ends.push(n);
                 }
             }
             if starved
                 || tokens_needed > budget
-                || blocks_needed + self.watermark_now() > self.kv.device().num_free()
+                || blocks_needed + self.watermark_now() as u64 > self.kv.device().num_free() as u64
             {
                 break;
             }

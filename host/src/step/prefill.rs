@@ -67,11 +67,14 @@ pub struct PlannedPrefill {
 }
 
 /// Byte offsets of a step's prefill metadata sections in the runner's prefill buffer
-/// (`[tables | qo_indptr | lens]`, each 16-byte aligned).
+/// (`[tables of each group | qo_indptr | lens]`, each 16-byte aligned).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct PrefillOffsets {
-    /// `[num_seqs, max_blocks_per_seq]` i32 block tables.
+    /// `[num_seqs, max_blocks_per_seq]` i32 block tables of group 0; group `g`'s
+    /// `g * table_stride` bytes on.
     pub(super) tables: u64,
+    /// Bytes from one group's tables to the next's.
+    pub(super) table_stride: u64,
     /// `[num_seqs + 1]` i32 query offsets.
     pub(super) qo_indptr: u64,
     /// `[num_seqs]` i32 context lengths.
@@ -104,13 +107,13 @@ impl<D: StepDevice> StepRunner<D> {
         if let Some(step) = self.planned.as_mut() {
             step.prefill = None;
         }
-        if metas.len() != self.pmeta.len() {
+        if metas.len() != self.groups {
             return Err(Error::invalid(
                 "metas",
                 format!(
                     "{} groups' prefill metadata for a runner of {} layer groups",
                     metas.len(),
-                    self.pmeta.len()
+                    self.groups
                 ),
             ));
         }
@@ -170,28 +173,24 @@ impl<D: StepDevice> StepRunner<D> {
                 ),
             ));
         }
+        // [tables of each group | qo_indptr | lens], uploaded in one copy.
         let t_bytes = (4 * meta.block_tables.len()).next_multiple_of(16);
         let i_bytes = (4 * (n + 1)).next_multiple_of(16);
-        for (g, m) in metas.iter().enumerate() {
-            self.staging.clear();
-            self.staging.resize(t_bytes + i_bytes + 4 * n, 0);
-            let words = m
-                .block_tables
-                .iter()
-                .map(|&x| (0, x))
-                .chain(m.qo_indptr.iter().map(|&x| (t_bytes, x)))
-                .chain(m.context_lens.iter().map(|&x| (t_bytes + i_bytes, x)));
-            let (mut at, mut section) = (0, 0);
-            for (start, x) in words {
-                if start != section {
-                    (at, section) = (start, start);
-                }
-                self.staging[at..at + 4].copy_from_slice(&x.to_le_bytes());
-                at += 4;
+        let g_bytes = metas.len() * t_bytes;
+        self.staging.clear();
+        self.staging.resize(g_bytes + i_bytes + 4 * n, 0);
+        let mut put = |at: usize, words: &[i32]| {
+            for (k, x) in words.iter().enumerate() {
+                self.staging[at + 4 * k..at + 4 * k + 4].copy_from_slice(&x.to_le_bytes());
             }
-            self.dev.upload(self.pmeta[g], &self.staging)?;
+        };
+        put(g_bytes, meta.qo_indptr);
+        put(g_bytes + i_bytes, meta.context_lens);
+        for (g, m) in metas.iter().enumerate() {
+            put(g * t_bytes, m.block_tables);
             self.pwindows[g] = m.window;
         }
+        self.dev.upload(self.pmeta, &self.staging)?;
         let planned = PlannedPrefill {
             shape,
             num_tokens,
@@ -211,8 +210,9 @@ impl<D: StepDevice> StepRunner<D> {
             planned,
             PrefillOffsets {
                 tables: 0,
-                qo_indptr: t_bytes as u64,
-                lens: (t_bytes + i_bytes) as u64,
+                table_stride: t_bytes as u64,
+                qo_indptr: g_bytes as u64,
+                lens: (g_bytes + i_bytes) as u64,
             },
         ));
         Ok(planned)
@@ -225,17 +225,20 @@ impl<D: StepDevice> StepRunner<D> {
             .planned_prefill
             .ok_or_else(|| Error::InvalidState("no prefill planned: call plan_prefill()".into()))?;
         validate_options(opts, pp.shape.num_q_heads)?;
-        let pmeta = *self.pmeta.get(io.group).ok_or_else(|| {
-            Error::invalid(
+        if io.group >= self.groups {
+            return Err(Error::invalid(
                 "group",
                 format!(
                     "{}: the runner plans {} layer groups",
-                    io.group,
-                    self.pmeta.len()
+                    io.group, self.groups
                 ),
-            )
-        })?;
+            ));
+        }
         super::runner::check_window(self.pwindows[io.group], opts.window)?;
+        let (pmeta, tables) = (
+            self.pmeta,
+            offsets.tables + io.group as u64 * offsets.table_stride,
+        );
         if opts.alibi_slopes != self.slopes_host {
             return Err(Error::invalid(
                 "alibi_slopes",
@@ -274,7 +277,7 @@ impl<D: StepDevice> StepRunner<D> {
                         k_scales,
                         v_scales,
                         block_tables: GlobalSlice::from_raw_parts(
-                            pmeta.offset(offsets.tables).get() as *const i32,
+                            pmeta.offset(tables).get() as *const i32,
                             n * pp.shape.max_blocks_per_seq as u64,
                         ),
                         qo_indptr: GlobalSlice::from_raw_parts(

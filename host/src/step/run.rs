@@ -196,7 +196,7 @@ impl<D: StepDevice> StepRunner<D> {
     /// Appends this step's new tokens' K and V to one layer's cache: one launch.
     pub fn kv_append(&self, io: KvAppendIo<'_>) -> Result<()> {
         let planned = self.current()?;
-        let (meta, _) = self.group(io.group)?;
+        self.group_window(io.group)?;
         let n = planned.num_tokens as u64;
         let l = self.shape.layout();
         let row = l.num_kv_heads as u64 * l.head_dim as u64;
@@ -207,7 +207,7 @@ impl<D: StepDevice> StepRunner<D> {
         if n == 0 {
             return Ok(());
         }
-        let slots = meta.offset(planned.offsets.slots).get();
+        let slots = self.meta.offset(planned.offsets.slots_of(io.group)).get();
         let cfg = kv_append::launch_config(n as usize);
         with_kv!(self.shape.dtype, self.shape.kv_dtype, T, K => {
             // SAFETY: every address was checked to be of this device's space, aligned
@@ -243,8 +243,7 @@ impl<D: StepDevice> StepRunner<D> {
             return Ok(None);
         };
         attention::validate_options(opts, ds.num_q_heads)?;
-        let (meta, window) = self.group(io.group)?;
-        super::runner::check_window(window, opts.window)?;
+        super::runner::check_window(self.group_window(io.group)?, opts.window)?;
         if opts.alibi_slopes != self.slopes_host {
             return Err(Error::invalid(
                 "alibi_slopes",
@@ -260,8 +259,8 @@ impl<D: StepDevice> StepRunner<D> {
         let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
         let sinks = self.sink_slice(io.sinks.as_ref())?;
         let (dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
-        let tables = meta.offset(planned.offsets.tables).get();
-        let lens = meta.offset(planned.offsets.lens).get();
+        let tables = self.meta.offset(planned.offsets.tables_of(io.group)).get();
+        let lens = self.meta.offset(planned.offsets.lens).get();
         with_kv!(dtype, kv_dtype, T, K => {
             // SAFETY: checked views of this device's space; the tables and lengths in the
             // metadata buffer `plan` uploaded and validated; the workspace and slopes

@@ -157,15 +157,32 @@ pub struct Planned {
 }
 
 /// Byte offsets of a step's metadata sections in the runner's metadata buffer
-/// (`[tables | lens | slots]`, each 16-byte aligned).
+/// (`[tables of each group | lens | slots of each group]`, each 16-byte aligned).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct MetaOffsets {
-    /// `[num_seqs, max_blocks_per_seq]` i32 block tables.
+    /// `[num_seqs, max_blocks_per_seq]` i32 block tables of group 0; group `g`'s
+    /// `g * table_stride` bytes on.
     pub(super) tables: u64,
-    /// `[num_seqs]` i32 context lengths.
+    /// `[num_seqs]` i32 context lengths (every group's).
     pub(super) lens: u64,
-    /// `[num_tokens]` i64 slot mapping.
+    /// `[num_tokens]` i64 slot mapping of group 0; group `g`'s `g * slot_stride` on.
     pub(super) slots: u64,
+    /// Bytes from one group's tables to the next's.
+    pub(super) table_stride: u64,
+    /// Bytes from one group's slots to the next's.
+    pub(super) slot_stride: u64,
+}
+
+impl MetaOffsets {
+    /// Group `g`'s tables.
+    pub(super) fn tables_of(&self, g: usize) -> u64 {
+        self.tables + g as u64 * self.table_stride
+    }
+
+    /// Group `g`'s slots.
+    pub(super) fn slots_of(&self, g: usize) -> u64 {
+        self.slots + g as u64 * self.slot_stride
+    }
 }
 
 /// Plans a step once on the host and runs every layer's kernels with nothing but
@@ -176,10 +193,12 @@ pub struct StepRunner<D: StepDevice> {
     pub(super) cap: StepCapacity,
     /// SMs the split planner plans for; `None`: never split.
     pub(super) sm_count: Option<u32>,
-    /// Per layer group, `[tables | lens | slots]`, 16-byte aligned sections (one
-    /// buffer for a model of one group; [`set_groups`](Self::set_groups) adds more).
-    pub(super) meta: Vec<DeviceAddr>,
+    /// `[tables of each group | lens | slots of each group]`, 16-byte aligned
+    /// sections, room for `groups` groups (`meta_bytes` a group).
+    pub(super) meta: DeviceAddr,
     pub(super) meta_bytes: usize,
+    /// Layer groups the buffers hold (`set_groups`).
+    pub(super) groups: usize,
     /// The window each group's metadata was validated for (`plan_groups`).
     pub(super) windows: Vec<Option<u32>>,
     /// Split-K partials: `[rows, head_dim]` and `[rows, 2]` f32.
@@ -190,9 +209,9 @@ pub struct StepRunner<D: StepDevice> {
     pub(super) slopes_host: Option<Vec<f32>>,
     pub(super) staging: Vec<u8>,
     pub(super) planned: Option<Planned>,
-    /// Per layer group, `[tables | qo_indptr | lens]` of the step's prefill, 16-byte
-    /// aligned sections.
-    pub(super) pmeta: Vec<DeviceAddr>,
+    /// `[tables of each group | qo_indptr | lens]` of the step's prefill, 16-byte
+    /// aligned sections, room for `groups` groups (`pmeta_bytes` a group).
+    pub(super) pmeta: DeviceAddr,
     pub(super) pmeta_bytes: usize,
     /// The window each group's prefill metadata was validated for.
     pub(super) pwindows: Vec<Option<u32>>,
@@ -338,8 +357,9 @@ impl<D: StepDevice> StepRunner<D> {
             shape,
             cap,
             sm_count,
-            meta: vec![meta],
+            meta,
             meta_bytes,
+            groups: 1,
             windows: vec![None],
             part_out,
             part_ml,
@@ -347,24 +367,25 @@ impl<D: StepDevice> StepRunner<D> {
             slopes_host: None,
             staging: Vec::with_capacity(meta_bytes),
             planned: None,
-            pmeta: vec![pmeta],
+            pmeta,
             pmeta_bytes,
             pwindows: vec![None],
             planned_prefill: None,
         })
     }
 
-    /// Layer groups the runner plans for: one metadata buffer each (see
-    /// [`plan_groups`](Self::plan_groups)). 1 unless [`set_groups`](Self::set_groups)
-    /// said more.
+    /// Layer groups the runner plans for ([`plan_groups`](Self::plan_groups)): 1
+    /// unless [`set_groups`](Self::set_groups) said more.
     pub fn num_groups(&self) -> usize {
-        self.meta.len()
+        self.groups
     }
 
-    /// Plans for `n` layer groups (1 to [`MAX_KV_GROUPS`]) from now on: allocates the
-    /// metadata buffers of the groups beyond the first (call it once, before the first
-    /// step and before capturing a graph: the only allocations besides the
-    /// constructor's). Forgets the current plan.
+    /// Plans for `n` layer groups (1 to [`MAX_KV_GROUPS`]) from now on. With more than
+    /// one, allocates metadata buffers with room for every group's tables and slots
+    /// (a step still uploads its metadata in one copy): call it once, before the first
+    /// step and before capturing a graph (the only allocations besides the
+    /// constructor's; the buffers of an earlier call stay allocated with the device).
+    /// Forgets the current plan.
     ///
     /// [`MAX_KV_GROUPS`]: crate::block::MAX_KV_GROUPS
     pub fn set_groups(&mut self, n: usize) -> Result<()> {
@@ -376,28 +397,34 @@ impl<D: StepDevice> StepRunner<D> {
         }
         self.planned = None;
         self.planned_prefill = None;
-        while self.meta.len() < n {
-            let m = self.dev.alloc(self.meta_bytes)?;
-            let p = self.dev.alloc(self.pmeta_bytes)?;
-            self.meta.push(m);
-            self.pmeta.push(p);
+        if n > self.groups {
+            let (m, p) = (
+                self.meta_bytes.checked_mul(n),
+                self.pmeta_bytes.checked_mul(n),
+            );
+            let (Some(m), Some(p)) = (m, p) else {
+                return Err(too_large("groups"));
+            };
+            self.dev.reserve_upload(m.max(p))?;
+            self.meta = self.dev.alloc(m)?;
+            self.pmeta = self.dev.alloc(p)?;
         }
-        self.meta.truncate(n);
-        self.pmeta.truncate(n);
+        self.groups = n;
         self.windows.resize(n, None);
         self.pwindows.resize(n, None);
         Ok(())
     }
 
-    /// The metadata buffer and planned window of group `g` of a layer's call.
-    pub(super) fn group(&self, g: usize) -> Result<(DeviceAddr, Option<u32>)> {
-        match self.meta.get(g) {
-            Some(&m) => Ok((m, self.windows[g])),
-            None => Err(Error::invalid(
+    /// The planned window of group `g` of a layer's call (an error for a group the
+    /// runner does not plan).
+    pub(super) fn group_window(&self, g: usize) -> Result<Option<u32>> {
+        if g >= self.groups {
+            return Err(Error::invalid(
                 "group",
-                format!("{g}: the runner plans {} layer groups", self.meta.len()),
-            )),
+                format!("{g}: the runner plans {} layer groups", self.groups),
+            ));
         }
+        Ok(self.windows[g])
     }
 
     /// The device.
@@ -469,13 +496,13 @@ impl<D: StepDevice> StepRunner<D> {
     ) -> Result<&Planned> {
         self.planned = None;
         self.planned_prefill = None;
-        if metas.len() != self.meta.len() {
+        if metas.len() != self.groups {
             return Err(Error::invalid(
                 "metas",
                 format!(
                     "{} groups' metadata for a runner of {} layer groups",
                     metas.len(),
-                    self.meta.len()
+                    self.groups
                 ),
             ));
         }
@@ -556,39 +583,44 @@ impl<D: StepDevice> StepRunner<D> {
             }
             Some((ds, p))
         };
-        // Pack each group's [tables | lens | slots] and upload it in one copy.
-        let t_bytes = 4 * meta.block_tables.len() as u64;
+        // Pack [tables of each group | lens | slots of each group] and upload it in
+        // one copy.
+        let groups = metas.len() as u64;
+        let table_stride = align16(4 * meta.block_tables.len() as u64);
+        let slot_stride = align16(8 * tokens as u64);
         let offsets = MetaOffsets {
             tables: 0,
-            lens: align16(t_bytes),
-            slots: align16(t_bytes) + align16(4 * n as u64),
+            lens: groups * table_stride,
+            slots: groups * table_stride + align16(4 * n as u64),
+            table_stride,
+            slot_stride,
         };
-        let used = offsets.slots as usize + 8 * tokens;
-        debug_assert!(used <= self.meta_bytes);
+        let used = (offsets.slots + groups * slot_stride) as usize;
+        debug_assert!(used <= self.meta_bytes * self.groups);
+        self.staging.clear();
+        self.staging.resize(used, 0);
+        let mut put = |at: u64, bytes: &mut dyn Iterator<Item = u8>| {
+            for (d, b) in self.staging[at as usize..].iter_mut().zip(bytes) {
+                *d = b;
+            }
+        };
+        put(
+            offsets.lens,
+            &mut meta.context_lens.iter().flat_map(|x| x.to_le_bytes()),
+        );
         for (g, m) in metas.iter().enumerate() {
-            self.staging.clear();
-            self.staging.resize(used, 0);
-            let mut put = |at: u64, bytes: &mut dyn Iterator<Item = u8>| {
-                for (d, b) in self.staging[at as usize..].iter_mut().zip(bytes) {
-                    *d = b;
-                }
-            };
             put(
-                offsets.tables,
+                offsets.tables_of(g),
                 &mut m.block_tables.iter().flat_map(|x| x.to_le_bytes()),
             );
             put(
-                offsets.lens,
-                &mut m.context_lens.iter().flat_map(|x| x.to_le_bytes()),
-            );
-            put(
-                offsets.slots,
+                offsets.slots_of(g),
                 &mut m.slot_mapping.iter().flat_map(|x| x.to_le_bytes()),
             );
-            if used > 0 {
-                self.dev.upload(self.meta[g], &self.staging)?;
-            }
             self.windows[g] = m.window;
+        }
+        if used > 0 {
+            self.dev.upload(self.meta, &self.staging)?;
         }
         if let Some((_, p)) = &decode {
             let rows = n as u64 * self.shape.num_q_heads as u64 * p.num_partitions as u64;

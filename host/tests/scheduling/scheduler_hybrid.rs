@@ -161,3 +161,26 @@ fn layer_groups_are_validated() {
     };
     assert!(Scheduler::new(zero).is_err());
 }
+
+/// A request's blocks summed over many layer groups do not wrap: 32 full groups of a
+/// 2^30-token request need 32 × 2^27 blocks (past `u32`), and it is refused, never a
+/// debug-build overflow panic or, wrapped, a request accepted that can never run.
+#[test]
+fn a_requests_blocks_over_many_groups_do_not_wrap() {
+    let cfg = SchedulerConfig {
+        num_blocks: 64,
+        block_size: 8,
+        max_num_seqs: 1,
+        max_tokens_per_step: 1 << 30,
+        max_model_len: 1 << 30,
+        kv_groups: vec![KvSpec::Full; 32],
+        ..SchedulerConfig::default()
+    };
+    let mut s = Scheduler::new(cfg).unwrap();
+    assert!(
+        s.add_request(Request::new(1, vec![1], (1 << 30) - 1))
+            .is_err()
+    );
+    // And a manager asked about a group it does not have says "no window".
+    assert_eq!(s.kv().dead_before(40, 100), 0);
+}

@@ -495,9 +495,10 @@ impl KvCacheManager {
     /// later attends to: those wholly before the sliding window of position `first`
     /// (`first + 1 - w ..= first`); 0 without a window. A step whose first new
     /// position is `first` may release them, and needs every later block (see the
-    /// window's release rule in `append`).
+    /// window's release rule in `append`). A group the manager does not have has no
+    /// window (0).
     pub fn dead_before(&self, group: usize, first: u32) -> u32 {
-        match self.windows[group] {
+        match self.windows.get(group).copied().flatten() {
             Some(w) => (first as u64 + 1).saturating_sub(w as u64) as u32 / self.block_size,
             None => 0,
         }

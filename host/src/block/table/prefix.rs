@@ -72,7 +72,10 @@ impl KvCacheManager {
     /// of them are cached under its names; a sliding-window group when the blocks its
     /// window needs at the first computed position (`n * block_size`) are: those from
     /// [`dead_before`](Self::dead_before) on (vLLM's rule). Changes nothing else. None
-    /// without prefix caching.
+    /// without prefix caching. (A full group ends the search at its first miss; a
+    /// manager of window groups only names every full block of the prompt, one
+    /// SHA-256 compression each, about 33 ns: 67 µs for a 32k-token prompt, at every
+    /// admission attempt.)
     pub fn find_prefix_hits(&self, tokens: &[u32], salt: Option<u64>, hits: &mut PrefixHits) {
         hits.names.clear();
         hits.blocks = 0;
@@ -167,7 +170,9 @@ impl KvCacheManager {
     /// its window's start (`dead_before(hits * block_size)`, at most `hits`) on, takes
     /// the hit ones from the cache and allocates the rest.
     fn cost_of(&self, n: u32, hits: u32, free: u32) -> u32 {
-        (self.blocks_for(n) - hits) * self.windows.len() as u32 + free
+        // (64 groups of 2^28 blocks overflow u32: saturate, more than any pool has.)
+        let cost = (self.blocks_for(n) - hits) as u64 * self.windows.len() as u64 + free as u64;
+        cost.min(u32::MAX as u64) as u32
     }
 
     /// The leading blocks of `hits` still served by every group (a prompt of
