@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use candle_core::{D, DType, Device, Module, Tensor};
 use candle_nn::{Activation, Embedding, Linear, VarBuilder, embedding, linear_no_bias};
 use candle_transformers::models::gemma3::{Config, Model};
-use pagedkv::host::backend::{PagedCache, decode_rows};
+use pagedkv::host::backend::PagedCache;
 use pagedkv::host::block::{KvSpec, LayerGroups};
 use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::scheduler::Batch;
@@ -31,6 +31,7 @@ use pagedkv::host::scheduler::Batch;
 use crate::Result;
 use crate::bridge::{CandleBackend, Copies, candle_dtype};
 use crate::engine::{Arrival, Generated, PagedModel, argmax};
+use crate::model::StepLayout;
 
 /// Gemma's RMS norm, as candle's Gemma 3 computes it (in f32, scaled by `1 + weight`).
 #[derive(Debug)]
@@ -197,19 +198,14 @@ impl PagedModel for PagedGemma3 {
         copies: &mut Copies,
     ) -> Result<Tensor> {
         let dev = Device::Cpu;
+        let StepLayout {
+            decodes,
+            positions,
+            last,
+        } = StepLayout::of(batch, tokens)?;
         let n = tokens.len();
-        if n != batch.slot_mapping.len() {
-            return Err(format!("{n} tokens for {} slots", batch.slot_mapping.len()).into());
-        }
-        let decodes = decode_rows(batch).len();
         let (hq, hkv, d) = (self.heads, self.kv_heads, self.head_dim);
         let dtype = candle_dtype(be.config().shape.dtype)?;
-        let positions: Vec<u32> = batch
-            .seqs
-            .iter()
-            .flat_map(|s| s.start_pos..s.start_pos + s.num_new_tokens)
-            .collect();
-        let positions = Tensor::new(positions, &dev)?;
         let pick = |(cos, sin): &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
             Ok((
                 cos.index_select(&positions, 0)?,
@@ -264,14 +260,7 @@ impl PagedModel for PagedGemma3 {
             let m = layer.post_ffn_norm.forward(&layer.down.forward(&mlp)?)?;
             x = (x1 + m)?;
         }
-        let last: Vec<u32> = batch
-            .seqs
-            .iter()
-            .map(|s| s.token_offset + s.num_new_tokens - 1)
-            .collect();
-        let x = self
-            .norm
-            .forward(&x.index_select(&Tensor::new(last, &dev)?, 0)?)?;
+        let x = self.norm.forward(&x.index_select(&last, 0)?)?;
         let logits = x.matmul(&self.embed.embeddings().t()?)?;
         Ok(match self.final_softcap {
             None => logits,

@@ -21,6 +21,60 @@ use pagedkv::host::scheduler::Batch;
 use crate::Result;
 use crate::bridge::{CandleBackend, Copies, candle_dtype};
 
+/// What a forward pass needs of a step's layout, checked: the backend's order of a
+/// step (the decoding rows first, one token each, then the prefilling rows, each row's
+/// new tokens after the previous row's, as many tokens as slots).
+pub(crate) struct StepLayout {
+    /// Decoding rows.
+    pub(crate) decodes: usize,
+    /// `[tokens]` u32: each new token's position (RoPE).
+    pub(crate) positions: Tensor,
+    /// `[rows]` u32: each row's last new token (where its logits come from).
+    pub(crate) last: Tensor,
+}
+
+impl StepLayout {
+    /// The layout of `batch` with `tokens` its new tokens, or what breaks it.
+    pub(crate) fn of(batch: &Batch, tokens: &[u32]) -> Result<Self> {
+        let n = tokens.len();
+        if n != batch.slot_mapping.len() {
+            return Err(format!("{n} tokens for {} slots", batch.slot_mapping.len()).into());
+        }
+        let decodes = decode_rows(batch).len();
+        let mut offset = 0;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if i < decodes && s.num_new_tokens != 1 {
+                return Err(
+                    format!("decoding row {}: {} new tokens", s.seq, s.num_new_tokens).into(),
+                );
+            }
+            if s.token_offset != offset {
+                return Err(format!(
+                    "row {}: tokens from {}, not {offset}",
+                    s.seq, s.token_offset
+                )
+                .into());
+            }
+            offset += s.num_new_tokens;
+        }
+        let positions: Vec<u32> = batch
+            .seqs
+            .iter()
+            .flat_map(|s| s.start_pos..s.start_pos + s.num_new_tokens)
+            .collect();
+        let last: Vec<u32> = batch
+            .seqs
+            .iter()
+            .map(|s| s.token_offset + s.num_new_tokens - 1)
+            .collect();
+        Ok(Self {
+            decodes,
+            positions: Tensor::new(positions, &Device::Cpu)?,
+            last: Tensor::new(last, &Device::Cpu)?,
+        })
+    }
+}
+
 #[derive(Debug)]
 struct Layer {
     q: Linear,
@@ -120,37 +174,14 @@ impl PagedLlama {
         copies: &mut Copies,
     ) -> Result<Tensor> {
         let dev = Device::Cpu;
+        let StepLayout {
+            decodes,
+            positions,
+            last,
+        } = StepLayout::of(batch, tokens)?;
         let n = tokens.len();
-        if n != batch.slot_mapping.len() {
-            return Err(format!("{n} tokens for {} slots", batch.slot_mapping.len()).into());
-        }
-        // The backend's layout of a step: the decoding rows first (one token each),
-        // then the prefilling rows, each row's new tokens after the previous row's.
-        let decodes = decode_rows(batch).len();
-        let mut offset = 0;
-        for (i, s) in batch.seqs.iter().enumerate() {
-            if i < decodes && s.num_new_tokens != 1 {
-                return Err(
-                    format!("decoding row {}: {} new tokens", s.seq, s.num_new_tokens).into(),
-                );
-            }
-            if s.token_offset != offset {
-                return Err(format!(
-                    "row {}: tokens from {}, not {offset}",
-                    s.seq, s.token_offset
-                )
-                .into());
-            }
-            offset += s.num_new_tokens;
-        }
         let (hq, hkv, d) = (self.heads, self.kv_heads, self.head_dim);
         let dtype = candle_dtype(be.config().shape.dtype)?;
-        let positions: Vec<u32> = batch
-            .seqs
-            .iter()
-            .flat_map(|s| s.start_pos..s.start_pos + s.num_new_tokens)
-            .collect();
-        let positions = Tensor::new(positions, &dev)?;
         let cos = self.cos.index_select(&positions, 0)?;
         let sin = self.sin.index_select(&positions, 0)?;
 
@@ -184,12 +215,7 @@ impl PagedLlama {
                 (candle_nn::ops::silu(&layer.gate.forward(&hm)?)? * layer.up.forward(&hm)?)?;
             x = (layer.down.forward(&mlp)? + x1)?;
         }
-        let last: Vec<u32> = batch
-            .seqs
-            .iter()
-            .map(|s| s.token_offset + s.num_new_tokens - 1)
-            .collect();
-        let x = x.index_select(&Tensor::new(last, &dev)?, 0)?;
+        let x = x.index_select(&last, 0)?;
         Ok(self.lm_head.forward(&self.norm.forward(&x)?)?)
     }
 }
