@@ -212,6 +212,7 @@ fn prefill_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
                 run.prefill(
                     &opts,
                     PrefillIo {
+                        lse: None,
                         q: q.view(),
                         key_cache: kc.view(),
                         value_cache: vc.view(),
@@ -432,6 +433,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaDevice) {
                             .decode(
                                 &opts,
                                 DecodeIo {
+                                    lse: None,
                                     q: q.view(),
                                     key_cache: kc.view(),
                                     value_cache: vc.view(),

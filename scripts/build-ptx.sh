@@ -16,7 +16,7 @@ TOOLCHAIN=nightly-2026-05-19
 ARCHS=(sm_80 sm_90)
 # Threads per block of each kernel (by entry-point prefix, or `prefix*suffix`),
 # written as `.maxntid`.
-MAXNTID="copy_blocks=128 kv_append=128 paged_decode_attention=128 paged_decode_reduce=64 paged_prefill_attention=32 paged_prefill_attention_f32=128 paged_prefill_attention*_d64=128 paged_prefill_attention*_d128=128"
+MAXNTID="copy_blocks=128 kv_append=128 paged_decode_attention=128 paged_decode_reduce=64 merge_states=64 paged_prefill_attention=32 paged_prefill_attention_f32=128 paged_prefill_attention*_d64=128 paged_prefill_attention*_d128=128"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 

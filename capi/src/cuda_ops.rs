@@ -423,7 +423,7 @@ unsafe fn decode_on(
             kv_scales: t.scales.as_ref(),
             sinks: None,
         },
-        &mut ot,
+        &mut *ot,
     )
     .map(|_| ())
     .map_err(m)
@@ -547,6 +547,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
         r.decode(
             &opts,
             DecodeIo {
+                lse: None,
                 q: qv,
                 key_cache: kv,
                 value_cache: vv,

@@ -4,6 +4,10 @@
 //! * [`dense_decode_attention`]: one sequence's decode attention over contiguous K/V;
 //! * [`paged_decode_attention`]: the same for a batch, walking each sequence's block
 //!   table token by token to find every K and V row in the paged cache;
+//! * [`paged_prefill_attention`]: many query tokens per sequence, causal;
+//! * [`dense_decode_lse`], [`paged_decode_lse`], [`paged_prefill_lse`]: the
+//!   log-sum-exp (base 2) of those softmaxes, as the kernels write it;
+//! * [`merge_states`]: partial outputs and their log-sum-exp merged into one;
 //! * [`gather`]: a sequence's K/V rows copied out of the paged cache, contiguous, so
 //!   the paged reference can be checked against the dense one;
 //! * [`kv_append`]: write tokens into their slots.
@@ -46,6 +50,19 @@ pub struct DenseInputs<'a> {
 /// * With a sink `σ_h`, `exp(σ_h)` joins head `h`'s softmax denominator.
 /// * Returns `[num_q_heads, head_dim]`.
 pub fn dense_decode_attention(inputs: &DenseInputs<'_>) -> Vec<f64> {
+    dense(inputs).0
+}
+
+/// The log-sum-exp of [`dense_decode_attention`]'s softmax per query head, in base 2
+/// as the kernels write it: `log2(Σ_t exp(x_t) + exp(σ_h))` over the attended tokens'
+/// scores `x_t` (natural units) and the sink, if any; `-inf` over nothing. Returns
+/// `[num_q_heads]`.
+pub fn dense_decode_lse(inputs: &DenseInputs<'_>) -> Vec<f64> {
+    dense(inputs).1
+}
+
+/// The output and the log-sum-exp (base 2) of one query token's attention.
+fn dense(inputs: &DenseInputs<'_>) -> (Vec<f64>, Vec<f64>) {
     let &DenseInputs {
         q,
         k,
@@ -63,6 +80,7 @@ pub fn dense_decode_attention(inputs: &DenseInputs<'_>) -> Vec<f64> {
         _ => 0,
     };
     let mut out = vec![0.0; num_q_heads * head_dim];
+    let mut lse = vec![f64::NEG_INFINITY; num_q_heads];
     for h in 0..num_q_heads {
         let kvh = h / group;
         let row = |t: usize| (t * num_kv_heads + kvh) * head_dim;
@@ -87,15 +105,62 @@ pub fn dense_decode_attention(inputs: &DenseInputs<'_>) -> Vec<f64> {
             .cloned()
             .chain(sink)
             .fold(f64::NEG_INFINITY, f64::max);
+        if m == f64::NEG_INFINITY {
+            continue; // no scores: output 0, log-sum-exp -inf
+        }
         let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
         let sum: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
+        lse[h] = (m + sum.ln()) * std::f64::consts::LOG2_E;
         for (i, t) in (first..ctx).enumerate() {
             for d in 0..head_dim {
                 out[h * head_dim + d] += w[i] / sum * v[row(t) + d];
             }
         }
     }
-    out
+    (out, lse)
+}
+
+/// The merge of attention states: `num_states` partial outputs of each row (`v`,
+/// `[num_rows, num_states, num_heads, head_dim]`, each normalised over its own keys)
+/// and their log-sum-exp (`lse`, `[num_rows, num_states, num_heads]`, base 2; `-inf`
+/// for a part of no keys, whose `v` is ignored), merged into the output over all the
+/// parts' keys, with the sink `sinks[h]` (natural units) joining each head's
+/// denominator once. Returns `([num_rows, num_heads, head_dim], [num_rows,
+/// num_heads])`: the outputs and their log-sum-exp.
+pub fn merge_states(
+    v: &[f64],
+    lse: &[f64],
+    (num_states, num_heads, head_dim): (usize, usize, usize),
+    sinks: Option<&[f32]>,
+) -> (Vec<f64>, Vec<f64>) {
+    let rows = lse.len() / (num_states * num_heads).max(1);
+    let mut out = vec![0.0; rows * num_heads * head_dim];
+    let mut lse_out = vec![f64::NEG_INFINITY; rows * num_heads];
+    for r in 0..rows {
+        for h in 0..num_heads {
+            let at = |i: usize| (r * num_states + i) * num_heads + h;
+            let sink = sinks.map(|s| s[h] as f64 * std::f64::consts::LOG2_E);
+            let m = (0..num_states)
+                .map(|i| lse[at(i)])
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                continue;
+            }
+            let w: Vec<f64> = (0..num_states).map(|i| (lse[at(i)] - m).exp2()).collect();
+            let sum = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp2());
+            lse_out[r * num_heads + h] = m + sum.log2();
+            for (i, &wi) in w.iter().enumerate() {
+                if wi == 0.0 {
+                    continue;
+                }
+                for d in 0..head_dim {
+                    out[(r * num_heads + h) * head_dim + d] += wi / sum * v[at(i) * head_dim + d];
+                }
+            }
+        }
+    }
+    (out, lse_out)
 }
 
 /// Physical block of token `t` of sequence `seq`.
@@ -158,6 +223,16 @@ fn gather_from(
 /// block table token by token (only the tokens its window attends to), then compute as
 /// [`dense_decode_attention`]. Returns `[num_seqs, num_q_heads, head_dim]`.
 pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64> {
+    paged_decode(inputs).0
+}
+
+/// The log-sum-exp (base 2) of [`paged_decode_attention`]'s softmax, as
+/// [`dense_decode_lse`]: `[num_seqs, num_q_heads]`.
+pub fn paged_decode_lse(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64> {
+    paged_decode(inputs).1
+}
+
+fn paged_decode(inputs: &DecodeInputs<'_, HostTensor>) -> (Vec<f64>, Vec<f64>) {
     let &DecodeInputs {
         shape,
         opts,
@@ -176,6 +251,7 @@ pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64>
         shape.head_dim as usize,
     );
     let mut out = Vec::with_capacity(shape.num_seqs as usize * qh * d);
+    let mut lse = Vec::with_capacity(shape.num_seqs as usize * qh);
     for (seq, &len) in context_lens
         .iter()
         .enumerate()
@@ -195,7 +271,7 @@ pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64>
             (first, ctx),
         );
         let qs: Vec<f64> = (0..qh * d).map(|i| q.get(seq * qh * d + i)).collect();
-        out.extend(dense_decode_attention(&DenseInputs {
+        let (o, l) = dense(&DenseInputs {
             q: &qs,
             k: &k,
             v: &v,
@@ -204,9 +280,11 @@ pub fn paged_decode_attention(inputs: &DecodeInputs<'_, HostTensor>) -> Vec<f64>
             head_dim: d,
             opts,
             sinks,
-        }));
+        });
+        out.extend(o);
+        lse.extend(l);
     }
-    out
+    (out, lse)
 }
 
 /// Writes token `i`'s K and V rows (`(key, value)`, `[num_tokens, num_kv_heads,
@@ -247,6 +325,18 @@ pub fn kv_append(
 pub fn paged_prefill_attention(
     inputs: &crate::ops::prefill::PrefillInputs<'_, HostTensor>,
 ) -> Vec<f64> {
+    paged_prefill(inputs).0
+}
+
+/// The log-sum-exp (base 2) of [`paged_prefill_attention`]'s softmax, as
+/// [`dense_decode_lse`]: `[qo_indptr[num_seqs], num_q_heads]`.
+pub fn paged_prefill_lse(inputs: &crate::ops::prefill::PrefillInputs<'_, HostTensor>) -> Vec<f64> {
+    paged_prefill(inputs).1
+}
+
+fn paged_prefill(
+    inputs: &crate::ops::prefill::PrefillInputs<'_, HostTensor>,
+) -> (Vec<f64>, Vec<f64>) {
     let sh = inputs.shape;
     let (qh, kvh, d) = (
         sh.num_q_heads as usize,
@@ -255,6 +345,7 @@ pub fn paged_prefill_attention(
     );
     let row = qh * d;
     let mut out = Vec::new();
+    let mut lse = Vec::new();
     for s in 0..sh.num_seqs as usize {
         let (q0, q1) = (
             inputs.qo_indptr[s] as usize,
@@ -276,7 +367,7 @@ pub fn paged_prefill_attention(
         for (i, tok) in (q0..q1).enumerate() {
             let end = (ctx - (q1 - q0) + i + 1) * kvh * d;
             let q: Vec<f64> = (0..row).map(|e| inputs.q.get(tok * row + e)).collect();
-            out.extend(dense_decode_attention(&DenseInputs {
+            let (o, l) = dense(&DenseInputs {
                 q: &q,
                 k: &k[..end],
                 v: &v[..end],
@@ -285,8 +376,10 @@ pub fn paged_prefill_attention(
                 head_dim: d,
                 opts: inputs.opts,
                 sinks: inputs.sinks,
-            }));
+            });
+            out.extend(o);
+            lse.extend(l);
         }
     }
-    out
+    (out, lse)
 }

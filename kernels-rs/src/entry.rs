@@ -8,7 +8,8 @@ use crate::device::{Gpu, Kernel};
 use crate::elem::{Bf16, E4m3, E5m2, F16};
 use crate::kernels::{
     CopyBlocks, CopyBlocksParams, DecodeParams, DecodeReduce, KvAppend, KvAppendParams,
-    PagedDecode, PagedPrefill, PagedPrefillSimt, PrefillParams, ReduceParams,
+    MergeParams, MergeStates, PagedDecode, PagedPrefill, PagedPrefillSimt, PrefillParams,
+    ReduceParams,
 };
 
 /// `copy_blocks(CopyBlocksParams)`, see [`CopyBlocks`].
@@ -18,7 +19,7 @@ pub unsafe extern "ptx-kernel" fn copy_blocks(p: CopyBlocksParams) {
 }
 
 macro_rules! typed_entries {
-    ($t:ty, $append:ident, $reduce:ident) => {
+    ($t:ty, $append:ident, $reduce:ident, $merge:ident) => {
         /// `kv_append` for this element type, see [`KvAppend`].
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $append(p: KvAppendParams<$t>) {
@@ -29,12 +30,32 @@ macro_rules! typed_entries {
         pub unsafe extern "ptx-kernel" fn $reduce(p: ReduceParams<$t>) {
             DecodeReduce::<$t>::run(&Gpu, &p)
         }
+        /// The merge of attention states for this element type, see [`MergeStates`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $merge(p: MergeParams<$t>) {
+            MergeStates::<$t>::run(&Gpu, &p)
+        }
     };
 }
 
-typed_entries!(F16, kv_append_f16, paged_decode_reduce_f16);
-typed_entries!(Bf16, kv_append_bf16, paged_decode_reduce_bf16);
-typed_entries!(f32, kv_append_f32, paged_decode_reduce_f32);
+typed_entries!(
+    F16,
+    kv_append_f16,
+    paged_decode_reduce_f16,
+    merge_states_f16
+);
+typed_entries!(
+    Bf16,
+    kv_append_bf16,
+    paged_decode_reduce_bf16,
+    merge_states_bf16
+);
+typed_entries!(
+    f32,
+    kv_append_f32,
+    paged_decode_reduce_f32,
+    merge_states_f32
+);
 
 /// Paged prefill attention, f16, on tensor cores: see [`PagedPrefill`].
 #[unsafe(no_mangle)]

@@ -5,7 +5,9 @@
 //! whose `sum(exp2(s - m))` is `l`; an output accumulated against that state is
 //! `sum(exp2(s - m) * v)`. Two states over disjoint sets merge into the state of their
 //! union, with the factors that rescale each side's accumulator. The decode kernel uses
-//! the merge for every tile; the split-K reduce uses the same merge across partitions.
+//! the merge for every tile; the split-K reduce uses the same merge across partitions;
+//! the merge of attention states (`MergeStates`) uses it across normalised outputs and
+//! their log-sum-exp ([`SoftmaxState::lse`], [`SoftmaxState::of_output`]).
 //!
 //! An *attention sink* (gpt-oss: one learned logit per query head) is one more score
 //! whose value row is zero: it joins the denominator and nothing else. Its state is
@@ -58,15 +60,50 @@ impl SoftmaxState {
     /// The factor that normalises an accumulator against this state: `1 / l`, or with
     /// an attention sink of logit `sink` (natural units), the sink merged in first
     /// (`a / l'`, where the merge rescales the accumulator by `a` and the merged sum is
-    /// `l'`). Call it once per output, on the state of every score the output saw.
+    /// `l'`). Call it once per output, on the state of every score the output saw. The
+    /// state of no scores (and no sink) normalises to 0: its output is 0, never NaN,
+    /// and its [`lse`](Self::lse) `-inf`, so a merge gives it no weight.
     #[inline(always)]
     pub fn normaliser<C: Ctx>(self, sink: Option<f32>, ctx: &C) -> f32 {
         match sink {
-            None => 1.0 / self.l,
+            None if self.l > 0.0 => 1.0 / self.l,
+            None => 0.0,
             Some(logit) => {
                 let (merged, a, _) = self.merge(SoftmaxState::sink(logit), ctx);
                 a / merged.l
             }
+        }
+    }
+
+    /// The log-sum-exp of this state's scores in base 2, `m + log2(l)`, with the sink
+    /// of logit `sink` (natural units) merged in first as in
+    /// [`normaliser`](Self::normaliser); `-inf` for no scores. For natural-unit
+    /// logits `x` (the scores are `x * log2(e)`) it is `log2(Σ exp(x))`: the natural
+    /// log-sum-exp times `log2(e)`. An output `o` normalised against this state and
+    /// this value are the pair `(o, lse)` that [`Self::of_output`] turns back into a
+    /// state for a merge.
+    #[inline(always)]
+    pub fn lse<C: Ctx>(self, sink: Option<f32>, ctx: &C) -> f32 {
+        let s = match sink {
+            None => self,
+            Some(logit) => self.merge(SoftmaxState::sink(logit), ctx).0,
+        };
+        if s.l > 0.0 {
+            s.m + ctx.log2(s.l)
+        } else {
+            f32::NEG_INFINITY
+        }
+    }
+
+    /// The state of a normalised output whose log-sum-exp (base 2) is `lse`:
+    /// `(m = lse, l = 1)`, against which the output itself is the accumulator. Merging
+    /// such states merges attention over disjoint sets of keys (split-K, cascade).
+    #[inline(always)]
+    pub fn of_output(lse: f32) -> SoftmaxState {
+        if lse == f32::NEG_INFINITY {
+            SoftmaxState::EMPTY
+        } else {
+            SoftmaxState { m: lse, l: 1.0 }
         }
     }
 

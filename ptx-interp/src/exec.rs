@@ -14,17 +14,17 @@ use crate::ir::*;
 use crate::num::{self, E4M3, E5M2};
 use crate::parse::{Function, GlobalData};
 
-/// How `ex2.approx` and `tanh.approx` compute.
+/// How `ex2.approx`, `tanh.approx` and `lg2.approx` compute.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MathMode {
-    /// `f32::exp2` / `f32::tanh` (with `ex2`'s `.ftz`): the emulator's exact mode,
+    /// `f32::exp2` / `f32::tanh` / `f32::log2` (with `.ftz`): the emulator's exact mode,
     /// bit for bit.
     #[default]
     Exact,
     /// Each result computed in f64, perturbed by a deterministic function of (seed,
     /// instruction, input) and rounded once to f32: within the ISA's documented
-    /// maximum error ([`crate::EX2_MAX_REL_ERR`], [`crate::TANH_MAX_REL_ERR`]) of the
-    /// exact value.
+    /// maximum error ([`crate::EX2_MAX_REL_ERR`], [`crate::TANH_MAX_REL_ERR`],
+    /// [`crate::LG2_MAX_ABS_ERR`]) of the exact value.
     Approx {
         /// The perturbation's seed.
         seed: u64,
@@ -1125,6 +1125,20 @@ impl Cta<'_, '_> {
                                     as f32
                             }
                         }),
+                        UnOp::Lg2ApproxFtz => {
+                            let x = num::ftz(f(x));
+                            fb(match l.math {
+                                MathMode::Exact => x.log2(),
+                                // In f64, perturbed by up to the absolute bound,
+                                // rounded once.
+                                MathMode::Approx { seed } if x.log2().is_finite() => {
+                                    ((x as f64).log2()
+                                        + num::LG2_MAX_ABS_ERR * num::unit_noise(seed, line, x))
+                                        as f32
+                                }
+                                MathMode::Approx { .. } => x.log2(),
+                            })
+                        }
                         UnOp::F16x2FromE4m3x2 => num::fp8x2_to_f16x2(E4M3, x as u16) as u64,
                         UnOp::F16x2FromE5m2x2 => num::fp8x2_to_f16x2(E5M2, x as u16) as u64,
                     };

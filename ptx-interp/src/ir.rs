@@ -99,6 +99,8 @@ pub(crate) enum UnOp {
     Ex2ApproxFtz,
     /// `tanh.approx.f32`.
     TanhApprox,
+    /// `lg2.approx.ftz.f32`.
+    Lg2ApproxFtz,
     /// `cvt.rn.f16x2.e4m3x2`.
     F16x2FromE4m3x2,
     /// `cvt.rn.f16x2.e5m2x2`.
@@ -339,7 +341,9 @@ impl Op {
                 _ => InstClass::Integer,
             },
             Op::Un { op, .. } => match op {
-                UnOp::RcpF32 | UnOp::Ex2ApproxFtz | UnOp::TanhApprox => InstClass::Special,
+                UnOp::RcpF32 | UnOp::Ex2ApproxFtz | UnOp::TanhApprox | UnOp::Lg2ApproxFtz => {
+                    InstClass::Special
+                }
                 UnOp::F32FromU32
                 | UnOp::F32FromF16
                 | UnOp::F16FromF32

@@ -25,7 +25,7 @@
 //!   with copies pending, or storing to a pending copy's source, is an error.
 //! * **Numerics** ([`num`](crate) module, private) written from the PTX ISA: f16 /
 //!   bf16 / fp8 conversions (round to nearest even, `satfinite`), ordered and
-//!   unordered `setp`, `.ftz`; `ex2.approx` / `tanh.approx` exact or perturbed within
+//!   unordered `setp`, `.ftz`; `ex2.approx` / `tanh.approx` / `lg2.approx` exact or perturbed within
 //!   the ISA's bounds ([`MathMode`]); the m8n8 and m16n8k16 fragment layouts.
 //! * **Trap and panic**: `trap`, and calls of the Rust panic functions, stop the
 //!   launch; a panic reports its Rust location decoded from the PTX's `.global` data.
@@ -83,7 +83,7 @@ pub use device::{LaunchLog, LaunchRecord, PtxDevice};
 pub use error::{Error, Result, Site};
 pub use exec::{LaunchStats, MathMode};
 pub use ir::InstClass;
-pub use num::{EX2_MAX_REL_ERR, TANH_MAX_REL_ERR};
+pub use num::{EX2_MAX_REL_ERR, LG2_MAX_ABS_ERR, TANH_MAX_REL_ERR};
 
 /// A parsed PTX module, ready to launch its entry points.
 #[derive(Debug)]

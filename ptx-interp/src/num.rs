@@ -204,6 +204,11 @@ pub const EX2_MAX_REL_ERR: f64 = 1.0 / (1u64 << 22) as f64;
 /// "tanh").
 pub const TANH_MAX_REL_ERR: f64 = 4.9e-4;
 
+/// The largest absolute error of `lg2.approx.f32` the approximate mode allows: 2^-22
+/// (PTX ISA, "lg2": 2^-22.6 over the mantissa, as we read it; the model takes the
+/// larger).
+pub const LG2_MAX_ABS_ERR: f64 = 1.0 / (1u64 << 22) as f64;
+
 /// The approximate mode's relative perturbation of `ex2`: the ISA's bound less the
 /// final rounding to f32 (2^-24), so a perturbed result is within the bound of the
 /// exact value.

@@ -975,6 +975,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "rcp.rn.f32" => un(self, UnOp::RcpF32, f32t, b32.mask())?,
             "ex2.approx.ftz.f32" => un(self, UnOp::Ex2ApproxFtz, f32t, b32.mask())?,
             "tanh.approx.f32" => un(self, UnOp::TanhApprox, f32t, b32.mask())?,
+            "lg2.approx.ftz.f32" => un(self, UnOp::Lg2ApproxFtz, f32t, b32.mask())?,
             "cvta.to.global.u64" | "cvta.global.u64" => un(self, UnOp::Mov, b64, b64.mask())?,
             "mad.lo.s32" | "mad.lo.u32" => tern(self, TernOp::MadLo32, b32)?,
             "mad.lo.s64" | "mad.lo.u64" => tern(self, TernOp::MadLo64, b64)?,

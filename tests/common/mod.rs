@@ -65,6 +65,47 @@ pub fn split_tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// Kernel vs f64 reference for the log-sum-exp (base 2), as an absolute error: f32
+/// arithmetic of the scores (`head_dim` products each, relative ~1e-6 of their
+/// magnitudes) and of the sum; with the GPU's approximate math (`approx`) also
+/// `lg2.approx` (2^-22 absolute), `ex2.approx` (2^-22 relative in the sum: 2^-22 /
+/// ln 2 in its log2) and `tanh.approx` (a soft-capped score off by up to `cap *
+/// TANH_APPROX_REL_ERR`, so the log-sum-exp by up to that times log2 e).
+pub fn lse_tolerance(softcap: Option<f32>, approx: bool) -> f64 {
+    let exact = 1e-4;
+    if !approx {
+        return exact;
+    }
+    let cap = softcap.map_or(0.0, |c| {
+        c as f64 * pagedkv::host::emulator::TANH_APPROX_REL_ERR * std::f64::consts::LOG2_E
+    });
+    exact + 2.0 * pagedkv::host::emulator::LG2_APPROX_ABS_ERR + cap
+}
+
+/// The largest absolute difference of two log-sum-exp vectors relative to `1 + |want|`
+/// (`-inf` only where the reference has it: else infinite; NaN anywhere: NaN).
+pub fn lse_error(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(&g, &w)| {
+            if g.is_nan() || w.is_nan() {
+                f64::NAN
+            } else if g == w {
+                0.0
+            } else {
+                (g - w).abs() / (1.0 + w.abs())
+            }
+        })
+        .fold(0.0, |a: f64, x| {
+            if x.is_nan() || a.is_nan() {
+                f64::NAN
+            } else {
+                a.max(x)
+            }
+        })
+}
+
 /// Proptest cases: `PROPTEST_CASES` or the given default.
 pub fn cases(default: u32) -> u32 {
     std::env::var("PROPTEST_CASES")

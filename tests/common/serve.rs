@@ -370,6 +370,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
                 let nan = HostTensor::full(dtype, &[pq.len(), qh, d], f64::NAN);
                 let mut out = be.upload(&nan).unwrap();
                 be.prefill(PrefillArgs {
+                    lse: None,
                     opts,
                     q: q.view(),
                     cache: layer,
@@ -412,6 +413,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
             let nan = HostTensor::full(dtype, &[dec.len(), qh, d], f64::NAN);
             let mut out = be.upload(&nan).unwrap();
             be.decode(DecodeArgs {
+                lse: None,
                 opts,
                 q: q.view(),
                 cache: layer,

@@ -87,6 +87,7 @@ fn the_runner_on_the_gpu_matches_the_reference_split_and_unsplit() {
             .decode(
                 &c.opts,
                 DecodeIo {
+                    lse: None,
                     q: q.view(),
                     key_cache: kc.view(),
                     value_cache: vc.view(),
@@ -147,6 +148,7 @@ fn a_captured_step_replays_like_direct_launches_after_the_tables_change() {
             r.decode(
                 &c.opts,
                 DecodeIo {
+                    lse: None,
                     q: q.view(),
                     key_cache: kc.view(),
                     value_cache: vc.view(),
@@ -322,6 +324,7 @@ fn sanitizer_small_prefill() {
         run.prefill(
             &c.opts,
             PrefillIo {
+                lse: None,
                 q: qd.view(),
                 key_cache: kc.view(),
                 value_cache: vc.view(),
@@ -364,6 +367,7 @@ fn views_of_an_engines_cuda_slices_match_the_reference() {
     r.decode(
         &c.opts,
         DecodeIo {
+            lse: None,
             q: TensorView::of_cuda_slice(&g, &q, 4, n, dtype).unwrap(),
             key_cache: TensorView::of_cuda_slice(&g, &kc, 0, kc.len(), dtype).unwrap(),
             value_cache: TensorView::of_cuda_slice(&g, &vc, 0, vc.len(), dtype).unwrap(),

@@ -10,14 +10,16 @@
 use crate::common;
 
 use common::case::{Case, Params, build};
-use common::{approx_tolerance, cases, rel_l2, split_tolerance, tolerance};
+use common::{
+    approx_tolerance, cases, lse_error, lse_tolerance, rel_l2, split_tolerance, tolerance,
+};
 use pagedkv::host::emulator::{BlockOrder, Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{
-    DecodeInputs, SplitPlan, decode_emulated, max_heads_per_block, plan,
+    AttentionOut, DecodeInputs, SplitPlan, decode_emulated, max_heads_per_block, plan,
 };
 use pagedkv::host::reference::{
-    DenseInputs, dense_decode_attention, gather, paged_decode_attention,
+    DenseInputs, dense_decode_attention, gather, paged_decode_attention, paged_decode_lse,
 };
 use pagedkv::host::{DType, HostTensor};
 use proptest::prelude::*;
@@ -76,8 +78,20 @@ fn params_with(head_dims: Vec<u32>) -> impl Strategy<Value = Params> {
         )
 }
 
-fn run(c: &Case, p: &Params, plan: &SplitPlan, order: BlockOrder, math: MathMode) -> Vec<f64> {
+/// The outputs and their log-sum-exp (both poisoned with NaN first).
+fn run(
+    c: &Case,
+    p: &Params,
+    plan: &SplitPlan,
+    order: BlockOrder,
+    math: MathMode,
+) -> (Vec<f64>, Vec<f64>) {
     let mut out = HostTensor::full(p.dtype, c.q.shape(), f64::NAN);
+    let mut lse = HostTensor::full(
+        DType::F32,
+        &[c.shape.num_seqs as usize, c.shape.num_q_heads as usize],
+        f64::NAN,
+    );
     let inputs = DecodeInputs {
         plan: Some(*plan),
         ..c.inputs()
@@ -85,10 +99,13 @@ fn run(c: &Case, p: &Params, plan: &SplitPlan, order: BlockOrder, math: MathMode
     decode_emulated(
         &Emulator::new().with_order(order).with_math(math),
         inputs,
-        &mut out,
+        AttentionOut {
+            out: &mut out,
+            lse: Some(&mut lse),
+        },
     )
     .unwrap();
-    out.to_f64()
+    (out.to_f64(), lse.to_f64())
 }
 
 /// The kernel against the f64 reference for one case: unsplit and split, exact and
@@ -96,6 +113,19 @@ fn run(c: &Case, p: &Params, plan: &SplitPlan, order: BlockOrder, math: MathMode
 fn check_case(p: Params) -> Result<(), TestCaseError> {
     let c = build(&p);
     let want = paged_decode_attention(&c.inputs());
+    let want_lse = paged_decode_lse(&c.inputs());
+    // The log-sum-exp of every run within its math mode's tolerance.
+    let lse_ok = |what: &str, got: &[f64], approx: bool| -> Result<(), TestCaseError> {
+        let (e, tol) = (lse_error(got, &want_lse), lse_tolerance(p.softcap, approx));
+        prop_assert!(
+            e <= tol,
+            "{} log-sum-exp vs reference: {:e} > {:e}",
+            what,
+            e,
+            tol
+        );
+        Ok(())
+    };
 
     // The paged reference agrees with dense attention over the gathered cache.
     if !c.windowed {
@@ -130,13 +160,14 @@ fn check_case(p: Params) -> Result<(), TestCaseError> {
         unsplit.heads_per_block =
             1.max(max_heads_per_block(&c.shape, p.dtype).min(c.shape.group()) / 2);
     }
-    let got = run(
+    let (got, got_lse) = run(
         &c,
         &p,
         &unsplit,
         BlockOrder::Shuffled(p.seed),
         MathMode::Exact,
     );
+    lse_ok("unsplit", &got_lse, false)?;
     let e = rel_l2(&got, &want);
     prop_assert!(
         e <= tolerance(p.dtype),
@@ -145,7 +176,8 @@ fn check_case(p: Params) -> Result<(), TestCaseError> {
         unsplit
     );
     let approx = MathMode::Approx { seed: p.seed };
-    let got_approx = run(&c, &p, &unsplit, BlockOrder::Forward, approx);
+    let (got_approx, approx_lse) = run(&c, &p, &unsplit, BlockOrder::Forward, approx);
+    lse_ok("unsplit, approximate math,", &approx_lse, true)?;
     let e = rel_l2(&got_approx, &want);
     let tol = approx_tolerance(p.dtype, p.softcap);
     prop_assert!(
@@ -162,7 +194,8 @@ fn check_case(p: Params) -> Result<(), TestCaseError> {
             num_partitions: max_len.div_ceil(part),
             ..unsplit
         };
-        let got_split = run(&c, &p, &split, BlockOrder::Reverse, MathMode::Exact);
+        let (got_split, split_lse) = run(&c, &p, &split, BlockOrder::Reverse, MathMode::Exact);
+        lse_ok("split", &split_lse, false)?;
         let e = rel_l2(&got_split, &want);
         prop_assert!(
             e <= tolerance(p.dtype),
@@ -170,7 +203,9 @@ fn check_case(p: Params) -> Result<(), TestCaseError> {
             e,
             split
         );
-        let e = rel_l2(&run(&c, &p, &split, BlockOrder::Forward, approx), &want);
+        let (split_approx, split_approx_lse) = run(&c, &p, &split, BlockOrder::Forward, approx);
+        lse_ok("split, approximate math,", &split_approx_lse, true)?;
+        let e = rel_l2(&split_approx, &want);
         prop_assert!(
             e <= tol,
             "split, approximate math, vs reference: {:e} > {:e} ({:?})",

@@ -12,17 +12,22 @@ use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::common;
 use crate::fp8_cache::fp8_prefill_case;
-use crate::prefill::{Prefill, chunk_cases, prefill_case, prefill_holds, prefill_on};
+use crate::prefill::{
+    Prefill, chunk_cases, prefill_case, prefill_holds, prefill_on, prefill_on_lse,
+};
 use common::case::{Case, Params, build};
 use common::fp8::quantise_case;
-use common::{cases, rel_l2, rng, tolerance, uniform};
+use common::{cases, lse_error, lse_tolerance, rel_l2, rng, tolerance, uniform};
 use pagedkv::host::emulator::Emulator;
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
-use pagedkv::host::ops::attention::{DecodeInputs, SplitPlan, plan};
+use pagedkv::host::ops::attention::{AttentionOut, DecodeInputs, SplitPlan, plan};
 use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
+use pagedkv::host::ops::merge::{MergeInputs, MergeShape};
 use pagedkv::host::ops::prefill::PrefillKernel;
 use pagedkv::host::ops::scales::KvScales;
-use pagedkv::host::reference::{paged_decode_attention, paged_prefill_attention};
+use pagedkv::host::reference::{
+    self, paged_decode_attention, paged_decode_lse, paged_prefill_attention,
+};
 use pagedkv::host::step::{EmuDevice, StepDevice, once};
 use pagedkv::host::{AlignedBuf, DType, HostTensor};
 use pagedkv::kernels::kernels::DecodeParams;
@@ -104,6 +109,27 @@ fn decode_on<D: StepDevice>(dev: D, c: &Case, plan: SplitPlan) -> Result<HostTen
     };
     once::decode(dev, None, inputs, &mut out).map_err(|e| format!("decode: {e}"))?;
     Ok(out)
+}
+
+/// [`decode_on`], writing each output's log-sum-exp too (poisoned with NaN first).
+fn decode_on_lse<D: StepDevice>(
+    dev: D,
+    c: &Case,
+    plan: SplitPlan,
+) -> Result<(HostTensor, HostTensor), String> {
+    let mut out = HostTensor::full(c.q.dtype(), c.q.shape(), f64::NAN);
+    let heads = [c.shape.num_seqs as usize, c.shape.num_q_heads as usize];
+    let mut lse = HostTensor::full(DType::F32, &heads, f64::NAN);
+    let inputs = DecodeInputs {
+        plan: Some(plan),
+        ..c.inputs()
+    };
+    let to = AttentionOut {
+        out: &mut out,
+        lse: Some(&mut lse),
+    };
+    once::decode(dev, None, inputs, to).map_err(|e| format!("decode: {e}"))?;
+    Ok((out, lse))
 }
 
 /// The interpreter's output against the emulator's (bit for bit) and the reference.
@@ -319,6 +345,7 @@ fn decode_all(a: &Arch) -> Outcome {
             quantise_case(&mut c, cache, true);
         }
         let want = paged_decode_attention(&c.inputs());
+        let want_lse = paged_decode_lse(&c.inputs());
         let max_len = *c.lens.iter().max().unwrap() as u32;
         let unsplit = plan(&c.shape, p.dtype, max_len, 1);
         let part = p.partition.unwrap();
@@ -333,11 +360,26 @@ fn decode_all(a: &Arch) -> Outcome {
             heads_per_block: 1,
             ..unsplit
         };
-        for pl in [unsplit, split, narrow] {
+        // The unsplit and split runs write the log-sum-exp (the decode kernel's
+        // epilogue, the reduce's), the narrow one none.
+        for (pl, with_lse) in [(unsplit, true), (split, true), (narrow, false)] {
             let what = format!("decode {:?} cache {cache:?}, {pl:?}", p.dtype);
-            let emu = decode_on(EmuDevice::new(Emulator::new()), &c, pl)?;
-            let got = decode_on(a.device(), &c, pl)?;
+            if !with_lse {
+                let emu = decode_on(EmuDevice::new(Emulator::new()), &c, pl)?;
+                let got = decode_on(a.device(), &c, pl)?;
+                check(&what, &got, &emu, &want, tolerance(p.dtype))?;
+                continue;
+            }
+            let (emu, emu_lse) = decode_on_lse(EmuDevice::new(Emulator::new()), &c, pl)?;
+            let (got, lse) = decode_on_lse(a.device(), &c, pl)?;
             check(&what, &got, &emu, &want, tolerance(p.dtype))?;
+            if let Some(d) = first_difference(&format!("{what} log-sum-exp"), &lse, &emu_lse) {
+                return Err(d);
+            }
+            let e = lse_error(&lse.to_f64(), &want_lse);
+            if e.is_nan() || e > lse_tolerance(p.softcap, false) {
+                return Err(format!("{what}: log-sum-exp off by {e:e} vs the reference"));
+            }
         }
     }
     Ok(())
@@ -407,9 +449,102 @@ fn prefill_all(a: &Arch) -> Outcome {
 fn prefill_holds_on_ptx(a: &Arch, what: &str, pc: &Prefill, seed: u64) -> Outcome {
     let what = format!("{} {what}", a.module.target());
     let approx = PtxDevice::new(a.module.clone(), MathMode::Approx { seed });
-    let got = prefill_holds(&what, pc, a.device(), approx)?;
-    let emu = prefill_on(EmuDevice::new(Emulator::new()), pc)?;
-    first_difference(&what, &got, &emu).map_or(Ok(()), Err)
+    let (got, lse) = prefill_holds(&what, pc, a.device(), approx)?;
+    let (emu, emu_lse) = prefill_on_lse(EmuDevice::new(Emulator::new()), pc)?;
+    first_difference(&what, &got, &emu)
+        .or_else(|| first_difference(&format!("{what} log-sum-exp"), &lse, &emu_lse))
+        .map_or(Ok(()), Err)
+}
+
+/// The merge of attention states for each output dtype: 1 to 3 parts, some of no keys
+/// (`lse = -inf`, outputs NaN: the loop's skip), with and without sinks and a merged
+/// log-sum-exp; against the emulator bit for
+/// bit and the f64 reference.
+fn merge_all(a: &Arch) -> Outcome {
+    let mut i = 0u64;
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        for (head_dim, num_states, num_heads) in [(32, 1, 3), (64, 2, 8), (128, 3, 5), (256, 2, 2)]
+        {
+            i += 1;
+            let shape = MergeShape {
+                num_rows: 5,
+                num_states,
+                num_heads,
+                head_dim,
+            };
+            let (rows, states, heads, d) = (
+                5usize,
+                num_states as usize,
+                num_heads as usize,
+                head_dim as usize,
+            );
+            let mut r = rng(900 + i);
+            let lse: Vec<f64> = (0..rows * states * heads)
+                .map(|k| {
+                    if k % 4 == 1 {
+                        f64::NEG_INFINITY
+                    } else {
+                        r.random_range(-4.0..9.0f32) as f64
+                    }
+                })
+                .collect();
+            let mut v = uniform(&mut r, rows * states * heads * d);
+            for (k, l) in lse.iter().enumerate() {
+                if *l == f64::NEG_INFINITY {
+                    v[k * d..(k + 1) * d].fill(f64::NAN);
+                }
+            }
+            let sinks: Option<Vec<f32>> =
+                i.is_multiple_of(2).then(|| (0..heads).map(|h| h as f32 - 1.5).collect());
+            let vt = HostTensor::from_f64(dtype, &[rows, states, heads, d], &v).unwrap();
+            let lt = HostTensor::from_f64(DType::F32, &[rows, states, heads], &lse).unwrap();
+            let inputs = MergeInputs {
+                shape: &shape,
+                v: &vt,
+                lse: &lt,
+                sinks: sinks.as_deref(),
+            };
+            let run = |dev: PtxDevice| -> Result<(HostTensor, HostTensor), String> {
+                let mut out = HostTensor::full(dtype, &[rows, heads, d], f64::NAN);
+                let mut l = HostTensor::full(DType::F32, &[rows, heads], f64::NAN);
+                let to = AttentionOut {
+                    out: &mut out,
+                    lse: Some(&mut l),
+                };
+                once::merge(dev, inputs, to).map_err(|e| format!("merge: {e}"))?;
+                Ok((out, l))
+            };
+            let (got, got_lse) = run(a.device())?;
+            let mut emu = HostTensor::full(dtype, &[rows, heads, d], f64::NAN);
+            let mut emu_lse = HostTensor::full(DType::F32, &[rows, heads], f64::NAN);
+            let to = AttentionOut {
+                out: &mut emu,
+                lse: Some(&mut emu_lse),
+            };
+            once::merge(EmuDevice::new(Emulator::new()), inputs, to).map_err(|e| e.to_string())?;
+            // And without the merged log-sum-exp (the other side of its branch).
+            let mut plain = HostTensor::full(dtype, &[rows, heads, d], f64::NAN);
+            once::merge(a.device(), inputs, &mut plain).map_err(|e| e.to_string())?;
+            let what = format!("merge {dtype} d{head_dim} x{num_states}");
+            let (want, want_lse) = reference::merge_states(
+                &vt.to_f64(),
+                &lt.to_f64(),
+                (states, heads, d),
+                sinks.as_deref(),
+            );
+            check(&what, &got, &emu, &want, tolerance(dtype))?;
+            if let Some(e) = first_difference(&what, &plain, &emu)
+                .or_else(|| first_difference(&format!("{what} log-sum-exp"), &got_lse, &emu_lse))
+            {
+                return Err(e);
+            }
+            let e = lse_error(&got_lse.to_f64(), &want_lse);
+            if e.is_nan() || e > lse_tolerance(None, false) {
+                return Err(format!("{what}: log-sum-exp off by {e:e}"));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn kv_append_all(a: &Arch) -> Outcome {
@@ -559,7 +694,13 @@ fn copy_blocks_all(a: &Arch) -> Outcome {
 fn every_entry_point(arch: usize) {
     // Its own module: what it launches and covers is only what this test ran.
     let a = &Arch::committed(arch, true);
-    for family in [copy_blocks_all, kv_append_all, decode_all, prefill_all] {
+    for family in [
+        copy_blocks_all,
+        kv_append_all,
+        decode_all,
+        prefill_all,
+        merge_all,
+    ] {
         if let Err(e) = family(a) {
             panic!("{}: {e}", a.module.target());
         }

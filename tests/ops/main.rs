@@ -10,5 +10,6 @@ mod copy_blocks;
 mod fp8_cache;
 mod interp;
 mod kv_append;
+mod merge;
 mod prefill;
 mod ptx;

@@ -7,12 +7,12 @@
 use crate::common;
 
 use common::case::{Params, build};
-use common::{approx_tolerance, cases, rel_l2, rng, tolerance, uniform};
+use common::{approx_tolerance, cases, lse_error, lse_tolerance, rel_l2, rng, tolerance, uniform};
 use pagedkv::host::emulator::{Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
-use pagedkv::host::ops::attention::{DecodeInputs, DecodeShape, decode_emulated};
+use pagedkv::host::ops::attention::{AttentionOut, DecodeInputs, DecodeShape, decode_emulated};
 use pagedkv::host::ops::prefill::{PrefillInputs, prefill_emulated};
-use pagedkv::host::reference::paged_prefill_attention;
+use pagedkv::host::reference::{paged_prefill_attention, paged_prefill_lse};
 use pagedkv::host::step::{EmuDevice, StepDevice, once};
 use pagedkv::host::{DType, Error, HostTensor};
 use proptest::prelude::*;
@@ -131,19 +131,39 @@ pub(crate) fn prefill_on<D: StepDevice>(dev: D, pc: &Prefill) -> Result<HostTens
     Ok(out)
 }
 
+/// [`prefill_on`], writing each output's log-sum-exp too (poisoned with NaN first):
+/// `(out, lse)`.
+pub(crate) fn prefill_on_lse<D: StepDevice>(
+    dev: D,
+    pc: &Prefill,
+) -> Result<(HostTensor, HostTensor), String> {
+    let mut out = HostTensor::full(pc.q.dtype(), pc.q.shape(), f64::NAN);
+    let rows = *pc.qo_indptr.last().unwrap() as usize;
+    let heads = pc.c.shape.num_q_heads as usize;
+    let mut lse = HostTensor::full(DType::F32, &[rows, heads], f64::NAN);
+    let to = AttentionOut {
+        out: &mut out,
+        lse: Some(&mut lse),
+    };
+    once::prefill(dev, pc.inputs(), to).map_err(|e| format!("prefill: {e}"))?;
+    Ok((out, lse))
+}
+
 /// The prefill proof, one body for every device (the emulator, the PTX interpreter on
-/// either module): `pc` on `exact` (exact math) within [`tolerance`] of the f64
-/// reference, and on `approx` (the GPU's `ex2.approx` / `tanh.approx` model) within
-/// [`approx_tolerance`]. Returns the exact output.
+/// either module): `pc` on `exact` (exact math, writing the log-sum-exp too) within
+/// [`tolerance`] of the f64 reference and its log-sum-exp within [`lse_tolerance`],
+/// and on `approx` (the GPU's `ex2.approx` / `tanh.approx` model, no log-sum-exp:
+/// the launch without one) within [`approx_tolerance`]. Returns the exact output and
+/// log-sum-exp.
 pub(crate) fn prefill_holds<D: StepDevice>(
     what: &str,
     pc: &Prefill,
     exact: D,
     approx: D,
-) -> Result<HostTensor, String> {
+) -> Result<(HostTensor, HostTensor), String> {
     let want = paged_prefill_attention(&pc.inputs());
     let dtype = pc.q.dtype();
-    let got = prefill_on(exact, pc)?;
+    let (got, lse) = prefill_on_lse(exact, pc)?;
     let e = rel_l2(&got.to_f64(), &want);
     if e > tolerance(dtype) {
         return Err(format!(
@@ -151,12 +171,21 @@ pub(crate) fn prefill_holds<D: StepDevice>(
             tolerance(dtype)
         ));
     }
+    let (e, tol) = (
+        lse_error(&lse.to_f64(), &paged_prefill_lse(&pc.inputs())),
+        lse_tolerance(pc.c.opts.softcap, false),
+    );
+    if e.is_nan() || e > tol {
+        return Err(format!(
+            "{what}, exact math: log-sum-exp off by {e:e} > {tol:e}"
+        ));
+    }
     let tol = approx_tolerance(dtype, pc.c.opts.softcap);
     let e = rel_l2(&prefill_on(approx, pc)?.to_f64(), &want);
     if e > tol {
         return Err(format!("{what}, approximate math: rel L2 {e:e} > {tol:e}"));
     }
-    Ok(got)
+    Ok((got, lse))
 }
 
 /// [`prefill_holds`] on the emulator (approximate math seeded with `seed`).
@@ -172,7 +201,7 @@ pub(crate) fn prefill_holds_emulated(
         emu(MathMode::Exact),
         emu(MathMode::Approx { seed }),
     )
-    .map(|t| t.to_f64())
+    .map(|(t, _)| t.to_f64())
 }
 
 proptest! {

@@ -2,7 +2,7 @@
 //! every module, and the modules are the architectures docs/kernels.md promises.
 
 use pagedkv::kernels::kernels::{
-    CopyBlocks, DecodeReduce, KvAppend, PagedDecode, PagedPrefill, PagedPrefillSimt,
+    CopyBlocks, DecodeReduce, KvAppend, MergeStates, PagedDecode, PagedPrefill, PagedPrefillSimt,
 };
 use pagedkv::kernels::{Bf16, E4m3, E5m2, F16, Kernel};
 use pagedkv::ptx;
@@ -17,6 +17,7 @@ fn names() -> Vec<&'static str> {
                 <PagedDecode<$t, $t, 128> as Kernel>::NAME,
                 <PagedDecode<$t, $t, 256> as Kernel>::NAME,
                 <DecodeReduce<$t> as Kernel>::NAME,
+                <MergeStates<$t> as Kernel>::NAME,
             ]
         };
     }
@@ -275,7 +276,7 @@ fn fields(list: &[(usize, usize)], layout_at: Option<usize>) -> Vec<(u64, u64)> 
 #[test]
 fn every_param_load_reads_whole_fields_of_the_host_struct() {
     use pagedkv::kernels::kernels::{
-        CopyBlocksParams, DecodeParams, KvAppendParams, PrefillParams, ReduceParams,
+        CopyBlocksParams, DecodeParams, KvAppendParams, MergeParams, PrefillParams, ReduceParams,
     };
     use std::mem::{align_of, offset_of, size_of};
     macro_rules! f {
@@ -287,9 +288,10 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
     type P = PrefillParams<F16>;
     type A = KvAppendParams<F16>;
     type R = ReduceParams<F16>;
+    type M = MergeParams<F16>;
     /// Entry-point prefix, size, alignment, fields.
     type Struct = (&'static str, u64, u64, Vec<(u64, u64)>);
-    let structs: [Struct; 5] = [
+    let structs: [Struct; 6] = [
         (
             "copy_blocks",
             size_of::<CopyBlocksParams>() as u64,
@@ -316,7 +318,7 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
             fields(
                 f!(D: q: 16, key_cache: 16, value_cache: 16, k_scales: 16, v_scales: 16,
                    block_tables: 16, context_lens: 16, alibi_slopes: 16, sinks: 16, out: 16,
-                   part_out: 16, part_ml: 16, num_q_heads: 4, max_blocks_per_seq: 4,
+                   lse: 16, part_out: 16, part_ml: 16, num_q_heads: 4, max_blocks_per_seq: 4,
                    heads_per_block: 4, partition_tokens: 4, num_partitions: 4, scale: 4,
                    softcap: 4, inv_softcap: 4, window: 4, _pad: 4, q_row_stride: 8,
                    out_row_stride: 8),
@@ -328,8 +330,18 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
             size_of::<R>() as u64,
             align_of::<R>() as u64,
             fields(
-                f!(R: part_out: 16, part_ml: 16, sinks: 16, out: 16, num_q_heads: 4, head_dim: 4,
-                   num_partitions: 4, _pad: 4, out_row_stride: 8),
+                f!(R: part_out: 16, part_ml: 16, sinks: 16, out: 16, lse: 16, num_q_heads: 4,
+                   head_dim: 4, num_partitions: 4, _pad: 4, out_row_stride: 8),
+                None,
+            ),
+        ),
+        (
+            "merge_states",
+            size_of::<M>() as u64,
+            align_of::<M>() as u64,
+            fields(
+                f!(M: v: 16, lse: 16, sinks: 16, out: 16, lse_out: 16, num_states: 4,
+                   num_heads: 4, head_dim: 4, _pad: 4, out_row_stride: 8),
                 None,
             ),
         ),
@@ -340,7 +352,7 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
             fields(
                 f!(P: q: 16, key_cache: 16, value_cache: 16, k_scales: 16, v_scales: 16,
                    block_tables: 16, qo_indptr: 16, context_lens: 16, alibi_slopes: 16,
-                   sinks: 16, out: 16, num_q_heads: 4, max_blocks_per_seq: 4, scale: 4, softcap: 4,
+                   sinks: 16, out: 16, lse: 16, num_q_heads: 4, max_blocks_per_seq: 4, scale: 4, softcap: 4,
                    inv_softcap: 4, window: 4),
                 Some(offset_of!(P, layout)),
             ),
@@ -416,6 +428,8 @@ fn every_entry_declares_the_block_size_the_host_launches() {
                 decode_launch_config(&shape, DType::F16, &plan)
             } else if k.starts_with("paged_decode_reduce") {
                 reduce_launch_config(&shape, DType::F16)
+            } else if k.starts_with("merge_states") {
+                pagedkv::host::ops::merge::launch_config(1, 8, 128, DType::F16)
             } else if k == "paged_prefill_attention_f32" {
                 prefill::PrefillKernel::Simt.launch_config(&shape, DType::F32, 16)
             } else {

@@ -238,6 +238,7 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
     let mut out = q.clone();
     let opts = AttentionOptions::new(64);
     let e = be.decode(DecodeArgs {
+        lse: None,
         opts: &opts,
         q: q.view(),
         cache: &cache.layers[0],
@@ -265,6 +266,7 @@ fn a_foreign_cache_or_wrong_rows_are_errors_not_results() {
     let q2 = HostTensor::full(DType::F32, &[2, 4, 64], 1.0);
     let mut out2 = HostTensor::full(DType::F32, &[2, 4, 64], -3.0);
     let e = be.decode(DecodeArgs {
+        lse: None,
         opts: &opts,
         q: q2.view(),
         cache: &cache.layers[0],
@@ -508,6 +510,7 @@ fn attention_over_a_windowed_batch_needs_its_window() {
             ..AttentionOptions::new(64)
         };
         let e = be.decode(DecodeArgs {
+            lse: None,
             opts: &opts,
             q: q.view(),
             cache: &cache.layers[0],

@@ -94,6 +94,7 @@ fn a_run_does_nothing_but_launch_and_a_plan_makes_one_upload() {
                 .decode(
                     &AttentionOptions::new(128),
                     DecodeIo {
+                        lse: None,
                         q: qkv.as_view(),
                         key_cache: kc.as_view(),
                         value_cache: vc.as_view(),
@@ -198,6 +199,7 @@ proptest! {
             let qv = TensorView::of_host(&q).with_row_stride((row + q_pad as usize * per16) as u64);
             let ov = TensorViewMut::of_host(&mut out).with_row_stride((row + out_pad as usize * per16) as u64);
             r.decode(&c.opts, DecodeIo {
+                lse: None,
                 q: qv,
                 key_cache: TensorView::of_host(&c.kc),
                 value_cache: TensorView::of_host(&c.vc),
@@ -292,6 +294,7 @@ fn bad_views_and_metadata_are_errors_naming_the_argument() {
         r.decode(
             &AttentionOptions::new(64),
             DecodeIo {
+                lse: None,
                 q,
                 key_cache: kc_view,
                 value_cache: kc_view,
@@ -399,6 +402,7 @@ fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
         let e = r.decode(
             &AttentionOptions::new(64),
             DecodeIo {
+                lse: None,
                 q: TensorView::of_host(&q).with_row_stride(stride),
                 key_cache: TensorView::of_host(&kc),
                 value_cache: TensorView::of_host(&kc),
@@ -412,6 +416,7 @@ fn a_row_stride_whose_span_overflows_is_an_error_naming_the_view() {
         let e = r.decode(
             &AttentionOptions::new(64),
             DecodeIo {
+                lse: None,
                 q: TensorView::of_host(&q),
                 key_cache: TensorView::of_host(&kc),
                 value_cache: TensorView::of_host(&kc),
@@ -472,6 +477,7 @@ proptest! {
         let res = r.decode(
             &AttentionOptions::new(64),
             DecodeIo {
+                lse: None,
                 q: qv,
                 key_cache: TensorView::of_host(&kc),
                 value_cache: TensorView::of_host(&kc),

@@ -69,6 +69,7 @@ pub(super) fn step<B: AttentionBackend>(
             let nan = HostTensor::full(cfg.dtype, &[decode.len(), qh, d], f64::NAN);
             let mut out = be.upload(&nan)?;
             be.decode(DecodeArgs {
+                lse: None,
                 opts: c.opts,
                 q: qd.view(),
                 cache: lc,
@@ -99,6 +100,7 @@ pub(super) fn step<B: AttentionBackend>(
             let nan = HostTensor::full(cfg.dtype, &[n, qh, d], f64::NAN);
             let mut out = be.upload(&nan)?;
             be.prefill(PrefillArgs {
+                lse: None,
                 opts: c.opts,
                 q: qd.view(),
                 cache: lc,

@@ -76,6 +76,7 @@ pub(super) fn step<B: AttentionBackend>(
         let qd = be.upload(&qt)?;
         let mut out = be.upload(&HostTensor::full(cfg.dtype, &[n, qh, d], f64::NAN))?;
         be.prefill(PrefillArgs {
+            lse: None,
             opts: c.opts,
             q: qd.view(),
             cache: lc,

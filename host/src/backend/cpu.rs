@@ -140,6 +140,10 @@ impl<D: StepDevice> AttentionBackend for CpuBackend<D> {
         self.core.prefill(args)
     }
 
+    fn merge_states(&mut self, io: crate::step::MergeIo<'_>) -> Result<()> {
+        self.core.merge_states(io)
+    }
+
     fn copy_blocks(
         &mut self,
         cache: &mut PagedCache<HostTensor>,
@@ -271,6 +275,7 @@ mod tests {
                     let bytes = out.buf_mut().as_bytes_mut();
                     let qb = q.buf().as_bytes();
                     be.decode(DecodeArgs {
+                        lse: None,
                         opts: &opts,
                         q: TensorView::from_host_bytes(qb, DType::F32).unwrap(),
                         cache: &cache.layers[0],
@@ -288,6 +293,7 @@ mod tests {
                     })
                     .unwrap();
                     be.decode(DecodeArgs {
+                        lse: None,
                         opts: &opts,
                         q: q.view(),
                         cache: &cache.layers[0],

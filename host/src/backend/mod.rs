@@ -73,7 +73,7 @@
 //!         let q = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], 1.0))?;
 //!         let mut out = be.upload(&HostTensor::full(DType::F32, &[rows, 4, 64], f64::NAN))?;
 //!         be.decode(DecodeArgs { opts: &opts, q: q.view(), cache: &cache.layers[0],
-//!                                sinks: None, group: 0, out: out.view_mut() })?;
+//!                                sinks: None, group: 0, out: out.view_mut(), lse: None })?;
 //!         // Every cached V is 2.0, so attention returns 2.0 whatever the scores.
 //!         assert!(be.download(&out)?.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));
 //!         decoded += rows;
@@ -100,7 +100,7 @@ use crate::error::{Error, Result};
 use crate::ops::attention::AttentionOptions;
 use crate::ops::scales::{KvScales, check_cache_types};
 use crate::scheduler::Batch;
-use crate::step::{Planned, StepCapacity, StepShape, TensorView, TensorViewMut};
+use crate::step::{MergeIo, Planned, StepCapacity, StepShape, TensorView, TensorViewMut};
 use crate::tensor::{DType, HostTensor, TensorDesc};
 
 /// How a backend cuts a decode launch into split-K partitions.
@@ -347,6 +347,10 @@ pub struct DecodeArgs<'a, T> {
     pub group: usize,
     /// `[num_decode_rows, num_q_heads, head_dim]`: written.
     pub out: TensorViewMut<'a>,
+    /// `[num_decode_rows, num_q_heads]` f32 on the backend's device: each output's
+    /// log-sum-exp, base 2 (see [`DecodeIo::lse`](crate::step::DecodeIo::lse)), or
+    /// `None` for none.
+    pub lse: Option<TensorViewMut<'a>>,
 }
 
 /// The inputs of [`AttentionBackend::prefill`] for one layer (q and out as views, see
@@ -366,6 +370,9 @@ pub struct PrefillArgs<'a, T> {
     pub group: usize,
     /// `[num_prefill_tokens, num_q_heads, head_dim]`: written.
     pub out: TensorViewMut<'a>,
+    /// `[num_prefill_tokens, num_q_heads]` f32: each output's log-sum-exp, as
+    /// [`DecodeArgs::lse`].
+    pub lse: Option<TensorViewMut<'a>>,
 }
 
 /// The rows of `batch` that prefill (a prompt or a chunk of one), in batch order: the
@@ -489,6 +496,12 @@ pub trait AttentionBackend {
     /// Prefill attention of the step's prefilling rows over one layer's cache: each
     /// new token attends causally to its sequence's cache up to itself (launches only).
     fn prefill(&mut self, args: PrefillArgs<'_, Self::Tensor>) -> Result<()>;
+
+    /// Merges partial attention states of the config's query heads into one (see
+    /// [`crate::ops::merge`]): partial outputs of the same queries over disjoint keys,
+    /// with the log-sum-exp [`DecodeArgs::lse`] or [`PrefillArgs::lse`] wrote (one
+    /// launch; needs no plan).
+    fn merge_states(&mut self, io: MergeIo<'_>) -> Result<()>;
 
     /// Copies blocks `src -> dst` in every pool of `cache` (copy-on-write).
     fn copy_blocks(

@@ -179,8 +179,13 @@ impl<D: StepDevice> StepCore<D> {
                 sinks: args.sinks,
                 group: args.group,
                 out: args.out,
+                lse: args.lse,
             },
         )
+    }
+
+    pub(crate) fn merge_states(&self, io: crate::step::MergeIo<'_>) -> Result<()> {
+        self.runner.merge(io)
     }
 
     /// Uploads `opts`' ALiBi slopes when they differ from the runner's (once, in the
@@ -239,6 +244,7 @@ impl<D: StepDevice> StepCore<D> {
                 sinks: args.sinks,
                 group: args.group,
                 out: args.out,
+                lse: args.lse,
             },
         )?;
         Ok(())

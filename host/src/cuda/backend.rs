@@ -139,6 +139,10 @@ impl AttentionBackend for CudaBackend<'_> {
         self.core.prefill(args)
     }
 
+    fn merge_states(&mut self, io: crate::step::MergeIo<'_>) -> Result<()> {
+        self.core.merge_states(io)
+    }
+
     fn copy_blocks(&mut self, cache: &mut PagedCache, pairs: &[(u32, u32)]) -> Result<()> {
         self.core.check_cache(cache)?;
         if pairs.is_empty() {

@@ -442,12 +442,24 @@ impl CudaDevice {
     /// made for the call: it allocates the metadata and split-K workspace and uploads
     /// them each call. An engine's layer loop uses the step path ([`CudaBackend`]),
     /// which does that once per step.
-    pub fn paged_decode_attention(
+    pub fn paged_decode_attention<'o>(
         &self,
         inputs: DecodeInputs<'_, DeviceTensor>,
-        out: &mut DeviceTensor,
+        out: impl Into<crate::ops::attention::AttentionOut<'o, DeviceTensor>>,
     ) -> Result<SplitPlan> {
         crate::step::once::decode(CudaStepDevice::new(self), Some(self.sm_count), inputs, out)
+    }
+
+    /// Merges partial attention states (see [`crate::ops::merge`]): a per-call
+    /// convenience, one launch of a [`StepRunner`](crate::step::StepRunner) made for
+    /// the call (an engine's layer loop uses
+    /// [`AttentionBackend::merge_states`](crate::backend::AttentionBackend::merge_states)).
+    pub fn merge_states<'o>(
+        &self,
+        inputs: crate::ops::merge::MergeInputs<'_, DeviceTensor>,
+        out: impl Into<crate::ops::attention::AttentionOut<'o, DeviceTensor>>,
+    ) -> Result<()> {
+        crate::step::once::merge(CudaStepDevice::new(self), inputs, out)
     }
 
     /// Times `f` on the stream with CUDA events, in milliseconds (for benchmarks).

@@ -151,6 +151,9 @@ impl Ctx for EmuCtx {
     fn tanh(&self, x: f32) -> f32 {
         self.math_tanh(x)
     }
+    fn log2(&self, x: f32) -> f32 {
+        self.math_log2(x)
+    }
     fn fma(&self, a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
     }

@@ -10,10 +10,12 @@ use pagedkv_kernels::Dim3;
 
 use super::ctx::EmuCtx;
 
-/// How the emulator computes the fast-math operations ([`Ctx::exp2`], [`Ctx::tanh`]).
+/// How the emulator computes the fast-math operations ([`Ctx::exp2`], [`Ctx::tanh`],
+/// [`Ctx::log2`]).
 ///
 /// [`Ctx::exp2`]: pagedkv_kernels::Ctx::exp2
 /// [`Ctx::tanh`]: pagedkv_kernels::Ctx::tanh
+/// [`Ctx::log2`]: pagedkv_kernels::Ctx::log2
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum MathMode {
     /// Correctly rounded `f32` results (the Rust standard library's).
@@ -22,7 +24,8 @@ pub enum MathMode {
     /// The GPU's error model: each result is perturbed by a relative error drawn
     /// uniformly from the instruction's documented worst case ([`EX2_APPROX_REL_ERR`]
     /// for `ex2.approx.ftz.f32`, which also flushes subnormal results to zero;
-    /// [`TANH_APPROX_REL_ERR`] for `tanh.approx.f32`), from this seed, per thread. A
+    /// [`TANH_APPROX_REL_ERR`] for `tanh.approx.f32`; an absolute error of up to
+    /// [`LG2_APPROX_ABS_ERR`] for `lg2.approx.ftz.f32`), from this seed, per thread. A
     /// tolerance that holds here holds for any result the hardware may return.
     Approx {
         /// Seed of the perturbations (mixed with block and thread indices).
@@ -35,6 +38,11 @@ pub enum MathMode {
 pub const EX2_APPROX_REL_ERR: f64 = 1.0 / (1u64 << 22) as f64;
 /// Worst-case relative error of `tanh.approx.f32` (2^-10.987, per the PTX ISA).
 pub const TANH_APPROX_REL_ERR: f64 = 4.9e-4;
+/// Worst-case *absolute* error of `lg2.approx.ftz.f32` assumed by
+/// [`MathMode::Approx`]: 2^-22 (the PTX ISA bounds it by 2^-22.6 over the mantissa,
+/// as we read it; the model takes the larger). The kernels take it once per output,
+/// for the log-sum-exp.
+pub const LG2_APPROX_ABS_ERR: f64 = 1.0 / (1u64 << 22) as f64;
 
 impl MathMode {
     /// The perturbation generator's initial state for thread `t` (linear index in its
@@ -72,6 +80,18 @@ impl EmuCtx {
             return r;
         }
         (r as f64 * (1.0 + self.perturbation(TANH_APPROX_REL_ERR))) as f32
+    }
+
+    /// `log2` in this thread's math mode (approximate: perturbed like
+    /// `lg2.approx.ftz.f32`, by an absolute error; subnormal inputs flushed to zero,
+    /// so to `-inf`).
+    pub(super) fn math_log2(&self, x: f32) -> f32 {
+        let x = if x.is_subnormal() { 0.0 } else { x };
+        let r = x.log2();
+        if self.approx.get().is_none() || !r.is_finite() {
+            return r;
+        }
+        (r as f64 + self.perturbation(LG2_APPROX_ABS_ERR)) as f32
     }
 
     /// A relative perturbation uniform in `[-max, max]` (approximate math), else 0.

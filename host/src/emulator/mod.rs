@@ -86,7 +86,7 @@ use pagedkv_kernels::{Dim3, Kernel};
 
 use block::run_block;
 pub use ctx::EmuCtx;
-pub use math::{EX2_APPROX_REL_ERR, MathMode, TANH_APPROX_REL_ERR};
+pub use math::{EX2_APPROX_REL_ERR, LG2_APPROX_ABS_ERR, MathMode, TANH_APPROX_REL_ERR};
 
 /// Most threads a block may have (CUDA's limit).
 pub const MAX_THREADS_PER_BLOCK: u64 = 1024;

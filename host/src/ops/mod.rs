@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod copy_blocks;
 pub mod kv_append;
+pub mod merge;
 pub mod prefill;
 pub mod scales;
 

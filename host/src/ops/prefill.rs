@@ -286,11 +286,14 @@ fn tiled_shared_bytes(d: u32, kv_dtype: DType) -> u32 {
 
 /// Runs the real prefill kernel in the emulator, after [`validate`]: a one-shot use
 /// of the step path ([`StepRunner::prefill`](crate::step::StepRunner::prefill) on an
-/// [`EmuDevice`](crate::step::EmuDevice)), so this is the launch engines run.
-pub fn prefill_emulated(
+/// [`EmuDevice`](crate::step::EmuDevice)), so this is the launch engines run. `out` is
+/// the output tensor, or an
+/// [`AttentionOut`](crate::ops::attention::AttentionOut) with a log-sum-exp tensor too
+/// (`[qo_indptr[num_seqs], num_q_heads]` f32).
+pub fn prefill_emulated<'o>(
     emu: &Emulator,
     inputs: PrefillInputs<'_, HostTensor>,
-    out: &mut HostTensor,
+    out: impl Into<crate::ops::attention::AttentionOut<'o, HostTensor>>,
 ) -> Result<()> {
     crate::step::once::prefill(crate::step::EmuDevice::new(emu.clone()), inputs, out)
 }

@@ -502,6 +502,7 @@ mod tests {
             r.decode(
                 &opts,
                 DecodeIo {
+                    lse: None,
                     q: qv,
                     key_cache: kcv.as_view(),
                     value_cache: vcv.as_view(),

@@ -51,7 +51,7 @@
 //! let mut out = HostTensor::full(DType::F32, &[1, 4, 64], f64::NAN);
 //! runner.decode(&AttentionOptions::new(64), DecodeIo { q: TensorView::of_host(&q),
 //!     key_cache: kv.as_view(), value_cache: vv.as_view(), kv_scales: None, sinks: None, group: 0,
-//!     out: TensorViewMut::of_host(&mut out) })?;
+//!     out: TensorViewMut::of_host(&mut out), lse: None })?;
 //! drop((kv, vv));
 //! assert!(out.to_f64().iter().all(|&x| (x - 2.0).abs() < 1e-6));
 //! # Ok::<(), pagedkv_host::Error>(())
@@ -59,6 +59,7 @@
 
 mod device;
 mod emu;
+mod merge;
 pub mod once;
 mod prefill;
 mod run;
@@ -69,6 +70,7 @@ pub use device::{
     DeviceAddr, DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut,
 };
 pub use emu::{EmuDevice, HostMemory};
+pub use merge::MergeIo;
 pub use prefill::{PlannedPrefill, PrefillIo, PrefillMeta};
 pub use runner::{
     DecodeIo, KvAppendIo, MAX_STEP_META_BYTES, Planned, StepCapacity, StepMeta, StepRunner,

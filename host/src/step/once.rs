@@ -15,11 +15,12 @@ use super::prefill::PrefillMeta;
 use super::runner::{DecodeIo, KvAppendIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use crate::backend::AsView;
 use crate::error::Result;
-use crate::ops::attention::{self, DecodeInputs, SplitPlan};
+use crate::ops::attention::{self, AttentionOut, DecodeInputs, SplitPlan};
 use crate::ops::kv_append::{self, KvAppendInputs};
+use crate::ops::merge::{self, MergeInputs};
 use crate::ops::prefill::{self, PrefillInputs};
 use crate::ops::scales::KvScales;
-use crate::step::PrefillIo;
+use crate::step::{MergeIo, PrefillIo};
 use crate::tensor::{DType, TensorDesc};
 
 /// Scales uploaded into a runner's device by [`upload_scales`]: their address and f32
@@ -87,14 +88,16 @@ fn upload_f32<'a, D: StepDevice>(
 /// One decode call on `dev` (whose GPU has `sm_count` SMs; `None`: never split): the
 /// inputs checked, the plan made (or `inputs.plan` taken) and validated, then one step
 /// of a runner with room for exactly that plan. Returns the plan it ran.
-pub fn decode<D: StepDevice, T: AsView + TensorDesc>(
+pub fn decode<'o, D: StepDevice, T: AsView + TensorDesc + 'o>(
     dev: D,
     sm_count: Option<u32>,
     inputs: DecodeInputs<'_, T>,
-    out: &mut T,
+    out: impl Into<AttentionOut<'o, T>>,
 ) -> Result<SplitPlan> {
+    let AttentionOut { out, lse } = out.into();
     let p = attention::validate_launch(&inputs, out, sm_count)?;
     let s = inputs.shape;
+    attention::check_lse(lse.as_deref(), s.num_seqs as u64, s.num_q_heads)?;
     let cap = StepCapacity {
         max_seqs: s.num_seqs,
         max_blocks_per_seq: s.max_blocks_per_seq,
@@ -124,6 +127,7 @@ pub fn decode<D: StepDevice, T: AsView + TensorDesc>(
     runner.decode(
         inputs.opts,
         DecodeIo {
+            lse: lse.map(|l| l.view_mut()),
             q: inputs.q.view(),
             key_cache: inputs.key_cache.view(),
             value_cache: inputs.value_cache.view(),
@@ -134,6 +138,46 @@ pub fn decode<D: StepDevice, T: AsView + TensorDesc>(
         },
     )?;
     Ok(p)
+}
+
+/// One merge of attention states on `dev`: the inputs checked
+/// ([`merge::validate`]), the sinks uploaded, one launch of a runner of the merge's
+/// heads, head_dim and dtype.
+pub fn merge<'o, D: StepDevice, T: AsView + TensorDesc + 'o>(
+    dev: D,
+    inputs: MergeInputs<'_, T>,
+    out: impl Into<AttentionOut<'o, T>>,
+) -> Result<()> {
+    let out = out.into();
+    merge::validate(&inputs, &out)?;
+    let s = inputs.shape;
+    let dtype = inputs.v.dtype();
+    let shape = StepShape {
+        num_q_heads: s.num_heads,
+        num_kv_heads: s.num_heads,
+        head_dim: s.head_dim,
+        block_size: 16,
+        num_blocks: 1,
+        dtype,
+        kv_dtype: dtype,
+    };
+    let cap = StepCapacity {
+        max_seqs: 1,
+        max_blocks_per_seq: 1,
+        max_tokens: 1,
+        max_partitions: 1,
+    };
+    let mut runner = StepRunner::with_split(dev, shape, cap, None)?;
+    let sinks = upload_sinks(&mut runner, inputs.sinks)?;
+    let AttentionOut { out, lse } = out;
+    runner.merge(MergeIo {
+        num_states: s.num_states,
+        v: inputs.v.view(),
+        lse: inputs.lse.view(),
+        sinks: sinks.map(|s| s.view(&runner)),
+        out: out.view_mut(),
+        lse_out: lse.map(|l| l.view_mut()),
+    })
 }
 
 /// One `kv_append` call on `dev`: the arguments checked, then one step of a runner
@@ -183,17 +227,19 @@ pub fn kv_append<D: StepDevice, T: AsView + TensorDesc>(
 
 /// One prefill call on `dev`: the inputs checked, then one step of a runner that
 /// prefills every sequence of the call.
-pub fn prefill<D: StepDevice, T: AsView + TensorDesc>(
+pub fn prefill<'o, D: StepDevice, T: AsView + TensorDesc + 'o>(
     dev: D,
     inputs: PrefillInputs<'_, T>,
-    out: &mut T,
+    out: impl Into<AttentionOut<'o, T>>,
 ) -> Result<()> {
+    let AttentionOut { out, lse } = out.into();
     let max_rows = prefill::validate(&inputs, out)?;
+    let tokens = inputs.qo_indptr[inputs.shape.num_seqs as usize];
+    attention::check_lse(lse.as_deref(), tokens as u64, inputs.shape.num_q_heads)?;
     if max_rows == 0 {
         return Ok(());
     }
     let s = inputs.shape;
-    let tokens = inputs.qo_indptr[s.num_seqs as usize];
     let cap = StepCapacity {
         max_seqs: s.num_seqs,
         max_blocks_per_seq: s.max_blocks_per_seq,
@@ -222,6 +268,7 @@ pub fn prefill<D: StepDevice, T: AsView + TensorDesc>(
     runner.prefill(
         inputs.opts,
         PrefillIo {
+            lse: lse.map(|l| l.view_mut()),
             q: inputs.q.view(),
             key_cache: inputs.key_cache.view(),
             value_cache: inputs.value_cache.view(),

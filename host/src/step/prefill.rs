@@ -48,6 +48,9 @@ pub struct PrefillIo<'a> {
     pub group: usize,
     /// `[qo_indptr[num_seqs], num_q_heads, head_dim]`, dense: written.
     pub out: TensorViewMut<'a>,
+    /// `[qo_indptr[num_seqs], num_q_heads]` f32, dense: each output's log-sum-exp, as
+    /// [`DecodeIo::lse`](super::DecodeIo::lse); `None` writes none.
+    pub lse: Option<TensorViewMut<'a>>,
 }
 
 /// What [`StepRunner::plan_prefill`] decided.
@@ -252,6 +255,7 @@ impl<D: StepDevice> StepRunner<D> {
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
         let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
         let sinks = self.sink_slice(io.sinks.as_ref())?;
+        let lse = self.lse_slice(io.lse.as_ref(), rows)?;
         if pp.max_rows == 0 {
             return Ok(());
         }
@@ -298,6 +302,7 @@ impl<D: StepDevice> StepRunner<D> {
                         },
                         sinks,
                         out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut $t, rows * row),
+                        lse,
                         layout: l,
                         num_q_heads: pp.shape.num_q_heads,
                         max_blocks_per_seq: pp.shape.max_blocks_per_seq,

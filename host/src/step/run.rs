@@ -16,7 +16,7 @@ use crate::ops::attention::{
 };
 use crate::ops::scales::with_kv;
 use crate::ops::{checked_pool_elems, kv_append};
-use crate::step::TensorView;
+use crate::step::{TensorView, TensorViewMut};
 use crate::tensor::DType;
 
 impl<D: StepDevice> StepRunner<D> {
@@ -95,6 +95,24 @@ impl<D: StepDevice> StepRunner<D> {
         self.check_view_as("sinks", &v.raw, DType::F32, 1, h, false)?;
         // SAFETY: a checked view of this device's space of `h` f32.
         Ok(unsafe { GlobalSlice::from_raw_parts(v.raw.addr as *const f32, h) })
+    }
+
+    /// Checks a layer's log-sum-exp output view (`[rows, num_q_heads]` f32, dense);
+    /// returns its slice (empty for `None`: none written).
+    pub(super) fn lse_slice(
+        &self,
+        lse: Option<&TensorViewMut<'_>>,
+        rows: u64,
+    ) -> Result<GlobalSliceMut<f32>> {
+        let Some(v) = lse else {
+            return Ok(GlobalSliceMut::empty());
+        };
+        let h = self.shape.num_q_heads as u64;
+        // One dense row: the kernels store it a value at a time (no 16-byte rows).
+        self.check_view_as("lse", &v.raw, DType::F32, 1, rows * h, false)?;
+        // SAFETY: a checked view of this device's space of `rows * h` f32, borrowed
+        // mutably by the caller for the launch.
+        Ok(unsafe { GlobalSliceMut::from_raw_parts(v.raw.addr as *mut f32, rows * h) })
     }
 
     /// Checks a view: its memory space, dtype, 16-byte alignment, and element count
@@ -258,6 +276,7 @@ impl<D: StepDevice> StepRunner<D> {
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
         let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
         let sinks = self.sink_slice(io.sinks.as_ref())?;
+        let lse = self.lse_slice(io.lse.as_ref(), rows)?;
         let (dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
         let tables = self.meta.offset(planned.offsets.tables_of(io.group)).get();
         let lens = self.meta.offset(planned.offsets.lens).get();
@@ -286,6 +305,8 @@ impl<D: StepDevice> StepRunner<D> {
                     } else {
                         GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems)
                     },
+                    // Likewise the log-sum-exp.
+                    lse: if p.is_split() { GlobalSliceMut::empty() } else { lse },
                     part_out: GlobalSliceMut::from_raw_parts(self.part_out.0.get() as *mut f32, self.part_out.1),
                     part_ml: GlobalSliceMut::from_raw_parts(self.part_ml.0.get() as *mut f32, self.part_ml.1),
                     layout: l,
@@ -316,6 +337,7 @@ impl<D: StepDevice> StepRunner<D> {
                         part_ml: params.part_ml.as_const(),
                         sinks,
                         out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems),
+                        lse,
                         num_q_heads: ds.num_q_heads,
                         head_dim: ds.head_dim,
                         num_partitions: p.num_partitions,

@@ -137,6 +137,12 @@ pub struct DecodeIo<'a> {
     pub group: usize,
     /// `[num_seqs, row_stride]`: the output rows (row stride as for `q`).
     pub out: TensorViewMut<'a>,
+    /// `[num_seqs, num_q_heads]` f32, dense: where to write each output's log-sum-exp
+    /// (base 2: `log2(Σ exp(x))` over the scores `x` it attended, the sink included;
+    /// see [`SoftmaxState::lse`](pagedkv_kernels::SoftmaxState::lse)), for a later
+    /// merge with other parts of the same attention
+    /// ([`StepRunner::merge`]); `None` writes none.
+    pub lse: Option<TensorViewMut<'a>>,
 }
 
 /// What [`StepRunner::plan`] decided for the current step.

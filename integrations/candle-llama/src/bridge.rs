@@ -209,6 +209,7 @@ impl CandleBackend for CpuBackend {
                 sinks: None,
                 group,
                 out,
+                lse: None,
             })?)
         })
     }
@@ -228,6 +229,7 @@ impl CandleBackend for CpuBackend {
                 sinks: None,
                 group,
                 out,
+                lse: None,
             })?)
         })
     }

@@ -221,6 +221,11 @@ pub trait Ctx {
     /// `tanh(x)`, fast (`tanh.approx.f32` on the GPU: about 2^-11 relative error).
     fn tanh(&self, x: f32) -> f32;
 
+    /// `log2(x)`, fast (`lg2.approx.ftz.f32` on the GPU: an absolute error of about
+    /// 2^-22; `log2(0) = -inf`). The attention kernels take it once per output, for
+    /// the log-sum-exp.
+    fn log2(&self, x: f32) -> f32;
+
     /// `a * b + c` with one rounding (`fma.rn.f32`; `mul_add` in the emulator).
     fn fma(&self, a: f32, b: f32, c: f32) -> f32;
 

@@ -255,6 +255,17 @@ impl Ctx for Gpu {
     }
 
     #[inline(always)]
+    fn log2(&self, x: f32) -> f32 {
+        let r: f32;
+        // SAFETY: register-only arithmetic.
+        unsafe {
+            asm!("lg2.approx.ftz.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x,
+                 options(pure, nomem, nostack));
+        }
+        r
+    }
+
+    #[inline(always)]
     fn fma(&self, a: f32, b: f32, c: f32) -> f32 {
         let r: f32;
         // SAFETY: register-only arithmetic.

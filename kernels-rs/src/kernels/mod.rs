@@ -9,11 +9,13 @@ pub mod attention;
 pub mod copy_blocks;
 pub mod kv_append;
 pub(crate) mod kv_tiles;
+pub mod merge;
 pub mod prefill;
 
 pub use attention::{DecodeParams, DecodeReduce, PagedDecode, ReduceParams};
 pub use copy_blocks::{CopyBlocks, CopyBlocksParams, PoolView};
 pub use kv_append::{KvAppend, KvAppendParams};
+pub use merge::{MergeParams, MergeStates};
 pub use prefill::{PagedPrefill, PagedPrefillSimt, PrefillParams};
 
 /// Calls `f(i)` for `i` in `0..16`, written out so each `i` is a constant after inlining:

@@ -230,6 +230,34 @@ pub struct DecodeInputs<'a, T> {
     pub plan: Option<SplitPlan>,
 }
 
+/// Where one attention call writes: the outputs and, optionally, each output's
+/// log-sum-exp (`[rows, num_q_heads]` f32, base 2: `log2(Σ exp(x))` over the scores
+/// `x` the output attended, the attention sink included; see
+/// [`SoftmaxState::lse`](pagedkv_kernels::SoftmaxState::lse)), for a later merge
+/// with other parts of the same attention ([`crate::ops::merge`]). A plain `&mut T`
+/// converts into one without the log-sum-exp.
+#[derive(Debug)]
+pub struct AttentionOut<'a, T> {
+    /// The outputs.
+    pub out: &'a mut T,
+    /// `[rows, num_q_heads]` f32: written when given.
+    pub lse: Option<&'a mut T>,
+}
+
+impl<'a, T> From<&'a mut T> for AttentionOut<'a, T> {
+    fn from(out: &'a mut T) -> Self {
+        AttentionOut { out, lse: None }
+    }
+}
+
+/// Checks a log-sum-exp output, when there is one: f32, `rows * num_q_heads` elements.
+pub(crate) fn check_lse<T: TensorDesc>(lse: Option<&T>, rows: u64, num_q_heads: u32) -> Result<()> {
+    match lse {
+        Some(l) => check_tensor("lse", l, DType::F32, rows * num_q_heads as u64),
+        None => Ok(()),
+    }
+}
+
 impl<T> Clone for DecodeInputs<'_, T> {
     fn clone(&self) -> Self {
         *self

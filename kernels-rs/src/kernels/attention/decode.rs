@@ -505,11 +505,19 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const D: u32>(ctx: &C, p: &Deco
     // Epilogue: one 16-byte store per chunk (non-split), or the partials.
     let d = head_dim as u64;
     // The sink (if any) joins here without split, in the reduce with it.
+    let sink = if split {
+        None
+    } else {
+        load_sink(ctx, &p.sinks, qh)
+    };
     let inv = if split {
         v_scale
     } else {
-        v_scale * state.normaliser(load_sink(ctx, &p.sinks, qh), ctx)
+        v_scale * state.normaliser(sink, ctx)
     };
+    if !split && tx == 0 && !p.lse.is_empty() {
+        ctx.st(&p.lse, head, state.lse(sink, ctx));
+    }
     each_vec::<K>(|v| {
         let c = tx + v * bdx;
         if c >= chunks {

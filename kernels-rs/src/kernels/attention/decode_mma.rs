@@ -292,7 +292,11 @@ pub(super) fn decode_mma<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
             ctx.st(&p.part_ml, mlat + 1, merged.l);
         }
     } else {
-        let inv = v_scale * merged.normaliser(load_sink(ctx, &p.sinks, (qh0 + row) as u64), ctx);
+        let sink = load_sink(ctx, &p.sinks, (qh0 + row) as u64);
+        let inv = v_scale * merged.normaliser(sink, ctx);
+        if tid.is_multiple_of(8) && !p.lse.is_empty() {
+            ctx.st(&p.lse, head, merged.lse(sink, ctx));
+        }
         let at = seq as u64 * p.out_row_stride + (qh0 + row) as u64 * D as u64 + d0 as u64;
         each_upto(per / 8, |w| {
             let vals: [f32; 8] = core::array::from_fn(|e| acc[8 * w + e] * inv);

@@ -203,6 +203,10 @@ pub struct DecodeParams<T, K = T> {
     /// `[num_seqs, out_row_stride]`: the output, `num_q_heads * head_dim` elements at
     /// the start of each row (written without split).
     pub out: GlobalSliceMut<T>,
+    /// `[num_seqs, num_q_heads]`: the log-sum-exp of each output, base 2
+    /// ([`SoftmaxState::lse`](crate::SoftmaxState::lse), the sink included), or empty
+    /// for none (written without split; with split the reduce writes it).
+    pub lse: GlobalSliceMut<f32>,
     /// `[num_seqs, num_q_heads, num_partitions, head_dim]`: unnormalised partial
     /// outputs (written with split).
     pub part_out: GlobalSliceMut<f32>,
@@ -238,9 +242,9 @@ pub struct DecodeParams<T, K = T> {
     pub out_row_stride: u64,
 }
 
-// SAFETY: 12 views (16 bytes each), the 16-byte layout, four-byte fields with the
-// explicit `_pad` (10), two u64 strides: 264 bytes, no padding (asserted below).
-const _: () = assert!(core::mem::size_of::<DecodeParams<f32>>() == 12 * 16 + 16 + 10 * 4 + 16);
+// SAFETY: 13 views (16 bytes each), the 16-byte layout, four-byte fields with the
+// explicit `_pad` (10), two u64 strides: 280 bytes, no padding (asserted below).
+const _: () = assert!(core::mem::size_of::<DecodeParams<f32>>() == 13 * 16 + 16 + 10 * 4 + 16);
 unsafe impl<T: 'static, K: 'static> KernelParams for DecodeParams<T, K>
 where
     Self: Copy,
@@ -256,6 +260,7 @@ where
         f(self.alibi_slopes.range("alibi_slopes"));
         f(self.sinks.range("sinks"));
         f(self.out.range("out"));
+        f(self.lse.range("lse"));
         f(self.part_out.range("part_out"));
         f(self.part_ml.range("part_ml"));
     }
@@ -410,6 +415,9 @@ pub struct ReduceParams<T> {
     pub sinks: GlobalSlice<f32>,
     /// `[num_seqs, out_row_stride]`: the output (`num_q_heads * head_dim` per row).
     pub out: GlobalSliceMut<T>,
+    /// `[num_seqs, num_q_heads]`: the log-sum-exp of each output (base 2, the sink
+    /// included), or empty for none.
+    pub lse: GlobalSliceMut<f32>,
     /// Query heads.
     pub num_q_heads: u32,
     /// Elements per head vector.
@@ -423,9 +431,9 @@ pub struct ReduceParams<T> {
     pub out_row_stride: u64,
 }
 
-// SAFETY: 4 views, 4 four-byte fields (the explicit `_pad` one), one u64: 88 bytes,
+// SAFETY: 5 views, 4 four-byte fields (the explicit `_pad` one), one u64: 104 bytes,
 // no padding (asserted below).
-const _: () = assert!(core::mem::size_of::<ReduceParams<f32>>() == 4 * 16 + 4 * 4 + 8);
+const _: () = assert!(core::mem::size_of::<ReduceParams<f32>>() == 5 * 16 + 4 * 4 + 8);
 unsafe impl<T: 'static> KernelParams for ReduceParams<T>
 where
     Self: Copy,
@@ -435,5 +443,6 @@ where
         f(self.part_ml.range("part_ml"));
         f(self.sinks.range("sinks"));
         f(self.out.range("out"));
+        f(self.lse.range("lse"));
     }
 }

@@ -109,9 +109,11 @@ fn reduce<T: Elem, C: Ctx>(ctx: &C, p: &ReduceParams<T>) {
         return;
     }
     // The sink (if any) joins once, after every partition is merged.
-    let inv = fold
-        .state
-        .normaliser(load_sink(ctx, &p.sinks, qh as u64), ctx);
+    let sink = load_sink(ctx, &p.sinks, qh as u64);
+    let inv = fold.state.normaliser(sink, ctx);
+    if c == 0 && !p.lse.is_empty() {
+        ctx.st(&p.lse, head, fold.state.lse(sink, ctx));
+    }
     for x in fold.acc.iter_mut() {
         *x *= inv;
     }

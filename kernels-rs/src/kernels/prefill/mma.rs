@@ -264,7 +264,13 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
             *x += ctx.shfl_xor_f32(*x, 1);
             *x += ctx.shfl_xor_f32(*x, 2);
             let sink = load_sink(ctx, &p.sinks, row[r].head as u64);
-            inv[r] = v_scale * SoftmaxState { m: m[r], l: *x }.normaliser(sink, ctx);
+            let state = SoftmaxState { m: m[r], l: *x };
+            inv[r] = v_scale * state.normaliser(sink, ctx);
+            // Every pass sees the same scores: the first writes the log-sum-exp
+            // (nothing held across passes: the fp8 kernels are at their registers).
+            if pass == 0 && t == 0 && row[r].valid && !p.lse.is_empty() {
+                ctx.st(&p.lse, row[r].lse_at(p, &sq), state.lse(sink, ctx));
+            }
         }
         each_blk(&mut o, |nd, f| {
             if nd < nblk {

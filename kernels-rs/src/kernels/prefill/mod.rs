@@ -95,6 +95,10 @@ pub struct PrefillParams<T, K = T> {
     pub sinks: GlobalSlice<f32>,
     /// `[total_tokens, num_q_heads, head_dim]`: the output.
     pub out: GlobalSliceMut<T>,
+    /// `[total_tokens, num_q_heads]`: the log-sum-exp of each output, base 2
+    /// ([`SoftmaxState::lse`](crate::SoftmaxState::lse), the sink included), or empty
+    /// for none.
+    pub lse: GlobalSliceMut<f32>,
     /// The cache's shape.
     pub layout: PagedLayout,
     /// Query heads (a multiple of `layout.num_kv_heads`).
@@ -111,9 +115,9 @@ pub struct PrefillParams<T, K = T> {
     pub window: u32,
 }
 
-// SAFETY: 11 views, the 16-byte layout, 6 four-byte fields: 216 bytes, no padding
+// SAFETY: 12 views, the 16-byte layout, 6 four-byte fields: 232 bytes, no padding
 // (asserted below).
-const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 11 * 16 + 16 + 6 * 4);
+const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 12 * 16 + 16 + 6 * 4);
 unsafe impl<T: 'static, K: 'static> KernelParams for PrefillParams<T, K>
 where
     Self: Copy,
@@ -130,6 +134,7 @@ where
         f(self.alibi_slopes.range("alibi_slopes"));
         f(self.sinks.range("sinks"));
         f(self.out.range("out"));
+        f(self.lse.range("lse"));
     }
 }
 
@@ -266,6 +271,12 @@ impl Row {
         } else {
             f32::NEG_INFINITY
         }
+    }
+
+    /// Index of this row's `(token, head)` in `lse`.
+    #[inline(always)]
+    fn lse_at<T, K>(&self, p: &PrefillParams<T, K>, sq: &Seq) -> u64 {
+        (sq.q0 + self.token) as u64 * p.num_q_heads as u64 + self.head as u64
     }
 
     /// Element index of this row's `(token, head, dim)` in `q` / `out`.

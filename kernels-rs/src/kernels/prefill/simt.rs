@@ -73,6 +73,9 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
     }
     let d = p.layout.head_dim;
     let q_at = row.at(p, &sq, 0);
+    let sink = load_sink(ctx, &p.sinks, row.head as u64);
+    // Every pass sees the same scores: the last one's state is the row's.
+    let mut state = SoftmaxState::EMPTY;
     let mut pass = 0;
     while pass * PASS_DIMS < d {
         let width = if d - pass * PASS_DIMS < PASS_DIMS {
@@ -118,7 +121,8 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
             });
             kpos += 1;
         }
-        let inv = SoftmaxState { m, l }.normaliser(load_sink(ctx, &p.sinks, row.head as u64), ctx);
+        state = SoftmaxState { m, l };
+        let inv = state.normaliser(sink, ctx);
         each_chunk(&mut acc, |c, a| {
             if c < nchunks {
                 let out = [a[0] * inv, a[1] * inv, a[2] * inv, a[3] * inv].map(f32::to_bits);
@@ -126,5 +130,8 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
             }
         });
         pass += 1;
+    }
+    if !p.lse.is_empty() {
+        ctx.st(&p.lse, row.lse_at(p, &sq), state.lse(sink, ctx));
     }
 }

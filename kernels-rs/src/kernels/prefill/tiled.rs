@@ -267,6 +267,9 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
             l: total,
         };
         inv[h] = v_scale * merged.normaliser(sink, ctx);
+        if t == 0 && row[h].valid && !p.lse.is_empty() {
+            ctx.st(&p.lse, row[h].lse_at(p, &sq), merged.lse(sink, ctx));
+        }
     });
     each_upto(D / 8, |j| {
         each_upto(4, |e| {
