@@ -60,6 +60,8 @@
  * - 0.2 (additions): layer groups, pagedkv_scheduler_create_groups(),
  *   pagedkv_batch_group() and pagedkv_group_tables; pagedkv_batch is unchanged (it is
  *   group 0's).
+ * - 0.2 (additions): the merge of attention states, pagedkv_merge_shape,
+ *   pagedkv_merge_states() and pagedkv_cuda_merge_states().
  */
 #ifndef PAGEDKV_H
 #define PAGEDKV_H
@@ -467,6 +469,43 @@ pagedkv_status pagedkv_cuda_decode_attention_strided(
     uint64_t q, uint64_t q_row_stride, uint64_t key_cache, uint64_t value_cache,
     const int32_t *block_tables, uint64_t block_tables_len, const int32_t *context_lens,
     uint64_t context_lens_len, uint64_t out, uint64_t out_row_stride);
+
+/* ---------------------------------------------------------------------------------- */
+/* The merge of attention states                                                       */
+/* ---------------------------------------------------------------------------------- */
+
+/* Partial attention outputs of the same query rows over disjoint sets of keys (a shared
+ * prefix and each row's own suffix, split-K partitions, ...), each normalised over its
+ * own keys and given with its log-sum-exp in base 2 (log2 of the sum of exp of the
+ * natural-unit scores: what the library's decode and prefill write), merged into the
+ * attention over all their keys. A part of no keys has lse -INFINITY and its outputs
+ * are never read. Attention sinks (one logit per head, natural units) join once, here:
+ * the parts must be computed without them. */
+typedef struct pagedkv_merge_shape {
+    uint32_t num_rows;   /* 1..65535 */
+    uint32_t num_states; /* partial states per row, at least 1 */
+    uint32_t num_heads;
+    uint32_t head_dim;   /* 32, 64, 80, 96, 112, 128 or 256 */
+} pagedkv_merge_shape;
+
+/* The merge on the CPU (the library's kernel, emulated), f32 host buffers: v
+ * [num_rows, num_states, num_heads, head_dim]; lse [num_rows, num_states, num_heads];
+ * sinks [num_heads] or NULL with sinks_len 0; out [num_rows, num_heads, head_dim];
+ * lse_out [num_rows, num_heads] (the merged log-sum-exp) or NULL with lse_out_len 0.
+ * Each *_len is the buffer's element count and must match the shape, checked before
+ * anything is read; on any error the outputs are left untouched. */
+pagedkv_status pagedkv_merge_states(const pagedkv_merge_shape *shape, const float *v,
+                                    uint64_t v_len, const float *lse, uint64_t lse_len,
+                                    const float *sinks, uint64_t sinks_len, float *out,
+                                    uint64_t out_len, float *lse_out, uint64_t lse_out_len);
+
+/* The merge on the GPU, on device buffers: v and out of dtype (PAGEDKV_F16, _BF16 or
+ * _F32), lse and lse_out f32 (lse_out 0: not written), every pointer 16-byte aligned;
+ * sinks is host memory as above. Asynchronous on the backend's stream. */
+pagedkv_status pagedkv_cuda_merge_states(pagedkv_cuda_backend *b,
+                                         const pagedkv_merge_shape *shape, int32_t dtype,
+                                         uint64_t v, uint64_t lse, const float *sinks,
+                                         uint64_t sinks_len, uint64_t out, uint64_t lse_out);
 
 #ifdef __cplusplus
 }

@@ -561,3 +561,80 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
         .map_err(m)
     })
 }
+
+/// Merges partial attention states on the GPU (see `pagedkv_merge_states`), on device
+/// buffers of `dtype` (f16, bf16 or f32; fp8 is `PAGEDKV_ERR_INVALID_ARGUMENT`): `v`
+/// `[num_rows, num_states, num_heads, head_dim]` of `dtype`; `lse` `[num_rows,
+/// num_states, num_heads]` f32; `out` `[num_rows, num_heads, head_dim]` of `dtype`;
+/// `lse_out` `[num_rows, num_heads]` f32, or 0 for none. `sinks` is host memory
+/// (`[num_heads]` f32, or null with `sinks_len` 0). The shape, the dtype and the sinks
+/// are checked before the backend; asynchronous on the backend's stream.
+///
+/// # Safety
+/// 1. The device pointers are allocations in the backend's context of at least the
+///    sizes the shape implies, 16-byte aligned, unused by other work until the launch
+///    completes.
+/// 2. `shape` is null or valid for a read; `sinks` is null or valid for `sinks_len`
+///    reads.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn pagedkv_cuda_merge_states(
+    b: *mut pagedkv_cuda_backend,
+    shape: *const crate::pagedkv_merge_shape,
+    dtype: i32,
+    v: u64,
+    lse: u64,
+    sinks: *const f32,
+    sinks_len: u64,
+    out: u64,
+    lse_out: u64,
+) -> pagedkv_status {
+    use pagedkv::host::DType;
+    use pagedkv::host::ops::attention::AttentionOut;
+    use pagedkv::host::ops::merge::MergeInputs;
+    guard(|| {
+        let run = || -> Result<pagedkv_status, pagedkv_status> {
+            // SAFETY: the caller's contract (2).
+            let (s, [vn, ln, on, lon]) = unsafe { crate::merge::read_merge_shape(shape)? };
+            let d = dtype_of(dtype)?;
+            if d.is_fp8() {
+                return Err(fail(
+                    PAGEDKV_ERR_INVALID_ARGUMENT,
+                    format!("invalid argument `dtype`: {d}: partial outputs are f16, bf16 or f32"),
+                ));
+            }
+            // SAFETY: the caller's contract (2).
+            let sinks =
+                unsafe { crate::merge::optional(sinks, sinks_len, s.num_heads as u64, "sinks")? };
+            Ok(with_cuda(b, |g| {
+                let m = |e: Error| from_error(&e);
+                // SAFETY: the caller's contract (1).
+                let (vt, lt, mut ot, mut lot) = unsafe {
+                    use pagedkv::cuda::BorrowedDeviceTensor as B;
+                    (
+                        B::new(g, v, d, &[vn as usize]).map_err(m)?,
+                        B::new(g, lse, DType::F32, &[ln as usize]).map_err(m)?,
+                        B::new(g, out, d, &[on as usize]).map_err(m)?,
+                        if lse_out == 0 {
+                            None
+                        } else {
+                            Some(B::new(g, lse_out, DType::F32, &[lon as usize]).map_err(m)?)
+                        },
+                    )
+                };
+                let inputs = MergeInputs {
+                    shape: &s,
+                    v: &*vt,
+                    lse: &*lt,
+                    sinks,
+                };
+                let to = AttentionOut {
+                    out: &mut *ot,
+                    lse: lot.as_deref_mut(),
+                };
+                g.merge_states(inputs, to).map_err(m)
+            }))
+        };
+        run().unwrap_or_else(|s| s)
+    })
+}

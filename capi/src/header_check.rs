@@ -125,6 +125,12 @@ same_layout!(pagedkv_decode_shape {
 });
 
 same_layout!(pagedkv_kv_scales { k, v, len });
+same_layout!(pagedkv_merge_shape {
+    num_rows,
+    num_states,
+    num_heads,
+    head_dim,
+});
 
 macro_rules! same_values {
     ($($v:ident),* $(,)?) => {
@@ -239,6 +245,14 @@ pub fn signatures() {
     same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _) -> _>(
         f::pagedkv_kv_scales_calibrate,
         r::pagedkv_kv_scales_calibrate,
+    );
+    same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _, _, _) -> _>(
+        f::pagedkv_merge_states,
+        r::pagedkv_merge_states,
+    );
+    same::<unsafe extern "C" fn(_, _, _, _, _, _, _, _, _) -> _>(
+        f::pagedkv_cuda_merge_states,
+        r::pagedkv_cuda_merge_states,
     );
 }
 

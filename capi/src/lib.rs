@@ -52,6 +52,7 @@ mod guard;
 mod handle;
 #[cfg(feature = "header-check")]
 mod header_check;
+mod merge;
 mod reference;
 mod scales;
 mod scheduler;
@@ -68,7 +69,9 @@ pub use cuda::{
 pub use cuda_ops::{
     pagedkv_cuda_decode_attention, pagedkv_cuda_decode_attention_fp8,
     pagedkv_cuda_decode_attention_strided, pagedkv_cuda_kv_append, pagedkv_cuda_kv_append_fp8,
+    pagedkv_cuda_merge_states,
 };
+pub use merge::{pagedkv_merge_shape, pagedkv_merge_states};
 pub use reference::{pagedkv_reference_decode_attention, pagedkv_reference_kv_append};
 pub use scales::{pagedkv_kv_scales, pagedkv_kv_scales_calibrate};
 #[cfg(feature = "testing")]

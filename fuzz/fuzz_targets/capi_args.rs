@@ -39,7 +39,7 @@ use libfuzzer_sys::fuzz_target;
 use pagedkv_c::pagedkv_status::*;
 use pagedkv_c::*;
 
-use kernel_calls::{cuda, reference_attention, reference_kv_append};
+use kernel_calls::{cuda, merge_states, reference_attention, reference_kv_append};
 use scheduler_calls::{Sched, State, add_request, create, destroy, queries, step, step_done};
 
 /// Most calls per input.
@@ -69,7 +69,7 @@ fn run(st: &mut State, u: &mut Unstructured) -> Result<()> {
         if u.is_empty() {
             break;
         }
-        match u.int_in_range(0..=16)? {
+        match u.int_in_range(0..=17)? {
             0 | 1 => create(st, u)?,
             2 => destroy(st, u)?,
             3..=5 => add_request(st, u)?,
@@ -80,6 +80,7 @@ fn run(st: &mut State, u: &mut Unstructured) -> Result<()> {
             13 => reference_attention(u)?,
             14 => cuda(u)?,
             15 => fp8_calls::fp8(u)?,
+            16 => merge_states(u)?,
             _ => {
                 // SAFETY: static, NUL-terminated.
                 let v = unsafe { CStr::from_ptr(pagedkv_version()) };

@@ -494,8 +494,9 @@ fn merge_all(a: &Arch) -> Outcome {
                     v[k * d..(k + 1) * d].fill(f64::NAN);
                 }
             }
-            let sinks: Option<Vec<f32>> =
-                i.is_multiple_of(2).then(|| (0..heads).map(|h| h as f32 - 1.5).collect());
+            let sinks: Option<Vec<f32>> = i
+                .is_multiple_of(2)
+                .then(|| (0..heads).map(|h| h as f32 - 1.5).collect());
             let vt = HostTensor::from_f64(dtype, &[rows, states, heads, d], &v).unwrap();
             let lt = HostTensor::from_f64(DType::F32, &[rows, states, heads], &lse).unwrap();
             let inputs = MergeInputs {

@@ -142,6 +142,18 @@ int main(void) {
     report("wrong_length", pagedkv_reference_decode_attention(&sh, 0.125f, q, 511, kc, vc,
                                              6 * 2 * 16 * 64, tables, 6, lens, 2, out, 512));
 
+    /* The merge of attention states: one row, 2 heads of 32, two parts; head 0's
+     * second part saw no keys (-inf: its NaN outputs are never read). */
+    pagedkv_merge_shape msh = {.num_rows = 1, .num_states = 2, .num_heads = 2, .head_dim = 32};
+    static float mv[2 * 2 * 32], mout[2 * 32];
+    for (int i = 0; i < 2 * 2 * 32; i++) mv[i] = i < 64 ? 1.0f : 3.0f;
+    for (int i = 64; i < 96; i++) mv[i] = NAN;
+    float mlse[4] = {1.0f, 1.0f, -INFINITY, 3.0f}, mlse_out[2];
+    CHECK(pagedkv_merge_states(&msh, mv, 128, mlse, 4, NULL, 0, mout, 64, mlse_out, 2));
+    printf("merge out=%.6g,%.6g lse=%.6g,%.6g\n", mout[0], mout[32], mlse_out[0], mlse_out[1]);
+    report("merge_wrong_lse", pagedkv_merge_states(&msh, mv, 128, mlse, 3, NULL, 0, mout, 64,
+                                                   NULL, 0));
+
     /* kv_append: one good call, one with a slot outside the cache. */
     static float kk[3 * 2 * 64], vv[3 * 2 * 64];
     for (int i = 0; i < 3 * 2 * 64; i++) { kk[i] = (float)i; vv[i] = -(float)i; }

@@ -137,6 +137,7 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         ("context_too_long", 2, "sequence 1: 49 tokens"),
         ("wrong_length", 2, "`q`"),
         ("slot_outside", 2, "slot 96 is outside the pool"),
+        ("merge_wrong_lse", 2, "`lse`: 3 elements, expected 4"),
         // fp8: the _fp8 calls check types and scales before the backend.
         ("fp8_f32_queries", 2, "not f32"),
         ("fp8_null_scales", 1, "scales is null"),
@@ -149,6 +150,8 @@ fn the_driver_program_sees_what_the_rust_side_computes() {
         assert!(l.contains(msg), "{what}: `{msg}` not in `{l}`");
     }
     assert_eq!(line(&out, "append"), "append k=323 v=-1");
+    // Head 0: part 0 alone; head 1: weights 2^1 and 2^3, so (2 + 24) / 10, log2(10).
+    assert_eq!(line(&out, "merge"), "merge out=1,2.6 lse=1,3.32193");
     // The CUDA backend: created on a GPU machine, a clear error elsewhere.
     for what in ["cuda_create", "cuda_create_on_stream"] {
         let cuda = line(&out, &format!("error {what} "));

@@ -253,3 +253,71 @@ pub(crate) fn cuda(u: &mut Unstructured) -> Result<()> {
     }
     Ok(())
 }
+
+/// `pagedkv_merge_states` with fuzzed shapes, counts, nulls and values (lse of `-inf`
+/// and NaN among them), each buffer as long as the count passed.
+pub(crate) fn merge_states(u: &mut Unstructured) -> Result<()> {
+    let sh = pagedkv_merge_shape {
+        num_rows: pick_u32(u, &[0, 1, 2, 3, 17, 1 << 16, u32::MAX])?,
+        num_states: pick_u32(u, &[0, 1, 2, 3, 1 << 20, u32::MAX])?,
+        num_heads: pick_u32(u, &[0, 1, 2, 3, 8, 1 << 20, u32::MAX])?,
+        head_dim: pick_u32(u, &[32, 64, 80, 96, 112, 128, 256, 0, 65])?,
+    };
+    let v_len = length(
+        u,
+        product(&[sh.num_rows, sh.num_states, sh.num_heads, sh.head_dim]),
+        MAX_ELEMS,
+    )?;
+    let lse_len = length(
+        u,
+        product(&[sh.num_rows, sh.num_states, sh.num_heads]),
+        MAX_Q,
+    )?;
+    let out_len = length(
+        u,
+        product(&[sh.num_rows, sh.num_heads, sh.head_dim]),
+        MAX_ELEMS,
+    )?;
+    let lse_out_len = length(u, product(&[sh.num_rows, sh.num_heads]), MAX_Q)?;
+    let sinks_len = length(u, Some(sh.num_heads as u64), MAX_TABLE)?;
+    let mut v = floats(u, v_len)?;
+    let mut lse: Vec<f32> = (0..lse_len)
+        .map(|_| {
+            Ok(match u.int_in_range(0..=4)? {
+                0 => f32::NEG_INFINITY,
+                1 => f32::NAN,
+                _ => u.arbitrary()?,
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut sinks = floats(u, sinks_len)?;
+    let mut out = vec![0f32; out_len as usize];
+    let mut lse_out = vec![0f32; lse_out_len as usize];
+    let shape = if u.int_in_range(0..=9)? == 0 {
+        null()
+    } else {
+        &sh as *const _
+    };
+    let (vp, lp, sp) = (ptr(u, &mut v)?, ptr(u, &mut lse)?, ptr(u, &mut sinks)?);
+    let (op, lop) = (ptr(u, &mut out)?, ptr(u, &mut lse_out)?);
+    // SAFETY: each pointer null or valid for its length.
+    check(
+        unsafe {
+            pagedkv_merge_states(
+                shape,
+                vp,
+                v_len,
+                lp,
+                lse_len,
+                sp,
+                sinks_len,
+                op,
+                out_len,
+                lop,
+                lse_out_len,
+            )
+        },
+        "merge_states",
+    );
+    Ok(())
+}
