@@ -1068,12 +1068,16 @@ impl Cta<'_, '_> {
                         ShrU64 => shr(x, y & 0xFFFF_FFFF, 64),
                         MinU32 => (x as u32).min(y as u32) as u64,
                         MaxU32 => (x as u32).max(y as u32) as u64,
-                        DivU16 | DivU32 | DivU64 => {
+                        DivU16 | DivU32 | DivU64 | RemU32 | RemU64 => {
                             if y == 0 {
                                 self.threads[t].pc = pc as u32;
                                 return self.fault(Some(t), line, "integer division by zero");
                             }
-                            x / y
+                            if matches!(op, RemU32 | RemU64) {
+                                x % y
+                            } else {
+                                x / y
+                            }
                         }
                         AddF32 => fb(f(x) + f(y)),
                         SubF32 => fb(f(x) - f(y)),

@@ -55,6 +55,8 @@ pub(crate) enum BinOp {
     DivU16,
     DivU32,
     DivU64,
+    RemU32,
+    RemU64,
     AddF32,
     SubF32,
     MulF32,

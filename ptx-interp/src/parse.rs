@@ -948,6 +948,8 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "div.u16" => bin(self, DivU16, b16, b16)?,
             "div.u32" => bin(self, DivU32, b32, b32)?,
             "div.u64" => bin(self, DivU64, b64, b64)?,
+            "rem.u32" => bin(self, RemU32, b32, b32)?,
+            "rem.u64" => bin(self, RemU64, b64, b64)?,
             "add.rn.f32" => bin(self, AddF32, f32t, f32t)?,
             "sub.rn.f32" => bin(self, SubF32, f32t, f32t)?,
             "mul.rn.f32" => bin(self, MulF32, f32t, f32t)?,

@@ -51,7 +51,6 @@ pub struct Case {
 
 pub fn build(p: &Params) -> Case {
     let mut r = rng(p.seed);
-    let bs = p.block_size;
     let lens: Vec<i32> = (0..p.batch)
         .map(|i| {
             if i == 0 || p.full_length {
@@ -61,6 +60,64 @@ pub fn build(p: &Params) -> Case {
             }
         } as i32)
         .collect();
+    // Some sequences share their first block with the previous one (a prefix).
+    build_tables(p, r, lens, |r, s| {
+        (s.max(1) - 1, (s > 0 && r.random_bool(0.3)) as u32)
+    })
+}
+
+/// A case of decode rows that share prefixes as cascade attention finds them: up to
+/// three families, each a prompt of `1..=max_len / 2` tokens whose full blocks its
+/// rows share (the partial last block each row's own copy), with rows of one family
+/// (no cascade), rows in no family, and rows whose suffix is the one new token; each
+/// row `1..=max_len / 2` tokens past its prompt (at least one).
+pub fn build_shared(p: &Params) -> Case {
+    let mut r = rng(p.seed ^ 0xca5c);
+    let bs = p.block_size;
+    let families: Vec<u32> = (0..r.random_range(1..=3))
+        .map(|_| r.random_range(1..=(p.max_len / 2).max(1)))
+        .collect();
+    let mut first_of = vec![None; families.len()];
+    let mut lens = Vec::new();
+    let mut prefixes = Vec::new();
+    for s in 0..p.batch as usize {
+        let f = r.random_range(0..=families.len()); // == len: no family
+        let (prompt, owner) = match families.get(f) {
+            Some(&t) => (t, *first_of[f].get_or_insert(s)),
+            None => (0, s),
+        };
+        let suffix = if r.random_bool(0.25) {
+            1
+        } else {
+            r.random_range(1..=(p.max_len / 2).max(1))
+        };
+        lens.push((prompt + suffix) as i32);
+        prefixes.push((owner, if owner == s { 0 } else { prompt / bs }));
+    }
+    build_tables(p, r, lens, |_, s| prefixes[s])
+}
+
+/// A case of `p.batch` rows sharing the full blocks of one `prompt`-token prompt, each
+/// `1..=p.max_len` tokens past it.
+pub fn build_family(p: &Params, prompt: u32) -> Case {
+    let mut r = rng(p.seed ^ 0xfa);
+    let lens = (0..p.batch)
+        .map(|_| (prompt + r.random_range(1..=p.max_len)) as i32)
+        .collect();
+    build_tables(p, r, lens, |_, _| (0, prompt / p.block_size))
+}
+
+/// The case of sequences of `lens` tokens, sequence `s` sharing the first `n` blocks of
+/// sequence `o < s` for `prefix(r, s) = (o, n)` (its other blocks its own, from a
+/// shuffled pool; `prefix` is asked in sequence order, after the shuffle, and may
+/// draw from `r`: `build` draws what it drew before there was a `build_tables`).
+fn build_tables(
+    p: &Params,
+    mut r: rand::rngs::SmallRng,
+    lens: Vec<i32>,
+    mut prefix: impl FnMut(&mut rand::rngs::SmallRng, usize) -> (usize, u32),
+) -> Case {
+    let bs = p.block_size;
     let nblk: Vec<u32> = lens.iter().map(|&l| (l as u32).div_ceil(bs)).collect();
     let max_blocks = *nblk.iter().max().unwrap() + 1;
     let extra = 3;
@@ -71,11 +128,10 @@ pub fn build(p: &Params) -> Case {
     // Garbage in unused table entries: reading one fails the test (out-of-pool id).
     let mut tables = vec![-7i32; (p.batch * max_blocks) as usize];
     for s in 0..p.batch as usize {
+        let (o, n) = prefix(&mut r, s);
         for lb in 0..nblk[s] as usize {
-            // Some sequences share their first block with the previous one (a prefix).
-            let shared = lb == 0 && s > 0 && r.random_bool(0.3);
-            tables[s * max_blocks as usize + lb] = if shared {
-                tables[(s - 1) * max_blocks as usize]
+            tables[s * max_blocks as usize + lb] = if (lb as u32) < n && o < s {
+                tables[o * max_blocks as usize + lb]
             } else {
                 next += 1;
                 pool[next - 1] as i32

@@ -126,6 +126,8 @@ pub struct Served {
     /// them that also decoded rows (a step mixing decodes with prefill chunks).
     pub multi_warp_steps: usize,
     pub mixed_multi_warp_steps: usize,
+    /// Steps whose decode ran as cascade attention.
+    pub cascade_steps: usize,
     /// Prompt tokens served from the prefix cache, in all, and in the first step.
     pub cached_tokens: usize,
     pub cached_first_step: usize,
@@ -280,6 +282,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
         split_steps: 0,
         multi_warp_steps: 0,
         mixed_multi_warp_steps: 0,
+        cascade_steps: 0,
         prefill_checked: 0,
         cached_tokens: 0,
         cached_first_step: 0,
@@ -298,6 +301,7 @@ pub fn serve_case<B: AttentionBackend>(be: &mut B, case: &ServeCase) -> Served {
         s.preempted += batch.preempted.len();
         let planned = be.begin_step(&batch, &mut cache).unwrap();
         s.split_steps += planned.decode.is_some_and(|(_, p)| p.is_split()) as usize;
+        s.cascade_steps += planned.cascade.is_some() as usize;
         assert_eq!(
             planned.prefill.is_some(),
             !prefill_rows(&batch).is_empty(),

@@ -10,6 +10,7 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, LazyLock, Mutex};
 
+use crate::cascade::{cascade_on, shared_case};
 use crate::common;
 use crate::fp8_cache::fp8_prefill_case;
 use crate::prefill::{
@@ -548,6 +549,71 @@ fn merge_all(a: &Arch) -> Outcome {
     Ok(())
 }
 
+/// Cascade attention (the suffix decode from `kv_start`, the shared prefill of
+/// gathered `q_rows` at their `q_pos`, the merge by `state_rows`) for every dtype and
+/// cache, at head_dim 64 (the multi-warp prefill for 16-bit queries at block size 16)
+/// and 80 (the one-warp one), with soft-cap, ALiBi and sinks in turn: the interpreter
+/// bit for bit the emulator, within tolerance of flat attention's reference.
+fn cascade_all(a: &Arch) -> Outcome {
+    let mut i = 0u64;
+    for (dtype, cache) in DTYPES {
+        for head_dim in [64, 80] {
+            i += 1;
+            let p = Params {
+                dtype,
+                head_dim,
+                block_size: 16,
+                num_kv_heads: 2,
+                group: 2,
+                batch: 9,
+                max_len: 100,
+                window: None,
+                softcap: i.is_multiple_of(2).then_some(10.0),
+                alibi: i.is_multiple_of(3),
+                sinks: i % 2 == 1,
+                partition: None,
+                narrow_heads: false,
+                seed: 1200 + i,
+                full_length: false,
+            };
+            // The first seed from 1200 + i whose case has a group.
+            let (p, c) = (0..64)
+                .map(|k| {
+                    let p = Params {
+                        seed: p.seed + 100 * k,
+                        ..p.clone()
+                    };
+                    let c = shared_case(&p, cache);
+                    (p, c)
+                })
+                .find(|(_, c)| {
+                    let s = &c.shape;
+                    !pagedkv::host::ops::cascade::find_groups(
+                        &c.tables,
+                        s.max_blocks_per_seq,
+                        &c.lens,
+                        s.block_size,
+                        1,
+                    )
+                    .is_empty()
+                })
+                .expect("a case with a group");
+            let what = format!("cascade {dtype} cache {cache:?} d{head_dim}");
+            let got = cascade_on(a.device(), &c, None, 1)?;
+            if got.planned.is_none() {
+                return Err(format!("{what}: no group (seed {})", p.seed));
+            }
+            let emu = cascade_on(EmuDevice::new(Emulator::new()), &c, None, 1)?;
+            let want = paged_decode_attention(&c.inputs());
+            check(&what, &got.out, &emu.out, &want, 2.0 * tolerance(dtype))?;
+            if let Some(d) = first_difference(&format!("{what} log-sum-exp"), &got.lse, &emu.lse) {
+                return Err(d);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn kv_append_all(a: &Arch) -> Outcome {
     let cases = [
         (DType::F32, DType::F32),
@@ -701,6 +767,7 @@ fn every_entry_point(arch: usize) {
         decode_all,
         prefill_all,
         merge_all,
+        cascade_all,
     ] {
         if let Err(e) = family(a) {
             panic!("{}: {e}", a.module.target());
@@ -1207,4 +1274,81 @@ fn prefill_reads_what_its_tiling_says() {
             );
         }
     }
+}
+
+/// The traffic cascade attention saves, counted by the interpreter on the committed
+/// sm_90 PTX: 64 decode rows sharing a 2048-token prompt (f16, head_dim 64, one KV
+/// head, block size 16). Flat decode reads the prompt's K and V once per row (64
+/// times); the cascade's shared pass reads them once per CTA tile of query rows
+/// (`ceil(64 rows / TILE_ROWS)` = 1 time), its suffix pass only each row's own
+/// tokens, and the output equals flat attention's.
+#[test]
+fn cascade_reads_a_shared_prefix_once_per_tile() {
+    use pagedkv::kernels::kernels::prefill::TILE_ROWS;
+    let a = &ARCHS[1];
+    let p = Params {
+        dtype: DType::F16,
+        head_dim: 64,
+        block_size: 16,
+        num_kv_heads: 1,
+        group: 1,
+        batch: 64,
+        max_len: 40,
+        window: None,
+        softcap: None,
+        alibi: false,
+        sinks: false,
+        partition: None,
+        narrow_heads: false,
+        seed: 64,
+        full_length: false,
+    };
+    let prompt = 2048u32;
+    let c = common::case::build_family(&p, prompt);
+    let row_bytes = (p.head_dim * 2) as u64; // one token's K (or V) of the KV head
+    let suffixes: u64 = c.lens.iter().map(|&l| l as u64 - prompt as u64).sum();
+    let reads = |log: &pagedkv_ptx_interp::LaunchLog| -> (u64, u64) {
+        let mut k = 0;
+        let mut v = 0;
+        for l in log.take() {
+            k += l.stats.unique_read.get("key_cache").copied().unwrap_or(0);
+            v += l.stats.unique_read.get("value_cache").copied().unwrap_or(0);
+            eprintln!(
+                "{}: key_cache {:?}",
+                l.kernel,
+                l.stats.unique_read.get("key_cache")
+            );
+        }
+        (k, v)
+    };
+    // Flat: every row reads the whole prompt and its suffix.
+    let dev = a.device();
+    let log = dev.log();
+    let max_len = *c.lens.iter().max().unwrap() as u32;
+    let flat = decode_on(dev, &c, plan(&c.shape, p.dtype, max_len, 1)).unwrap();
+    let (fk, fv) = reads(&log);
+    assert_eq!(
+        (fk, fv),
+        (
+            (64 * prompt as u64 + suffixes) * row_bytes,
+            (64 * prompt as u64 + suffixes) * row_bytes
+        )
+    );
+    // Cascade: the prompt once per tile of query rows, each suffix once.
+    let dev = a.device();
+    let log = dev.log();
+    let got = crate::cascade::cascade_on(dev, &c, None, 1).unwrap();
+    assert_eq!(got.groups.len(), 1);
+    assert_eq!(got.groups[0].shared_blocks, prompt / 16);
+    let tiles = 64u64.div_ceil(TILE_ROWS as u64);
+    let (ck, cv) = reads(&log);
+    let want = (tiles * prompt as u64 + suffixes) * row_bytes;
+    assert_eq!((ck, cv), (want, want));
+    eprintln!(
+        "K/V bytes read per layer: flat {} KiB, cascade {} KiB (prompt read {tiles} time(s) instead of 64)",
+        (fk + fv) / 1024,
+        (ck + cv) / 1024
+    );
+    let e = rel_l2(&got.out.to_f64(), &flat.to_f64());
+    assert!(e <= 2.0 * tolerance(DType::F16), "cascade vs flat: {e:e}");
 }

@@ -4,6 +4,7 @@
 
 mod attention;
 mod attention_api;
+mod cascade;
 #[path = "../common/mod.rs"]
 mod common;
 mod copy_blocks;

@@ -317,8 +317,8 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
             align_of::<D>() as u64,
             fields(
                 f!(D: q: 16, key_cache: 16, value_cache: 16, k_scales: 16, v_scales: 16,
-                   block_tables: 16, context_lens: 16, alibi_slopes: 16, sinks: 16, out: 16,
-                   lse: 16, part_out: 16, part_ml: 16, num_q_heads: 4, max_blocks_per_seq: 4,
+                   block_tables: 16, context_lens: 16, kv_start: 16, alibi_slopes: 16,
+                   sinks: 16, out: 16, lse: 16, part_out: 16, part_ml: 16, num_q_heads: 4, max_blocks_per_seq: 4,
                    heads_per_block: 4, partition_tokens: 4, num_partitions: 4, scale: 4,
                    softcap: 4, inv_softcap: 4, window: 4, _pad: 4, q_row_stride: 8,
                    out_row_stride: 8),
@@ -340,7 +340,7 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
             size_of::<M>() as u64,
             align_of::<M>() as u64,
             fields(
-                f!(M: v: 16, lse: 16, sinks: 16, out: 16, lse_out: 16, num_states: 4,
+                f!(M: v: 16, lse: 16, state_rows: 16, sinks: 16, out: 16, lse_out: 16, num_states: 4,
                    num_heads: 4, head_dim: 4, _pad: 4, out_row_stride: 8),
                 None,
             ),
@@ -352,8 +352,8 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
             fields(
                 f!(P: q: 16, key_cache: 16, value_cache: 16, k_scales: 16, v_scales: 16,
                    block_tables: 16, qo_indptr: 16, context_lens: 16, alibi_slopes: 16,
-                   sinks: 16, out: 16, lse: 16, num_q_heads: 4, max_blocks_per_seq: 4, scale: 4, softcap: 4,
-                   inv_softcap: 4, window: 4),
+                   sinks: 16, out: 16, lse: 16, q_rows: 16, q_pos: 16, num_q_heads: 4, max_blocks_per_seq: 4, scale: 4, softcap: 4,
+                   inv_softcap: 4, window: 4, q_row_stride: 8),
                 Some(offset_of!(P, layout)),
             ),
         ),

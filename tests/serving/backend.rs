@@ -75,6 +75,28 @@ fn steps_mixing_decodes_and_prefill_chunks_on_the_multi_warp_kernel() {
     }
 }
 
+/// Cascade attention in the serving loop (every decode step whose rows share a full
+/// block, `CascadePolicy::Always`): four requests share a 34-token prefix, through
+/// prefix hits, swaps and split-K, f16 and an e4m3 cache; every output holds against
+/// f64 attention as without it.
+#[test]
+fn the_serving_loop_decodes_shared_prefixes_as_cascades() {
+    use pagedkv::host::ops::cascade::CascadePolicy;
+    for (kv, split) in [
+        (DType::F16, SplitPolicy::ForSms(132)),
+        (DType::E4m3, SplitPolicy::Never),
+    ] {
+        let mut c = config_kv(DType::F16, kv, split, 2);
+        c.cascade = CascadePolicy::Always {
+            min_shared_blocks: 1,
+        };
+        let mut be = CpuBackend::new(c).unwrap();
+        let s = serve_and_check(&mut be, 2);
+        assert!(s.cascade_steps > 5 && s.checked > 100, "{kv}: {s:?}");
+        assert!(s.swapped_out > 0 && s.cached_tokens > 0, "{kv}: {s:?}");
+    }
+}
+
 /// The same serving loop over fp8 caches (e4m3 under f16 queries, e5m2 under bf16):
 /// every output against f64 attention over what the cache holds (each K/V value
 /// through `encode(x / scale)`, decoded, times the layer's and head's scale), through

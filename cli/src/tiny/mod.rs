@@ -278,6 +278,7 @@ fn run_mode(
     cfg.check()?;
     let max_seqs = cfg.num_requests as u32;
     let backend = BackendConfig {
+        cascade: pagedkv::host::ops::cascade::CascadePolicy::Auto,
         shape: cfg.shape(),
         num_layers: cfg.num_layers,
         capacity: StepCapacity {

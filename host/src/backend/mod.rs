@@ -98,6 +98,7 @@ use pagedkv_kernels::PagedLayout;
 use crate::block::MAX_POOL_BLOCKS;
 use crate::error::{Error, Result};
 use crate::ops::attention::AttentionOptions;
+use crate::ops::cascade::CascadePolicy;
 use crate::ops::scales::{KvScales, check_cache_types};
 use crate::scheduler::Batch;
 use crate::step::{MergeIo, Planned, StepCapacity, StepShape, TensorView, TensorViewMut};
@@ -135,6 +136,10 @@ pub struct BackendConfig {
     pub num_host_blocks: u32,
     /// How decode launches split.
     pub split: SplitPolicy,
+    /// Whether decode runs as cascade attention over the prefixes its rows share
+    /// (see [`crate::ops::cascade`]; by default where its cost model says it pays).
+    /// Models of several layer groups and sliding windows always attend flat.
+    pub cascade: CascadePolicy,
 }
 
 impl BackendConfig {
@@ -165,6 +170,7 @@ impl BackendConfig {
             num_host_blocks: 0,
             split: SplitPolicy::Auto,
             num_groups: 1,
+            cascade: CascadePolicy::Auto,
         }
     }
 
@@ -233,7 +239,19 @@ impl BackendConfig {
                 ));
             }
         }
-        Ok(())
+        match self.cascade {
+            CascadePolicy::Always {
+                min_shared_blocks: 0,
+            } => Err(Error::invalid(
+                "cascade",
+                "min_shared_blocks must be at least 1",
+            )),
+            CascadePolicy::Always { .. } if self.num_groups > 1 => Err(Error::invalid(
+                "cascade",
+                "not for a model of several layer groups (their windows release blocks)",
+            )),
+            _ => Ok(()),
+        }
     }
 }
 

@@ -6,6 +6,7 @@ use super::{
     BackendConfig, DecodeArgs, KvAppendArgs, LayerCache, PagedCache, PrefillArgs, SplitPolicy,
 };
 use crate::error::{Error, Result};
+use crate::ops::cascade::{CascadePolicy, find_groups, pays};
 use crate::scheduler::Batch;
 use crate::step::{
     DecodeIo, KvAppendIo, Planned, PrefillIo, PrefillMeta, StepDevice, StepMeta, StepRunner,
@@ -60,6 +61,9 @@ impl<D: StepDevice> StepCore<D> {
         };
         let mut runner = StepRunner::with_split(dev, config.shape, config.capacity, sms)?;
         runner.set_groups(config.num_groups)?;
+        if config.cascade != CascadePolicy::Off && config.num_groups == 1 {
+            runner.enable_cascade()?;
+        }
         let cap = &config.capacity;
         let table = || Vec::with_capacity(cap.max_seqs as usize * cap.max_blocks_per_seq as usize);
         Ok(Self {
@@ -133,6 +137,27 @@ impl<D: StepDevice> StepCore<D> {
             self.runner.plan_groups(&metas)
         }
         .copied()?;
+        // Cascade attention over the prefixes the decodes share, where the policy
+        // wants it (one layer group, no window: see `ops::cascade`).
+        if groups == 1 && !self.lens.is_empty() && view(0).sliding_window.is_none() {
+            let sh = &self.config.shape;
+            let min = match self.config.cascade {
+                CascadePolicy::Off => None,
+                CascadePolicy::Always { min_shared_blocks } => Some(min_shared_blocks),
+                CascadePolicy::Auto => Some(1),
+            };
+            if let Some(min) = min {
+                let found = find_groups(&self.tables[0], width, &self.lens, sh.block_size, min);
+                let dims = (nd as u32, sh.num_q_heads, sh.num_kv_heads, sh.head_dim);
+                let take = match self.config.cascade {
+                    CascadePolicy::Auto => pays(&found, dims, sh.block_size, sh.kv_dtype),
+                    _ => true,
+                };
+                if take {
+                    planned.cascade = self.runner.plan_cascade(&meta(0), &found)?;
+                }
+            }
+        }
         // The prefilling rows: one prefill launch over their new tokens.
         for t in &mut self.ptables {
             t.clear();

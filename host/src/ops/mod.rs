@@ -5,6 +5,7 @@
 //! configuration function, and a reference path that is the ground truth in tests.
 
 pub mod attention;
+pub mod cascade;
 pub mod copy_blocks;
 pub mod kv_append;
 pub mod merge;

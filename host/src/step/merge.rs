@@ -66,31 +66,69 @@ impl<D: StepDevice> StepRunner<D> {
         let out_stride = self.check_view("out", &io.out.raw, rows, row, true)?;
         let sinks = self.sink_slice(io.sinks.as_ref())?;
         let lse_out = self.lse_slice(io.lse_out.as_ref(), rows)?;
-        let cfg = launch_config(shape.num_rows, heads, head_dim, self.shape.dtype);
+        // SAFETY: the views checked above, as long as the shapes need.
+        unsafe {
+            self.launch_merge_with(&MergeLaunch {
+                num_rows: shape.num_rows,
+                num_states: shape.num_states,
+                v: (io.v.raw.addr, v_elems),
+                lse: GlobalSlice::from_raw_parts(io.lse.raw.addr as *const f32, n),
+                state_rows: GlobalSlice::empty(),
+                sinks,
+                out: (io.out.raw.addr, io.out.raw.elems, out_stride),
+                lse_out,
+            })
+        }
+    }
+}
+
+/// Everything one merge launch reads and writes (see [`MergeParams`]): `v`'s and
+/// `out`'s addresses and elements (`out`'s row stride too), the slices the runner's
+/// checks made.
+pub(super) struct MergeLaunch {
+    pub(super) num_rows: u32,
+    pub(super) num_states: u32,
+    pub(super) v: (u64, u64),
+    pub(super) lse: GlobalSlice<f32>,
+    pub(super) state_rows: GlobalSlice<i32>,
+    pub(super) sinks: GlobalSlice<f32>,
+    pub(super) out: (u64, u64, u64),
+    pub(super) lse_out: GlobalSliceMut<f32>,
+}
+
+impl<D: StepDevice> StepRunner<D> {
+    /// Builds the merge's parameters and launches it: the one place they are made (a
+    /// public merge, a cascade's last pass), for the runner's heads, head_dim and
+    /// dtype.
+    ///
+    /// # Safety
+    /// Every address and slice in `l` is of this device's space and as long as
+    /// `num_rows` rows of `num_states` parts need (`v` and `lse` every row `state_rows`
+    /// names, or the stacked layout's), `out` rows at its stride.
+    pub(super) unsafe fn launch_merge_with(&self, l: &MergeLaunch) -> Result<()> {
+        let (heads, head_dim) = (self.shape.num_q_heads, self.shape.head_dim);
+        let cfg = launch_config(l.num_rows, heads, head_dim, self.shape.dtype);
         macro_rules! launch {
             ($t:ty) => {{
-                // SAFETY: checked views of this device's space, as long as their
-                // lengths here.
+                // SAFETY: the caller's.
                 let params = unsafe {
                     MergeParams::<$t> {
-                        v: GlobalSlice::from_raw_parts(io.v.raw.addr as *const $t, v_elems),
-                        lse: GlobalSlice::from_raw_parts(io.lse.raw.addr as *const f32, n),
-                        sinks,
-                        out: GlobalSliceMut::from_raw_parts(
-                            io.out.raw.addr as *mut $t,
-                            io.out.raw.elems,
-                        ),
-                        lse_out,
-                        num_states: shape.num_states,
+                        v: GlobalSlice::from_raw_parts(l.v.0 as *const $t, l.v.1),
+                        lse: l.lse,
+                        state_rows: l.state_rows,
+                        sinks: l.sinks,
+                        out: GlobalSliceMut::from_raw_parts(l.out.0 as *mut $t, l.out.1),
+                        lse_out: l.lse_out,
+                        num_states: l.num_states,
                         num_heads: heads,
                         head_dim,
                         _pad: 0,
-                        out_row_stride: out_stride,
+                        out_row_stride: l.out.2,
                     }
                 };
-                // SAFETY: (1) above; (2) the shapes checked, every view as long as
-                // they need; (3) the outputs borrowed mutably, the inputs shared, on
-                // the device's one queue; (4) the merge's own configuration.
+                // SAFETY: (1)-(2) the caller's; (3) the outputs borrowed mutably, the
+                // inputs shared, on the device's one queue; (4) the merge's own
+                // configuration.
                 unsafe { self.dev.launch::<MergeStates<$t>>(cfg, params) }
             }};
         }

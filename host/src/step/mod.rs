@@ -57,6 +57,7 @@
 //! # Ok::<(), pagedkv_host::Error>(())
 //! ```
 
+mod cascade;
 mod device;
 mod emu;
 mod merge;
@@ -65,6 +66,7 @@ mod prefill;
 mod run;
 mod runner;
 
+pub use cascade::PlannedCascade;
 pub(crate) use device::check_reserved;
 pub use device::{
     DeviceAddr, DeviceOp, HostElement, Recorder, Space, StepDevice, TensorView, TensorViewMut,

@@ -53,6 +53,41 @@ pub struct PrefillIo<'a> {
     pub lse: Option<TensorViewMut<'a>>,
 }
 
+/// Everything one prefill launch reads and writes, as device addresses (0: none) and
+/// the slices the runner's checks made: see [`StepRunner::launch_prefill_with`].
+pub(super) struct PrefillLaunch<'a> {
+    /// The planned shapes and kernel.
+    pub(super) planned: PlannedPrefill,
+    /// Scale, soft-cap, ALiBi (the window is `window`).
+    pub(super) opts: &'a AttentionOptions,
+    /// `q`'s address and elements.
+    pub(super) q: (u64, u64),
+    /// Elements from one q row to the next.
+    pub(super) q_row_stride: u64,
+    /// `[num_tokens]` i32 q rows (0: token order).
+    pub(super) q_rows: u64,
+    /// `[num_tokens]` i32 positions (0: after each sequence's cached tokens).
+    pub(super) q_pos: u64,
+    /// `[num_seqs, max_blocks_per_seq]` i32.
+    pub(super) tables: u64,
+    /// `[num_seqs + 1]` i32.
+    pub(super) qo_indptr: u64,
+    /// `[num_seqs]` i32.
+    pub(super) context_lens: u64,
+    /// The K and V caches' addresses and their elements each.
+    pub(super) caches: (u64, u64, u64),
+    /// An fp8 cache's K and V scales (empty otherwise).
+    pub(super) scales: (GlobalSlice<f32>, GlobalSlice<f32>),
+    /// Attention-sink logits (empty: none).
+    pub(super) sinks: GlobalSlice<f32>,
+    /// `out`'s address (`num_tokens` dense rows).
+    pub(super) out: u64,
+    /// The log-sum-exp output (empty: none).
+    pub(super) lse: GlobalSliceMut<f32>,
+    /// The sliding window (0: none).
+    pub(super) window: u32,
+}
+
 /// What [`StepRunner::plan_prefill`] decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlannedPrefill {
@@ -238,17 +273,12 @@ impl<D: StepDevice> StepRunner<D> {
             ));
         }
         super::runner::check_window(self.pwindows[io.group], opts.window)?;
-        let (pmeta, tables) = (
-            self.pmeta,
-            offsets.tables + io.group as u64 * offsets.table_stride,
-        );
         if opts.alibi_slopes != self.slopes_host {
             return Err(Error::invalid(
                 "alibi_slopes",
                 "differ from the slopes uploaded with set_alibi_slopes",
             ));
         }
-        let l = self.shape.layout();
         let (rows, row) = (pp.num_tokens as u64, pp.shape.row_elems());
         self.check_view("q", &io.q.raw, rows, row, false)?;
         self.check_view("out", &io.out.raw, rows, row, false)?;
@@ -259,40 +289,71 @@ impl<D: StepDevice> StepRunner<D> {
         if pp.max_rows == 0 {
             return Ok(());
         }
+        let at = |off: u64| self.pmeta.offset(off).get();
+        // SAFETY: checked views of this device's space; the metadata `plan_prefill`
+        // validated and uploaded into the runner's buffer.
+        unsafe {
+            self.launch_prefill_with(&PrefillLaunch {
+                planned: pp,
+                opts,
+                q: (io.q.raw.addr, rows * row),
+                q_row_stride: row,
+                q_rows: 0,
+                q_pos: 0,
+                tables: at(offsets.tables + io.group as u64 * offsets.table_stride),
+                qo_indptr: at(offsets.qo_indptr),
+                context_lens: at(offsets.lens),
+                caches: (io.key_cache.raw.addr, io.value_cache.raw.addr, pool),
+                scales: (k_scales, v_scales),
+                sinks,
+                out: io.out.raw.addr,
+                lse,
+                window: opts.window.unwrap_or(0),
+            })
+        }
+    }
+
+    /// Builds the parameters of one prefill launch and launches the kernel `l.planned`
+    /// chose: the one place prefill's parameters are made (a layer's prefill, a
+    /// cascade's shared pass).
+    ///
+    /// # Safety
+    /// Every address in `l` is of this device's space and as long as the planned shape
+    /// needs (`q` its rows of `q_row_stride` elements; `q_rows` and `q_pos` 0 or
+    /// `num_tokens` i32 each; the tables, offsets and lengths as validated; `out`
+    /// `num_tokens` rows), and `l`'s metadata passed the prefill validation.
+    pub(super) unsafe fn launch_prefill_with(&self, l: &PrefillLaunch<'_>) -> Result<()> {
+        let pp = l.planned;
+        let lay = self.shape.layout();
+        let (rows, row) = (pp.num_tokens as u64, pp.shape.row_elems());
         let n = pp.shape.num_seqs as u64;
         let cfg = pp
             .kernel
             .launch_config(&pp.shape, self.shape.kv_dtype, pp.max_rows);
-        // SAFETY: checked views of this device's space; the metadata `plan_prefill`
-        // validated and uploaded into the runner's buffer; the slopes buffer it owns.
+        let (key, value, pool) = l.caches;
+        let i32s = |addr: u64, len: u64| {
+            if addr == 0 {
+                GlobalSlice::empty()
+            } else {
+                // SAFETY: the caller's: `len` i32 at `addr`.
+                unsafe { GlobalSlice::from_raw_parts(addr as *const i32, len) }
+            }
+        };
+        // SAFETY: the caller's contract for every address; the slopes buffer the
+        // runner owns.
         macro_rules! params {
             ($t:ty, $k:ty) => {
                 unsafe {
                     PrefillParams::<$t, $k> {
-                        q: GlobalSlice::from_raw_parts(io.q.raw.addr as *const $t, rows * row),
-                        key_cache: GlobalSlice::from_raw_parts(
-                            io.key_cache.raw.addr as *const $k,
-                            pool,
-                        ),
-                        value_cache: GlobalSlice::from_raw_parts(
-                            io.value_cache.raw.addr as *const $k,
-                            pool,
-                        ),
-                        k_scales,
-                        v_scales,
-                        block_tables: GlobalSlice::from_raw_parts(
-                            pmeta.offset(tables).get() as *const i32,
-                            n * pp.shape.max_blocks_per_seq as u64,
-                        ),
-                        qo_indptr: GlobalSlice::from_raw_parts(
-                            pmeta.offset(offsets.qo_indptr).get() as *const i32,
-                            n + 1,
-                        ),
-                        context_lens: GlobalSlice::from_raw_parts(
-                            pmeta.offset(offsets.lens).get() as *const i32,
-                            n,
-                        ),
-                        alibi_slopes: if opts.alibi_slopes.is_some() {
+                        q: GlobalSlice::from_raw_parts(l.q.0 as *const $t, l.q.1),
+                        key_cache: GlobalSlice::from_raw_parts(key as *const $k, pool),
+                        value_cache: GlobalSlice::from_raw_parts(value as *const $k, pool),
+                        k_scales: l.scales.0,
+                        v_scales: l.scales.1,
+                        block_tables: i32s(l.tables, n * pp.shape.max_blocks_per_seq as u64),
+                        qo_indptr: i32s(l.qo_indptr, n + 1),
+                        context_lens: i32s(l.context_lens, n),
+                        alibi_slopes: if l.opts.alibi_slopes.is_some() {
                             GlobalSlice::from_raw_parts(
                                 self.slopes.get() as *const f32,
                                 pp.shape.num_q_heads as u64,
@@ -300,23 +361,26 @@ impl<D: StepDevice> StepRunner<D> {
                         } else {
                             GlobalSlice::empty()
                         },
-                        sinks,
-                        out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut $t, rows * row),
-                        lse,
-                        layout: l,
+                        sinks: l.sinks,
+                        out: GlobalSliceMut::from_raw_parts(l.out as *mut $t, rows * row),
+                        lse: l.lse,
+                        q_rows: i32s(l.q_rows, rows),
+                        q_pos: i32s(l.q_pos, rows),
+                        layout: lay,
                         num_q_heads: pp.shape.num_q_heads,
                         max_blocks_per_seq: pp.shape.max_blocks_per_seq,
-                        scale: opts.scale,
-                        softcap: opts.softcap.unwrap_or(0.0),
-                        inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
-                        window: opts.window.unwrap_or(0),
+                        scale: l.opts.scale,
+                        softcap: l.opts.softcap.unwrap_or(0.0),
+                        inv_softcap: l.opts.softcap.map_or(0.0, |c| 1.0 / c),
+                        window: l.window,
+                        q_row_stride: l.q_row_stride,
                     }
                 }
             };
         }
-        // SAFETY (each launch): (1)-(2) above and `plan_prefill`'s validation; (3) `out`
-        // borrowed mutably, the caches shared, all on the device's one queue; (4) the
-        // kernel's own configuration.
+        // SAFETY (each launch): (1)-(2) the caller's; (3) `out` and `lse` borrowed
+        // mutably by the caller, the caches shared, all on the device's one queue; (4)
+        // the kernel's own configuration.
         macro_rules! launch {
             ($kernel:ty, $t:ty, $k:ty) => {{
                 let p = params!($t, $k);

@@ -12,7 +12,7 @@ use super::runner::{DecodeIo, KvAppendIo, Planned, StepRunner};
 use crate::emulator::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::ops::attention::{
-    self, AttentionOptions, SplitPlan, decode_launch_config, reduce_launch_config,
+    self, AttentionOptions, DecodeShape, SplitPlan, decode_launch_config, reduce_launch_config,
 };
 use crate::ops::scales::with_kv;
 use crate::ops::{checked_pool_elems, kv_append};
@@ -254,7 +254,9 @@ impl<D: StepDevice> StepRunner<D> {
 
     /// Decode attention for one layer: one launch (two with split-K), with the options
     /// `opts` (`opts.alibi_slopes` must equal what [`set_alibi_slopes`](Self::set_alibi_slopes)
-    /// uploaded). Returns the split plan used.
+    /// uploaded). With a cascade planned ([`plan_cascade`](Self::plan_cascade)) the
+    /// suffixes, the shared prefixes and their merge: three launches (four with
+    /// split-K). Returns the split plan used.
     pub fn decode(&self, opts: &AttentionOptions, io: DecodeIo<'_>) -> Result<Option<SplitPlan>> {
         let planned = self.current()?;
         let Some((ds, p)) = planned.decode else {
@@ -268,45 +270,84 @@ impl<D: StepDevice> StepRunner<D> {
                 "differ from the slopes uploaded with set_alibi_slopes",
             ));
         }
-        let l = self.shape.layout();
         let row = ds.row_elems();
         let rows = ds.num_seqs as u64;
         let q_stride = self.check_view("q", &io.q.raw, rows, row, true)?;
         let out_stride = self.check_view("out", &io.out.raw, rows, row, true)?;
         let pool = self.check_caches(&io.key_cache.raw, &io.value_cache.raw)?;
-        let (k_scales, v_scales) = self.scale_slices(io.kv_scales.as_ref())?;
+        let scales = self.scale_slices(io.kv_scales.as_ref())?;
         let sinks = self.sink_slice(io.sinks.as_ref())?;
         let lse = self.lse_slice(io.lse.as_ref(), rows)?;
+        let src = DecodeSource {
+            q: (io.q.raw.addr, io.q.raw.elems, q_stride),
+            caches: (io.key_cache.raw.addr, io.value_cache.raw.addr, pool),
+            scales,
+            tables: self.meta.offset(planned.offsets.tables_of(io.group)).get(),
+            lens: self.meta.offset(planned.offsets.lens).get(),
+        };
+        let out = DecodeTarget {
+            out: (io.out.raw.addr, io.out.raw.elems, out_stride),
+            lse,
+            sinks,
+            kv_start: GlobalSlice::empty(),
+        };
+        match planned.cascade {
+            // SAFETY: the views checked above; the metadata `plan` validated.
+            None => unsafe { self.launch_decode_with(opts, (ds, p), &src, out)? },
+            // SAFETY: as above; the cascade's metadata `plan_cascade` validated.
+            Some(c) => unsafe { self.decode_cascade(opts, (ds, p), &src, out, c)? },
+        }
+        Ok(Some(p))
+    }
+
+    /// Builds the decode's parameters and launches it (and, with split-K, the reduce),
+    /// writing `out`: the one place decode's parameters are made (a layer's decode, a
+    /// cascade's suffix pass).
+    ///
+    /// # Safety
+    /// Every address in `src` and `out` is of this device's space and as long as the
+    /// planned shape `ds` needs (`q` and `out` rows at their strides, the tables and
+    /// lengths as `plan` validated, `kv_start` 0 or `num_seqs` starts inside each
+    /// context).
+    pub(super) unsafe fn launch_decode_with(
+        &self,
+        opts: &AttentionOptions,
+        (ds, p): (DecodeShape, SplitPlan),
+        src: &DecodeSource,
+        out: DecodeTarget,
+    ) -> Result<()> {
+        let l = self.shape.layout();
+        let rows = ds.num_seqs as u64;
         let (dtype, kv_dtype) = (self.shape.dtype, self.shape.kv_dtype);
-        let tables = self.meta.offset(planned.offsets.tables_of(io.group)).get();
-        let lens = self.meta.offset(planned.offsets.lens).get();
+        let (key, value, pool) = src.caches;
+        let (out_addr, out_elems, out_stride) = out.out;
         with_kv!(dtype, kv_dtype, T, K => {
-            // SAFETY: checked views of this device's space; the tables and lengths in the
-            // metadata buffer `plan` uploaded and validated; the workspace and slopes
-            // buffers the runner owns, sized for every plan within its capacity.
+            // SAFETY: the caller's for every address; the workspace and slopes buffers
+            // the runner owns, sized for every plan within its capacity.
             let params = unsafe {
                 DecodeParams::<T, K> {
-                    q: GlobalSlice::from_raw_parts(io.q.raw.addr as *const T, io.q.raw.elems),
-                    key_cache: GlobalSlice::from_raw_parts(io.key_cache.raw.addr as *const K, pool),
-                    value_cache: GlobalSlice::from_raw_parts(io.value_cache.raw.addr as *const K, pool),
-                    k_scales,
-                    v_scales,
-                    block_tables: GlobalSlice::from_raw_parts(tables as *const i32, rows * ds.max_blocks_per_seq as u64),
-                    context_lens: GlobalSlice::from_raw_parts(lens as *const i32, rows),
+                    q: GlobalSlice::from_raw_parts(src.q.0 as *const T, src.q.1),
+                    key_cache: GlobalSlice::from_raw_parts(key as *const K, pool),
+                    value_cache: GlobalSlice::from_raw_parts(value as *const K, pool),
+                    k_scales: src.scales.0,
+                    v_scales: src.scales.1,
+                    block_tables: GlobalSlice::from_raw_parts(src.tables as *const i32, rows * ds.max_blocks_per_seq as u64),
+                    context_lens: GlobalSlice::from_raw_parts(src.lens as *const i32, rows),
+                    kv_start: out.kv_start,
                     alibi_slopes: if opts.alibi_slopes.is_some() {
                         GlobalSlice::from_raw_parts(self.slopes.get() as *const f32, ds.num_q_heads as u64)
                     } else {
                         GlobalSlice::empty()
                     },
                     // Read by the decode kernel without split, by the reduce with it.
-                    sinks,
+                    sinks: out.sinks,
                     out: if p.is_split() {
                         GlobalSliceMut::empty()
                     } else {
-                        GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems)
+                        GlobalSliceMut::from_raw_parts(out_addr as *mut T, out_elems)
                     },
                     // Likewise the log-sum-exp.
-                    lse: if p.is_split() { GlobalSliceMut::empty() } else { lse },
+                    lse: if p.is_split() { GlobalSliceMut::empty() } else { out.lse },
                     part_out: GlobalSliceMut::from_raw_parts(self.part_out.0.get() as *mut f32, self.part_out.1),
                     part_ml: GlobalSliceMut::from_raw_parts(self.part_ml.0.get() as *mut f32, self.part_ml.1),
                     layout: l,
@@ -320,24 +361,24 @@ impl<D: StepDevice> StepRunner<D> {
                     inv_softcap: opts.softcap.map_or(0.0, |c| 1.0 / c),
                     window: opts.window.unwrap_or(0),
                     _pad: 0,
-                    q_row_stride: q_stride,
+                    q_row_stride: src.q.2,
                     out_row_stride: out_stride,
                 }
             };
             let cfg = decode_launch_config(&ds, kv_dtype, &p);
             if p.is_split() {
-                // SAFETY: (1)-(2) above and `plan`'s validation; (3) `out` borrowed
-                // mutably, the workspace used by one launch at a time on the device's
-                // one queue; (4) the decode kernel's own configuration.
+                // SAFETY: (1)-(2) the caller's and `plan`'s validation; (3) `out`
+                // borrowed mutably, the workspace used by one launch at a time on the
+                // device's one queue; (4) the decode kernel's own configuration.
                 unsafe { launch_decode::<T, K, _>(&self.dev, cfg, params)? };
                 // SAFETY: as above; the reduce reads the partials the decode wrote.
                 let rp = unsafe {
                     ReduceParams::<T> {
                         part_out: params.part_out.as_const(),
                         part_ml: params.part_ml.as_const(),
-                        sinks,
-                        out: GlobalSliceMut::from_raw_parts(io.out.raw.addr as *mut T, io.out.raw.elems),
-                        lse,
+                        sinks: out.sinks,
+                        out: GlobalSliceMut::from_raw_parts(out_addr as *mut T, out_elems),
+                        lse: out.lse,
                         num_q_heads: ds.num_q_heads,
                         head_dim: ds.head_dim,
                         num_partitions: p.num_partitions,
@@ -352,8 +393,28 @@ impl<D: StepDevice> StepRunner<D> {
                 unsafe { launch_decode::<T, K, _>(&self.dev, cfg, params)? };
             }
         });
-        Ok(Some(p))
+        Ok(())
     }
+}
+
+/// What a decode launch reads: q (address, elements, row stride), the caches (K, V,
+/// elements each), an fp8 cache's scales, the tables' and lengths' addresses.
+pub(super) struct DecodeSource {
+    pub(super) q: (u64, u64, u64),
+    pub(super) caches: (u64, u64, u64),
+    pub(super) scales: (GlobalSlice<f32>, GlobalSlice<f32>),
+    pub(super) tables: u64,
+    pub(super) lens: u64,
+}
+
+/// Where a decode launch writes, and what only its epilogue reads: out (address,
+/// elements, row stride), the log-sum-exp, the sinks, each row's first token.
+#[derive(Clone, Copy)]
+pub(super) struct DecodeTarget {
+    pub(super) out: (u64, u64, u64),
+    pub(super) lse: GlobalSliceMut<f32>,
+    pub(super) sinks: GlobalSlice<f32>,
+    pub(super) kv_start: GlobalSlice<i32>,
 }
 
 /// Launches the decode kernel for `params.layout`: the compile-time-geometry kernel

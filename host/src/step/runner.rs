@@ -158,6 +158,9 @@ pub struct Planned {
     /// The step's prefill launch, once [`plan_prefill`](StepRunner::plan_prefill)
     /// planned one (`None` when the step prefills no sequence).
     pub prefill: Option<super::PlannedPrefill>,
+    /// The step's cascade, once [`plan_cascade`](StepRunner::plan_cascade) planned one:
+    /// every layer's [`decode`](StepRunner::decode) then runs as cascade attention.
+    pub cascade: Option<super::PlannedCascade>,
     /// Where the step's metadata sections start in the metadata buffer.
     pub(super) offsets: MetaOffsets,
 }
@@ -223,6 +226,8 @@ pub struct StepRunner<D: StepDevice> {
     pub(super) pwindows: Vec<Option<u32>>,
     /// What `plan_prefill` decided, and its sections' byte offsets in `pmeta`.
     pub(super) planned_prefill: Option<(super::PlannedPrefill, super::prefill::PrefillOffsets)>,
+    /// The cascade's metadata buffer and workspace, once `enable_cascade` made them.
+    pub(super) cascade: Option<super::cascade::CascadeBuffers>,
 }
 
 impl<D: StepDevice> std::fmt::Debug for StepRunner<D> {
@@ -377,6 +382,7 @@ impl<D: StepDevice> StepRunner<D> {
             pmeta_bytes,
             pwindows: vec![None],
             planned_prefill: None,
+            cascade: None,
         })
     }
 
@@ -642,6 +648,7 @@ impl<D: StepDevice> StepRunner<D> {
             num_tokens: tokens as u32,
             window: meta.window,
             prefill: None,
+            cascade: None,
             offsets,
         }))
     }

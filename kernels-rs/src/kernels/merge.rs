@@ -32,6 +32,12 @@ pub struct MergeParams<T> {
     /// `[num_rows, num_states, num_heads]`: their log-sum-exp, base 2 (`-inf`: a part
     /// of no keys).
     pub lse: GlobalSlice<f32>,
+    /// `[num_rows, num_states]`: where each part is, as a row of `v` and `lse` (`v`
+    /// then `[rows, num_heads, head_dim]`, `lse` `[rows, num_heads]`); a negative entry
+    /// is a part of no keys. Empty: the stacked layout above (part `i` of row `r` at
+    /// row `r * num_states + i`). Cascade attention merges a shared prefix's part,
+    /// computed once for every row that shares it, with each row's own.
+    pub state_rows: GlobalSlice<i32>,
     /// `[num_heads]`: attention-sink logit per head (natural units), joined once after
     /// the merge, or empty for none.
     pub sinks: GlobalSlice<f32>,
@@ -54,9 +60,9 @@ pub struct MergeParams<T> {
     pub out_row_stride: u64,
 }
 
-// SAFETY: 5 views, 4 four-byte fields (the explicit `_pad` one), one u64: 104 bytes,
+// SAFETY: 6 views, 4 four-byte fields (the explicit `_pad` one), one u64: 120 bytes,
 // no padding (asserted below).
-const _: () = assert!(core::mem::size_of::<MergeParams<f32>>() == 5 * 16 + 4 * 4 + 8);
+const _: () = assert!(core::mem::size_of::<MergeParams<f32>>() == 6 * 16 + 4 * 4 + 8);
 unsafe impl<T: 'static> KernelParams for MergeParams<T>
 where
     Self: Copy,
@@ -64,6 +70,7 @@ where
     fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
         f(self.v.range("v"));
         f(self.lse.range("lse"));
+        f(self.state_rows.range("state_rows"));
         f(self.sinks.range("sinks"));
         f(self.out.range("out"));
         f(self.lse_out.range("lse_out"));
@@ -90,8 +97,20 @@ fn merge<T: Elem, C: Ctx>(ctx: &C, p: &MergeParams<T>) {
     let mut acc = [0.0f32; 8];
     let mut i = 0;
     while i < p.num_states {
-        let at = (row * p.num_states as u64 + i as u64) * p.num_heads as u64 + h as u64;
-        let lse = ctx.ld(&p.lse, at);
+        let part = row * p.num_states as u64 + i as u64;
+        // (Compared as i32, widened as u32: a negative entry is no part.)
+        let (none, r) = if p.state_rows.is_empty() {
+            (false, part)
+        } else {
+            let x = ctx.ld(&p.state_rows, part);
+            (x < 0, x as u32 as u64)
+        };
+        let at = r * p.num_heads as u64 + h as u64;
+        let lse = if none {
+            f32::NEG_INFINITY
+        } else {
+            ctx.ld(&p.lse, at)
+        };
         // A part of no keys has no weight and maybe no output: never read. (A NaN
         // `lse` is read, and poisons the output, as it should.)
         if lse != f32::NEG_INFINITY {

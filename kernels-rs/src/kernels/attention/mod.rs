@@ -195,6 +195,10 @@ pub struct DecodeParams<T, K = T> {
     pub block_tables: GlobalSlice<i32>,
     /// `[num_seqs]`: tokens in each sequence's cache, the new one included (>= 1).
     pub context_lens: GlobalSlice<i32>,
+    /// `[num_seqs]`: the first token each sequence attends (`< context_lens`), or
+    /// empty: 0. Cascade attention's suffix pass: the shared prefix before it is
+    /// attended once for all its sequences and merged.
+    pub kv_start: GlobalSlice<i32>,
     /// `[num_q_heads]`: ALiBi slope per query head, or empty for no ALiBi.
     pub alibi_slopes: GlobalSlice<f32>,
     /// `[num_q_heads]`: attention-sink logit per query head, or empty for none (read
@@ -242,9 +246,9 @@ pub struct DecodeParams<T, K = T> {
     pub out_row_stride: u64,
 }
 
-// SAFETY: 13 views (16 bytes each), the 16-byte layout, four-byte fields with the
-// explicit `_pad` (10), two u64 strides: 280 bytes, no padding (asserted below).
-const _: () = assert!(core::mem::size_of::<DecodeParams<f32>>() == 13 * 16 + 16 + 10 * 4 + 16);
+// SAFETY: 14 views (16 bytes each), the 16-byte layout, four-byte fields with the
+// explicit `_pad` (10), two u64 strides: 296 bytes, no padding (asserted below).
+const _: () = assert!(core::mem::size_of::<DecodeParams<f32>>() == 14 * 16 + 16 + 10 * 4 + 16);
 unsafe impl<T: 'static, K: 'static> KernelParams for DecodeParams<T, K>
 where
     Self: Copy,
@@ -257,6 +261,7 @@ where
         f(self.v_scales.range("v_scales"));
         f(self.block_tables.range("block_tables"));
         f(self.context_lens.range("context_lens"));
+        f(self.kv_start.range("kv_start"));
         f(self.alibi_slopes.range("alibi_slopes"));
         f(self.sinks.range("sinks"));
         f(self.out.range("out"));
@@ -298,6 +303,12 @@ impl TokenRange {
             ctx_len - p.window
         } else {
             0
+        };
+        let win_start = if p.kv_start.is_empty() {
+            win_start
+        } else {
+            let k = ctx.ld(&p.kv_start, seq as u64) as u32;
+            if k > win_start { k } else { win_start }
         };
         let part_lo = part * p.partition_tokens;
         let start = if part_lo > win_start {

@@ -120,8 +120,8 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
     } else {
         rows
     } - 1;
-    let lo = sq.first_visible(p, row0 / sq.group);
-    let hi = sq.pos(last / sq.group) + 1;
+    let lo = sq.first_visible(ctx, p, row0 / sq.group);
+    let hi = sq.end(ctx, p, last / sq.group);
     let v_scale = kv_scales(ctx, p, kvh).1;
 
     // Q tile into shared memory, 16 bytes a copy; rows past the sequence are zeros.
@@ -133,7 +133,7 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
         let word = r * dw + 4 * k;
         let rr = Row::new(ctx, p, &sq, kvh, row0 + r);
         let v = if rr.valid {
-            ctx.ld_v4(&p.q, rr.at(p, &sq, 8 * k))
+            ctx.ld_v4(&p.q, rr.q_at(ctx, p, &sq, 8 * k))
         } else {
             [0; 4]
         };

@@ -72,8 +72,9 @@ pub const fn mma_shared_bytes(head_dim: u32) -> u32 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillParams<T, K = T> {
-    /// `[total_tokens, num_q_heads, head_dim]`: the new tokens' queries, sequence by
-    /// sequence.
+    /// `[q rows, q_row_stride]`: the new tokens' queries (`num_q_heads * head_dim`
+    /// elements at the start of each row), sequence by sequence, or the rows `q_rows`
+    /// names.
     pub q: GlobalSlice<T>,
     /// `[num_blocks, num_kv_heads, block_size, head_dim]`: this layer's key cache.
     pub key_cache: GlobalSlice<K>,
@@ -99,6 +100,16 @@ pub struct PrefillParams<T, K = T> {
     /// ([`SoftmaxState::lse`](crate::SoftmaxState::lse), the sink included), or empty
     /// for none.
     pub lse: GlobalSliceMut<f32>,
+    /// `[total_tokens]`: the row of `q` each new token reads, or empty: token `t` reads
+    /// row `t` (cascade attention gathers the query rows of the decodes that share a
+    /// prefix).
+    pub q_rows: GlobalSlice<i32>,
+    /// `[total_tokens]`: the position of each new token, non-decreasing within a
+    /// sequence, or empty: new token `i` of `s` at `context_lens[s] - qo_len + i`. A
+    /// token attends to the cached positions up to its own (at most the context): a
+    /// cascade's shared pass puts each decode's query at its own position, past every
+    /// shared token, for ALiBi and the window.
+    pub q_pos: GlobalSlice<i32>,
     /// The cache's shape.
     pub layout: PagedLayout,
     /// Query heads (a multiple of `layout.num_kv_heads`).
@@ -113,11 +124,13 @@ pub struct PrefillParams<T, K = T> {
     pub inv_softcap: f32,
     /// Sliding window: attend to the last `window` positions only; 0 disables it.
     pub window: u32,
+    /// Elements from one row of `q` to the next (`>= num_q_heads * head_dim`).
+    pub q_row_stride: u64,
 }
 
-// SAFETY: 12 views, the 16-byte layout, 6 four-byte fields: 232 bytes, no padding
-// (asserted below).
-const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 12 * 16 + 16 + 6 * 4);
+// SAFETY: 14 views, the 16-byte layout, 6 four-byte fields, one u64: 272 bytes, no
+// padding (asserted below).
+const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 14 * 16 + 16 + 6 * 4 + 8);
 unsafe impl<T: 'static, K: 'static> KernelParams for PrefillParams<T, K>
 where
     Self: Copy,
@@ -135,6 +148,8 @@ where
         f(self.sinks.range("sinks"));
         f(self.out.range("out"));
         f(self.lse.range("lse"));
+        f(self.q_rows.range("q_rows"));
+        f(self.q_pos.range("q_pos"));
     }
 }
 
@@ -164,16 +179,28 @@ impl Seq {
         }
     }
 
-    /// The position of new token `i`.
+    /// The position of new token `i`: `q_pos`'s entry, or after the cached tokens.
     #[inline(always)]
-    fn pos(&self, i: u32) -> u32 {
-        self.ctx_len - self.qo_len + i
+    fn pos<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, i: u32) -> u32 {
+        if p.q_pos.is_empty() {
+            self.ctx_len - self.qo_len + i
+        } else {
+            ctx.ld(&p.q_pos, (self.q0 + i) as u64) as u32
+        }
+    }
+
+    /// One past the last cached position new token `i` attends to: its own position
+    /// plus one, at most the context.
+    #[inline(always)]
+    fn end<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, i: u32) -> u32 {
+        let e = self.pos(ctx, p, i) + 1;
+        if e < self.ctx_len { e } else { self.ctx_len }
     }
 
     /// The first position new token `i` attends to.
     #[inline(always)]
-    fn first_visible<T, K>(&self, p: &PrefillParams<T, K>, i: u32) -> u32 {
-        let q = self.pos(i);
+    fn first_visible<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, i: u32) -> u32 {
+        let q = self.pos(ctx, p, i);
         if p.window > 0 && q + 1 > p.window {
             q + 1 - p.window
         } else {
@@ -218,6 +245,8 @@ struct Row {
     head: u32,
     qpos: u32,
     first: u32,
+    /// The last cached position it attends to (`qpos`, clipped to the context).
+    last: u32,
     slope: f32,
     scale: f32,
 }
@@ -252,8 +281,9 @@ impl Row {
             valid,
             token,
             head,
-            qpos: sq.pos(token),
-            first: sq.first_visible(p, token),
+            qpos: sq.pos(ctx, p, token),
+            first: sq.first_visible(ctx, p, token),
+            last: sq.end(ctx, p, token) - 1,
             slope: if p.alibi_slopes.is_empty() {
                 0.0
             } else {
@@ -266,7 +296,7 @@ impl Row {
     /// The score against `kpos` from `dot`, or `-inf` where this row may not look.
     #[inline(always)]
     fn score<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, dot: f32, kpos: u32) -> f32 {
-        if self.valid && kpos >= self.first && kpos <= self.qpos {
+        if self.valid && kpos >= self.first && kpos <= self.last {
             score(ctx, p, dot, self, kpos)
         } else {
             f32::NEG_INFINITY
@@ -279,7 +309,21 @@ impl Row {
         (sq.q0 + self.token) as u64 * p.num_q_heads as u64 + self.head as u64
     }
 
-    /// Element index of this row's `(token, head, dim)` in `q` / `out`.
+    /// Element index of this row's `(token, head, dim)` in `q`: its row `q_rows`'
+    /// entry (or its token's), `q_row_stride` elements a row.
+    #[inline(always)]
+    fn q_at<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, sq: &Seq, dim: u32) -> u64 {
+        let t = sq.q0 + self.token;
+        let r = if p.q_rows.is_empty() {
+            t as u64
+        } else {
+            // (Widened as u32: rows are non-negative.)
+            ctx.ld(&p.q_rows, t as u64) as u32 as u64
+        };
+        r * p.q_row_stride + (self.head * p.layout.head_dim + dim) as u64
+    }
+
+    /// Element index of this row's `(token, head, dim)` in `out`.
     #[inline(always)]
     fn at<T, K>(&self, p: &PrefillParams<T, K>, sq: &Seq, dim: u32) -> u64 {
         ((sq.q0 + self.token) as u64 * p.num_q_heads as u64 + self.head as u64)

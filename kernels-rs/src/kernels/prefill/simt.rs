@@ -72,7 +72,8 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
         return; // no barriers in this kernel
     }
     let d = p.layout.head_dim;
-    let q_at = row.at(p, &sq, 0);
+    let q_at = row.q_at(ctx, p, &sq, 0);
+    let out_at = row.at(p, &sq, 0);
     let sink = load_sink(ctx, &p.sinks, row.head as u64);
     // Every pass sees the same scores: the last one's state is the row's.
     let mut state = SoftmaxState::EMPTY;
@@ -87,7 +88,7 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
         let mut acc = [[0f32; 4]; CHUNKS];
         let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
         let mut kpos = row.first;
-        while kpos <= row.qpos {
+        while kpos <= row.last {
             let base = cache_at(ctx, p, s, kvh, kpos);
             // q . k, 16 dims (four 16-byte chunks) an iteration: every supported
             // head_dim is a multiple of 16, so no remainder iteration exists (one the
@@ -126,7 +127,7 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
         each_chunk(&mut acc, |c, a| {
             if c < nchunks {
                 let out = [a[0] * inv, a[1] * inv, a[2] * inv, a[3] * inv].map(f32::to_bits);
-                ctx.st_v4(&p.out, q_at + (pass * PASS_DIMS + 4 * c) as u64, out);
+                ctx.st_v4(&p.out, out_at + (pass * PASS_DIMS + 4 * c) as u64, out);
             }
         });
         pass += 1;

@@ -118,8 +118,8 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     } else {
         rows
     } - 1;
-    let start = sq.first_visible(p, row0 / sq.group);
-    let end = sq.pos(last / sq.group) + 1;
+    let start = sq.first_visible(ctx, p, row0 / sq.group);
+    let end = sq.end(ctx, p, last / sq.group);
     let v_scale = if K::SCALED {
         ctx.ld(&p.v_scales, kvh as u64)
     } else {
@@ -130,7 +130,7 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     // dims: `K::q_dims`); rows past the sequence are zeros.
     let q_pair = |r: &Row, d: u32| -> u32 {
         if r.valid {
-            let at = r.at(p, &sq, d);
+            let at = r.q_at(ctx, p, &sq, d);
             T::pack2(ctx.ld(&p.q, at).to_f32(), ctx.ld(&p.q, at + 1).to_f32())
         } else {
             0
@@ -173,8 +173,8 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
     // masks and terms; the stages that cross a row's range take the general path.
     let plain = if p.softcap == 0.0 && p.alibi_slopes.is_empty() && wrow0 + 16 <= rows {
         // The warp's latest first visible position and earliest query position.
-        let lo = sq.first_visible(p, (wrow0 + 15) / sq.group);
-        let hi = sq.pos(wrow0 / sq.group) + 1;
+        let lo = sq.first_visible(ctx, p, (wrow0 + 15) / sq.group);
+        let hi = sq.end(ctx, p, wrow0 / sq.group);
         (
             (lo - first).div_ceil(MMA_STAGE_TOKENS),
             (hi - first) / MMA_STAGE_TOKENS,
