@@ -235,6 +235,101 @@ fn prefill_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
     md
 }
 
+/// Cascade attention against flat decode on the GPU, the whole layer's decode as a
+/// serving step runs it (suffix decode, shared pass and merge, or the one flat launch):
+/// `rows` requests over one shared prompt of `prompt` tokens, each `own` tokens of its
+/// own past it, f16, 32 query heads over 8 KV heads, head_dim 128, block 16.
+fn cascade_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
+    use pagedkv::host::ops::cascade::find_groups;
+    let mut md = String::from(
+        "| cascade case (rows x shared prompt + own) | flat decode (ms) | cascade (ms) | flat / cascade | K/V bytes flat | K/V bytes cascade |\n|---|---|---|---|---|---|\n",
+    );
+    let (qh, kvh, d, bs) = (32u32, 8u32, 128u32, 16u32);
+    for (rows, prompt, own) in [(64u32, 2048u32, 64u32), (256, 1024, 128), (16, 8192, 256)] {
+        let ctx = prompt + own;
+        let width = ctx.div_ceil(bs);
+        let shared = prompt / bs;
+        let own_blocks = width - shared;
+        let num_blocks = shared + rows * own_blocks + 1;
+        let elems = num_blocks as u64 * kvh as u64 * bs as u64 * d as u64;
+        let mut kc = DeviceTensor::zeros(gpu, DType::F16, &[elems as usize]).unwrap();
+        let mut vc = DeviceTensor::zeros(gpu, DType::F16, &[elems as usize]).unwrap();
+        fill_random(gpu, &mut kc, r);
+        fill_random(gpu, &mut vc, r);
+        let mut tables = Vec::with_capacity((rows * width) as usize);
+        for row in 0..rows {
+            tables.extend((1..=shared).map(|b| b as i32));
+            tables.extend((0..own_blocks).map(|b| (1 + shared + row * own_blocks + b) as i32));
+        }
+        let lens = vec![ctx as i32; rows as usize];
+        let qn = (rows * qh * d) as usize;
+        let qv: Vec<f64> = (0..qn).map(|_| r.random_range(-1.0..1.0)).collect();
+        let q =
+            DeviceTensor::from_host(gpu, &HostTensor::from_f64(DType::F16, &[qn], &qv).unwrap())
+                .unwrap();
+        let mut out = DeviceTensor::zeros(gpu, DType::F16, &[qn]).unwrap();
+        let shape = StepShape {
+            num_q_heads: qh,
+            num_kv_heads: kvh,
+            head_dim: d,
+            block_size: bs,
+            num_blocks,
+            dtype: DType::F16,
+            kv_dtype: DType::F16,
+        };
+        let cap = StepCapacity {
+            max_seqs: rows,
+            max_blocks_per_seq: width,
+            max_tokens: 1,
+            max_partitions: 256,
+        };
+        let meta = StepMeta {
+            block_tables: &tables,
+            max_blocks_per_seq: width,
+            context_lens: &lens,
+            slot_mapping: &[],
+            window: None,
+        };
+        let opts = AttentionOptions::new(d);
+        let mut time = |cascade: bool| {
+            let mut run =
+                StepRunner::new(CudaStepDevice::new(gpu), shape, cap, gpu.sm_count()).unwrap();
+            run.enable_cascade().unwrap();
+            run.plan(&meta).unwrap();
+            if cascade {
+                let groups = find_groups(&tables, width, &lens, bs, 1);
+                run.plan_cascade(&meta, &groups).unwrap();
+            }
+            median_ms(gpu, 20, |_| {
+                run.decode(
+                    &opts,
+                    DecodeIo {
+                        lse: None,
+                        q: q.view(),
+                        key_cache: kc.view(),
+                        value_cache: vc.view(),
+                        sinks: None,
+                        out: out.view_mut(),
+                        kv_scales: None,
+                        group: 0,
+                    },
+                )
+                .unwrap();
+            })
+        };
+        let (flat, casc) = (time(false), time(true));
+        let token = 2 * kvh as u64 * d as u64 * 2;
+        let flat_bytes = rows as u64 * ctx as u64 * token;
+        let tiles = (rows * (qh / kvh)).div_ceil(pagedkv::kernels::kernels::prefill::TILE_ROWS);
+        let casc_bytes = (rows as u64 * own as u64 + tiles as u64 * prompt as u64) * token;
+        md.push_str(&format!(
+            "| {rows} x ({prompt} + {own}) | {flat:.3} | {casc:.3} | {:.2} | {flat_bytes} | {casc_bytes} |\n",
+            flat / casc
+        ));
+    }
+    md
+}
+
 fn median_ms(gpu: &CudaDevice, reps: usize, mut f: impl FnMut(usize)) -> f64 {
     for i in 0..3 {
         f(i);
@@ -557,6 +652,8 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaDevice) {
     }
     md.push('\n');
     md.push_str(&prefill_benches(gpu, &mut r));
+    md.push('\n');
+    md.push_str(&cascade_benches(gpu, &mut r));
     println!("\n{md}");
     let path =
         std::env::var("PAGEDKV_BENCH_REPORT").unwrap_or_else(|_| "target/pagedkv-bench.md".into());

@@ -81,6 +81,12 @@ struct SimArgs {
     /// by side.
     #[arg(long, default_value = "f16")]
     kv_dtype: String,
+    /// Tokens of a system prompt every request begins with (default 0: none): every
+    /// policy serves the longer prompts, the paged ones cache the shared blocks, and the
+    /// report adds the K/V bytes a decode step reads with and without cascade
+    /// attention (a model).
+    #[arg(long)]
+    system_prompt: Option<u32>,
 }
 
 #[derive(Args)]
@@ -202,6 +208,17 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
         cfg.kv_budget_gib = Some(check_range("--kv-budget-gib", g, limits::KV_BUDGET_GIB)?);
     }
     cfg.capacity_tokens()?;
+    if let Some(n) = a.system_prompt {
+        if n >= cfg.model.max_model_len {
+            return Err(SimError(format!(
+                "--system-prompt: {n} tokens leave no room in the model's {} (at most {})",
+                cfg.model.max_model_len,
+                cfg.model.max_model_len - 1
+            ))
+            .into());
+        }
+        cfg.system_prompt = n;
+    }
     // The compared dtype's slots must fit the simulator too (fp8: twice as many).
     let mut compared = cfg.clone();
     compared.kv_dtype = kv_dtype;
@@ -260,6 +277,11 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     } else {
         ProgressBar::hidden()
     };
+    if cfg.system_prompt > 0 {
+        for (w, _) in &mut scenarios {
+            *w = w.with_system_prompt(cfg.system_prompt, max_len);
+        }
+    }
     let mut reports: Vec<ScenarioReport> = Vec::new();
     for (w, kr) in &scenarios {
         bar.set_message(kr.map_or("trace".to_string(), |(k, _)| k.name().to_string()));

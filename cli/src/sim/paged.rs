@@ -4,9 +4,11 @@
 //! `layers_per_group` layers (see `pagedkv::host::block::spec`), each window group
 //! holding only its window; a step reads each layer's window of each sequence.
 
-use pagedkv::host::scheduler::{Request, Scheduler, SchedulerConfig};
+use pagedkv::host::ops::cascade::find_groups;
+use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
+use pagedkv::kernels::kernels::prefill::TILE_ROWS;
 
-use super::policy::Stats;
+use super::policy::{CascadeTraffic, Stats};
 use super::{Policy, PolicyResult, SimConfig, SimError, Workload, err};
 
 /// Runs [`Policy::Paged`] with `block_size` over a workload (see [`super::simulate`]).
@@ -50,6 +52,7 @@ pub(super) fn simulate_paged(
             .max(cfg.model.max_model_len as usize),
         watermark: 0.01,
         max_model_len: cfg.model.max_model_len,
+        enable_prefix_caching: cfg.system_prompt > 0,
         ..SchedulerConfig::default()
     })
     .map_err(|e| SimError(format!("paged scheduler: {e}")))?;
@@ -59,11 +62,21 @@ pub(super) fn simulate_paged(
         (0.0f64, 0usize, 0usize, 0usize, 0u64);
     let mut sampled = Vec::new();
     let n = w.requests.len();
+    let mut traffic = (cfg.system_prompt > 0 && !hybrid).then(Traffic::default);
     while done + rejected < n {
         while next < n && w.requests[next].arrival_s <= t {
             let r = &w.requests[next];
+            // The system prompt's tokens (the same for every request), then the
+            // request's own.
+            let shared = cfg.system_prompt.min(r.prompt_len);
             let prompt: Vec<u32> = (0..r.prompt_len)
-                .map(|i| (next as u32).wrapping_mul(7919) ^ i)
+                .map(|i| {
+                    if i < shared {
+                        u32::MAX - i
+                    } else {
+                        (next as u32).wrapping_mul(7919) ^ i
+                    }
+                })
                 .collect();
             if s.add_request(Request::new(next as u64, prompt, r.output_len))
                 .is_err()
@@ -95,6 +108,9 @@ pub(super) fn simulate_paged(
                     .unwrap_or(u64::MAX) as f64;
             }
         }
+        if let Some(c) = traffic.as_mut() {
+            c.add(batch, cfg, element, block_size);
+        }
         let dt = if hybrid {
             cfg.step_time_bytes(tokens, kv_bytes)
         } else {
@@ -121,12 +137,65 @@ pub(super) fn simulate_paged(
         drop(s.take_finished());
     }
     let preemptions = s.metrics().preempted_recompute + s.metrics().preempted_swap;
-    Ok(stats.finish(
+    let mut r = stats.finish(
         Policy::Paged(block_size),
         done,
         rejected,
         t,
         generated,
         preemptions,
-    ))
+    );
+    r.cascade = traffic.map(Traffic::finish);
+    Ok(r)
+}
+
+/// Sums of [`CascadeTraffic`] over the steps.
+#[derive(Default)]
+struct Traffic {
+    steps: u64,
+    cascade_steps: u64,
+    flat: f64,
+    cascade: f64,
+}
+
+impl Traffic {
+    /// One step's decode rows: their K/V bytes flat and as cascade attention.
+    fn add(&mut self, batch: &Batch, cfg: &SimConfig, element: u32, block_size: u32) {
+        let nd = batch.num_decodes as usize;
+        if nd == 0 {
+            return;
+        }
+        let w = batch.max_blocks_per_seq;
+        let lens = &batch.context_lens[..nd];
+        let groups = find_groups(
+            &batch.block_tables[..nd * w as usize],
+            w,
+            lens,
+            block_size,
+            1,
+        );
+        let token = cfg.model.layer_token_bytes(element) as f64 * cfg.model.num_layers as f64;
+        let flat: f64 = lens.iter().map(|&l| l as f64).sum::<f64>() * token;
+        let mut cascade = flat;
+        for g in &groups {
+            let shared = (g.shared_blocks * block_size) as f64;
+            let rows = g.rows.len() as u64 * cfg.model.query_group() as u64;
+            let reads = rows.div_ceil(TILE_ROWS as u64) as f64;
+            cascade -= (g.rows.len() as f64 - reads) * shared * token;
+        }
+        self.steps += 1;
+        self.cascade_steps += !groups.is_empty() as u64;
+        self.flat += flat;
+        self.cascade += cascade;
+    }
+
+    fn finish(self) -> CascadeTraffic {
+        let n = self.steps.max(1) as f64;
+        CascadeTraffic {
+            decode_steps: self.steps,
+            cascade_steps: self.cascade_steps,
+            flat_bytes_per_step: self.flat / n,
+            cascade_bytes_per_step: self.cascade / n,
+        }
+    }
 }

@@ -94,6 +94,28 @@ pub struct PolicyResult {
     pub tokens_per_reserved: f64,
     /// `(time s, KV slots held / pool, running requests)`, at most ~600 points.
     pub timeline: Vec<(f64, f64, u32)>,
+    /// With a system prompt (`SimConfig::system_prompt`), the paged policies: the K/V
+    /// bytes a decode step reads flat and as cascade attention (a model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cascade: Option<CascadeTraffic>,
+}
+
+/// K/V bytes per decode step, all layers, under flat and cascade attention, over the
+/// steps that decode: a model from the real scheduler's block tables (the groups
+/// `pagedkv::host::ops::cascade::find_groups` finds in each step's decode rows), each
+/// group's shared blocks read once per 64 query rows (the multi-warp prefill kernel's
+/// CTA tile: `ceil(rows x query group / 64)` times), every row's own tokens once. Step
+/// times still price flat attention.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct CascadeTraffic {
+    /// Steps with decode rows.
+    pub decode_steps: u64,
+    /// Of them, steps where some rows shared a full block.
+    pub cascade_steps: u64,
+    /// Mean K/V bytes a decode step reads, flat.
+    pub flat_bytes_per_step: f64,
+    /// Mean K/V bytes a decode step reads as cascade attention.
+    pub cascade_bytes_per_step: f64,
 }
 
 /// Accumulates per-step statistics.
@@ -214,6 +236,7 @@ impl Stats {
             split: self.split,
             tokens_per_reserved: self.tokens_time / self.held_time.max(f64::MIN_POSITIVE),
             timeline,
+            cascade: None,
         }
     }
 }

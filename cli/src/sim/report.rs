@@ -589,6 +589,28 @@ impl ScenarioReport {
         if let Some(h) = &self.hybrid {
             o.push_str(&h.to_table());
         }
+        let cascades: Vec<_> = self
+            .policies
+            .iter()
+            .filter_map(|p| p.result.cascade.map(|c| (&p.result.policy, c)))
+            .collect();
+        if !cascades.is_empty() {
+            let _ = writeln!(
+                o,
+                "Cascade attention (a model from the scheduler's block tables: shared blocks read once per 64 query rows, each row's own tokens once; step times price flat attention):"
+            );
+            for (policy, c) in cascades {
+                let _ = writeln!(
+                    o,
+                    "  {policy:<18} K/V read per decode step: flat {}, cascade {} ({:.1}x less); {} of {} decode steps had rows sharing a block",
+                    binary_size(c.flat_bytes_per_step as u64),
+                    binary_size(c.cascade_bytes_per_step as u64),
+                    c.flat_bytes_per_step / c.cascade_bytes_per_step.max(1.0),
+                    c.cascade_steps,
+                    c.decode_steps
+                );
+            }
+        }
         o
     }
 }

@@ -55,6 +55,10 @@ pub struct ModelSpec {
     pub num_layers: u32,
     /// KV heads per layer.
     pub num_kv_heads: u32,
+    /// Query heads per layer (a multiple of `num_kv_heads`); `None`: as many as KV
+    /// heads. Sets how many query rows one KV head's cascade pass serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_q_heads: Option<u32>,
     /// Elements per head.
     pub head_dim: u32,
     /// Parameters.
@@ -115,10 +119,17 @@ impl ModelSpec {
             "gpt-oss-120b" => (0..l).map(|i| if i % 2 == 0 { 128 } else { 0 }).collect(),
             _ => Vec::new(),
         };
+        let q_heads = match name {
+            "opt-13b" => 40,
+            "llama-3-8b" | "gemma-3-27b" => 32,
+            "llama-3-70b" | "gpt-oss-120b" => 64,
+            _ => 4, // gemma-3-1b
+        };
         Ok(Self {
             name: name.to_string(),
             num_layers: l,
             num_kv_heads: kvh,
+            num_q_heads: Some(q_heads),
             head_dim: hd,
             num_params: params,
             dtype_bytes: 2,
@@ -146,6 +157,11 @@ impl ModelSpec {
             "gemma-3-27b" | "gpt-oss-120b" | "llama-3-70b" => "h100",
             _ => "a100-40gb",
         }
+    }
+
+    /// Query heads per KV head (1 without `num_q_heads`).
+    pub fn query_group(&self) -> u32 {
+        self.num_q_heads.map_or(1, |q| q / self.num_kv_heads.max(1))
     }
 
     /// Whether some layer has a sliding window (the hybrid allocator applies).
@@ -258,6 +274,14 @@ impl ModelSpec {
             if v == 0 {
                 return err(format!("{field}: must be positive"));
             }
+        }
+        if let Some(q) = self.num_q_heads
+            && (q == 0 || !q.is_multiple_of(self.num_kv_heads))
+        {
+            return err(format!(
+                "num_q_heads: {q} is not a positive multiple of num_kv_heads {}",
+                self.num_kv_heads
+            ));
         }
         check_range("num_params", self.num_params, limits::NUM_PARAMS)?;
         if self.max_model_len < 2 {
@@ -462,6 +486,10 @@ pub struct SimConfig {
     /// The KV cache's element type: sets KV bytes per token, hence token slots and the
     /// KV bytes a step reads; the weights keep the model's dtype.
     pub kv_dtype: KvDtype,
+    /// Tokens of a system prompt every request's prompt begins with (0: none). The
+    /// paged policies cache it (prefix caching) and report the K/V bytes a decode
+    /// step reads with and without cascade attention.
+    pub system_prompt: u32,
 }
 
 impl SimConfig {
@@ -478,6 +506,7 @@ impl SimConfig {
             max_num_seqs: 256,
             max_tokens_per_step: 4096,
             kv_dtype: KvDtype::F16,
+            system_prompt: 0,
         }
     }
 

@@ -102,6 +102,31 @@ fn calibrated_lognormal(mean: f64, max: u32) -> LogNormal<f64> {
 }
 
 impl Workload {
+    /// The same requests, each prompt `n` tokens longer (a system prompt before it),
+    /// within `max_len` tokens a request: the output shortened first (to one token at
+    /// least), then the prompt.
+    pub fn with_system_prompt(&self, n: u32, max_len: u32) -> Workload {
+        let requests = self
+            .requests
+            .iter()
+            .map(|r| {
+                let prompt = r
+                    .prompt_len
+                    .saturating_add(n)
+                    .min(max_len.saturating_sub(1));
+                TraceRequest {
+                    prompt_len: prompt,
+                    output_len: r.output_len.min(max_len - prompt).max(1),
+                    ..*r
+                }
+            })
+            .collect();
+        Workload {
+            requests,
+            description: format!("{}, after a {n}-token system prompt", self.description),
+        }
+    }
+
     /// `n` requests arriving as a Poisson process at `rate` per second, lengths drawn
     /// from log-normals (σ = [`LENGTH_SIGMA`]) calibrated so their means, after
     /// clipping (prompt and output each to `[1, max_len / 2]`),

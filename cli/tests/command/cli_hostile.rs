@@ -225,6 +225,8 @@ fn absurd_rates_and_bandwidths_are_errors_not_nan_or_a_hung_plot() {
     );
     fails_with(&["simulate", "--rate", "inf"], "--rate");
     fails_with(&["simulate", "--memory-gib", "NaN"], "--memory-gib");
+    // A system prompt as long as the model's longest sequence leaves no room.
+    fails_with(&["simulate", "--system-prompt", "2048"], "--system-prompt");
     assert!(!Path::new(svg).exists());
 }
 

@@ -332,3 +332,51 @@ fn the_hybrid_allocator_holds_each_window_layers_window() {
     let plain = run_scenario(&w, None, &a100_opt13b(), &[Policy::Paged(16)], &mut || {});
     assert_eq!(plain.unwrap().hybrid, None);
 }
+
+/// With a system prompt the paged policies report the K/V a decode step reads flat and
+/// as cascade attention: 40 requests arriving together over a 1024-token prompt (64
+/// blocks of 16) share it, so a step of them reads the prompt once per 64 query rows
+/// (OPT-13B: one query head per KV head, one tile) instead of once per row. The
+/// figures are recomputed here from the same model. Without one, no figures.
+#[test]
+fn a_shared_system_prompt_is_read_once_per_tile_under_cascade() {
+    let mut c = a100_opt13b();
+    c.system_prompt = 1024;
+    let base = Workload {
+        requests: (0..40)
+            .map(|i| pagedkv_cli::sim::TraceRequest {
+                arrival_s: 0.0,
+                prompt_len: 16 + i,
+                output_len: 8,
+            })
+            .collect(),
+        description: "40 requests at once".into(),
+    };
+    let w = base.with_system_prompt(1024, 2048);
+    assert_eq!(w.requests[3].prompt_len, 1024 + 19);
+    let r = run_scenario(
+        &w,
+        None,
+        &c,
+        &[Policy::Paged(16), Policy::Oracle],
+        &mut || {},
+    )
+    .unwrap();
+    let paged = &r.policies[0].result;
+    let t = paged.cascade.expect("a paged policy's cascade figures");
+    assert!(
+        t.cascade_steps > 0 && t.cascade_steps <= t.decode_steps,
+        "{t:?}"
+    );
+    // Every decode step of all 40 rows: flat reads 40 x (1024 + own) tokens, the
+    // cascade 1 x 1024 + 40 x own; the mean over steps is at least 10 times less.
+    assert!(
+        t.flat_bytes_per_step > 10.0 * t.cascade_bytes_per_step,
+        "{t:?}"
+    );
+    assert!(r.to_table().contains("Cascade attention"));
+    assert_eq!(r.policies[1].result.cascade, None);
+    c.system_prompt = 0;
+    let r = run_scenario(&base, None, &c, &[Policy::Paged(16)], &mut || {}).unwrap();
+    assert_eq!(r.policies[0].result.cascade, None);
+}
