@@ -231,3 +231,73 @@ fn one_long_family_is_one_group() {
     let e = rel_l2(&got.out.to_f64(), &paged_decode_attention(&c.inputs()));
     assert!(e <= 2.0 * tolerance(DType::F16), "{e:e}");
 }
+
+/// Cascade attention is refused, with the reason named, where it would read released
+/// blocks (a step planned with a sliding window, a runner of layer groups), and a
+/// cascade planned before its buffers or for groups that do not hold is an error, not
+/// a launch.
+#[test]
+fn cascade_refuses_windows_layer_groups_and_bad_groups() {
+    let p = Params {
+        dtype: DType::F32,
+        head_dim: 64,
+        block_size: 16,
+        num_kv_heads: 1,
+        group: 1,
+        batch: 8,
+        max_len: 60,
+        window: None,
+        softcap: None,
+        alibi: false,
+        sinks: false,
+        partition: None,
+        narrow_heads: false,
+        seed: 5,
+        full_length: false,
+    };
+    let c = common::case::build_family(&p, 64);
+    let s = &c.shape;
+    let shape = s.with_dtypes(DType::F32, DType::F32);
+    let cap = StepCapacity {
+        max_seqs: s.num_seqs,
+        max_blocks_per_seq: s.max_blocks_per_seq,
+        max_tokens: 1,
+        max_partitions: 1,
+    };
+    let runner =
+        || StepRunner::with_split(EmuDevice::new(Emulator::new()), shape, cap, None).unwrap();
+    let meta = |window| StepMeta {
+        block_tables: &c.tables,
+        max_blocks_per_seq: s.max_blocks_per_seq,
+        context_lens: &c.lens,
+        slot_mapping: &[],
+        window,
+    };
+    let groups = find_groups(&c.tables, s.max_blocks_per_seq, &c.lens, 16, 1);
+    assert_eq!(groups.len(), 1);
+    let err = |r: pagedkv::host::Result<Option<PlannedCascade>>| r.unwrap_err().to_string();
+    // No buffers yet.
+    let mut r = runner();
+    r.plan(&meta(None)).unwrap();
+    assert!(err(r.plan_cascade(&meta(None), &groups)).contains("enable_cascade"));
+    // A sliding window.
+    r.enable_cascade().unwrap();
+    r.plan(&meta(Some(200))).unwrap();
+    assert!(err(r.plan_cascade(&meta(Some(200)), &groups)).contains("sliding window"));
+    // Groups that do not hold: more shared blocks than the rows have.
+    r.plan(&meta(None)).unwrap();
+    let bad = [CascadeGroup {
+        shared_blocks: groups[0].shared_blocks + 2,
+        ..groups[0].clone()
+    }];
+    assert!(err(r.plan_cascade(&meta(None), &bad)).contains("cannot share"));
+    // Layer groups.
+    let mut r = runner();
+    r.set_groups(2).unwrap();
+    assert!(
+        r.enable_cascade()
+            .unwrap_err()
+            .to_string()
+            .contains("layer groups")
+    );
+}

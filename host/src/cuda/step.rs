@@ -72,9 +72,11 @@ impl<'a> CudaStepDevice<'a> {
     /// Captures the work `f` issues on the stream (launches only: a run of the step
     /// path) into a CUDA graph instead of running it. Replay it with
     /// [`StepGraph::replay`] after each [`plan`](crate::step::StepRunner::plan) that
-    /// keeps the same shapes (number of sequences, block-table width, tokens, split),
-    /// since the graph holds the launches' parameters and the plan updates the
-    /// metadata buffers they point to in place.
+    /// keeps the same shapes (number of sequences, block-table width, tokens, split,
+    /// and cascade: [`Planned::cascade`](crate::step::Planned::cascade) equal, or both
+    /// `None`), since the graph holds the launches' parameters (a cascade's grid and
+    /// its shared pass's) and the plan updates the metadata buffers they point to in
+    /// place.
     pub fn capture(&self, f: impl FnOnce() -> Result<()>) -> Result<StepGraph> {
         let s = &self.gpu.stream;
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
