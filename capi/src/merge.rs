@@ -21,6 +21,7 @@ use pagedkv::host::{DType, HostTensor};
 use crate::args::{check_len, checked_elems, slice, slice_mut};
 use crate::guard::guard;
 use crate::pagedkv_status::{self, *};
+use crate::reference::tensor;
 use crate::status::{fail, from_error};
 
 /// Shapes of a merge of attention states.
@@ -103,12 +104,6 @@ pub(crate) unsafe fn optional<'a>(
     check_len(what, n, want)?;
     // SAFETY: the caller's contract.
     unsafe { slice(p, n, what) }.map(Some)
-}
-
-/// The f32 buffer `v` as a host tensor of `shape`.
-fn tensor(v: &[f32], shape: &[usize]) -> HostTensor {
-    let f: Vec<f64> = v.iter().map(|&x| x as f64).collect();
-    HostTensor::from_f64(DType::F32, shape, &f).expect("shape matches length")
 }
 
 /// Merges partial attention states on the CPU (the real kernel, in the emulator), f32

@@ -42,7 +42,7 @@ use crate::pagedkv_status::{self, *};
 use crate::status::{fail, from_error};
 
 /// The `f32` buffer `v` as a host tensor of `shape` (its length).
-fn tensor(v: &[f32], shape: &[usize]) -> HostTensor {
+pub(crate) fn tensor(v: &[f32], shape: &[usize]) -> HostTensor {
     let f: Vec<f64> = v.iter().map(|&x| x as f64).collect();
     HostTensor::from_f64(DType::F32, shape, &f).expect("shape matches length")
 }
