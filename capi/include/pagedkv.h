@@ -493,15 +493,17 @@ typedef struct pagedkv_merge_shape {
  * sinks [num_heads] or NULL with sinks_len 0; out [num_rows, num_heads, head_dim];
  * lse_out [num_rows, num_heads] (the merged log-sum-exp) or NULL with lse_out_len 0.
  * Each *_len is the buffer's element count and must match the shape, checked before
- * anything is read; on any error the outputs are left untouched. */
+ * anything is read; on any error the outputs are left untouched. The outputs must not
+ * overlap the inputs. */
 pagedkv_status pagedkv_merge_states(const pagedkv_merge_shape *shape, const float *v,
                                     uint64_t v_len, const float *lse, uint64_t lse_len,
                                     const float *sinks, uint64_t sinks_len, float *out,
                                     uint64_t out_len, float *lse_out, uint64_t lse_out_len);
 
 /* The merge on the GPU, on device buffers: v and out of dtype (PAGEDKV_F16, _BF16 or
- * _F32), lse and lse_out f32 (lse_out 0: not written), every pointer 16-byte aligned;
- * sinks is host memory as above. Asynchronous on the backend's stream. */
+ * _F32), lse and lse_out f32 (lse_out 0: not written), every pointer 16-byte aligned,
+ * the outputs overlapping no input; sinks is host memory as above. Asynchronous on the
+ * backend's stream. */
 pagedkv_status pagedkv_cuda_merge_states(pagedkv_cuda_backend *b,
                                          const pagedkv_merge_shape *shape, int32_t dtype,
                                          uint64_t v, uint64_t lse, const float *sinks,

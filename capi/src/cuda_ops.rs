@@ -576,6 +576,7 @@ pub unsafe extern "C" fn pagedkv_cuda_decode_attention_strided(
 ///    completes.
 /// 2. `shape` is null or valid for a read; `sinks` is null or valid for `sinks_len`
 ///    reads.
+/// 3. `out` and `lse_out` overlap neither `v` nor `lse`.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn pagedkv_cuda_merge_states(

@@ -116,7 +116,9 @@ pub(crate) unsafe fn optional<'a>(
 /// is the buffer's element count and must match the shape.
 ///
 /// # Safety
-/// Each pointer is null or valid for its `*_len` elements (`out`, `lse_out` for writes).
+/// 1. Each pointer is null or valid for its `*_len` elements (`out`, `lse_out` for
+///    writes).
+/// 2. `out` and `lse_out` overlap no other buffer of the call.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn pagedkv_merge_states(

@@ -2,7 +2,8 @@
 //! reference: decode rows in families that share a prompt's full blocks (prompts
 //! ending on and off block boundaries, families of one row, rows in no family, rows
 //! whose suffix is the one new token), every dtype and fp8 cache, GQA, soft-cap,
-//! ALiBi (each row's own position in the shared pass), attention sinks (joined once,
+//! ALiBi (each row's own position in the shared pass), a window of the attention
+//! options (each row's own, in both passes), attention sinks (joined once,
 //! in the merge), split-K, both math modes. Outputs and their log-sum-exp poisoned with
 //! NaN first, unused cache slots NaN.
 
@@ -115,12 +116,13 @@ fn params() -> impl Strategy<Value = (Params, Option<DType>)> {
             prop::option::weighted(0.3, 5.0f32..30.0),
             prop::bool::weighted(0.3),
             prop::bool::weighted(0.3),
+            prop::option::weighted(0.25, 1u32..=100),
             any::<u64>(),
         ),
     )
         .prop_map(
             |((dtype, cache), head_dim, block_size, group, batch, rest)| {
-                let (softcap, alibi, sinks, seed) = rest;
+                let (softcap, alibi, sinks, window, seed) = rest;
                 (
                     Params {
                         dtype,
@@ -130,7 +132,8 @@ fn params() -> impl Strategy<Value = (Params, Option<DType>)> {
                         group,
                         batch,
                         max_len: 120,
-                        window: None,
+                        // The attention options' window only (`shared_case`).
+                        window,
                         softcap,
                         alibi,
                         sinks,
@@ -147,7 +150,12 @@ fn params() -> impl Strategy<Value = (Params, Option<DType>)> {
 
 /// The case of `p`, its cache quantised to `cache` when given.
 pub(crate) fn shared_case(p: &Params, cache: Option<DType>) -> Case {
-    let mut c = build_shared(p);
+    // (The window is the attention's, not the tables': no block is released.)
+    let mut c = build_shared(&Params {
+        window: None,
+        ..p.clone()
+    });
+    c.opts.window = p.window;
     if let Some(cache) = cache {
         quantise_case(&mut c, cache, true);
     }
@@ -234,8 +242,8 @@ fn one_long_family_is_one_group() {
 
 /// Cascade attention is refused, with the reason named, where it would read released
 /// blocks (a step planned with a sliding window, a runner of layer groups), and a
-/// cascade planned before its buffers or for groups that do not hold is an error, not
-/// a launch.
+/// cascade planned before its buffers, for groups that do not hold, or over tables
+/// other than the step's is an error, not a launch.
 #[test]
 fn cascade_refuses_windows_layer_groups_and_bad_groups() {
     let p = Params {
@@ -291,13 +299,23 @@ fn cascade_refuses_windows_layer_groups_and_bad_groups() {
         ..groups[0].clone()
     }];
     assert!(err(r.plan_cascade(&meta(None), &bad)).contains("cannot share"));
-    // Layer groups.
+    // Tables other than those `plan` validated (a block far outside the pool in every
+    // row's shared prefix): refused before any upload.
+    let mut crafted = c.tables.clone();
+    for row in 0..s.num_seqs as usize {
+        crafted[row * s.max_blocks_per_seq as usize] = 1_000_000;
+    }
+    let other = StepMeta {
+        block_tables: &crafted,
+        ..meta(None)
+    };
+    assert!(err(r.plan_cascade(&other, &groups)).contains("not the step plan() planned"));
+    // Layer groups, either order.
     let mut r = runner();
     r.set_groups(2).unwrap();
-    assert!(
-        r.enable_cascade()
-            .unwrap_err()
-            .to_string()
-            .contains("layer groups")
-    );
+    let e = r.enable_cascade().unwrap_err().to_string();
+    assert!(e.contains("layer groups"), "{e}");
+    let mut r = runner();
+    r.enable_cascade().unwrap();
+    assert!(r.set_groups(2).unwrap_err().to_string().contains("cascade"));
 }

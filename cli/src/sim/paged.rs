@@ -6,7 +6,8 @@
 
 use pagedkv::host::ops::cascade::find_groups;
 use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
-use pagedkv::kernels::kernels::prefill::TILE_ROWS;
+use pagedkv::kernels::kernels::attention::FIXED_BLOCK_SIZE;
+use pagedkv::kernels::kernels::prefill::{ROWS, TILE_ROWS, TILED_HEAD_DIMS};
 
 use super::policy::{CascadeTraffic, Stats};
 use super::{Policy, PolicyResult, SimConfig, SimError, Workload, err};
@@ -175,12 +176,16 @@ impl Traffic {
             1,
         );
         let token = cfg.model.layer_token_bytes(element) as f64 * cfg.model.num_layers as f64;
+        // Query rows per CTA tile of the shared pass: the multi-warp prefill's at its
+        // head_dims and block size, the one-warp kernel's elsewhere.
+        let tiled = TILED_HEAD_DIMS.contains(&cfg.model.head_dim) && block_size == FIXED_BLOCK_SIZE;
+        let tile = if tiled { TILE_ROWS } else { ROWS } as u64;
         let flat: f64 = lens.iter().map(|&l| l as f64).sum::<f64>() * token;
         let mut cascade = flat;
         for g in &groups {
             let shared = (g.shared_blocks * block_size) as f64;
             let rows = g.rows.len() as u64 * cfg.model.query_group() as u64;
-            let reads = rows.div_ceil(TILE_ROWS as u64) as f64;
+            let reads = rows.div_ceil(tile) as f64;
             cascade -= (g.rows.len() as f64 - reads) * shared * token;
         }
         self.steps += 1;

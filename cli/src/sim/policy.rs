@@ -103,9 +103,11 @@ pub struct PolicyResult {
 /// K/V bytes per decode step, all layers, under flat and cascade attention, over the
 /// steps that decode: a model from the real scheduler's block tables (the groups
 /// `pagedkv::host::ops::cascade::find_groups` finds in each step's decode rows), each
-/// group's shared blocks read once per 64 query rows (the multi-warp prefill kernel's
-/// CTA tile: `ceil(rows x query group / 64)` times), every row's own tokens once. Step
-/// times still price flat attention.
+/// group's shared blocks read once per CTA tile of query rows (`ceil(rows x query group
+/// / tile)` times: 64 rows for the multi-warp prefill kernel, head_dim 64 or 128 at
+/// block size 16; 16 for the one-warp kernel), every row's own tokens once. Every
+/// group counts, as `CascadePolicy::Always` would run it. Step times still price flat
+/// attention.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct CascadeTraffic {
     /// Steps with decode rows.

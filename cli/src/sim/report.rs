@@ -597,7 +597,7 @@ impl ScenarioReport {
         if !cascades.is_empty() {
             let _ = writeln!(
                 o,
-                "Cascade attention (a model from the scheduler's block tables: shared blocks read once per 64 query rows, each row's own tokens once; step times price flat attention):"
+                "Cascade attention (a model from the scheduler's block tables: shared blocks read once per CTA tile of query rows, 64 or 16, each row's own tokens once; step times price flat attention):"
             );
             for (policy, c) in cascades {
                 let _ = writeln!(

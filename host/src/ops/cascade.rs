@@ -90,6 +90,9 @@ pub fn find_groups(
     block_size: u32,
     min_shared_blocks: u32,
 ) -> Vec<CascadeGroup> {
+    if block_size == 0 {
+        return Vec::new();
+    }
     let w = width as usize;
     let n = lens.len().min(tables.len().checked_div(w).unwrap_or(0));
     let cap = |r: usize| shareable(lens, r, block_size).min(width);
@@ -185,8 +188,12 @@ pub fn pays(
     let kv_row = 2 * num_kv_heads as u64 * head_dim as u64 * kv_dtype.size() as u64;
     let saved: u64 = groups
         .iter()
-        .map(|g| (g.rows.len() as u64 - 1) * (g.shared_blocks * block_size) as u64 * kv_row)
-        .sum();
+        .map(|g| {
+            (g.rows.len() as u64).saturating_sub(1)
+                * (g.shared_blocks as u64 * block_size as u64)
+                * kv_row
+        })
+        .fold(0u64, u64::saturating_add);
     let row_bytes = 4 * num_q_heads as u64 * head_dim as u64;
     let cost = 2 * LAUNCH_COST_BYTES + 4 * row_bytes * num_rows as u64;
     saved > cost
@@ -204,6 +211,16 @@ pub fn validate_groups(
     block_size: u32,
 ) -> Result<()> {
     let w = width as usize;
+    if block_size == 0 || (tables.len() as u64) < lens.len() as u64 * width as u64 {
+        return Err(Error::invalid(
+            "cascade",
+            format!(
+                "{} table entries for {} rows of {width} blocks of {block_size}",
+                tables.len(),
+                lens.len()
+            ),
+        ));
+    }
     let mut seen = vec![false; lens.len()];
     for (gi, g) in groups.iter().enumerate() {
         let bad = |why: String| Err(Error::invalid("cascade", format!("group {gi}: {why}")));
@@ -348,6 +365,11 @@ mod tests {
                 .to_string();
             assert!(e.contains(why), "{e}");
         }
+        // Tables shorter than the rows, a block size of 0: errors, not panics.
+        let short = validate_groups(std::slice::from_ref(&ok), &tables[..4], 3, &lens, 16);
+        assert!(short.unwrap_err().to_string().contains("table entries"));
+        assert!(validate_groups(std::slice::from_ref(&ok), &tables, 3, &lens, 0).is_err());
+        assert!(find_groups(&tables, 3, &lens, 0, 1).is_empty());
         let twice = [
             ok.clone(),
             CascadeGroup {

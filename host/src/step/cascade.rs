@@ -26,6 +26,23 @@ pub(super) struct CascadeBuffers {
     meta_bytes: u64,
     ws_v: DeviceAddr,
     ws_lse: DeviceAddr,
+    /// The [`fingerprint`] of the step `plan` last planned (its metadata validated).
+    pub(super) planned: Option<u64>,
+}
+
+/// A fingerprint of a step's decode tables and lengths (FNV-1a over their words): what
+/// `plan_cascade` checks its `meta` against, so a cascade's groups are those of the
+/// step whose tables the suffix pass reads.
+pub(super) fn fingerprint(meta: &StepMeta<'_>) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    let words = std::iter::once(meta.max_blocks_per_seq as i32)
+        .chain(meta.context_lens.iter().copied())
+        .chain(std::iter::once(-1))
+        .chain(meta.block_tables.iter().copied());
+    for w in words {
+        h = (h ^ w as u32 as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 /// What [`StepRunner::plan_cascade`] decided for the step.
@@ -116,6 +133,7 @@ impl<D: StepDevice> StepRunner<D> {
             meta_bytes,
             ws_v,
             ws_lse,
+            planned: None,
         });
         Ok(())
     }
@@ -153,11 +171,22 @@ impl<D: StepDevice> StepRunner<D> {
                 "not with a sliding window (its tables hold released blocks)",
             ));
         }
+        if self.groups > 1 {
+            return Err(Error::invalid(
+                "cascade",
+                "not for a runner of several layer groups",
+            ));
+        }
+        // The step `plan` validated (its tables' and lengths' fingerprint), and every
+        // block id the shared pass reads inside the pool (checked again here: a
+        // fingerprint is no proof against a crafted table).
         if meta.context_lens.len() != ds.num_seqs as usize
             || meta.max_blocks_per_seq != ds.max_blocks_per_seq
+            || Some(fingerprint(meta)) != buffers.planned
         {
             return Err(Error::invalid("meta", "not the step plan() planned"));
         }
+        crate::ops::attention::validate_metadata(&ds, None, meta.block_tables, meta.context_lens)?;
         let bs = self.shape.block_size;
         validate_groups(
             groups,
@@ -299,7 +328,10 @@ impl<D: StepDevice> StepRunner<D> {
                 sinks: GlobalSlice::empty(),
                 out: b.ws_v.get() + n * row * esize,
                 lse: lse_at(n, c.rows as u64),
-                window: 0,
+                // Each row's window from its own position (`q_pos`): the part of the
+                // prefix before it gets no weight (its rows' tables hold every block:
+                // a step planned with a window has no cascade).
+                window: opts.window.unwrap_or(0),
             })?;
         }
         // 3. The merge of each row's parts into `out`, the sinks once.

@@ -294,6 +294,13 @@ impl<D: StepDevice> StepRunner<D> {
         match planned.cascade {
             // SAFETY: the views checked above; the metadata `plan` validated.
             None => unsafe { self.launch_decode_with(opts, (ds, p), &src, out)? },
+            // (A cascade runner has one layer group: `set_groups` refuses more.)
+            Some(_) if io.group != 0 => {
+                return Err(Error::invalid(
+                    "group",
+                    "a cascade serves layer group 0 only",
+                ));
+            }
             // SAFETY: as above; the cascade's metadata `plan_cascade` validated.
             Some(c) => unsafe { self.decode_cascade(opts, (ds, p), &src, out, c)? },
         }

@@ -409,6 +409,12 @@ impl<D: StepDevice> StepRunner<D> {
         }
         self.planned = None;
         self.planned_prefill = None;
+        if n > 1 && self.cascade.is_some() {
+            return Err(Error::invalid(
+                "groups",
+                "cascade attention is enabled: a runner of layer groups attends flat",
+            ));
+        }
         if n > self.groups {
             let (m, p) = (
                 self.meta_bytes.checked_mul(n),
@@ -642,6 +648,10 @@ impl<D: StepDevice> StepRunner<D> {
                     self.part_out.1 / self.shape.head_dim as u64
                 )));
             }
+        }
+        // (With cascade buffers: what `plan_cascade` checks its metadata against.)
+        if let Some(c) = self.cascade.as_mut() {
+            c.planned = Some(super::cascade::fingerprint(meta));
         }
         Ok(self.planned.insert(Planned {
             decode,
