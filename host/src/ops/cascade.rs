@@ -95,18 +95,21 @@ pub fn find_groups(
     }
     let w = width as usize;
     let n = lens.len().min(tables.len().checked_div(w).unwrap_or(0));
-    let cap = |r: usize| shareable(lens, r, block_size).min(width);
-    let rows: Vec<usize> = (0..n)
-        .filter(|&r| cap(r) >= min_shared_blocks.max(1))
+    // Each row's shareable blocks, once.
+    let caps: Vec<u32> = (0..n)
+        .map(|r| shareable(lens, r, block_size).min(width))
+        .collect();
+    let mut rows: Vec<usize> = (0..n)
+        .filter(|&r| caps[r] >= min_shared_blocks.max(1))
         .collect();
     let mut out = Vec::new();
     split(
         tables,
         w,
-        &rows,
+        &mut rows,
         0,
         min_shared_blocks.max(1),
-        &cap,
+        &caps,
         &mut out,
     );
     for g in &mut out {
@@ -118,21 +121,23 @@ pub fn find_groups(
 
 /// Groups `rows` (which share their first `depth` blocks), appending the cheaper of:
 /// one group over all of them at their common prefix, or their split at the first
-/// block they differ in (recursively). Returns the blocks the choice saves.
+/// block they differ in (recursively). Returns the blocks the choice saves. Sorts
+/// `rows` in place (by their block at each depth: `O(n log n)` a level, no allocation
+/// unless a group is found: it runs every step under `CascadePolicy::Auto`).
 fn split(
     tables: &[i32],
     w: usize,
-    rows: &[usize],
+    rows: &mut [usize],
     depth: u32,
     min: u32,
-    cap: &dyn Fn(usize) -> u32,
+    caps: &[u32],
     out: &mut Vec<CascadeGroup>,
 ) -> u64 {
     if rows.len() < 2 {
         return 0;
     }
     // The common prefix, at most every row's shareable blocks.
-    let limit = rows.iter().map(|&r| cap(r)).min().unwrap_or(0);
+    let limit = rows.iter().map(|&r| caps[r]).min().unwrap_or(0);
     let mut lcp = depth;
     while lcp < limit {
         let b = tables[rows[0] * w + lcp as usize];
@@ -146,22 +151,21 @@ fn split(
     } else {
         0
     };
-    // The split at block `lcp`: rows with more to share, by their block there.
-    let mut parts: Vec<(i32, Vec<usize>)> = Vec::new();
-    for &r in rows.iter().filter(|&&r| cap(r) > lcp) {
-        let b = tables[r * w + lcp as usize];
-        match parts.iter_mut().find(|(k, _)| *k == b) {
-            Some((_, v)) => v.push(r),
-            None => parts.push((b, vec![r])),
-        }
-    }
+    // The split at block `lcp`: the rows with more to share, by their block there
+    // (those without first, left out).
+    let key = |r: usize| (caps[r] > lcp).then(|| tables[r * w + lcp as usize]);
+    rows.sort_unstable_by_key(|&r| key(r));
+    let first = rows.partition_point(|&r| key(r).is_none());
+    let rest = &mut rows[first..];
     let mut sub = Vec::new();
     let mut saved = 0;
-    // (Only a real split: every row in one part would recurse at the same rows.)
-    if parts.len() > 1 || parts.first().is_some_and(|(_, v)| v.len() < rows.len()) {
-        for (_, part) in &parts {
-            saved += split(tables, w, part, lcp + 1, min, cap, &mut sub);
-        }
+    let mut i = 0;
+    // (Never all the rows in one part: `lcp` would have been longer.)
+    while i < rest.len() && (first > 0 || key(rest[0]) != key(rest[rest.len() - 1])) {
+        let k = key(rest[i]);
+        let j = i + rest[i..].partition_point(|&r| key(r) == k);
+        saved += split(tables, w, &mut rest[i..j], lcp + 1, min, caps, &mut sub);
+        i = j;
     }
     if whole > 0 && whole >= saved {
         out.push(CascadeGroup {
