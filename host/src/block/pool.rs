@@ -562,6 +562,19 @@ impl BlockPool {
         Ok(b)
     }
 
+    /// Undoes the [`allocate`](Self::allocate) of `b`, held once and holding `fill`
+    /// tokens: `b` goes back to the head of the free queue, hash-less. When the
+    /// allocations since were undone first (last in, first out) and the pool changed
+    /// otherwise only by operations on held blocks, the queue is exactly as before the
+    /// allocation. A cached block the allocation evicted stays evicted: the step
+    /// wrote into it, so its name no longer names its contents.
+    pub(crate) fn unallocate(&mut self, b: BlockId, fill: u32) {
+        debug_assert_eq!(self.ref_cnt[b as usize], 1, "unallocate of a shared block");
+        self.ref_cnt[b as usize] = 0;
+        self.held_fill -= fill as u64;
+        self.push_front(b);
+    }
+
     /// Adds a reference to a held block (a fork sharing it). The null block is a
     /// no-op. Errors, changing nothing: an id outside the pool ([`Error::Unknown`]), a
     /// free block or a count at `u32::MAX` ([`Error::InvalidState`]).
@@ -710,6 +723,12 @@ impl BlockPool {
         self.names.fill(NameSlot::NONE);
         self.num_cached_free = 0;
         Ok(())
+    }
+
+    /// Records `n` fewer token slots holding data in held blocks (a rollback of
+    /// rejected speculative tokens).
+    pub(crate) fn sub_fill(&mut self, n: u32) {
+        self.held_fill = self.held_fill.saturating_sub(n as u64);
     }
 
     /// Records `n` more token slots holding data in held blocks.

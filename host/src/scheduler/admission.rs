@@ -176,8 +176,10 @@ impl Scheduler {
             request: self.seqs[&seq].request,
             table,
         };
+        // A fork drafts for itself: the engine sets its lookahead.
         let cold = Cold {
             row: usize::MAX,
+            lookahead: 0,
             ..*self.seqs.cold(seq)
         };
         let parent_hot = &self.seqs.hot[(seq & 0xffff_ffff) as usize];
@@ -340,6 +342,7 @@ impl Scheduler {
                     token_offset: offset,
                     num_cached_tokens: cached,
                     samples,
+                    num_draft_tokens: 0,
                 });
             }
         }

@@ -51,6 +51,13 @@ pub struct ScheduledSeq {
     /// chunk of a chunked prefill, whose sampled token
     /// [`Scheduler::on_step_done`] ignores (the engine may skip sampling it).
     pub samples: bool,
+    /// Draft tokens this row verifies (speculative decoding, see
+    /// [`Scheduler::set_lookahead`]): its `num_new_tokens = num_draft_tokens + 1`
+    /// query tokens are the token sampled last step, then the drafts, at positions
+    /// `start_pos..context_len`, causal within the row. Such a *verify row* is not a
+    /// decode (`is_prefill` false, after `num_decodes`): it runs through the prefill
+    /// path with [`Batch::qo_indptr`]. 0 for decodes and prefills.
+    pub num_draft_tokens: u32,
 }
 
 /// What one step runs: device-ready arrays for the kernels.
@@ -66,7 +73,8 @@ pub struct Batch {
     /// prefill the continuing chunks, then the prompts admitted this step.
     pub seqs: Vec<ScheduledSeq>,
     /// How many leading entries of `seqs` are decodes (one new token each, `is_prefill`
-    /// false); the rest are prefills or prefill chunks.
+    /// false); the rest are verify rows (a decode with draft tokens,
+    /// [`ScheduledSeq::num_draft_tokens`]), prefills or prefill chunks.
     pub num_decodes: u32,
     /// `[seqs.len(), max_blocks_per_seq]`, padded with `NULL_BLOCK`.
     pub block_tables: Vec<i32>,

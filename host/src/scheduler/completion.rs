@@ -25,6 +25,15 @@ impl Scheduler {
         if !self.in_step {
             return Err(Error::InvalidState("on_step_done() without a step".into()));
         }
+        if self.verify_rows > 0 {
+            // Verify rows keep their first token (the one sampled last step) and
+            // roll back their drafts.
+            let accepted: Vec<(SeqId, &[u32])> = sampled
+                .iter()
+                .map(|(s, t)| (*s, std::slice::from_ref(t)))
+                .collect();
+            return self.on_step_done_accepted(&accepted);
+        }
         // Validate first (no state changes on error). The common call lists the step's
         // sequences in the step's order, which is row order: then each scheduled
         // sequence appears exactly once, which the two dense lists alone show.
@@ -32,9 +41,164 @@ impl Scheduler {
         let in_order = sampled.len() == self.rows.len()
             && sampled.iter().zip(&self.rows).all(|(&(s, _), &r)| s == r);
         if !in_order {
-            self.validate_sampled(sampled)?;
+            self.validate_scheduled(sampled.iter().map(|&(s, _)| s), sampled.len())?;
         }
         self.in_step = false;
+        self.complete_step(sampled, in_order)
+    }
+
+    /// Takes what every sequence of the last step kept (speculative decoding; see
+    /// the module docs): for each scheduled sequence exactly once, the tokens it
+    /// appends, in order. A decode or verify row keeps `0..=num_new_tokens` of its
+    /// positions and appends as many tokens: with `n` of them, the token sampled
+    /// last step and the first `n - 1` drafts keep their K/V, and the tokens are
+    /// those `n - 1` drafts (the ones the verifier accepted) and the token sampled
+    /// after them (the verifier's bonus or correction); 0 rolls the row back to where
+    /// it was before the step. A prefill row takes exactly one token (ignored for a
+    /// non-final chunk). A stop token or the `max_tokens` cap among the tokens ends
+    /// the sequence there (the tokens after it are dropped). Otherwise nothing changes
+    /// and an error says which row is wrong.
+    ///
+    /// The rejected positions' slots go back to the pool: blocks that held only
+    /// rejected positions are freed, a block copied on write for the row is given back
+    /// for the shared one when nothing is kept, and nothing rejected was ever named,
+    /// so no prefix hit serves a rejected token. When every row of a step that
+    /// preempted, swapped and admitted nothing keeps 0, the block tables, pool
+    /// (free-queue order included) and prefix map are exactly as before the step,
+    /// unless the step evicted a cached block for a new block: the step wrote into
+    /// it, so its name is gone (it comes back hash-less).
+    /// [`on_step_done`](Self::on_step_done) is this with one token for every row.
+    pub fn on_step_done_accepted(
+        &mut self,
+        accepted: &[(SeqId, &[u32])],
+    ) -> Result<Vec<(SeqId, FinishReason)>> {
+        if !self.in_step {
+            return Err(Error::InvalidState("on_step_done() without a step".into()));
+        }
+        self.validate_scheduled(accepted.iter().map(|&(s, _)| s), accepted.len())?;
+        // Each row's kept positions (validated before anything changes).
+        let mut kept = Vec::with_capacity(accepted.len());
+        for &(s, toks) in accepted {
+            let row = self.seqs.cold(s).row;
+            let q = self.batch.seqs[row];
+            let n = toks.len();
+            if q.is_prefill && n != 1 {
+                return Err(Error::invalid(
+                    "accepted",
+                    format!("{n} tokens for sequence {s}, a prefill row (exactly 1)"),
+                ));
+            }
+            if n > q.num_new_tokens as usize {
+                return Err(Error::invalid(
+                    "accepted",
+                    format!(
+                        "{n} tokens for sequence {s}, which verified {} (at most that many)",
+                        q.num_new_tokens
+                    ),
+                ));
+            }
+            // A stop token or the cap ends it at that token.
+            let h = &self.seqs.hot[(s & 0xffff_ffff) as usize];
+            let mut keep = n;
+            if !q.is_prefill {
+                for (i, &t) in toks.iter().enumerate() {
+                    if h.stop == Some(t) || i + 1 >= h.left as usize {
+                        keep = i + 1;
+                        break;
+                    }
+                }
+            }
+            kept.push((row, keep as u32));
+        }
+        self.in_step = false;
+        // Rollbacks, last row first: the reverse of the step's appends (each row's
+        // layer groups likewise), so the pool returns exactly to its state before.
+        let mut undo: Vec<usize> = (0..accepted.len())
+            .filter(|&i| {
+                let q = &self.batch.seqs[kept[i].0];
+                !q.is_prefill && kept[i].1 < q.num_new_tokens
+            })
+            .collect();
+        undo.sort_unstable_by_key(|&i| std::cmp::Reverse(kept[i].0));
+        for i in undo {
+            let (row, keep) = kept[i];
+            let q = self.batch.seqs[row];
+            // A copy on write is given back only while the shared block holds no
+            // token a sibling kept past this row's start (sharers see one fill).
+            let returnable = self.copy_returnable(q.seq, q.start_pos);
+            if returnable && !self.batch.copies.is_empty() {
+                // Its forks may share their last block with it again.
+                let request = self.seqs[&q.seq].request;
+                for k in 0..self.groups[&request].seqs.len() {
+                    let o = self.groups[&request].seqs[k];
+                    let (t0, extra) = self.seqs.tables_mut(o);
+                    t0.mark_last_maybe_shared();
+                    extra.iter_mut().for_each(|t| t.mark_last_maybe_shared());
+                }
+            }
+            let copies = if returnable {
+                &self.batch.copies[..]
+            } else {
+                &[]
+            };
+            let (t0, extra) = self.seqs.tables_mut(q.seq);
+            for t in extra.iter_mut().rev() {
+                self.kv
+                    .truncate_appended(t, q.start_pos, q.start_pos + keep, copies)?;
+            }
+            self.kv
+                .truncate_appended(t0, q.start_pos, q.start_pos + keep, copies)?;
+            self.stale_rows.push(q.seq);
+        }
+        // The accepted drafts join the history here; the last token goes through
+        // the common path (commits, stop and cap).
+        let mut last = Vec::with_capacity(accepted.len());
+        LineWriter::scope(|lines| {
+            for (&(s, toks), &(_, keep)) in accepted.iter().zip(&kept) {
+                let Some(&tok) = (keep as usize).checked_sub(1).and_then(|i| toks.get(i)) else {
+                    continue;
+                };
+                let h = &mut self.seqs.hot[(s & 0xffff_ffff) as usize];
+                if !self.batch.seqs[self.seqs.cold[(s & 0xffff_ffff) as usize].row].is_prefill {
+                    for &d in &toks[..keep as usize - 1] {
+                        h.tokens.push(d, lines);
+                        h.left -= 1;
+                    }
+                }
+                last.push((s, tok));
+            }
+        });
+        self.complete_step(&last, false)
+    }
+
+    /// Whether sequence `seq`, rolled back to `start` tokens, may take back a shared
+    /// partial block it copied on write this step: no fork of its group holds a copy
+    /// source (in any layer group) with tokens past `start` (the last sharer to
+    /// append wrote into the shared block in place, and kept that token).
+    fn copy_returnable(&self, seq: SeqId, start: u32) -> bool {
+        let i = (start / self.cfg.block_size) as usize;
+        let request = self.seqs[&seq].request;
+        self.groups[&request].seqs.iter().all(|&o| {
+            o == seq
+                || (0..self.specs.len()).all(|g| {
+                    let t = self.block_table_of(o, g).expect("a live fork");
+                    t.num_tokens() <= start
+                        || t.blocks()
+                            .get(i)
+                            .is_none_or(|b| !self.batch.copies.iter().any(|c| c.0 == *b))
+                })
+        })
+    }
+
+    /// The rest of `on_step_done` after validation: applies `sampled` (one token for
+    /// each sequence that keeps any position, in row order when `in_order`), names
+    /// and registers the step's full blocks, finishes the sequences that are done,
+    /// and (with a sliding window) releases what the next step no longer sees.
+    fn complete_step(
+        &mut self,
+        sampled: &[(SeqId, u32)],
+        in_order: bool,
+    ) -> Result<Vec<(SeqId, FinishReason)>> {
         // Apply in order; the sequences that finish are freed after the loop (their
         // blocks' prefix-cache registrations, deferred and batched, come first). Whole
         // lines of history go out with streaming stores, fenced when the loop ends
@@ -71,6 +235,9 @@ impl Scheduler {
         result?;
         for &(s, why) in &done {
             self.finish_seq(s, why)?;
+        }
+        if self.specs.iter().any(|s| s.window().is_some()) {
+            self.slide_windows()?;
         }
         Ok(done)
     }
@@ -171,14 +338,14 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Validates `sampled` in any order: every entry a live sequence the step
-    /// scheduled (its batch row lists it), none twice, and as many entries as the step
-    /// scheduled. Duplicates are found by stamping each sequence with this call's
-    /// generation: no allocation.
-    fn validate_sampled(&mut self, sampled: &[(SeqId, u32)]) -> Result<()> {
+    /// Validates the `len` sequences `ids` of an `on_step_done` in any order: every
+    /// entry a live sequence the step scheduled (its batch row lists it), none twice,
+    /// and as many entries as the step scheduled. Duplicates are found by stamping
+    /// each sequence with this call's generation: no allocation.
+    fn validate_scheduled(&mut self, ids: impl Iterator<Item = SeqId>, len: usize) -> Result<()> {
         self.generation += 1;
         let generation = self.generation;
-        for &(s, _) in sampled {
+        for s in ids {
             let unknown = Error::Unknown {
                 what: "sequence",
                 id: s,
@@ -204,12 +371,12 @@ impl Scheduler {
             }
             self.seqs.stamp[slot] = generation;
         }
-        if sampled.len() != self.batch.seqs.len() {
+        if len != self.batch.seqs.len() {
             return Err(Error::invalid(
                 "sampled",
                 format!(
                     "{} tokens for {} scheduled sequences",
-                    sampled.len(),
+                    len,
                     self.batch.seqs.len()
                 ),
             ));
@@ -263,6 +430,9 @@ impl Scheduler {
         let status = self.groups[&request].status;
         if status == Status::Running {
             self.remove_row(seq);
+        }
+        if self.seqs.cold(seq).lookahead > 0 {
+            self.lookahead_seqs -= 1;
         }
         let (mut s, tokens, extra) = self.seqs.remove(&seq).unwrap();
         self.kv.free(&mut s.table)?;

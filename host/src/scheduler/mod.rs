@@ -93,6 +93,47 @@
 //! After sampling, [`Scheduler::on_step_done`] takes each scheduled sequence's new token;
 //! a stop token or `max_tokens` finishes it and frees its blocks at once.
 //!
+//! # Speculative decoding
+//! An engine that drafts tokens (a draft model, EAGLE or multi-token-prediction heads)
+//! sets a sequence's *lookahead* `k` ([`Scheduler::set_lookahead`], up to
+//! [`MAX_LOOKAHEAD`]; 0, the default, is a plain decode). From the next step on, the
+//! sequence's decode is a *verify row*: slots for the token sampled last step and up to
+//! `k` drafts, `num_new_tokens = num_draft_tokens + 1` query tokens at positions
+//! `start_pos..context_len`, causal within the row, listed after the decodes with the
+//! prefills ([`ScheduledSeq::num_draft_tokens`]; the engine runs it through the prefill
+//! path with [`Batch::qo_indptr`]). Then [`Scheduler::on_step_done_accepted`] takes,
+//! per row, the tokens it keeps (`0..=num_new_tokens`): the accepted drafts and the
+//! token sampled after them. Invariants:
+//! * *Drafts never preempt.* Step 1 reserves one token per row, as for a decode; a
+//!   verify row's drafts take only what is left: the step's token budget after the
+//!   decodes and one token for each later chunk or verify row, the free blocks above
+//!   the watermark after the later rows' next tokens, and what the sequence may still
+//!   generate. A verify row may get fewer drafts than asked, or none. Admission
+//!   (step 4) comes after and sees the drafts' blocks taken, so the watermark counts
+//!   them. Liveness is as without drafts.
+//! * *A rollback is exact.* A row that keeps `n` of its positions gives the rest back:
+//!   blocks that held only rejected positions go back to the head of the free queue
+//!   (rows last to first, so the queue is as before the step), a copy on write made
+//!   for the row is returned for the shared block when nothing is kept (and no fork
+//!   kept a token in the shared block), and the row is rewritten at the next step.
+//!   With a sliding window, the blocks a step no longer sees are released at the end
+//!   of the *previous* `on_step_done` (not at the step's start), so a rollback never
+//!   needs a block the window freed. A step that admitted, preempted and swapped
+//!   nothing and whose rows all keep nothing leaves the tables, the pool (free-queue
+//!   order included) and the prefix map as they were, but for a cached block the step
+//!   evicted for a new block (the step wrote into it: its name is gone).
+//! * *A rejected token is never a prefix hit.* A decode's full blocks are named in
+//!   `on_step_done`, after the rollback, from the kept tokens: no rejected position
+//!   is ever named, so nothing needs un-committing.
+//! * *Accepting all is `k + 1` plain decodes*: the same tokens, tables, names and pool
+//!   counts (block ids too, for one sequence without a window).
+//!
+//! Drafts form a chain here: the verifier accepts a prefix of them. A tree of drafts
+//! is verified by the attention with a tree mask
+//! (the prefill kernels' `tree_mask`); its accepted path is then copied
+//! into the chain's first positions by the engine before it passes the path's tokens
+//! back.
+//!
 //! # Layer groups (models that mix sliding-window and full-attention layers)
 //! [`SchedulerConfig::kv_groups`] gives each layer group's [`KvSpec`] (Gemma 3: window
 //! groups and one full group, [`LayerGroups`](crate::block::LayerGroups) cuts a
@@ -185,8 +226,9 @@
 //!   the block-cost and watermark arithmetic they share;
 //! * `step`: [`Scheduler::step`] itself, step 3 (the decode slots) and the metrics;
 //! * `batch`: the [`Batch`] types and the upkeep of its persistent block-table rows;
-//! * `completion`: [`Scheduler::on_step_done`], [`Scheduler::abort`] and finishing a
-//!   sequence.
+//! * `completion`: [`Scheduler::on_step_done`] and
+//!   [`Scheduler::on_step_done_accepted`] (with the rollback of rejected drafts),
+//!   [`Scheduler::abort`] and finishing a sequence.
 
 mod admission;
 mod batch;
@@ -208,6 +250,11 @@ use crate::block::{BlockTable, KvCacheManager, KvSpec, PrefixHits};
 use crate::error::{Error, Result};
 use crate::mem::SeqAlloc;
 use crate::ops::SUPPORTED_BLOCK_SIZES;
+
+/// The most draft tokens a sequence may verify in one step
+/// ([`Scheduler::set_lookahead`]): a verify row's `k + 1` query tokens fit one 64-bit
+/// tree-mask word.
+pub const MAX_LOOKAHEAD: u32 = 63;
 
 /// A request's id, chosen by the caller.
 pub type RequestId = u64;
@@ -415,6 +462,17 @@ pub struct Scheduler {
     /// The KV spec of each layer group (`cfg.kv_groups`, or the one group of
     /// `cfg.sliding_window`).
     specs: Vec<KvSpec>,
+    /// Live sequences with a lookahead (speculative decoding), so a step without
+    /// any skips the per-row check.
+    lookahead_seqs: usize,
+    /// Verify rows (a granted lookahead) in the last step.
+    verify_rows: usize,
+    /// Sequences whose batch row is rewritten whole at the next step (a rollback
+    /// changed their tables while the batch was out).
+    stale_rows: Vec<SeqId>,
+    /// `(sequence, layer group, from, to)`: entries a window released in
+    /// `on_step_done` (the batch was out), written `NULL_BLOCK` at the next step.
+    released: Vec<(SeqId, u32, u32, u32)>,
 }
 
 impl Scheduler {
@@ -504,6 +562,7 @@ impl Scheduler {
             cfg.enable_prefix_caching,
             &specs,
         )?;
+
         let watermark_blocks = (cfg.watermark * cfg.num_blocks as f64) as u32;
         let max_blocks = cfg.max_model_len.div_ceil(cfg.block_size);
         // The batch's block tables hold up to `max_num_seqs` rows of `max_blocks` i32s
@@ -554,6 +613,10 @@ impl Scheduler {
             hits: PrefixHits::default(),
             specs,
             cfg,
+            lookahead_seqs: 0,
+            verify_rows: 0,
+            stale_rows: Vec::new(),
+            released: Vec::new(),
         })
     }
 
@@ -677,6 +740,46 @@ impl Scheduler {
     /// `config().sliding_window`).
     pub fn kv_specs(&self) -> &[KvSpec] {
         &self.specs
+    }
+
+    /// Sets how many draft tokens live sequence `seq` asks to verify in each of its
+    /// decode steps from the next [`step`](Self::step) on (0: plain decodes); see the
+    /// module docs on speculative decoding. At most [`MAX_LOOKAHEAD`]. Refused
+    /// between `step` and [`on_step_done`](Self::on_step_done) ([`Error::InvalidState`]).
+    pub fn set_lookahead(&mut self, seq: SeqId, k: u32) -> Result<()> {
+        if self.in_step {
+            return Err(Error::InvalidState(
+                "set_lookahead between step() and on_step_done()".into(),
+            ));
+        }
+        if k > MAX_LOOKAHEAD {
+            return Err(Error::invalid(
+                "lookahead",
+                format!("{k} draft tokens (at most {MAX_LOOKAHEAD})"),
+            ));
+        }
+        if self.seqs.get(&seq).is_none() {
+            return Err(Error::Unknown {
+                what: "sequence",
+                id: seq,
+            });
+        }
+        let cold = self.seqs.cold_mut(seq);
+        let before = cold.lookahead;
+        cold.lookahead = k;
+        self.lookahead_seqs = self.lookahead_seqs + (k > 0) as usize - (before > 0) as usize;
+        Ok(())
+    }
+
+    /// The lookahead of live sequence `seq` ([`set_lookahead`](Self::set_lookahead)).
+    pub fn lookahead(&self, seq: SeqId) -> Result<u32> {
+        self.seqs
+            .get(&seq)
+            .map(|_| self.seqs.cold(seq).lookahead)
+            .ok_or(Error::Unknown {
+                what: "sequence",
+                id: seq,
+            })
     }
 
     /// Tokens whose KV is in the cache, for a live sequence.

@@ -65,6 +65,10 @@ pub(super) struct Cold {
     pub(super) max_len: u32,
     /// Row in the batch while running (`usize::MAX` otherwise).
     pub(super) row: usize,
+    /// Draft tokens the engine asks to verify in each of its decode steps
+    /// ([`Scheduler::set_lookahead`](super::Scheduler::set_lookahead)); 0: plain
+    /// decodes.
+    pub(super) lookahead: u32,
 }
 
 impl Cold {
@@ -75,6 +79,7 @@ impl Cold {
             prefill_end: 0,
             max_len,
             row: usize::MAX,
+            lookahead: 0,
         }
     }
 

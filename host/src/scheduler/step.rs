@@ -8,16 +8,17 @@
 //! block this sequence holds alone) changes no block-table entry; any other rewrites
 //! only the entries it changed; a chunk rewrites its row whole.
 
-use super::{Batch, ScheduledSeq, Scheduler};
+use super::{Batch, ScheduledSeq, Scheduler, SeqId};
 use crate::block::NULL_BLOCK;
 use crate::error::{Error, Result};
 use crate::mem::prefetch_write;
 
-/// What is left for the continuing chunks of one step (chunked prefill).
+/// What is left for the continuing chunks and verify rows of one step (chunked
+/// prefill, speculative decoding).
 struct ChunkPlan {
     /// Tokens left in the step's budget after the decodes (each takes one).
     tokens: usize,
-    /// Mid-prefill rows not yet scheduled.
+    /// Mid-prefill and verify rows not yet scheduled (each takes at least one).
     chunks: usize,
     /// Free blocks the next token of every row not yet scheduled takes (an upper
     /// bound), which a chunk must leave.
@@ -48,8 +49,11 @@ impl Scheduler {
                 "step() called again before on_step_done()".into(),
             ));
         }
-        // The rows that left since the last step leave the arrays now.
+        // The rows that left since the last step leave the arrays now, and the rows
+        // `on_step_done` changed (rollbacks, a window's releases) are written.
         self.settle_rows();
+        self.write_deferred_rows();
+        self.verify_rows = 0;
         let b = &mut self.batch;
         b.seqs.clear();
         b.slot_mapping.clear();
@@ -64,11 +68,9 @@ impl Scheduler {
             g.slot_mapping.clear();
         }
 
-        // 0. With a sliding window, release what no query of this step sees, so the
-        // counts below see those blocks free.
-        if self.specs.iter().any(|s| s.window().is_some()) {
-            self.slide_windows()?;
-        }
+        // (With a sliding window, what no query of this step sees was released by
+        // the last `on_step_done`, so the counts below see those blocks free and a
+        // rollback of this step never needs them.)
         // 1. Room for every running sequence's next token, most urgent groups first.
         self.make_room()?;
         // 2. Swap in, most urgent first, above the watermark (when others run), when nobody
@@ -106,7 +108,7 @@ impl Scheduler {
     /// Step 3: gives every running sequence its decode slot, allocating only when a
     /// block fills and copying a shared partial block on write.
     fn schedule_decodes(&mut self) -> Result<()> {
-        let chunks = if self.chunked {
+        let chunks = if self.chunked || self.lookahead_seqs > 0 {
             self.plan_chunks()?
         } else {
             None
@@ -138,6 +140,10 @@ impl Scheduler {
                 plan.reserve -= cost;
                 if self.seqs.is_prefilling(id) {
                     self.schedule_chunk(row, id, cost, plan)?;
+                    continue;
+                }
+                if self.seqs.cold(id).lookahead > 0 {
+                    self.schedule_verify(row, id, cost, plan)?;
                     continue;
                 }
             }
@@ -181,6 +187,7 @@ impl Scheduler {
                 token_offset: offset,
                 num_cached_tokens: 0,
                 samples: true,
+                num_draft_tokens: 0,
             });
         }
         Ok(())
@@ -206,27 +213,58 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Step 0 (with a sliding window): releases, for every running sequence and
-    /// layer group, the blocks wholly before the window of the first position this
-    /// step appends (see the window's release rule in `block::table::append`), and
-    /// writes their batch entries `NULL_BLOCK`. The appends of step 3 then release
-    /// nothing more.
-    fn slide_windows(&mut self) -> Result<()> {
-        let w = self.batch.max_blocks_per_seq as usize;
+    /// The end of `on_step_done` (with a sliding window): releases, for every running
+    /// sequence and layer group, the blocks wholly before the window of the first
+    /// position its next step appends (see the window's release rule in
+    /// `block::table::append`); their batch entries become `NULL_BLOCK` at the next
+    /// step (the batch is out). The next step's appends then release nothing more,
+    /// and a rollback of that step finds every block it needs.
+    pub(super) fn slide_windows(&mut self) -> Result<()> {
         for row in 0..self.rows.len() {
-            let (t0, extra) = self.seqs.tables_mut(self.rows[row]);
-            let planes = std::iter::once(&mut self.batch.block_tables)
-                .chain(self.batch.groups.iter_mut().map(|g| &mut g.block_tables));
-            for (t, plane) in std::iter::once(t0).chain(extra.iter_mut()).zip(planes) {
-                let live_before = (t.first_live() as usize).min(w);
-                let released = self.kv.slide_window(t)?;
-                let live = (t.first_live() as usize).min(w);
-                if released > 0 && live > live_before {
-                    plane[row * w + live_before..row * w + live].fill(NULL_BLOCK as i32);
+            let id = self.rows[row];
+            let (t0, extra) = self.seqs.tables_mut(id);
+            for (g, t) in std::iter::once(t0).chain(extra.iter_mut()).enumerate() {
+                let live_before = t.first_live();
+                if self.kv.slide_window(t)? > 0 {
+                    self.released
+                        .push((id, g as u32, live_before, t.first_live()));
                 }
             }
         }
         Ok(())
+    }
+
+    /// Writes the batch rows `on_step_done` changed while the batch was out: whole
+    /// rows after a rollback, `NULL_BLOCK` over the entries a window released.
+    fn write_deferred_rows(&mut self) {
+        let w = self.batch.max_blocks_per_seq as usize;
+        for i in 0..self.released.len() {
+            let (id, g, from, to) = self.released[i];
+            let Some(row) = self.running_row(id) else {
+                continue;
+            };
+            let plane = match g {
+                0 => &mut self.batch.block_tables,
+                g => &mut self.batch.groups[g as usize - 1].block_tables,
+            };
+            let (from, to) = ((from as usize).min(w), (to as usize).min(w));
+            plane[row * w + from..row * w + to].fill(NULL_BLOCK as i32);
+        }
+        self.released.clear();
+        for i in 0..self.stale_rows.len() {
+            let id = self.stale_rows[i];
+            if let Some(row) = self.running_row(id) {
+                self.write_row(row, id);
+            }
+        }
+        self.stale_rows.clear();
+    }
+
+    /// The batch row of sequence `id` when it is live and running.
+    fn running_row(&self, id: SeqId) -> Option<usize> {
+        self.seqs.get(&id)?;
+        let row = self.seqs.cold(id).row;
+        (row != usize::MAX).then_some(row)
     }
 
     /// Prefetches, at the decode of row `row`, the record of the sequence 2 × `dist`
@@ -266,15 +304,18 @@ impl Scheduler {
         }
     }
 
-    /// The budgets of this step's continuing chunks (chunked prefill only): `None`
-    /// when no running sequence is mid-prefill. Moves the mid-prefill rows after the
-    /// others first (decodes keep their order), so the batch lists the decodes first.
+    /// The budgets of this step's continuing chunks and verify rows (chunked
+    /// prefill or a lookahead only): `None` when no running sequence is mid-prefill
+    /// or has a lookahead. Moves those rows after the others first (decodes keep
+    /// their order), so the batch lists the decodes first.
     fn plan_chunks(&mut self) -> Result<Option<ChunkPlan>> {
         let (mut decodes, mut reserve) = (0usize, 0u32);
+        let spec = self.lookahead_seqs > 0;
         for i in 0..self.rows.len() {
             let id = self.rows[i];
             reserve += self.append_cost(id)?;
-            if !self.seqs.is_prefilling(id) {
+            let verifies = spec && self.seqs.cold(id).lookahead > 0;
+            if !verifies && !self.seqs.is_prefilling(id) {
                 if i != decodes {
                     self.swap_rows(i, decodes);
                 }
@@ -303,7 +344,6 @@ impl Scheduler {
         plan: &mut ChunkPlan,
     ) -> Result<()> {
         plan.chunks -= 1;
-        let bs = self.cfg.block_size;
         let start = self.seqs[&id].table.num_tokens();
         let prefill_end = self.seqs.cold(id).prefill_end;
         let mut take = (prefill_end - start) as usize;
@@ -313,22 +353,7 @@ impl Scheduler {
         // Every layer group's table takes the same blocks for the same positions
         // (a mid-prefill sequence has no forks): `cost` and the free blocks split
         // evenly.
-        let groups = self.specs.len() as u32;
-        let blocks = self
-            .kv
-            .device()
-            .num_free()
-            .saturating_sub(plan.reserve + self.watermark_now())
-            .max(cost)
-            / groups;
-        let cost = cost / groups;
-        let room = (bs - start % bs) % bs;
-        let fit = if room > 0 && cost == 1 {
-            room as u64 + (blocks as u64 - 1) * bs as u64
-        } else {
-            room as u64 + blocks as u64 * bs as u64
-        };
-        take = take.min(fit.min(usize::MAX as u64) as usize).max(1);
+        take = take.min(self.fit_tokens(start, cost, plan)).max(1);
         plan.tokens = plan.tokens.saturating_sub(take);
         let offset = self.batch.slot_mapping.len() as u32;
         // One step's appends: a sliding window releases only what the chunk's first
@@ -373,6 +398,94 @@ impl Scheduler {
             token_offset: offset,
             num_cached_tokens: 0,
             samples,
+            num_draft_tokens: 0,
+        });
+        Ok(())
+    }
+
+    /// Tokens a row appending from position `start`, whose first token costs `cost`
+    /// blocks (reserved by `make_room`), can take from the free blocks left above the
+    /// watermark (when others run) after the later rows' next tokens: the rest of a
+    /// partial last block (after a copy, which `cost` counts, when it is shared), then
+    /// whole blocks. Every layer group's table takes the same blocks for the same
+    /// positions (a mid-prefill sequence has no forks; a verify row's forks are
+    /// counted at their own rows): `cost` and the free blocks split evenly.
+    fn fit_tokens(&self, start: u32, cost: u32, plan: &ChunkPlan) -> usize {
+        let bs = self.cfg.block_size;
+        let groups = self.specs.len() as u32;
+        let blocks = self
+            .kv
+            .device()
+            .num_free()
+            .saturating_sub(plan.reserve + self.watermark_now())
+            .max(cost)
+            / groups;
+        let cost = cost / groups;
+        let room = (bs - start % bs) % bs;
+        let fit = if room > 0 && cost == 1 {
+            room as u64 + (blocks as u64).saturating_sub(1) * bs as u64
+        } else {
+            room as u64 + blocks as u64 * bs as u64
+        };
+        fit.max(1).min(usize::MAX as u64) as usize
+    }
+
+    /// Schedules running sequence `id` (batch row `row`) as a verify row: its token
+    /// sampled last step and up to its lookahead of draft tokens, as many as its
+    /// token cap leaves (`k + 1` at most what it may still append), the step's token
+    /// budget leaves after the decodes and one token for each later chunk or verify
+    /// row, and the free blocks fit above the watermark after the later rows' next
+    /// tokens ([`fit_tokens`](Self::fit_tokens)): the drafts never preempt anyone.
+    /// At least the one token `make_room` reserved (`cost` blocks). The drafts' slots
+    /// are appended as one chunk (their queries run together); nothing is named
+    /// until `on_step_done` knows which were accepted.
+    fn schedule_verify(
+        &mut self,
+        row: usize,
+        id: u64,
+        cost: u32,
+        plan: &mut ChunkPlan,
+    ) -> Result<()> {
+        plan.chunks -= 1;
+        let slot = (id & 0xffff_ffff) as usize;
+        let start = self.seqs[&id].table.num_tokens();
+        let left = self.seqs.hot[slot].left.max(1) as usize;
+        let mut take = (self.seqs.cold[slot].lookahead as usize + 1).min(left);
+        take = take.min(plan.tokens.saturating_sub(plan.chunks)).max(1);
+        take = take.min(self.fit_tokens(start, cost, plan)).max(1);
+        plan.tokens = plan.tokens.saturating_sub(take);
+        let offset = self.batch.slot_mapping.len() as u32;
+        let (t0, extra) = self.seqs.tables_mut(id);
+        self.kv.append_chunk(
+            t0,
+            take as u32,
+            &mut self.batch.copies,
+            &mut self.batch.slot_mapping,
+        )?;
+        for (t, plane) in extra.iter_mut().zip(&mut self.batch.groups) {
+            self.kv.append_chunk(
+                t,
+                take as u32,
+                &mut self.batch.copies,
+                &mut plane.slot_mapping,
+            )?;
+        }
+        let end = self.seqs[&id].table.num_tokens();
+        let request = self.seqs[&id].request;
+        // New blocks and a copy may change several entries: the whole row.
+        self.write_row(row, id);
+        self.verify_rows += 1;
+        self.batch.seqs.push(ScheduledSeq {
+            seq: id,
+            request,
+            is_prefill: false,
+            start_pos: start,
+            num_new_tokens: take as u32,
+            context_len: end,
+            token_offset: offset,
+            num_cached_tokens: 0,
+            samples: true,
+            num_draft_tokens: take as u32 - 1,
         });
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! The block manager and the scheduler, one test binary: the model-based proptest
 //! (`scheduler`), chunked prefill, vLLM's expectations re-expressed (`scheduler_examples`),
-//! large pools, and liveness.
+//! large pools, liveness, and speculative decoding (`speculative`).
 
 mod liveness;
 mod scheduler;
@@ -8,3 +8,4 @@ mod scheduler_chunked;
 mod scheduler_examples;
 mod scheduler_hybrid;
 mod scheduler_large;
+mod speculative;

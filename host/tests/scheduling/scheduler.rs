@@ -42,6 +42,9 @@ enum Op {
     Abort(usize),
     /// `reset_prefix_cache`: refused while anything runs or is swapped out.
     Reset,
+    /// `set_lookahead(k)` on a running sequence: its later steps verify up to `k`
+    /// draft tokens, and the model accepts a random number of them.
+    Lookahead(usize, u32),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -51,6 +54,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<usize>().prop_map(Op::Fork),
         1 => any::<usize>().prop_map(Op::Abort),
         1 => Just(Op::Reset),
+        2 => (any::<usize>(), prop_oneof![1 => Just(0u32), 3 => 1u32..6]).prop_map(|(i, k)| Op::Lookahead(i, k)),
     ]
 }
 
@@ -126,6 +130,21 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, bool)> {
         )
 }
 
+/// The tokens row `q` writes: its sequence's history, then (a verify row) its
+/// drafts, a function of the sequence and position (never the stop token 7).
+fn with_drafts(s: &Scheduler, q: &pagedkv_host::scheduler::ScheduledSeq) -> Vec<u32> {
+    let mut t = s.tokens(q.seq).unwrap().to_vec();
+    while t.len() < q.context_len as usize {
+        t.push(draft_token(q.seq, t.len()));
+    }
+    t
+}
+
+/// The draft token of sequence `seq` at position `pos`.
+fn draft_token(seq: u64, pos: usize) -> u32 {
+    (seq as u32).wrapping_mul(31).wrapping_add(pos as u32 * 7) % 300 + 100
+}
+
 struct Model {
     s: Scheduler,
     dev: Vec<Option<u32>>,
@@ -141,6 +160,9 @@ struct Model {
     /// window, the blocks wholly before that position's window are released, and no
     /// others.
     last_start: HashMap<u64, u32>,
+    /// Whether a step may keep no position of a decode or verify row (a rollback);
+    /// off for the liveness phase, where every step must make progress.
+    rollbacks: bool,
 }
 
 impl Model {
@@ -152,6 +174,7 @@ impl Model {
             s: Scheduler::with_chunked_prefill(cfg, chunked).unwrap(),
             ctx: HashMap::new(),
             last_start: HashMap::new(),
+            rollbacks: false,
             dev,
             host,
             next_req: 0,
@@ -213,7 +236,7 @@ impl Model {
             prop_assert_eq!(view.block_tables.len(), batch.seqs.len() * w);
             prop_assert_eq!(view.slot_mapping.len(), batch.slot_mapping.len());
             for (row, q) in batch.seqs.iter().enumerate() {
-                let tokens = self.s.tokens(q.seq).unwrap().to_vec();
+                let tokens = with_drafts(&self.s, q);
                 prop_assert_eq!(batch.context_lens[row] as u32, q.context_len);
                 let table = self.s.block_table_of(q.seq, g).unwrap();
                 for (i, b) in table.blocks().iter().enumerate() {
@@ -256,8 +279,8 @@ impl Model {
                                 && t.blocks().get(pos as usize / bs) == Some(&block)
                             {
                                 prop_assert_eq!(
-                                    self.s.tokens(other).unwrap()[pos as usize],
-                                    tokens[pos as usize],
+                                    self.s.tokens(other).unwrap().get(pos as usize),
+                                    tokens.get(pos as usize).copied(),
                                     "sequence {} shares block {} with other tokens",
                                     other,
                                     block
@@ -277,7 +300,7 @@ impl Model {
             let view = batch.group(g).unwrap();
             prop_assert_eq!(view.sliding_window, window);
             for (row, q) in batch.seqs.iter().enumerate() {
-                let tokens = self.s.tokens(q.seq).unwrap().to_vec();
+                let tokens = with_drafts(&self.s, q);
                 for pos in window_start(window, q.start_pos)..q.context_len {
                     let b = view.block_tables[row * w + pos as usize / bs];
                     prop_assert!(
@@ -313,6 +336,33 @@ impl Model {
             .iter()
             .map(|q| self.s.tokens(q.seq).unwrap().len())
             .collect();
+        // Verify rows keep a random number of their positions (from 0 while
+        // `rollbacks`, else from 1): the first drafts, then a sampled token.
+        let mut kept: HashMap<u64, usize> = HashMap::new();
+        let mut accepted: Vec<(u64, Vec<u32>)> = Vec::new();
+        let verifies = batch.seqs.len() > batch.num_decodes as usize
+            && batch.seqs[batch.num_decodes as usize..]
+                .iter()
+                .any(|q| !q.is_prefill);
+        let rollbacks = self.rollbacks;
+        for (q, &(_, tok)) in batch.seqs.iter().zip(&sampled) {
+            let mut toks = vec![tok];
+            if !q.is_prefill && (verifies || rollbacks) {
+                let n = q.num_new_tokens as usize;
+                let lo = if rollbacks { 0 } else { 1 };
+                let r = (tok as usize * 7 + q.seq as usize) % (n + 1 - lo) + lo;
+                let drafts = with_drafts(&self.s, q);
+                toks = Vec::new();
+                if r > 0 {
+                    toks.extend_from_slice(
+                        &drafts[q.start_pos as usize + 1..q.start_pos as usize + r],
+                    );
+                    toks.push(tok);
+                }
+                kept.insert(q.seq, toks.len());
+            }
+            accepted.push((q.seq, toks));
+        }
         let mut sampled = sampled;
         match order {
             1 | 3 => sampled.reverse(),
@@ -341,13 +391,32 @@ impl Model {
             );
         }
         if !batch.seqs.is_empty() {
-            self.s.on_step_done(&sampled).unwrap();
+            if kept.is_empty() {
+                self.s.on_step_done(&sampled).unwrap();
+            } else {
+                if order != 0 {
+                    accepted.reverse();
+                }
+                let lists: Vec<(u64, &[u32])> =
+                    accepted.iter().map(|(s, t)| (*s, t.as_slice())).collect();
+                self.s.on_step_done_accepted(&lists).unwrap();
+            }
         }
         // A decode or a prefill's last chunk keeps its sampled token; a non-final
         // chunk's token is ignored.
         for (q, len) in batch.seqs.iter().zip(lens) {
-            self.ctx.insert(q.seq, q.context_len);
             self.last_start.insert(q.seq, q.start_pos);
+            if let Some(&n) = kept.get(&q.seq) {
+                // A live row kept exactly the positions it was told to (a stop or the
+                // cap would have finished it), and as many tokens.
+                self.ctx.insert(q.seq, q.start_pos + n as u32);
+                if let Ok(t) = self.s.tokens(q.seq) {
+                    prop_assert_eq!(t.len(), len + n, "sequence {}", q.seq);
+                    prop_assert_eq!(self.s.num_computed(q.seq).unwrap(), q.start_pos + n as u32);
+                }
+                continue;
+            }
+            self.ctx.insert(q.seq, q.context_len);
             if let Ok(t) = self.s.tokens(q.seq) {
                 prop_assert_eq!(t.len(), len + q.samples as usize, "sequence {}", q.seq);
                 prop_assert_eq!(self.s.num_computed(q.seq).unwrap(), q.context_len);
@@ -412,13 +481,21 @@ impl Model {
             prop_assert_eq!(batch.qo_indptr.len(), batch.seqs.len() + 1);
             prop_assert_eq!(*batch.qo_indptr.last().unwrap() as usize, new);
         }
-        // Decodes first, then the prefills (chunks, then admissions).
-        let decodes = batch.seqs.iter().take_while(|q| !q.is_prefill).count();
-        prop_assert_eq!(batch.num_decodes as usize, decodes);
+        // Decodes first, then verify rows and prefills (chunks, then admissions).
+        let decodes = batch.num_decodes as usize;
         prop_assert!(
-            batch.seqs[decodes..].iter().all(|q| q.is_prefill),
-            "a decode after a prefill"
+            batch.seqs[..decodes]
+                .iter()
+                .all(|q| !q.is_prefill && q.num_draft_tokens == 0),
+            "a prefill or verify row among the decodes"
         );
+        for q in &batch.seqs[decodes..] {
+            prop_assert!(
+                q.is_prefill || self.s.lookahead(q.seq).unwrap() >= q.num_draft_tokens,
+                "a decode after a prefill or more drafts than asked: {:?}",
+                q
+            );
+        }
         let mut cached = 0;
         for (i, q) in batch.seqs.iter().enumerate() {
             prop_assert_eq!(batch.qo_indptr[i], q.token_offset as i32);
@@ -433,10 +510,22 @@ impl Model {
                 q
             );
             let len = self.s.tokens(q.seq).unwrap().len() as u32;
-            prop_assert!(q.context_len <= len);
-            prop_assert_eq!(q.samples, q.context_len == len, "{:?}", q);
-            if !q.is_prefill {
-                prop_assert!(q.num_new_tokens == 1 && q.samples && q.num_cached_tokens == 0);
+            if q.is_prefill {
+                prop_assert!(q.context_len <= len);
+                prop_assert_eq!(q.samples, q.context_len == len, "{:?}", q);
+                prop_assert_eq!(q.num_draft_tokens, 0);
+            } else {
+                // A decode, or a verify row: the last token and its drafts, no more
+                // than the sequence may still generate.
+                prop_assert!(
+                    q.num_new_tokens == q.num_draft_tokens + 1
+                        && q.samples
+                        && q.num_cached_tokens == 0
+                );
+                prop_assert_eq!(q.context_len, len + q.num_draft_tokens);
+                if let Some(&(plen, max_tokens)) = self.accepted.get(&q.request) {
+                    prop_assert!(q.context_len as usize <= plen + max_tokens as usize);
+                }
             }
             cached += q.num_cached_tokens;
         }
@@ -522,15 +611,11 @@ impl Model {
             prop_assert_eq!(t.group(), g);
             let computed = self.s.num_computed(seq).unwrap() as usize;
             let tokens = self.s.tokens(seq).unwrap();
-            // The blocks wholly before the window of the last step's first new
-            // position are released; every later one is held. (A swapped-out table
-            // was slid at the start of the step that swapped it out, to its next
-            // position.)
-            let start = if t.location() == Location::Host {
-                t.num_tokens()
-            } else {
-                self.last_start.get(&seq).copied().unwrap_or(0)
-            };
+            // The blocks wholly before the window of the next step's first new
+            // position are released (at the end of `on_step_done`, so a rollback of
+            // the next step never needs them); every later one is held. (A
+            // swapped-out table was slid so before the step that swapped it out.)
+            let start = t.num_tokens();
             let first = window_start(self.s.kv_specs()[g].window(), start) as usize / bs;
             for (i, &b) in t.blocks().iter().enumerate() {
                 if i < first {
@@ -642,6 +727,7 @@ proptest! {
     #[test]
     fn random_interleavings_keep_every_invariant((cfg, chunked) in config(), ops in prop::collection::vec(op(), 1..120)) {
         let mut m = Model::new(cfg, chunked);
+        m.rollbacks = true;
         let prefixes: [Vec<u32>; 3] = [(0..40).collect(), (50..70).collect(), vec![]];
         for op in ops {
             match op {
@@ -692,6 +778,12 @@ proptest! {
                         Err(e) => prop_assert!(false, "{}", e),
                     }
                 }
+                Op::Lookahead(i, k) => {
+                    let running = m.s.running_seqs().to_vec();
+                    if !running.is_empty() {
+                        m.s.set_lookahead(running[i % running.len()], k).unwrap();
+                    }
+                }
                 Op::Abort(i) => {
                     let live = m.s.live_seqs();
                     if !live.is_empty() {
@@ -707,6 +799,7 @@ proptest! {
         // many steps as its sequences have tokens left to generate (every step gives
         // some sequence a token it keeps). With chunked prefill a step may only advance
         // prefills, whose chunks a recompute may throw away: a looser bound.
+        m.rollbacks = false;
         let mut bound = m.remaining_tokens() + 1;
         if chunked {
             let prompts: usize = m.s.live_seqs().iter().map(|q| m.s.tokens(*q).unwrap().len()).sum();

@@ -137,6 +137,75 @@ impl KvCacheManager {
         Ok(())
     }
 
+    /// Undoes the appends of the current step to device table `t` from position
+    /// `keep` on: `t` held `start` tokens before the step (`start <= keep <=
+    /// num_tokens`), and the positions from `keep` on were speculative tokens a
+    /// verifier rejected. Blocks wholly past `keep` go back to the head of the free
+    /// queue, hash-less (a cached block the step evicted for them stays evicted: the
+    /// step wrote into it); when `keep == start`
+    /// and the step copied a shared partial last block (its pair is in `copies`), the
+    /// table takes the shared block back and the copy is returned. Call it before
+    /// anything else changes the pool after the step, tables in the reverse order of
+    /// their appends, for the pool to be exactly as before those appends (the queue
+    /// order included).
+    ///
+    /// Nothing past `keep` was ever named: a step's commits for appended positions
+    /// wait for the tokens (`on_step_done`), so no rejected token is in the prefix
+    /// cache.
+    pub(crate) fn truncate_appended(
+        &mut self,
+        t: &mut BlockTable,
+        start: u32,
+        keep: u32,
+        copies: &[(u32, u32)],
+    ) -> Result<()> {
+        self.check_appendable(t)?;
+        let (bs, old) = (self.block_size, t.num_tokens);
+        if !(start <= keep && keep <= old) {
+            return Err(Error::invalid(
+                "keep",
+                format!("{keep} tokens of a table that held {start} before the step and {old} now"),
+            ));
+        }
+        if keep == old {
+            return Ok(());
+        }
+        debug_assert!(
+            t.entries.num_hashes() <= (keep / bs) as usize,
+            "a rejected position was named"
+        );
+        let target = self.blocks_for(keep) as usize;
+        for i in (target..t.num_blocks()).rev() {
+            let b = t.blocks()[i];
+            self.device.unallocate(b, Self::fill_of(bs, old, i));
+            t.entries.pop_block();
+        }
+        if target > 0 {
+            // The kept last block loses the rejected positions it held.
+            let i = target - 1;
+            let dropped = Self::fill_of(bs, old, i) - Self::fill_of(bs, keep, i);
+            self.device.sub_fill(dropped);
+        }
+        t.num_tokens = keep;
+        if keep == start && !keep.is_multiple_of(bs) {
+            let i = target - 1;
+            let b = t.blocks()[i];
+            if let Some(&(src, _)) = copies.iter().rev().find(|&&(_, dst)| dst == b) {
+                // The copy-on-write is undone: the shared block is this table's again
+                // (its other sharers hold it, so it is live).
+                self.device.share(src);
+                self.device.unallocate(b, keep % bs);
+                t.blocks_mut()[i] = src;
+                t.last_maybe_shared = true;
+            }
+        }
+        t.last = t.blocks().last().copied().unwrap_or(0);
+        if t.num_blocks() == 0 {
+            t.owner = 0;
+        }
+        Ok(())
+    }
+
     /// [`Error::InvalidArgument`] for a table of another manager, [`Error::InvalidState`]
     /// for a swapped-out one.
     fn check_appendable(&self, t: &BlockTable) -> Result<()> {

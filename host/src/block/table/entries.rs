@@ -151,6 +151,12 @@ impl Entries {
         self.blocks += 1;
     }
 
+    /// Drops the last block id (one without a hash).
+    pub(crate) fn pop_block(&mut self) {
+        assert!(self.blocks > self.hashes, "pop of a named block");
+        self.blocks -= 1;
+    }
+
     /// Appends hash `h` (doubling the room when it is full).
     pub(crate) fn push_hash(&mut self, h: BlockHash) {
         let n = self.hashes as usize;

@@ -246,6 +246,12 @@ impl BlockTable {
     pub(crate) fn first_live(&self) -> u32 {
         self.first_live
     }
+
+    /// Marks the last block as possibly shared, so the next append looks at its
+    /// reference count (a rollback gave a fork's copy on write back for it).
+    pub(crate) fn mark_last_maybe_shared(&mut self) {
+        self.last_maybe_shared = true;
+    }
 }
 
 /// A commit [`KvCacheManager::commit_deferred`] left for
