@@ -197,6 +197,7 @@ fn prefill_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
             })
             .unwrap();
             run.plan_prefill(&PrefillMeta {
+                tree_mask: None,
                 block_tables: tables,
                 max_blocks_per_seq: width,
                 qo_indptr: &indptr,

@@ -27,7 +27,7 @@ HEADER = re.compile(r"^//-+ \.text\.(\S+)\s+-+$", re.M)
 OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
 MAX_Q_LOADS = 2
 DECODE_KERNELS = 28  # (3 types + 2 x 2 fp8 pairs) x (runtime geometry, d64, d128, d256)
-PREFILL_KERNELS = 18  # (f16, bf16 + 2 x 2 fp8 pairs) x (one-warp, d64, d128)
+PREFILL_KERNELS = 24  # (f16, bf16 + 2 x 2 fp8 pairs) x (one-warp, one-warp tree, d64, d128)
 
 
 def is_fp8(name):

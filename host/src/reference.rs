@@ -364,13 +364,31 @@ fn paged_prefill(
             s,
             (first, ctx),
         );
+        let span0 = ctx - (q1 - q0);
         for (i, tok) in (q0..q1).enumerate() {
-            let end = (ctx - (q1 - q0) + i + 1) * kvh * d;
+            let end = (span0 + i + 1) * kvh * d;
             let q: Vec<f64> = (0..row).map(|e| inputs.q.get(tok * row + e)).collect();
+            // A tree mask keeps the cached positions and the new tokens whose bit
+            // (their distance back) is set, or 64 or more back.
+            let (k, v) = match inputs.tree_mask {
+                None => (k[..end].to_vec(), v[..end].to_vec()),
+                Some(m) => {
+                    let pos = |j: usize| j / (kvh * d);
+                    let keep = |j: usize| {
+                        let p = pos(j);
+                        let dist = span0 + i - p;
+                        p < span0 || dist >= 64 || (m[tok] >> dist) & 1 != 0
+                    };
+                    let pick = |x: &[f64]| -> Vec<f64> {
+                        (0..end).filter(|&j| keep(j)).map(|j| x[j]).collect()
+                    };
+                    (pick(&k), pick(&v))
+                }
+            };
             let (o, l) = dense(&DenseInputs {
                 q: &q,
-                k: &k[..end],
-                v: &v[..end],
+                k: &k,
+                v: &v,
                 num_q_heads: qh,
                 num_kv_heads: kvh,
                 head_dim: d,

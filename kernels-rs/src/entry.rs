@@ -230,3 +230,24 @@ prefill_tiled_entries!(
     64 => paged_prefill_attention_bf16_e5m2_d64,
     128 => paged_prefill_attention_bf16_e5m2_d128,
 );
+
+/// The one-warp tensor-core prefill with a tree mask (speculative decoding's verify
+/// rows as a tree of drafts), one per type pair: see [`PagedPrefill`]'s `TREE`.
+macro_rules! prefill_tree_entries {
+    ($($t:ty, $k:ty => $name:ident,)*) => {$(
+        /// Paged prefill attention with a tree mask, one warp, on tensor cores: see
+        /// [`PagedPrefill`].
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(p: PrefillParams<$t, $k>) {
+            PagedPrefill::<$t, $k, 0, true>::run(&Gpu, &p)
+        }
+    )*};
+}
+prefill_tree_entries!(
+    F16, F16 => paged_prefill_attention_f16_tree,
+    Bf16, Bf16 => paged_prefill_attention_bf16_tree,
+    F16, E4m3 => paged_prefill_attention_f16_e4m3_tree,
+    F16, E5m2 => paged_prefill_attention_f16_e5m2_tree,
+    Bf16, E4m3 => paged_prefill_attention_bf16_e4m3_tree,
+    Bf16, E5m2 => paged_prefill_attention_bf16_e5m2_tree,
+);

@@ -272,6 +272,7 @@ fn sanitizer_small_prefill() {
         let q = HostTensor::from_f64(dtype, &[237, qh, d], &common::uniform(&mut r, 237 * qh * d))
             .unwrap();
         let want = paged_prefill_attention(&PrefillInputs {
+            tree_mask: None,
             shape: &c.shape,
             opts: &c.opts,
             q: &q,
@@ -307,6 +308,7 @@ fn sanitizer_small_prefill() {
         })
         .unwrap();
         run.plan_prefill(&PrefillMeta {
+            tree_mask: None,
             block_tables: &c.tables,
             max_blocks_per_seq: c.shape.max_blocks_per_seq,
             qo_indptr: &indptr,

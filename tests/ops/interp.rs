@@ -14,7 +14,7 @@ use crate::cascade::{cascade_on, shared_case};
 use crate::common;
 use crate::fp8_cache::fp8_prefill_case;
 use crate::prefill::{
-    Prefill, chunk_cases, prefill_case, prefill_holds, prefill_on, prefill_on_lse,
+    Prefill, chunk_cases, prefill_case, prefill_holds, prefill_on, prefill_on_lse, tree_case,
 };
 use common::case::{Case, Params, build};
 use common::fp8::quantise_case;
@@ -457,6 +457,53 @@ fn prefill_holds_on_ptx(a: &Arch, what: &str, pc: &Prefill, seed: u64) -> Outcom
         .map_or(Ok(()), Err)
 }
 
+/// Tree masks (speculative decoding's verify rows) in every kernel that reads them:
+/// each 16-bit dtype and cache at head_dim 64 and 128 (block 16: the multi-warp
+/// kernels) and 80 (the one-warp `TREE` variant), f32 on CUDA cores; trees, chains
+/// and causal rows (some longer than 64 tokens) in one batch.
+fn tree_all(a: &Arch) -> Outcome {
+    let mut i = 0u64;
+    for (dtype, cache) in DTYPES {
+        let dims: &[u32] = if dtype == DType::F32 {
+            &[80]
+        } else {
+            &[64, 80, 128]
+        };
+        for &head_dim in dims {
+            // Soft-cap and sinks, then neither: each kernel takes both sides of both.
+            for options in [true, false] {
+                i += 1;
+                let p = Params {
+                    sinks: options,
+                    dtype,
+                    head_dim,
+                    block_size: 16,
+                    num_kv_heads: 1,
+                    group: 2,
+                    batch: 4,
+                    // Off the block size (the last tile runs past the context), and
+                    // whole prompts longer than 64 tokens (causal rows in the mask).
+                    max_len: 77,
+                    window: None,
+                    softcap: options.then_some(11.0),
+                    alibi: false,
+                    partition: None,
+                    narrow_heads: false,
+                    seed: 1500 + i,
+                    full_length: true,
+                };
+                let (mut pc, _) = tree_case(&p);
+                if let Some(cache) = cache {
+                    quantise_case(&mut pc.c, cache, true);
+                }
+                let what = format!("tree prefill {dtype} cache {cache:?} d{head_dim}");
+                prefill_holds_on_ptx(a, &what, &pc, p.seed)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The merge of attention states for each output dtype: 1 to 3 parts, some of no keys
 /// (`lse = -inf`, outputs NaN: the loop's skip), with and without sinks and a merged
 /// log-sum-exp; against the emulator bit for
@@ -768,6 +815,7 @@ fn every_entry_point(arch: usize) {
         prefill_all,
         merge_all,
         cascade_all,
+        tree_all,
     ] {
         if let Err(e) = family(a) {
             panic!("{}: {e}", a.module.target());

@@ -11,7 +11,7 @@ use common::{approx_tolerance, cases, lse_error, lse_tolerance, rel_l2, rng, tol
 use pagedkv::host::emulator::{Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{AttentionOut, DecodeInputs, DecodeShape, decode_emulated};
-use pagedkv::host::ops::prefill::{PrefillInputs, prefill_emulated};
+use pagedkv::host::ops::prefill::{PrefillInputs, prefill_emulated, tree_mask};
 use pagedkv::host::reference::{paged_prefill_attention, paged_prefill_lse};
 use pagedkv::host::step::{EmuDevice, StepDevice, once};
 use pagedkv::host::{DType, Error, HostTensor};
@@ -69,6 +69,8 @@ pub(crate) struct Prefill {
     pub(crate) c: common::case::Case,
     pub(crate) qo_indptr: Vec<i32>,
     pub(crate) q: HostTensor,
+    /// Each new token's tree mask (`tree_case`), or none.
+    pub(crate) tree: Option<Vec<u64>>,
 }
 
 pub(crate) fn prefill_case(p: &Params) -> Prefill {
@@ -103,12 +105,50 @@ pub(crate) fn prefill_case(p: &Params) -> Prefill {
     let d = p.head_dim as usize;
     let q =
         HostTensor::from_f64(p.dtype, &[total, qh, d], &uniform(&mut r, total * qh * d)).unwrap();
-    Prefill { c, qo_indptr, q }
+    Prefill {
+        c,
+        qo_indptr,
+        q,
+        tree: None,
+    }
+}
+
+/// A tree-verification case: `prefill_case` without a window or ALiBi (a tree takes
+/// neither), each sequence of at most 64 new tokens a random tree of drafts (node
+/// `i`'s parent drawn from `0..i`; a chain or a star now and then) with probability
+/// 3/4, the rest causal; returns the case and each sequence's parents.
+pub(crate) fn tree_case(p: &Params) -> (Prefill, Vec<Option<Vec<i32>>>) {
+    let mut pc = prefill_case(&Params {
+        window: None,
+        alibi: false,
+        ..p.clone()
+    });
+    let mut r = rng(p.seed ^ 0x7ee);
+    let parents: Vec<Option<Vec<i32>>> = (0..p.batch as usize)
+        .map(|s| {
+            let n = (pc.qo_indptr[s + 1] - pc.qo_indptr[s]) as usize;
+            (n <= 64 && r.random_range(0..4) != 0).then(|| {
+                let shape = r.random_range(0..4);
+                (0..n as i32)
+                    .map(|i| match (i, shape) {
+                        (0, _) => -1,
+                        (_, 0) => i - 1,
+                        (_, 1) => 0,
+                        _ => r.random_range(0..i),
+                    })
+                    .collect()
+            })
+        })
+        .collect();
+    let refs: Vec<Option<&[i32]>> = parents.iter().map(|p| p.as_deref()).collect();
+    pc.tree = Some(tree_mask(&pc.qo_indptr, &refs).unwrap());
+    (pc, parents)
 }
 
 impl Prefill {
     pub(crate) fn inputs(&self) -> PrefillInputs<'_, HostTensor> {
         PrefillInputs {
+            tree_mask: self.tree.as_deref(),
             shape: &self.c.shape,
             opts: &self.c.opts,
             q: &self.q,
@@ -244,6 +284,83 @@ proptest! {
             prop_assert!(e <= tolerance(p.dtype), "chunk of one vs decode, seq {}: {:e}", s, e);
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(24), ..ProptestConfig::default() })]
+
+    /// Verify rows whose drafts form random trees (mixed with causal prefills and
+    /// chunks in one batch), in every dtype, both math modes, against the f64
+    /// reference; and the same batch with every tree replaced by a chain equals the
+    /// causal prefill (within the dtype's tolerance: the kernels may take the masked
+    /// path where the causal one is plain).
+    #[test]
+    fn tree_masks_match_the_f64_reference(p in params()) {
+        let (mut pc, parents) = tree_case(&p);
+        let got = prefill_holds_emulated("tree prefill", &pc, p.seed);
+        prop_assert!(got.is_ok(), "{}", got.unwrap_err());
+        let chains: Vec<Option<Vec<i32>>> = parents
+            .iter()
+            .map(|t| t.as_ref().map(|t| (0..t.len() as i32).map(|i| i - 1).collect()))
+            .collect();
+        let refs: Vec<Option<&[i32]>> = chains.iter().map(|p| p.as_deref()).collect();
+        pc.tree = Some(tree_mask(&pc.qo_indptr, &refs).unwrap());
+        let chain = prefill_on(EmuDevice::new(Emulator::new()), &pc).unwrap().to_f64();
+        pc.tree = None;
+        let causal = prefill_on(EmuDevice::new(Emulator::new()), &pc).unwrap().to_f64();
+        let e = rel_l2(&chain, &causal);
+        prop_assert!(e <= tolerance(p.dtype), "a chain of drafts vs causal: {:e}", e);
+    }
+}
+
+/// A tree hides what it should: a node whose only ancestor is the root never sees
+/// its sibling's key, even one that would take all of its softmax.
+#[test]
+fn a_tree_node_never_attends_to_a_sibling() {
+    let p = Params {
+        sinks: false,
+        dtype: DType::F32,
+        head_dim: 64,
+        block_size: 16,
+        num_kv_heads: 1,
+        group: 1,
+        batch: 1,
+        max_len: 20,
+        window: None,
+        softcap: None,
+        alibi: false,
+        partition: None,
+        narrow_heads: false,
+        seed: 5,
+        full_length: true,
+    };
+    let mut pc = prefill_case(&p);
+    let n = pc.c.lens[0] as usize;
+    pc.qo_indptr = vec![0, 3];
+    // The root, then two children of the root: node 2 must not see node 1.
+    pc.tree = Some(tree_mask(&pc.qo_indptr, &[Some(&[-1, 0, 0])]).unwrap());
+    let d = 64;
+    pc.q = HostTensor::from_f64(DType::F32, &[3, 1, d], &vec![1.0; 3 * d]).unwrap();
+    // Node 1's key is huge along q, its value 7.
+    let bs = 16;
+    let pos = n - 2;
+    let block = pc.c.tables[pos / bs] as usize;
+    let at = (block * bs + pos % bs) * d;
+    for e in 0..d {
+        pc.c.kc.set(at + e, 50.0);
+        pc.c.vc.set(at + e, 7.0);
+    }
+    let out = prefill_on(EmuDevice::new(Emulator::new()), &pc)
+        .unwrap()
+        .to_f64();
+    let want = paged_prefill_attention(&pc.inputs());
+    assert!(rel_l2(&out, &want) < 1e-5);
+    // Node 1 is dominated by its own key; node 2 never saw it.
+    assert!((out[d] - 7.0).abs() < 1e-3, "node 1: {}", out[d]);
+    assert!(
+        (out[2 * d] - 7.0).abs() > 0.1,
+        "node 2 attended to its sibling"
+    );
 }
 
 #[test]

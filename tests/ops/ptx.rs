@@ -27,9 +27,11 @@ fn names() -> Vec<&'static str> {
     v.extend(typed!(f32));
     v.extend([
         <PagedPrefill<F16> as Kernel>::NAME,
+        <PagedPrefill<F16, F16, 0, true> as Kernel>::NAME,
         <PagedPrefill<F16, F16, 64> as Kernel>::NAME,
         <PagedPrefill<F16, F16, 128> as Kernel>::NAME,
         <PagedPrefill<Bf16> as Kernel>::NAME,
+        <PagedPrefill<Bf16, Bf16, 0, true> as Kernel>::NAME,
         <PagedPrefill<Bf16, Bf16, 64> as Kernel>::NAME,
         <PagedPrefill<Bf16, Bf16, 128> as Kernel>::NAME,
         <PagedPrefillSimt<f32> as Kernel>::NAME,
@@ -44,6 +46,7 @@ fn names() -> Vec<&'static str> {
                 <PagedDecode<$t, $k, 128> as Kernel>::NAME,
                 <PagedDecode<$t, $k, 256> as Kernel>::NAME,
                 <PagedPrefill<$t, $k> as Kernel>::NAME,
+                <PagedPrefill<$t, $k, 0, true> as Kernel>::NAME,
                 <PagedPrefill<$t, $k, 64> as Kernel>::NAME,
                 <PagedPrefill<$t, $k, 128> as Kernel>::NAME,
             ]
@@ -352,7 +355,8 @@ fn every_param_load_reads_whole_fields_of_the_host_struct() {
             fields(
                 f!(P: q: 16, key_cache: 16, value_cache: 16, k_scales: 16, v_scales: 16,
                    block_tables: 16, qo_indptr: 16, context_lens: 16, alibi_slopes: 16,
-                   sinks: 16, out: 16, lse: 16, q_rows: 16, q_pos: 16, num_q_heads: 4, max_blocks_per_seq: 4, scale: 4, softcap: 4,
+                   sinks: 16, out: 16, lse: 16, q_rows: 16, q_pos: 16, tree_mask: 16, num_q_heads: 4,
+                   max_blocks_per_seq: 4, scale: 4, softcap: 4,
                    inv_softcap: 4, window: 4, q_row_stride: 8),
                 Some(offset_of!(P, layout)),
             ),

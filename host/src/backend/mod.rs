@@ -413,9 +413,12 @@ pub fn decode_rows(batch: &Batch) -> std::ops::Range<usize> {
 /// edited may not).
 pub(crate) fn check_rows(batch: &Batch) -> Result<()> {
     let nd = batch.num_decodes as usize;
+    // (The rows after them are prefills and verify rows: a decode with draft tokens,
+    // `is_prefill` false, through the prefill path.)
     let ok = nd <= batch.seqs.len()
-        && batch.seqs[..nd].iter().all(|s| !s.is_prefill)
-        && batch.seqs[nd..].iter().all(|s| s.is_prefill);
+        && batch.seqs[..nd]
+            .iter()
+            .all(|s| !s.is_prefill && s.num_new_tokens == 1 && s.num_draft_tokens == 0);
     if !ok {
         return Err(Error::invalid(
             "batch",

@@ -181,6 +181,7 @@ impl<D: StepDevice> StepCore<D> {
                 qo_indptr: &self.pindptr,
                 context_lens: &self.plens,
                 window: view(g).sliding_window,
+                tree_mask: None,
             };
             planned.prefill = Some(if groups == 1 {
                 self.runner.plan_prefill(&pmeta(0))?

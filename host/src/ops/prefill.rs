@@ -23,7 +23,7 @@
 //! let opts = AttentionOptions::new(64);
 //! prefill_emulated(&Emulator::new(), PrefillInputs { shape: &shape, opts: &opts, q: &q,
 //!     key_cache: &kc, value_cache: &vc, block_tables: &[1], qo_indptr: &[0, 3],
-//!     context_lens: &[5], kv_scales: None, sinks: None }, &mut out)?;
+//!     context_lens: &[5], kv_scales: None, sinks: None, tree_mask: None }, &mut out)?;
 //! assert!(out.to_f64().iter().all(|&x| x == 3.0));
 //! # Ok::<(), pagedkv_host::Error>(())
 //! ```
@@ -68,6 +68,10 @@ pub struct PrefillInputs<'a, T> {
     /// `[num_q_heads]`: attention-sink logits, as
     /// [`DecodeInputs::sinks`](super::attention::DecodeInputs::sinks).
     pub sinks: Option<&'a [f32]>,
+    /// `[qo_indptr[num_seqs]]`: each new token's tree mask (verifying a tree of
+    /// draft tokens, built by [`tree_mask`]), or `None`: causal. Not with a window or
+    /// ALiBi.
+    pub tree_mask: Option<&'a [u64]>,
 }
 
 impl<T> Clone for PrefillInputs<'_, T> {
@@ -104,7 +108,139 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
     }
     check_tensor("q", inputs.q, qd, qn)?;
     check_tensor("out", out, qd, qn)?;
+    if let Some(m) = inputs.tree_mask {
+        check_tree_mask(m, total as u32, [inputs.opts.window])?;
+        check_tree_options(inputs.opts)?;
+    }
     Ok(max_rows)
+}
+
+/// The most tokens a tree mask covers: a verify row's query tokens, the token
+/// sampled last step and [`MAX_LOOKAHEAD`](crate::scheduler::MAX_LOOKAHEAD) drafts.
+pub const MAX_TREE_TOKENS: usize = 64;
+
+/// The tree masks of a prefill batch (the kernels' `tree_mask`, `[qo_indptr[n]]`):
+/// sequence `s` with `parents[s] = Some(p)` is a verify row whose `qo_len <= 64`
+/// query tokens form a tree, `p[i]` the parent of token `i` (`p[0] = -1`: the root,
+/// the token sampled last step; `0 <= p[i] < i` after it, so the nodes are in
+/// topological order, as EAGLE and SpecInfer number them). Token `i` attends to the
+/// cached positions and to its ancestors and itself among the new tokens. Sequences
+/// with `None` are causal (every bit set). Errors name the sequence and node.
+///
+/// The tree is given as a parent array because that is what a drafter produces and
+/// it cannot describe a mask that is not a tree; the kernels read each token's 64-bit
+/// word of ancestors, relative to itself (bit `d`: the token `d` before it), one
+/// load and one shift a score, and a plain prefill's tokens are all ones, so one
+/// batch mixes prefills, chains and trees.
+///
+/// ```
+/// use pagedkv_host::ops::prefill::tree_mask;
+/// // Sequence 0: a prompt chunk of 3 (causal); sequence 1: root 0, children 1 and 2
+/// // of the root, 3 a child of 2.
+/// let m = tree_mask(&[0, 3, 7], &[None, Some(&[-1, 0, 0, 2])])?;
+/// assert_eq!(m[..3], [u64::MAX; 3]);
+/// // Token 3 of the tree sees itself (bit 0), its parent 2 (bit 1) and the root (bit 3).
+/// assert_eq!(m[3..], [0b1, 0b11, 0b101, 0b1011]);
+/// # Ok::<(), pagedkv_host::Error>(())
+/// ```
+pub fn tree_mask(qo_indptr: &[i32], parents: &[Option<&[i32]>]) -> Result<Vec<u64>> {
+    if qo_indptr.len() != parents.len() + 1 || qo_indptr.first() != Some(&0) {
+        return Err(Error::invalid(
+            "qo_indptr",
+            format!(
+                "{} entries from 0 for {} sequences",
+                qo_indptr.len(),
+                parents.len()
+            ),
+        ));
+    }
+    let mut out = Vec::new();
+    for (s, p) in parents.iter().enumerate() {
+        let (q0, q1) = (qo_indptr[s], qo_indptr[s + 1]);
+        if q1 < q0 {
+            return Err(Error::invalid(
+                "qo_indptr",
+                format!("decreases at sequence {s}"),
+            ));
+        }
+        let n = (q1 - q0) as usize;
+        let Some(p) = p else {
+            out.try_reserve(n)
+                .map_err(|_| Error::invalid("qo_indptr", "too many tokens"))?;
+            out.extend(std::iter::repeat_n(u64::MAX, n));
+            continue;
+        };
+        if p.len() != n || n > MAX_TREE_TOKENS {
+            return Err(Error::invalid(
+                "parents",
+                format!(
+                    "sequence {s}: {} parents for {n} query tokens (one each, at most {MAX_TREE_TOKENS})",
+                    p.len()
+                ),
+            ));
+        }
+        // Each node's ancestors and itself, by absolute index, then relative.
+        let mut abs = [0u64; MAX_TREE_TOKENS];
+        for (i, &pi) in p.iter().enumerate() {
+            let ok = if i == 0 {
+                pi == -1
+            } else {
+                pi >= 0 && (pi as usize) < i
+            };
+            if !ok {
+                return Err(Error::invalid(
+                    "parents",
+                    format!(
+                        "sequence {s}, node {i}: parent {pi} (the root's is -1, every other node's an earlier node)"
+                    ),
+                ));
+            }
+            abs[i] = (1 << i) | if i == 0 { 0 } else { abs[pi as usize] };
+            out.push(
+                (0..=i)
+                    .filter(|&j| abs[i] >> j & 1 != 0)
+                    .fold(0, |m, j| m | 1 << (i - j)),
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Checks a tree mask against a prefill of `num_tokens` new tokens whose layer
+/// groups have the windows `windows`: one word a token, and no window.
+pub(crate) fn check_tree_mask(
+    mask: &[u64],
+    num_tokens: u32,
+    windows: impl IntoIterator<Item = Option<u32>>,
+) -> Result<()> {
+    if mask.len() != num_tokens as usize {
+        return Err(Error::invalid(
+            "tree_mask",
+            format!(
+                "{} words for {num_tokens} new tokens (one each)",
+                mask.len()
+            ),
+        ));
+    }
+    if windows.into_iter().any(|w| w.is_some()) {
+        return Err(Error::invalid(
+            "tree_mask",
+            "with a sliding window (a tree node's position is its depth, not its slot)",
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses the options a tree mask does not take: a window and ALiBi (a tree node's
+/// position is its depth, not its slot, and the kernels know slots).
+pub(crate) fn check_tree_options(opts: &AttentionOptions) -> Result<()> {
+    if opts.window.is_some() || opts.alibi_slopes.is_some() {
+        return Err(Error::invalid(
+            "tree_mask",
+            "with a sliding window or ALiBi (a tree node's position is its depth, not its slot)",
+        ));
+    }
+    Ok(())
 }
 
 /// Checks a prefill's metadata against the shapes and returns the most query rows of

@@ -320,6 +320,7 @@ impl<D: StepDevice> StepRunner<D> {
                 q_row_stride: src.q.2,
                 q_rows: meta(c.offsets.q_rows),
                 q_pos: meta(c.offsets.q_pos),
+                tree_mask: 0,
                 tables: meta(c.offsets.tables),
                 qo_indptr: meta(c.offsets.qo_indptr),
                 context_lens: meta(c.offsets.lens),

@@ -264,6 +264,7 @@ pub fn prefill<'o, D: StepDevice, T: AsView + TensorDesc + 'o>(
         qo_indptr: inputs.qo_indptr,
         context_lens: inputs.context_lens,
         window: inputs.opts.window,
+        tree_mask: inputs.tree_mask,
     })?;
     runner.prefill(
         inputs.opts,

@@ -29,6 +29,10 @@ pub struct PrefillMeta<'a> {
     /// [`StepMeta::window`](super::StepMeta::window): blocks no new token's window
     /// reaches may be released, and the prefill must attend within it.
     pub window: Option<u32>,
+    /// `[qo_indptr[num_seqs]]`: each new token's tree mask (verifying a tree of draft
+    /// tokens; see [`ops::prefill::tree_mask`](crate::ops::prefill::tree_mask)), or
+    /// `None`: causal. Not with a window or ALiBi.
+    pub tree_mask: Option<&'a [u64]>,
 }
 
 /// The tensors of one layer's prefill.
@@ -68,6 +72,8 @@ pub(super) struct PrefillLaunch<'a> {
     pub(super) q_rows: u64,
     /// `[num_tokens]` i32 positions (0: after each sequence's cached tokens).
     pub(super) q_pos: u64,
+    /// `[num_tokens]` u64 tree masks (0: none).
+    pub(super) tree_mask: u64,
     /// `[num_seqs, max_blocks_per_seq]` i32.
     pub(super) tables: u64,
     /// `[num_seqs + 1]` i32.
@@ -117,13 +123,21 @@ pub(super) struct PrefillOffsets {
     pub(super) qo_indptr: u64,
     /// `[num_seqs]` i32 context lengths.
     pub(super) lens: u64,
+    /// `[num_tokens]` u64 tree masks, when the step has them.
+    pub(super) tree_mask: Option<u64>,
 }
 
-/// Bytes of the prefill metadata buffer for `max_seqs` rows of `width` blocks:
-/// `[tables | qo_indptr | lens]`, 16-byte aligned sections.
-pub(super) fn meta_bytes(max_seqs: u64, width: u64) -> Option<u64> {
+/// Bytes of the prefill metadata buffer for `max_seqs` rows of `width` blocks and
+/// `max_tokens` new tokens: `[tables | qo_indptr | lens | tree mask]`, 16-byte aligned
+/// sections.
+pub(super) fn meta_bytes(max_seqs: u64, width: u64, max_tokens: u64) -> Option<u64> {
     let tables = (4 * max_seqs).checked_mul(width)?;
-    Some(tables.next_multiple_of(16) + (4 * (max_seqs + 1)).next_multiple_of(16) + 4 * max_seqs)
+    Some(
+        tables.next_multiple_of(16)
+            + (4 * (max_seqs + 1)).next_multiple_of(16)
+            + (4 * max_seqs).next_multiple_of(16)
+            + 8 * max_tokens,
+    )
 }
 
 impl<D: StepDevice> StepRunner<D> {
@@ -160,10 +174,11 @@ impl<D: StepDevice> StepRunner<D> {
             if m.context_lens != meta.context_lens
                 || m.qo_indptr != meta.qo_indptr
                 || m.max_blocks_per_seq != meta.max_blocks_per_seq
+                || m.tree_mask != meta.tree_mask
             {
                 return Err(Error::invalid(
                     "metas",
-                    "layer groups of one step differ in rows, query offsets or context lengths",
+                    "layer groups of one step differ in rows, query offsets, context lengths or tree masks",
                 ));
             }
         }
@@ -211,12 +226,20 @@ impl<D: StepDevice> StepRunner<D> {
                 ),
             ));
         }
-        // [tables of each group | qo_indptr | lens], uploaded in one copy.
+        if let Some(tm) = meta.tree_mask {
+            prefill::check_tree_mask(tm, num_tokens, metas.iter().map(|m| m.window))?;
+        }
+        // [tables of each group | qo_indptr | lens | tree mask], uploaded in one copy.
         let t_bytes = (4 * meta.block_tables.len()).next_multiple_of(16);
         let i_bytes = (4 * (n + 1)).next_multiple_of(16);
         let g_bytes = metas.len() * t_bytes;
+        let m_at = g_bytes + i_bytes + (4 * n).next_multiple_of(16);
+        let m_bytes = meta.tree_mask.map_or(0, |m| 8 * m.len());
         self.staging.clear();
-        self.staging.resize(g_bytes + i_bytes + 4 * n, 0);
+        self.staging.resize(m_at + m_bytes, 0);
+        for (k, w) in meta.tree_mask.unwrap_or(&[]).iter().enumerate() {
+            self.staging[m_at + 8 * k..m_at + 8 * k + 8].copy_from_slice(&w.to_le_bytes());
+        }
         let mut put = |at: usize, words: &[i32]| {
             for (k, x) in words.iter().enumerate() {
                 self.staging[at + 4 * k..at + 4 * k + 4].copy_from_slice(&x.to_le_bytes());
@@ -251,6 +274,7 @@ impl<D: StepDevice> StepRunner<D> {
                 table_stride: t_bytes as u64,
                 qo_indptr: g_bytes as u64,
                 lens: (g_bytes + i_bytes) as u64,
+                tree_mask: meta.tree_mask.map(|_| m_at as u64),
             },
         ));
         Ok(planned)
@@ -273,6 +297,9 @@ impl<D: StepDevice> StepRunner<D> {
             ));
         }
         super::runner::check_window(self.pwindows[io.group], opts.window)?;
+        if offsets.tree_mask.is_some() {
+            prefill::check_tree_options(opts)?;
+        }
         if opts.alibi_slopes != self.slopes_host {
             return Err(Error::invalid(
                 "alibi_slopes",
@@ -300,6 +327,7 @@ impl<D: StepDevice> StepRunner<D> {
                 q_row_stride: row,
                 q_rows: 0,
                 q_pos: 0,
+                tree_mask: offsets.tree_mask.map_or(0, at),
                 tables: at(offsets.tables + io.group as u64 * offsets.table_stride),
                 qo_indptr: at(offsets.qo_indptr),
                 context_lens: at(offsets.lens),
@@ -320,7 +348,7 @@ impl<D: StepDevice> StepRunner<D> {
     /// # Safety
     /// Every address in `l` is of this device's space and as long as the planned shape
     /// needs (`q` its rows of `q_row_stride` elements; `q_rows` and `q_pos` 0 or
-    /// `num_tokens` i32 each; the tables, offsets and lengths as validated; `out`
+    /// `num_tokens` i32 each, `tree_mask` 0 or `num_tokens` u64; the tables, offsets and lengths as validated; `out`
     /// `num_tokens` rows), and `l`'s metadata passed the prefill validation.
     pub(super) unsafe fn launch_prefill_with(&self, l: &PrefillLaunch<'_>) -> Result<()> {
         let pp = l.planned;
@@ -366,6 +394,12 @@ impl<D: StepDevice> StepRunner<D> {
                         lse: l.lse,
                         q_rows: i32s(l.q_rows, rows),
                         q_pos: i32s(l.q_pos, rows),
+                        tree_mask: if l.tree_mask == 0 {
+                            GlobalSlice::empty()
+                        } else {
+                            // SAFETY: the caller's: `num_tokens` u64 at `tree_mask`.
+                            GlobalSlice::from_raw_parts(l.tree_mask as *const u64, rows)
+                        },
                         layout: lay,
                         num_q_heads: pp.shape.num_q_heads,
                         max_blocks_per_seq: pp.shape.max_blocks_per_seq,
@@ -396,6 +430,9 @@ impl<D: StepDevice> StepRunner<D> {
                     }
                     PrefillKernel::MultiWarp { head_dim: 128 } => {
                         launch!(PagedPrefill<$t, $k, 128>, $t, $k)
+                    }
+                    PrefillKernel::OneWarp if l.tree_mask != 0 => {
+                        launch!(PagedPrefill<$t, $k, 0, true>, $t, $k)
                     }
                     PrefillKernel::OneWarp => launch!(PagedPrefill<$t, $k>, $t, $k),
                     other => Err(Error::InvalidState(format!(

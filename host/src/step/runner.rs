@@ -300,8 +300,12 @@ impl<D: StepDevice> StepRunner<D> {
         // A budget on what the capacity makes the runner allocate at once (a valid
         // capacity of 65535 rows of 2^31 blocks asked for 512 TiB, and the emulator's
         // host allocation of it was an abort, or the OOM killer).
-        let pmeta = super::prefill::meta_bytes(cap.max_seqs as u64, cap.max_blocks_per_seq as u64)
-            .unwrap_or(u64::MAX);
+        let pmeta = super::prefill::meta_bytes(
+            cap.max_seqs as u64,
+            cap.max_blocks_per_seq as u64,
+            cap.max_tokens as u64,
+        )
+        .unwrap_or(u64::MAX);
         if meta_bytes.max(pmeta) > MAX_STEP_META_BYTES {
             return Err(Error::invalid(
                 "capacity",
@@ -349,16 +353,23 @@ impl<D: StepDevice> StepRunner<D> {
             })?;
         dev.reserve_upload(
             meta_bytes.max(4 * shape.num_q_heads as usize).max(
-                super::prefill::meta_bytes(cap.max_seqs as u64, cap.max_blocks_per_seq as u64)
-                    .unwrap_or(u64::MAX)
-                    .min(usize::MAX as u64) as usize,
+                super::prefill::meta_bytes(
+                    cap.max_seqs as u64,
+                    cap.max_blocks_per_seq as u64,
+                    cap.max_tokens as u64,
+                )
+                .unwrap_or(u64::MAX)
+                .min(usize::MAX as u64) as usize,
             ),
         )?;
         let meta = dev.alloc(meta_bytes)?;
-        let pmeta_bytes =
-            super::prefill::meta_bytes(cap.max_seqs as u64, cap.max_blocks_per_seq as u64)
-                .and_then(|b| usize::try_from(b).ok())
-                .ok_or_else(|| too_large("capacity"))?;
+        let pmeta_bytes = super::prefill::meta_bytes(
+            cap.max_seqs as u64,
+            cap.max_blocks_per_seq as u64,
+            cap.max_tokens as u64,
+        )
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| too_large("capacity"))?;
         let pmeta = dev.alloc(pmeta_bytes)?;
         let part_out = (dev.alloc(out_bytes.max(16))?, rows * shape.head_dim as u64);
         let part_ml = (dev.alloc((rows as usize * 8).max(16))?, rows * 2);

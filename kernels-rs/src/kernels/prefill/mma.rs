@@ -2,7 +2,10 @@
 //!
 //! Shared memory (32-bit words, 16-bit elements): the Q tile `[16, head_dim]` at 0,
 //! the K tile `[16, head_dim]` at `8 * head_dim`, one pass of the V tile `[16,
-//! PASS_DIMS]` after it. Thread `lane` holds, per `mma` fragment, rows `g = lane / 4`
+//! PASS_DIMS]` after it. The tree-mask variant (`TREE`) puts each row's mask word and
+//! first masked position (4 words a row) first, and makes passes of half as many
+//! columns: the fp8 kernels are at their registers, and the mask's reads spilled.
+//! A prefill without a tree mask runs the plain variant, unchanged. Thread `lane` holds, per `mma` fragment, rows `g = lane / 4`
 //! and `g + 8` and columns `2 * (lane % 4)` and `+ 1` (the PTX ISA's layouts, see
 //! `Ctx::mma_m16n8k16_f16`).
 
@@ -26,9 +29,12 @@ use crate::softmax::{SoftmaxState, load_sink};
 /// in [`TILED_HEAD_DIMS`](super::TILED_HEAD_DIMS) the multi-warp kernel for that
 /// head_dim at block size 16 ([`tiled`](super::tiled)). Launch the one
 /// [`fixed_head_dim`](crate::kernels::attention::fixed_head_dim) names when it is in
-/// `TILED_HEAD_DIMS`, else `HEAD_DIM = 0`.
+/// `TILED_HEAD_DIMS`, else `HEAD_DIM = 0`. The one-warp kernel reads
+/// [`PrefillParams::tree_mask`] only with `TREE` (launch that variant for a prefill
+/// with a tree mask; it reads `q` in token order, never `q_rows`); the multi-warp
+/// kernel reads it whenever it is given.
 #[derive(Clone, Copy, Debug)]
-pub struct PagedPrefill<T, K = T, const HEAD_DIM: u32 = 0>(Of<(T, K)>);
+pub struct PagedPrefill<T, K = T, const HEAD_DIM: u32 = 0, const TREE: bool = false>(Of<(T, K)>);
 
 macro_rules! kernel {
     ($t:ty, $k:ty, $name:literal) => {
@@ -37,7 +43,15 @@ macro_rules! kernel {
             const NAME: &'static str = $name;
             #[inline(always)]
             fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
-                prefill::<$t, $k, C>(ctx, p)
+                prefill::<$t, $k, C, false>(ctx, p)
+            }
+        }
+        impl Kernel for PagedPrefill<$t, $k, 0, true> {
+            type Params = PrefillParams<$t, $k>;
+            const NAME: &'static str = concat!($name, "_tree");
+            #[inline(always)]
+            fn run<C: Ctx>(ctx: &C, p: &Self::Params) {
+                prefill::<$t, $k, C, true>(ctx, p)
             }
         }
         kernel!(@tiled $t, $k, 64, concat!($name, "_d64"));
@@ -79,6 +93,10 @@ fn stage<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, word: u32, src: &GlobalSlice<K>
     }
 }
 
+/// Shared-memory words before the Q tile of the tree-mask variant: each row's
+/// tree-mask word (2 words) and first masked position (1), 4 words a row.
+const TREE_WORDS: u32 = 4 * ROWS;
+
 /// Output fragments of one pass: `PASS_DIMS / 8` column blocks of `[f32; 4]`.
 const NBLK: usize = (PASS_DIMS / 8) as usize;
 
@@ -97,7 +115,7 @@ fn each_blk(o: &mut [[f32; 4]; NBLK], mut f: impl FnMut(u32, &mut [f32; 4])) {
     f(7, i);
 }
 
-fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
+fn prefill<T: MmaElem, K: KvElem, C: Ctx, const TREE: bool>(ctx: &C, p: &PrefillParams<T, K>) {
     let b = ctx.block_idx();
     let (kvh, tile, s) = (b.x, b.y, b.z);
     let sq = Seq::load(ctx, p, s);
@@ -108,6 +126,12 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
     }
     let d = p.layout.head_dim;
     let dw = d / 2; // words per row of Q and K
+    // The tree variant's words come first, and its passes are half as wide.
+    let (q_at, pass_dims) = if TREE {
+        (TREE_WORDS, PASS_DIMS / 2)
+    } else {
+        (0, PASS_DIMS)
+    };
     let lane = ctx.lane();
     let (g, t) = (lane / 4, lane % 4);
     let row = [
@@ -125,15 +149,20 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
     let v_scale = kv_scales(ctx, p, kvh).1;
 
     // Q tile into shared memory, 16 bytes a copy; rows past the sequence are zeros.
-    let (kw, vw) = (ROWS * dw, 2 * ROWS * dw);
+    let (kw, vw) = (q_at + ROWS * dw, q_at + 2 * ROWS * dw);
     let chunks = d / 8;
     let mut c = lane;
     while c < ROWS * chunks {
         let (r, k) = (c / chunks, c % chunks);
-        let word = r * dw + 4 * k;
+        let word = q_at + r * dw + 4 * k;
         let rr = Row::new(ctx, p, &sq, kvh, row0 + r);
         let v = if rr.valid {
-            ctx.ld_v4(&p.q, rr.q_at(ctx, p, &sq, 8 * k))
+            let at = if TREE {
+                rr.q_at_token(p, &sq, 8 * k)
+            } else {
+                rr.q_at(ctx, p, &sq, 8 * k)
+            };
+            ctx.ld_v4(&p.q, at)
         } else {
             [0; 4]
         };
@@ -144,13 +173,21 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
         ctx.smem_st_u32(word + 3, v3);
         c += 32;
     }
+    if TREE && lane < ROWS {
+        // This lane's row of the tile: its mask word and first masked position.
+        let rr = Row::new(ctx, p, &sq, kvh, row0 + lane);
+        let (mask, from) = rr.tree_word(ctx, p, &sq);
+        ctx.smem_st_u32(4 * lane, mask as u32);
+        ctx.smem_st_u32(4 * lane + 1, (mask >> 32) as u32);
+        ctx.smem_st_u32(4 * lane + 2, from);
+    }
 
     let mut pass = 0;
-    while pass * PASS_DIMS < d {
-        let width = if d - pass * PASS_DIMS < PASS_DIMS {
-            d - pass * PASS_DIMS
+    while pass * pass_dims < d {
+        let width = if d - pass * pass_dims < pass_dims {
+            d - pass * pass_dims
         } else {
-            PASS_DIMS
+            pass_dims
         };
         // Cache vectors per K row and per V pass row; tile words per cache vector.
         let (kchunks, vchunks, vwords) = (d / K::PER_V4, width / K::PER_V4, K::PER_V4 / 2);
@@ -171,7 +208,7 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
                 } else {
                     let c = c - KV_TILE * kchunks;
                     let (r, k) = (c / vchunks, c % vchunks);
-                    let col = pass * PASS_DIMS + K::PER_V4 * k;
+                    let col = pass * pass_dims + K::PER_V4 * k;
                     (r, col, vw + r * (width / 2) + vwords * k)
                 };
                 let pos = kv + r;
@@ -196,7 +233,7 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
             let mut ks = 0;
             while ks < d / 16 {
                 let a_row = lr + 8 * lh;
-                let a = ctx.ldmatrix_x4::<false>(a_row * dw + 8 * ks + 4 * (lane / 16));
+                let a = ctx.ldmatrix_x4::<false>(q_at + a_row * dw + 8 * ks + 4 * (lane / 16));
                 let k_tile = |nb: u32, sa: &mut [f32; 4]| {
                     let bk = ctx.ldmatrix_x2::<false>(kw + (8 * nb + lr) * dw + 8 * ks + 4 * lh);
                     *sa = T::mma(ctx, a, bk, *sa);
@@ -212,8 +249,28 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
             for nb in 0..2 {
                 for i in 0..4 {
                     let kpos = kv + 8 * nb as u32 + 2 * t + (i % 2) as u32;
-                    let x = row[i / 2].score(ctx, p, sacc[nb][i], kpos);
-                    sc[nb][i] = x;
+                    sc[nb][i] = row[i / 2].score_untreed(ctx, p, sacc[nb][i], kpos);
+                }
+            }
+            if TREE {
+                // A score is hidden from its row's first masked position on where the
+                // row's bit for it (the distance back) is clear (each index a constant
+                // after inlining: the scores stay in registers).
+                each16(|k| {
+                    if k < 8 {
+                        let (nb, i) = ((k / 4) as usize, (k % 4) as usize);
+                        let kpos = kv + 8 * nb as u32 + 2 * t + (i % 2) as u32;
+                        let at = 4 * (g + 8 * (i / 2) as u32);
+                        let dist = row[i / 2].qpos.wrapping_sub(kpos) & 63;
+                        let bit = (ctx.smem_ld_u32(at + dist / 32) >> (dist % 32)) & 1;
+                        if kpos >= ctx.smem_ld_u32(at + 2) && bit == 0 {
+                            sc[nb][i] = f32::NEG_INFINITY;
+                        }
+                    }
+                });
+            }
+            for scb in &sc {
+                for (i, &x) in scb.iter().enumerate() {
                     if x > mx[i / 2] {
                         mx[i / 2] = x;
                     }
@@ -245,7 +302,7 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
             }
             // O = alpha O + P V.
             each_blk(&mut o, |nd, f| {
-                if nd < nblk {
+                if nd < pass_dims / 8 && nd < nblk {
                     for (i, x) in f.iter_mut().enumerate() {
                         *x *= alpha[i / 2];
                     }
@@ -273,11 +330,11 @@ fn prefill<T: MmaElem, K: KvElem, C: Ctx>(ctx: &C, p: &PrefillParams<T, K>) {
             }
         }
         each_blk(&mut o, |nd, f| {
-            if nd < nblk {
+            if nd < pass_dims / 8 && nd < nblk {
                 for (i, x) in f.iter().enumerate() {
                     let r = &row[i / 2];
                     if r.valid {
-                        let dim = pass * PASS_DIMS + 8 * nd + 2 * t + (i % 2) as u32;
+                        let dim = pass * pass_dims + 8 * nd + 2 * t + (i % 2) as u32;
                         ctx.st(&p.out, r.at(p, &sq, dim), T::from_f32(x * inv[i / 2]));
                     }
                 }

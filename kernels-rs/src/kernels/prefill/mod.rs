@@ -62,9 +62,10 @@ pub const MMA_THREADS: u32 = 32;
 pub const SIMT_THREADS: u32 = 128;
 
 /// Shared memory of the tensor-core kernel for `head_dim`, bytes: the Q and K tiles
-/// (`16 x head_dim`) and one pass of the V tile (`16 x PASS_DIMS`), 16-bit elements.
+/// (`16 x head_dim`) and one pass of the V tile (`16 x PASS_DIMS`), 16-bit elements,
+/// then each row's tree-mask words (4 words a row).
 pub const fn mma_shared_bytes(head_dim: u32) -> u32 {
-    (2 * ROWS * head_dim + KV_TILE * PASS_DIMS) * 2
+    (2 * ROWS * head_dim + KV_TILE * PASS_DIMS) * 2 + 16 * ROWS
 }
 
 /// Parameters of [`PagedPrefill`] and [`PagedPrefillSimt`]: q and out of `T`, a cache
@@ -110,6 +111,14 @@ pub struct PrefillParams<T, K = T> {
     /// cascade's shared pass puts each decode's query at its own position, past every
     /// shared token, for ALiBi and the window.
     pub q_pos: GlobalSlice<i32>,
+    /// `[total_tokens]`: each new token's tree mask (speculative decoding: verifying a
+    /// tree of draft tokens), or empty for none. Bit `d` of token `i`'s word says
+    /// whether it attends to its sequence's new token `i - d` (bit 0: itself); new
+    /// tokens 64 or more before it, and the cached positions before the sequence's
+    /// first new token, are attended as without a mask. A plain prefill's tokens have
+    /// every bit set; a chain of drafts too. Not with `q_pos`, a window or ALiBi (the
+    /// host refuses them: a tree node's position is its depth, not its slot).
+    pub tree_mask: GlobalSlice<u64>,
     /// The cache's shape.
     pub layout: PagedLayout,
     /// Query heads (a multiple of `layout.num_kv_heads`).
@@ -128,9 +137,9 @@ pub struct PrefillParams<T, K = T> {
     pub q_row_stride: u64,
 }
 
-// SAFETY: 14 views, the 16-byte layout, 6 four-byte fields, one u64: 272 bytes, no
+// SAFETY: 15 views, the 16-byte layout, 6 four-byte fields, one u64: 288 bytes, no
 // padding (asserted below).
-const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 14 * 16 + 16 + 6 * 4 + 8);
+const _: () = assert!(core::mem::size_of::<PrefillParams<f32>>() == 15 * 16 + 16 + 6 * 4 + 8);
 unsafe impl<T: 'static, K: 'static> KernelParams for PrefillParams<T, K>
 where
     Self: Copy,
@@ -150,6 +159,7 @@ where
         f(self.lse.range("lse"));
         f(self.q_rows.range("q_rows"));
         f(self.q_pos.range("q_pos"));
+        f(self.tree_mask.range("tree_mask"));
     }
 }
 
@@ -295,12 +305,62 @@ impl Row {
 
     /// The score against `kpos` from `dot`, or `-inf` where this row may not look.
     #[inline(always)]
-    fn score<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, dot: f32, kpos: u32) -> f32 {
+    fn score<T, K, C: Ctx>(
+        &self,
+        ctx: &C,
+        p: &PrefillParams<T, K>,
+        sq: &Seq,
+        dot: f32,
+        kpos: u32,
+    ) -> f32 {
+        if self.valid && kpos >= self.first && kpos <= self.last && self.sees(ctx, p, sq, kpos) {
+            score(ctx, p, dot, self, kpos)
+        } else {
+            f32::NEG_INFINITY
+        }
+    }
+
+    /// [`score`](Self::score) without the tree mask (the caller applies it).
+    #[inline(always)]
+    fn score_untreed<T, K, C: Ctx>(
+        &self,
+        ctx: &C,
+        p: &PrefillParams<T, K>,
+        dot: f32,
+        kpos: u32,
+    ) -> f32 {
         if self.valid && kpos >= self.first && kpos <= self.last {
             score(ctx, p, dot, self, kpos)
         } else {
             f32::NEG_INFINITY
         }
+    }
+
+    /// This row's tree-mask word and the first position it applies to (`qpos -
+    /// min(token, 63)`: the positions before are cached ones or new ones 64 or more
+    /// back, always seen): what [`sees`](Self::sees) reads, for a kernel that keeps
+    /// them in shared memory.
+    #[inline(always)]
+    fn tree_word<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, sq: &Seq) -> (u64, u32) {
+        let back = if self.token < 63 { self.token } else { 63 };
+        (
+            ctx.ld(&p.tree_mask, (sq.q0 + self.token) as u64),
+            self.qpos - back,
+        )
+    }
+
+    /// Whether the tree mask lets this row see `kpos` (at most its own position):
+    /// always without a mask, for a cached position, and for a new token 64 or more
+    /// before it; else bit `qpos - kpos` of its token's mask.
+    #[inline(always)]
+    fn sees<T, K, C: Ctx>(&self, ctx: &C, p: &PrefillParams<T, K>, sq: &Seq, kpos: u32) -> bool {
+        if p.tree_mask.is_empty() {
+            return true;
+        }
+        let d = self.qpos - kpos;
+        d > self.token
+            || d >= 64
+            || (ctx.ld(&p.tree_mask, (sq.q0 + self.token) as u64) >> d) & 1 != 0
     }
 
     /// Index of this row's `(token, head)` in `lse`.
@@ -321,6 +381,13 @@ impl Row {
             ctx.ld(&p.q_rows, t as u64) as u32 as u64
         };
         r * p.q_row_stride + (self.head * p.layout.head_dim + dim) as u64
+    }
+
+    /// [`q_at`](Self::q_at) in token order, `q_rows` not read (the tree variant of
+    /// the one-warp kernel: the cascade's gathered rows run the plain one).
+    #[inline(always)]
+    fn q_at_token<T, K>(&self, p: &PrefillParams<T, K>, sq: &Seq, dim: u32) -> u64 {
+        (sq.q0 + self.token) as u64 * p.q_row_stride + (self.head * p.layout.head_dim + dim) as u64
     }
 
     /// Element index of this row's `(token, head, dim)` in `out`.

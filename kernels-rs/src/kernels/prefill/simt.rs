@@ -106,7 +106,7 @@ fn prefill<C: Ctx>(ctx: &C, p: &PrefillParams<f32>) {
                 }
                 c += 4;
             }
-            let sc = row.score(ctx, p, dot, kpos);
+            let sc = row.score(ctx, p, &sq, dot, kpos);
             let m_new = if sc > m { sc } else { m };
             let alpha = weight(ctx, m, m_new);
             let pe = weight(ctx, sc, m_new);

@@ -175,9 +175,15 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
         // The warp's latest first visible position and earliest query position.
         let lo = sq.first_visible(ctx, p, (wrow0 + 15) / sq.group);
         let hi = sq.end(ctx, p, wrow0 / sq.group);
+        // A tree mask may hide any new token: only the cached positions are plain.
+        let hi = if p.tree_mask.is_empty() || hi < sq.ctx_len - sq.qo_len {
+            hi
+        } else {
+            sq.ctx_len - sq.qo_len
+        };
         (
             (lo - first).div_ceil(MMA_STAGE_TOKENS),
-            (hi - first) / MMA_STAGE_TOKENS,
+            hi.saturating_sub(first) / MMA_STAGE_TOKENS,
         )
     } else {
         (1, 0)
@@ -230,7 +236,7 @@ pub(super) fn prefill_tiled<T: MmaElem, K: MmaCache<T>, C: Ctx, const D: u32>(
                     each_upto(4, |e| {
                         let h = e / 2;
                         let kpos = tok0 + 16 * j as u32 + 8 * nt as u32 + 2 * t + e as u32 % 2;
-                        let x = row[h].score(ctx, p, sc[j][nt][e], kpos);
+                        let x = row[h].score(ctx, p, &sq, sc[j][nt][e], kpos);
                         sc[j][nt][e] = x;
                         if x > mx[h] {
                             mx[h] = x;
