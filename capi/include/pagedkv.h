@@ -62,6 +62,9 @@
  *   group 0's).
  * - 0.2 (additions): the merge of attention states, pagedkv_merge_shape,
  *   pagedkv_merge_states() and pagedkv_cuda_merge_states().
+ * - 0.2 (additions): speculative decoding, pagedkv_set_lookahead(),
+ *   pagedkv_on_step_done_accepted() and pagedkv_accepted;
+ *   pagedkv_scheduled_seq.num_draft_tokens in place of its reserved 0.
  */
 #ifndef PAGEDKV_H
 #define PAGEDKV_H
@@ -135,12 +138,15 @@ typedef struct pagedkv_request {
 typedef struct pagedkv_scheduled_seq {
     uint64_t seq;            /* sequence id */
     uint64_t request;        /* its request id */
-    uint32_t is_prefill;     /* 1: prefill (several new tokens); 0: decode (one) */
+    uint32_t is_prefill;     /* 1: prefill (several new tokens); 0: decode (one) or
+                              * a verify row (after the decodes; see
+                              * pagedkv_set_lookahead) */
     uint32_t start_pos;      /* position of its first new token */
     uint32_t num_new_tokens; /* new tokens this step */
     uint32_t context_len;    /* tokens in its cache after this step */
     uint32_t token_offset;   /* offset of its first new token in slot_mapping */
-    uint32_t reserved;       /* 0 */
+    uint32_t num_draft_tokens; /* since 0.2: drafts a verify row checks (its
+                                * num_new_tokens = num_draft_tokens + 1), else 0 */
 } pagedkv_scheduled_seq;
 
 /* A step's batch: device-ready arrays. The library owns them; they stay valid, and
@@ -254,6 +260,14 @@ pagedkv_status pagedkv_step(pagedkv_scheduler *s, pagedkv_batch *out);
 pagedkv_status pagedkv_batch_group(pagedkv_scheduler *s, uint32_t group,
                                    pagedkv_group_tables *out);
 
+/* What one scheduled sequence keeps of a step (pagedkv_on_step_done_accepted): its
+ * next num_tokens tokens of the call's tokens array. */
+typedef struct pagedkv_accepted {
+    uint64_t seq;
+    uint32_t num_tokens; /* 0 to its num_new_tokens (a prefill row: exactly 1) */
+    uint32_t reserved;   /* 0 */
+} pagedkv_accepted;
+
 /* Takes one sampled token per scheduled sequence of the last step (n entries, each
  * scheduled sequence exactly once; otherwise nothing changes and an error says why).
  * n is compared with the last step's num_seqs before sampled is read: a different n is
@@ -263,6 +277,27 @@ pagedkv_status pagedkv_batch_group(pagedkv_scheduler *s, uint32_t group,
  * finished (stop token or max_tokens); their blocks are already free. */
 pagedkv_status pagedkv_on_step_done(pagedkv_scheduler *s, const pagedkv_sampled *sampled,
                                     uint64_t n, uint64_t *out_finished);
+
+/* Speculative decoding (since 0.2). Sets how many draft tokens sequence seq asks to
+ * verify in each of its decode steps from the next pagedkv_step() on (0: plain
+ * decodes; at most 63). Its decode then is a verify row: slots for the token sampled
+ * last step and up to k drafts (fewer when the step's budget or the free blocks run
+ * short: drafts never preempt), after the decodes, causal within the row. An unknown
+ * sequence is PAGEDKV_ERR_UNKNOWN_ID, k > 63 PAGEDKV_ERR_INVALID_ARGUMENT, a call
+ * between a step and its on_step_done PAGEDKV_ERR_INVALID_STATE. */
+pagedkv_status pagedkv_set_lookahead(pagedkv_scheduler *s, uint64_t seq, uint32_t k);
+
+/* Takes what every sequence of the last step keeps (since 0.2): rows[i] names a
+ * scheduled sequence and how many of tokens are its own, in order: the accepted
+ * drafts, then the token sampled after them (num_tokens 0 rolls the row back: its
+ * slots are freed, nothing of it is cached). n is checked against the last step's
+ * num_seqs and the rows' counts' sum against num_tokens before either array is read.
+ * A stop token or max_tokens among a row's tokens ends it there. Otherwise as
+ * pagedkv_on_step_done(). */
+pagedkv_status pagedkv_on_step_done_accepted(pagedkv_scheduler *s,
+                                             const pagedkv_accepted *rows, uint64_t n,
+                                             const uint32_t *tokens, uint64_t num_tokens,
+                                             uint64_t *out_finished);
 
 /* Drops every cached prefix (after a weight update the cached blocks' K/V is stale, yet
  * a prefix hit would serve it). PAGEDKV_ERR_INVALID_STATE, nothing changed, while any

@@ -69,6 +69,11 @@ same_layout!(pagedkv_scheduled_seq {
     num_new_tokens,
     context_len,
     token_offset,
+    num_draft_tokens,
+});
+same_layout!(pagedkv_accepted {
+    seq,
+    num_tokens,
     reserved,
 });
 same_layout!(pagedkv_group_tables {

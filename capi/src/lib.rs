@@ -84,6 +84,7 @@ pub use scheduler::{
 };
 pub use status::{pagedkv_last_error_message, pagedkv_status, pagedkv_version};
 pub use step::{
-    pagedkv_batch, pagedkv_batch_group, pagedkv_group_tables, pagedkv_on_step_done,
-    pagedkv_sampled, pagedkv_scheduled_seq, pagedkv_step,
+    pagedkv_accepted, pagedkv_batch, pagedkv_batch_group, pagedkv_group_tables,
+    pagedkv_on_step_done, pagedkv_on_step_done_accepted, pagedkv_sampled, pagedkv_scheduled_seq,
+    pagedkv_set_lookahead, pagedkv_step,
 };

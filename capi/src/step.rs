@@ -46,7 +46,9 @@ pub struct pagedkv_scheduled_seq {
     pub seq: u64,
     /// Its request.
     pub request: u64,
-    /// 1: prefill (several new tokens); 0: decode (one).
+    /// 1: prefill (several new tokens); 0: decode (one), or a verify row
+    /// (`num_draft_tokens > 0`, or after the decodes: the token sampled last step and
+    /// its drafts, causal within the row).
     pub is_prefill: u32,
     /// Position of its first new token.
     pub start_pos: u32,
@@ -56,8 +58,10 @@ pub struct pagedkv_scheduled_seq {
     pub context_len: u32,
     /// Offset of its first new token in `slot_mapping`.
     pub token_offset: u32,
-    /// Padding (0).
-    pub reserved: u32,
+    /// Draft tokens this verify row checks (`pagedkv_set_lookahead`; since 0.2, in
+    /// place of a reserved 0): its `num_new_tokens = num_draft_tokens + 1` queries are
+    /// the token sampled last step, then the drafts.
+    pub num_draft_tokens: u32,
 }
 
 /// A step's batch. Every pointer stays valid, and the arrays unchanged, until the next
@@ -126,6 +130,19 @@ pub struct pagedkv_sampled {
     pub reserved: u32,
 }
 
+/// What one scheduled sequence keeps of a step (`pagedkv_on_step_done_accepted`):
+/// its next `num_tokens` tokens of the call's `tokens` array.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct pagedkv_accepted {
+    /// Sequence id (from the batch).
+    pub seq: u64,
+    /// Tokens it keeps: 0 to its `num_new_tokens` (a prefill row: exactly 1).
+    pub num_tokens: u32,
+    /// Padding (0).
+    pub reserved: u32,
+}
+
 fn flatten(v: &mut Vec<u32>, pairs: &[(u32, u32)]) {
     v.clear();
     v.extend(pairs.iter().flat_map(|&(a, b)| [a, b]));
@@ -150,7 +167,7 @@ fn fill_batch(l: &mut StepLists, b: &Batch) -> pagedkv_batch {
         num_new_tokens: q.num_new_tokens,
         context_len: q.context_len,
         token_offset: q.token_offset,
-        reserved: 0,
+        num_draft_tokens: q.num_draft_tokens,
     }));
     flatten(&mut l.copies, &b.copies);
     flatten(&mut l.swap_out, &b.swap_out);
@@ -298,5 +315,110 @@ pub unsafe extern "C" fn pagedkv_on_step_done(
             }
             Err(e) => from_error(&e),
         }
+    })
+}
+
+/// Takes what every sequence of the last step keeps (speculative decoding, since
+/// 0.2): `rows[i]` names a scheduled sequence and how many of `tokens` are its own,
+/// in order (the accepted drafts, then the token sampled after them; 0 rolls the row
+/// back). `n` is checked against the last step's sequences and the counts' sum against
+/// `num_tokens` before either array is read. Otherwise as `pagedkv_on_step_done`.
+///
+/// # Safety
+/// `rows` is null only when `n` is 0, else valid for `n` reads; `tokens` null only
+/// when `num_tokens` is 0, else valid for `num_tokens` reads; `out_finished` is null
+/// or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_on_step_done_accepted(
+    s: *mut pagedkv_scheduler,
+    rows: *const pagedkv_accepted,
+    n: u64,
+    tokens: *const u32,
+    num_tokens: u64,
+    out_finished: *mut u64,
+) -> pagedkv_status {
+    with_scheduler(s, |h| {
+        if h.awaiting == 0 {
+            return fail(
+                PAGEDKV_ERR_INVALID_STATE,
+                format!("on_step_done() without a step: no scheduled sequence waits (n is {n})"),
+            );
+        }
+        if n != h.awaiting {
+            return fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!(
+                    "invalid argument `n`: {n} rows, but the last step scheduled {} sequences",
+                    h.awaiting
+                ),
+            );
+        }
+        // SAFETY: valid for `n` reads (the caller's contract), `n` the batch's length.
+        let rows = match unsafe { slice(rows, n, "rows") } {
+            Ok(v) => v,
+            Err(st) => return st,
+        };
+        let total = rows
+            .iter()
+            .try_fold(0u64, |acc, r| acc.checked_add(r.num_tokens as u64));
+        if total != Some(num_tokens) {
+            return fail(
+                PAGEDKV_ERR_INVALID_ARGUMENT,
+                format!(
+                    "invalid argument `num_tokens`: {num_tokens}, but the rows keep {} tokens in all",
+                    total.map_or("more than 2^64".to_string(), |t| t.to_string())
+                ),
+            );
+        }
+        let tokens: &[u32] = if num_tokens == 0 {
+            &[]
+        } else {
+            // SAFETY: valid for `num_tokens` reads (the caller's contract); the sum of
+            // the rows' counts, each at most 2^32, over at most the batch's rows.
+            match unsafe { slice(tokens, num_tokens, "tokens") } {
+                Ok(v) => v,
+                Err(st) => return st,
+            }
+        };
+        let mut at = 0usize;
+        let list: Vec<(u64, &[u32])> = rows
+            .iter()
+            .map(|r| {
+                let t = &tokens[at..at + r.num_tokens as usize];
+                at += r.num_tokens as usize;
+                (r.seq, t)
+            })
+            .collect();
+        match h.inner.on_step_done_accepted(&list) {
+            Ok(done) => {
+                h.awaiting = 0;
+                if !out_finished.is_null() {
+                    // SAFETY: non-null, valid for a write.
+                    unsafe { out_finished.write(done.len() as u64) };
+                }
+                PAGEDKV_OK
+            }
+            Err(e) => from_error(&e),
+        }
+    })
+}
+
+/// Sets how many draft tokens sequence `seq` asks to verify in each of its decode
+/// steps from the next `pagedkv_step` on (since 0.2; 0: plain decodes; at most 63).
+/// An unknown sequence is `PAGEDKV_ERR_UNKNOWN_ID`, more than 63
+/// `PAGEDKV_ERR_INVALID_ARGUMENT`, a call between a step and its `on_step_done`
+/// `PAGEDKV_ERR_INVALID_STATE`.
+///
+/// # Safety
+/// `s` is a live handle (or null, an error).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pagedkv_set_lookahead(
+    s: *mut pagedkv_scheduler,
+    seq: u64,
+    k: u32,
+) -> pagedkv_status {
+    with_scheduler(s, |h| match h.inner.set_lookahead(seq, k) {
+        Ok(()) => PAGEDKV_OK,
+        Err(e) => from_error(&e),
     })
 }

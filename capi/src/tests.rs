@@ -276,3 +276,88 @@ fn a_scheduler_of_layer_groups_hands_out_each_groups_tables() {
         assert_eq!(pagedkv_scheduler_destroy(s), PAGEDKV_OK);
     }
 }
+
+#[test]
+fn speculative_rows_verify_drafts_and_roll_back_what_is_rejected() {
+    let s = create();
+    let prompt: Vec<u32> = (0..10).collect();
+    let req = pagedkv_request {
+        id: 1,
+        prompt: prompt.as_ptr(),
+        prompt_len: prompt.len() as u64,
+        max_tokens: 20,
+        stop_token: -1,
+        priority: 0,
+        has_cache_salt: 0,
+        cache_salt: 0,
+    };
+    let mut seq = 0;
+    // SAFETY: valid pointers and counts throughout; the batch read before the next step.
+    unsafe {
+        assert_eq!(pagedkv_add_request(s, &req, &mut seq), PAGEDKV_OK);
+        assert_eq!(pagedkv_set_lookahead(s, seq + 1, 2), PAGEDKV_ERR_UNKNOWN_ID);
+        assert_eq!(
+            pagedkv_set_lookahead(s, seq, 64),
+            PAGEDKV_ERR_INVALID_ARGUMENT
+        );
+        let mut b = std::mem::MaybeUninit::uninit();
+        assert_eq!(pagedkv_step(s, b.as_mut_ptr()), PAGEDKV_OK);
+        let one = pagedkv_sampled {
+            seq,
+            token: 50,
+            reserved: 0,
+        };
+        assert_eq!(
+            pagedkv_on_step_done(s, &one, 1, std::ptr::null_mut()),
+            PAGEDKV_OK
+        );
+        assert_eq!(pagedkv_set_lookahead(s, seq, 3), PAGEDKV_OK);
+        assert_eq!(pagedkv_step(s, b.as_mut_ptr()), PAGEDKV_OK);
+        let b = b.assume_init();
+        let q = *b.seqs;
+        assert_eq!(
+            (q.is_prefill, q.num_draft_tokens, q.num_new_tokens),
+            (0, 3, 4)
+        );
+        assert_eq!((q.start_pos, q.context_len), (10, 14));
+        // The counts must add up to num_tokens before the tokens are read.
+        let rows = [pagedkv_accepted {
+            seq,
+            num_tokens: 3,
+            reserved: 0,
+        }];
+        let tokens = [51u32, 52, 53];
+        assert_eq!(
+            pagedkv_on_step_done_accepted(
+                s,
+                rows.as_ptr(),
+                1,
+                tokens.as_ptr(),
+                2,
+                std::ptr::null_mut()
+            ),
+            PAGEDKV_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("num_tokens"), "{}", last_error());
+        // Two drafts accepted, then a correction: 13 tokens computed, 14 known.
+        assert_eq!(
+            pagedkv_on_step_done_accepted(
+                s,
+                rows.as_ptr(),
+                1,
+                tokens.as_ptr(),
+                3,
+                std::ptr::null_mut()
+            ),
+            PAGEDKV_OK
+        );
+        let mut n = 0;
+        let mut out = [0u32; 32];
+        assert_eq!(
+            pagedkv_seq_tokens(s, seq, out.as_mut_ptr(), 32, &mut n),
+            PAGEDKV_OK
+        );
+        assert_eq!(&out[10..n as usize], &[50, 51, 52, 53]);
+        assert_eq!(pagedkv_scheduler_destroy(s), PAGEDKV_OK);
+    }
+}
