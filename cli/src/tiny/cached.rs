@@ -11,7 +11,9 @@ use pagedkv::host::scheduler::Batch;
 use super::driver::{StepCtx, to_host};
 use super::model::{finish_layer, matmul};
 
-/// One step of the cached run; returns each sequence's last hidden state.
+/// One step of the cached run; returns the hidden states of the step's new tokens
+/// (`[slot_mapping.len(), hidden]`, row by row: a verify row's are its last token's
+/// and its drafts').
 pub(super) fn step<B: AttentionBackend>(
     be: &mut B,
     cache: &mut PagedCache<B::Tensor>,
@@ -31,13 +33,13 @@ pub(super) fn step<B: AttentionBackend>(
     let mut x = Vec::with_capacity(n_new * hidden);
     for q in &batch.seqs {
         let toks = c.sched.tokens(q.seq)?;
-        c.model.embed(
-            toks.range(
-                q.start_pos as usize,
-                (q.start_pos + q.num_new_tokens) as usize,
-            ),
-            &mut x,
-        );
+        // A verify row: the token sampled last step, then its drafts.
+        let end = (q.start_pos + q.num_new_tokens - q.num_draft_tokens) as usize;
+        c.model.embed(toks.range(q.start_pos as usize, end), &mut x);
+        if q.num_draft_tokens > 0 {
+            let drafts = c.drafts.get(&q.seq).ok_or("a verify row without drafts")?;
+            c.model.embed(drafts.iter().copied(), &mut x);
+        }
     }
     let decode: Vec<usize> = decode_rows(batch).collect();
     let prefill: Vec<usize> = prefill_rows(batch).collect();
@@ -148,10 +150,5 @@ pub(super) fn step<B: AttentionBackend>(
         }
         finish_layer(&mut x, &attn, &layer.wo, hidden);
     }
-    let mut last = Vec::with_capacity(batch.seqs.len() * hidden);
-    for q in &batch.seqs {
-        let t = (q.token_offset + q.num_new_tokens - 1) as usize;
-        last.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
-    }
-    Ok((last, n_new as u64))
+    Ok((x, n_new as u64))
 }

@@ -1,7 +1,7 @@
 //! The serving loop both runs share: the scheduler over the run's requests, the
 //! backend's step, greedy sampling, the checks against dense attention, and the report.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use rand::Rng;
@@ -9,11 +9,12 @@ use rand::Rng;
 use pagedkv::host::backend::{AttentionBackend, PagedCache};
 use pagedkv::host::ops::attention::AttentionOptions;
 use pagedkv::host::reference::{DenseInputs, dense_decode_attention, gather};
-use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
+use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig, SeqId};
 use pagedkv::host::{DType, HostTensor};
 
 use super::model::Model;
-use super::{MAX_MODEL_LEN, MAX_PROMPT_LEN, RunConfig, RunReport, SHARED_PREFIX};
+use super::spec::{Draft, accept};
+use super::{MAX_MODEL_LEN, MAX_PROMPT_LEN, RunConfig, RunReport, SHARED_PREFIX, SpecStats};
 
 /// Checks of attention outputs against dense attention over the gathered cache.
 pub(super) struct Check {
@@ -72,6 +73,8 @@ pub(super) struct StepCtx<'a> {
     pub(super) sched: &'a Scheduler,
     pub(super) opts: &'a AttentionOptions,
     pub(super) check: &'a mut Check,
+    /// Each verify row's draft tokens (speculative decoding).
+    pub(super) drafts: &'a HashMap<SeqId, Vec<u32>>,
 }
 
 /// `v` as a host tensor of `dtype`.
@@ -88,8 +91,10 @@ pub(super) fn to_host(
 }
 
 /// Serves the run's requests on `be`: `step` computes one batch on the backend and
-/// returns each scheduled sequence's last hidden state (`[seqs, hidden]`) and the
-/// tokens whose K/V it computed.
+/// returns the hidden states of its new tokens (`[slot_mapping.len(), hidden]`, row
+/// by row) and the tokens whose K/V it computed. With `cfg.spec`, every decoding
+/// sequence verifies up to that many drafts of the toy draft model a step (see
+/// `spec`).
 pub(super) fn serve<B: AttentionBackend>(
     be: &mut B,
     cfg: &RunConfig,
@@ -143,15 +148,33 @@ pub(super) fn serve<B: AttentionBackend>(
     let (mut computed, mut cached_tokens) = (0u64, 0u64);
     let mut step_times = Vec::new();
     let mut outputs: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut margins: BTreeMap<u64, Vec<f32>> = BTreeMap::new();
+    let mut draft = (cfg.spec > 0).then(|| Draft::new(&model, cfg));
+    let mut spec = SpecStats::default();
+    let mut drafts: HashMap<SeqId, Vec<u32>> = HashMap::new();
     let start = Instant::now();
     let hidden = model.hidden;
     while !sched.is_idle() {
         let t0 = Instant::now();
+        if cfg.spec > 0 {
+            for q in sched.running_seqs().to_vec() {
+                sched.set_lookahead(q, cfg.spec)?;
+            }
+        }
         let batch = sched.step()?.clone();
         if batch.seqs.is_empty() {
             return Err("the scheduler made an empty step with requests left".into());
         }
-        let (last, computed_now) = step(
+        // The drafts of every verify row (as many as the scheduler granted).
+        drafts.clear();
+        if let Some(dm) = draft.as_mut() {
+            for q in batch.seqs.iter().filter(|q| q.num_draft_tokens > 0) {
+                let history = sched.tokens(q.seq)?.to_vec();
+                let k = q.num_draft_tokens as usize;
+                drafts.insert(q.seq, dm.propose(cfg, &opts, q.seq, &history, k));
+            }
+        }
+        let (states, computed_now) = step(
             be,
             &mut cache,
             &batch,
@@ -161,28 +184,58 @@ pub(super) fn serve<B: AttentionBackend>(
                 sched: &sched,
                 opts: &opts,
                 check: &mut check,
+                drafts: &drafts,
             },
         )?;
         computed += computed_now;
         cached_tokens += batch.num_cached_tokens as u64;
-        // Greedy sampling from each sequence's last hidden state (a non-final chunk of a
-        // prefill samples nothing: the scheduler ignores its token).
-        let sampled: Vec<_> = batch
-            .seqs
-            .iter()
-            .enumerate()
-            .map(|(i, q)| {
-                let t = model.greedy(&last[i * hidden..(i + 1) * hidden], cfg.vocab);
-                if q.samples {
-                    outputs.entry(q.request).or_default().push(t);
-                }
-                (q.seq, t)
-            })
-            .collect();
-        tokens += batch.seqs.iter().filter(|q| q.samples).count() as u64;
+        // Greedy sampling from each row's last hidden state (a non-final chunk of a
+        // prefill samples nothing: the scheduler ignores its token); a verify row
+        // keeps its drafts while they are the target's greedy tokens, then the
+        // target's own.
+        let mut kept: Vec<(SeqId, Vec<u32>)> = Vec::with_capacity(batch.seqs.len());
+        for (i, q) in batch.seqs.iter().enumerate() {
+            let at = |j: u32| {
+                let t = (q.token_offset + j) as usize;
+                model.greedy_margin(&states[t * hidden..(t + 1) * hidden], cfg.vocab)
+            };
+            let verify = i >= batch.num_decodes as usize && !q.is_prefill;
+            let (toks, marg): (Vec<u32>, Vec<f32>) = if verify {
+                let g: Vec<(u32, f32)> = (0..q.num_new_tokens).map(at).collect();
+                let greedy: Vec<u32> = g.iter().map(|x| x.0).collect();
+                let d = drafts.get(&q.seq).map_or(&[][..], |d| d.as_slice());
+                let toks = accept(d, &greedy);
+                spec.verify_rows += 1;
+                spec.drafted += d.len() as u64;
+                spec.accepted += toks.len() as u64 - 1;
+                let marg = g[..toks.len()].iter().map(|x| x.1).collect();
+                (toks, marg)
+            } else {
+                let (t, m) = at(q.num_new_tokens - 1);
+                (vec![t], vec![m])
+            };
+            if q.samples {
+                // What the sequence keeps: its cap may cut a verify row's tokens.
+                let out = outputs.entry(q.request).or_default();
+                let room = (cfg.max_tokens as usize).saturating_sub(out.len());
+                let n = toks.len().min(room);
+                out.extend_from_slice(&toks[..n]);
+                margins
+                    .entry(q.request)
+                    .or_default()
+                    .extend_from_slice(&marg[..n]);
+                tokens += n as u64;
+            }
+            kept.push((q.seq, toks));
+        }
         steps += 1;
         util_sum += sched.metrics().kv_utilization;
-        sched.on_step_done(&sampled)?;
+        let lists: Vec<(SeqId, &[u32])> = kept.iter().map(|(s, t)| (*s, t.as_slice())).collect();
+        for (s, _) in sched.on_step_done_accepted(&lists)? {
+            if let Some(dm) = draft.as_mut() {
+                dm.forget(s);
+            }
+        }
         let mean_len = batch.context_lens.iter().map(|&c| c as f64).sum::<f64>()
             / batch.context_lens.len() as f64;
         step_times.push((mean_len, t0.elapsed().as_secs_f64()));
@@ -211,7 +264,9 @@ pub(super) fn serve<B: AttentionBackend>(
         },
         step_times,
         outputs,
+        margins,
         computed_tokens: computed,
         cached_tokens,
+        spec: (cfg.spec > 0).then_some(spec),
     })
 }

@@ -2,8 +2,10 @@
 //! small synthetic transformer.
 //!
 //! The model is a few layers of random Q/K/V/O projections with residual connections
-//! and RMS normalisation, a random embedding shared with the output layer, and greedy
-//! sampling: the point is the cache and the kernels, not the text. Every step:
+//! and RMS normalisation, a random embedding, a random output matrix of its own (tied
+//! to the embedding, the residual stream made every greedy token the one before it),
+//! and greedy sampling: the point is the cache and the kernels, not the text. Every
+//! step:
 //!
 //! 1. the scheduler plans the batch (admissions, block allocations, slots);
 //! 2. per layer, Q/K/V of the step's new tokens are computed on the CPU, `kv_append`
@@ -26,6 +28,9 @@ mod driver;
 mod model;
 mod plot;
 mod recompute;
+mod spec;
+
+pub use spec::{MAX_SPEC, PERTURBATION};
 
 pub use plot::render_step_times;
 
@@ -90,6 +95,9 @@ pub struct RunConfig {
     /// Tokens the scheduler may put in one step (at least the number of requests); a
     /// prompt longer than what a step has left is prefilled in chunks.
     pub step_tokens: u32,
+    /// Speculative decoding: draft tokens of the toy draft model each decoding
+    /// sequence verifies a step (0: off; at most [`MAX_SPEC`]).
+    pub spec: u32,
 }
 
 impl RunConfig {
@@ -120,6 +128,12 @@ impl RunConfig {
                 self.step_tokens,
                 self.num_requests,
                 1 << 20
+            ));
+        }
+        if self.spec > MAX_SPEC {
+            return Err(format!(
+                "--spec: {} draft tokens a step (at most {MAX_SPEC})",
+                self.spec
             ));
         }
         if !(MIN_TOKENS..=MAX_TOKENS).contains(&self.max_tokens) {
@@ -178,6 +192,7 @@ impl Default for RunConfig {
             dtype: DType::F16,
             verify_per_step: 2,
             step_tokens: 2048,
+            spec: 0,
         }
     }
 }
@@ -206,11 +221,40 @@ pub struct RunReport {
     pub step_times: Vec<(f64, f64)>,
     /// The tokens each request generated, by request id.
     pub outputs: BTreeMap<u64, Vec<u32>>,
+    /// The relative logit margin (the chosen token's logit less the runner-up's, over
+    /// the chosen one's magnitude) of each token in `outputs`, as the target
+    /// computed it.
+    pub margins: BTreeMap<u64, Vec<f32>>,
     /// Tokens whose K/V the run computed (prompt and generated, every chunk).
     pub computed_tokens: u64,
     /// Prompt tokens served from the prefix cache instead (their K/V already in the
     /// pool).
     pub cached_tokens: u64,
+    /// Speculative decoding's counts (`--spec`), or none.
+    pub spec: Option<SpecStats>,
+}
+
+/// What speculative decoding did in a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SpecStats {
+    /// Verify rows (a decoding sequence's step with drafts asked for).
+    pub verify_rows: u64,
+    /// Draft tokens verified.
+    pub drafted: u64,
+    /// Of those, accepted.
+    pub accepted: u64,
+}
+
+impl SpecStats {
+    /// Accepted drafts / verified drafts (0 with none).
+    pub fn acceptance_rate(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+
+    /// Tokens a verify row gains a step: its accepted drafts and the target's token.
+    pub fn tokens_per_row(&self) -> f64 {
+        (self.accepted + self.verify_rows) as f64 / self.verify_rows.max(1) as f64
+    }
 }
 
 impl RunReport {
@@ -241,6 +285,16 @@ impl fmt::Display for RunReport {
             "K/V computed for {} tokens, {} prompt tokens served from the prefix cache",
             self.computed_tokens, self.cached_tokens
         )?;
+        if let Some(s) = &self.spec {
+            writeln!(
+                f,
+                "speculative decoding: {} of {} drafts accepted ({:.1}%), {:.2} tokens per decoding sequence a step (1 without drafts)",
+                s.accepted,
+                s.drafted,
+                100.0 * s.acceptance_rate(),
+                s.tokens_per_row()
+            )?;
+        }
         write!(
             f,
             "verification: {} attention outputs vs dense attention over the gathered cache, max relative L2 error {:.2e} (tolerance {:.0e}): {}",
@@ -276,6 +330,9 @@ fn run_mode(
     progress: &mut dyn FnMut(String),
 ) -> Result<RunReport, Box<dyn std::error::Error>> {
     cfg.check()?;
+    if recompute && cfg.spec > 0 {
+        return Err("--spec with --no-cache: the run without a cache has no verify path".into());
+    }
     let max_seqs = cfg.num_requests as u32;
     let backend = BackendConfig {
         cascade: pagedkv::host::ops::cascade::CascadePolicy::Auto,
@@ -318,3 +375,71 @@ fn run_mode(
 /// Tokens every prompt starts with (a shared "system prompt"): a prompt that holds a
 /// whole block of them gets it from the prefix cache.
 pub const SHARED_PREFIX: usize = 16;
+
+/// How a speculative run's outputs compare with a plain run's, token for token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GreedyMatch {
+    /// Requests whose outputs are identical.
+    pub identical: usize,
+    /// Requests compared.
+    pub requests: usize,
+    /// The relative margin below which two greedy choices are within numerical error:
+    /// `4 x` the larger of the two runs' worst attention errors (relative L2 against
+    /// f64, measured during the runs).
+    pub bound: f64,
+    /// `(request, index, margin)` of each first divergence within the bound: the two
+    /// runs' logits were a tie within error there (the smaller of the two runs'
+    /// margins is given). Every later token of that request may differ.
+    pub explained: Vec<(u64, usize, f64)>,
+    /// The same of each divergence above the bound: a real difference.
+    pub unexplained: Vec<(u64, usize, f64)>,
+}
+
+impl GreedyMatch {
+    /// Whether the outputs match wherever the margin exceeds the bound.
+    pub fn holds(&self) -> bool {
+        self.unexplained.is_empty() && self.requests > 0
+    }
+}
+
+/// Compares a speculative run's outputs with a plain run's of the same requests:
+/// greedy decoding is deterministic, so they must be identical wherever the target's
+/// choice is not a tie within numerical error. The two runs compute a position's
+/// attention by different kernels (a verify row through prefill, a decode through
+/// decode: another summation order), so where the two best logits are closer than
+/// the error of the hidden state they may pick differently. That error is bounded
+/// here from the runs' own checks: each attention output is within the run's worst
+/// measured relative error `e` of f64 attention; a relative error `e` of the hidden
+/// state moves a logit by about `e` of its magnitude, through the two layers and in
+/// either run, hence the bound `4e` on the relative margin (a heuristic bound: the
+/// model's dense parts run in f32 and add far less).
+pub fn compare_greedy(spec: &RunReport, plain: &RunReport) -> GreedyMatch {
+    let bound = 4.0 * spec.max_error.max(plain.max_error);
+    let mut m = GreedyMatch {
+        identical: 0,
+        requests: plain.outputs.len(),
+        bound,
+        explained: Vec::new(),
+        unexplained: Vec::new(),
+    };
+    for (id, want) in &plain.outputs {
+        let got = spec.outputs.get(id).map_or(&[][..], |v| v.as_slice());
+        let Some(i) = (0..want.len().max(got.len())).find(|&i| want.get(i) != got.get(i)) else {
+            m.identical += 1;
+            continue;
+        };
+        let margin = |r: &RunReport| {
+            r.margins
+                .get(id)
+                .and_then(|v| v.get(i))
+                .map_or(0.0, |&x| x as f64)
+        };
+        let at = (*id, i, margin(spec).min(margin(plain)));
+        if at.2 <= bound {
+            m.explained.push(at);
+        } else {
+            m.unexplained.push(at);
+        }
+    }
+    m
+}

@@ -52,10 +52,13 @@ pub(super) fn random(r: &mut SmallRng, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// The model: a shared embedding / output matrix and the layers' weights, from the
+/// The model: an embedding, the layers' weights and an output matrix, from the
 /// config's seed (the same weights for every run with that seed).
 pub(super) struct Model {
     pub(super) embed: Vec<f32>,
+    /// `[vocab, hidden]`: the output matrix (its own: tied to the embedding, the
+    /// residual stream made every greedy token the token before it).
+    pub(super) unembed: Vec<f32>,
     pub(super) layers: Vec<Layer>,
     pub(super) hidden: usize,
     /// The generator after the weights: the prompts come from it.
@@ -81,8 +84,10 @@ impl Model {
                 wo: random(&mut r, hidden * hidden, scale),
             })
             .collect();
+        let unembed = random(&mut r, cfg.vocab * hidden, 1.0);
         Model {
             embed,
+            unembed,
             layers,
             hidden,
             rng: r,
@@ -100,20 +105,27 @@ impl Model {
 
     /// The greedy next token after hidden state `h`.
     pub(super) fn greedy(&self, h: &[f32], vocab: usize) -> u32 {
+        self.greedy_margin(h, vocab).0
+    }
+
+    /// The greedy next token after hidden state `h` and its relative margin: its
+    /// logit less the runner-up's, over its logit's magnitude (how far the choice is
+    /// from a tie, in the units a relative error of the hidden state moves it).
+    pub(super) fn greedy_margin(&self, h: &[f32], vocab: usize) -> (u32, f32) {
         let hidden = self.hidden;
-        (0..vocab)
-            .map(|t| {
-                (
-                    t,
-                    self.embed[t * hidden..(t + 1) * hidden]
-                        .iter()
-                        .zip(h)
-                        .map(|(a, b)| a * b)
-                        .sum::<f32>(),
-                )
-            })
-            .max_by(|a, b| a.1.total_cmp(&b.1))
-            .map(|(t, _)| t as u32)
-            .unwrap_or(0)
+        let (mut best, mut top, mut second) = (0u32, f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for t in 0..vocab {
+            let logit = self.unembed[t * hidden..(t + 1) * hidden]
+                .iter()
+                .zip(h)
+                .map(|(a, b)| a * b)
+                .sum::<f32>();
+            if logit > top {
+                (second, top, best) = (top, logit, t as u32);
+            } else if logit > second {
+                second = logit;
+            }
+        }
+        (best, (top - second) / top.abs().max(f32::MIN_POSITIVE))
     }
 }

@@ -36,7 +36,8 @@ fn whole_history(batch: &Batch, block_size: u32) -> Batch {
     full
 }
 
-/// One step without a cache; returns each sequence's last hidden state.
+/// One step without a cache; returns the hidden states of the step's new tokens
+/// (`[slot_mapping.len(), hidden]`, row by row).
 pub(super) fn step<B: AttentionBackend>(
     be: &mut B,
     cache: &mut PagedCache<B::Tensor>,
@@ -106,10 +107,14 @@ pub(super) fn step<B: AttentionBackend>(
         let attn: Vec<f32> = outv.iter().map(|&a| a as f32).collect();
         finish_layer(&mut x, &attn, &layer.wo, hidden);
     }
-    let mut last = Vec::with_capacity(batch.seqs.len() * hidden);
-    for q in &full.seqs {
-        let t = (q.token_offset + q.num_new_tokens - 1) as usize;
-        last.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+    // The hidden states of the step's new tokens (each row's positions
+    // `start_pos..context_len` of its whole history).
+    let mut out = Vec::with_capacity(batch.slot_mapping.len() * hidden);
+    for (q, f) in batch.seqs.iter().zip(&full.seqs) {
+        for j in 0..q.num_new_tokens {
+            let t = (f.token_offset + q.start_pos + j) as usize;
+            out.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        }
     }
-    Ok((last, n as u64))
+    Ok((out, n as u64))
 }

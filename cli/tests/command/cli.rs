@@ -287,6 +287,32 @@ fn run_on_the_cpu_backend_completes_and_verifies() {
     assert!(out.contains("PASS"), "{out}");
 }
 
+/// `run --spec 4`: drafts are verified, some rejected, and the greedy outputs are the
+/// plain run's; bad values are named.
+#[test]
+fn run_with_speculative_decoding_matches_plain_greedy_decoding() {
+    let o = bin()
+        .args([
+            "run",
+            "--requests",
+            "4",
+            "--max-tokens",
+            "20",
+            "--spec",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("generated 80 tokens"), "{out}");
+    assert!(out.contains("drafts accepted"), "{out}");
+    assert!(out.contains("4 of 4 requests identical"), "{out}");
+    fails_with(&["run", "--spec", "0"], "--spec: 0 draft tokens");
+    fails_with(&["run", "--spec", "17"], "--spec: 17 draft tokens");
+    fails_with(&["run", "--spec", "2", "--no-cache"], "--no-cache");
+}
+
 /// max_tokens = 1 (scoring, classification, prefill-only requests) is served: each
 /// request's one token comes from its prefill, which is verified; no decode runs.
 #[test]
