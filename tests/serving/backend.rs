@@ -693,3 +693,157 @@ fn a_hybrid_model_serves_every_layer_through_its_groups_tables() {
         assert!(s.swapped_out > 0 || s.preempted > 0, "{dtype}: {s:?}");
     }
 }
+
+/// Speculative decoding through the backend: a verify row (a lookahead of 5) whose
+/// drafts form a tree, beside a plain decode, in one step: the engine fills
+/// `Batch::tree_mask`, the backend plans the prefill with the prefill rows' words, and
+/// the verify row's outputs equal f64 attention under the tree (and not causal
+/// attention).
+#[test]
+fn a_verify_row_of_drafts_as_a_tree_runs_through_the_backend() {
+    use pagedkv::host::backend::{KvAppendArgs, PrefillArgs, prefill_rows};
+    use pagedkv::host::ops::attention::DecodeShape;
+    use pagedkv::host::ops::prefill::{PrefillInputs, tree_mask};
+    use pagedkv::host::reference::paged_prefill_attention;
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        let cfg = config(dtype, SplitPolicy::Auto, 4);
+        let (qh, kvh, d) = (4usize, 2usize, 64usize);
+        let mut be = CpuBackend::new(cfg).unwrap();
+        let mut cache = be.alloc_cache().unwrap();
+        let mut sched = Scheduler::new(SchedulerConfig {
+            num_blocks: cfg.shape.num_blocks,
+            block_size: cfg.shape.block_size,
+            max_tokens_per_step: 256,
+            max_model_len: 256,
+            watermark: 0.0,
+            ..SchedulerConfig::default()
+        })
+        .unwrap();
+        sched
+            .add_request(Request::new(0, (0..21).collect(), 20))
+            .unwrap();
+        sched
+            .add_request(Request::new(1, (0..13).collect(), 20))
+            .unwrap();
+        let mut r = 0.37f64;
+        let mut noise = |n: usize| -> Vec<f64> {
+            (0..n)
+                .map(|_| {
+                    r = (r * 3.9 * (1.0 - r)).clamp(0.01, 0.99);
+                    r - 0.5
+                })
+                .collect()
+        };
+        for step in 0..2 {
+            if step == 1 {
+                let q = sched.running_seqs()[0];
+                sched.set_lookahead(q, 5).unwrap();
+            }
+            let mut batch = sched.step().unwrap().clone();
+            let n = batch.slot_mapping.len();
+            if step == 1 {
+                // Row 1 verifies its token and 5 drafts as a tree: two children of
+                // the root, a chain under the second.
+                assert_eq!(batch.num_decodes, 1);
+                assert_eq!(batch.seqs[1].num_draft_tokens, 5);
+                let parents: Vec<Option<&[i32]>> = vec![None, Some(&[-1, 0, 0, 2, 3, 3])];
+                batch.tree_mask = tree_mask(&batch.qo_indptr, &parents).unwrap();
+            }
+            be.begin_step(&batch, &mut cache).unwrap();
+            let mut kv =
+                |v: Vec<f64>| be.upload(&HostTensor::from_f64(dtype, &[n, kvh, d], &v).unwrap());
+            let key = kv(noise(n * kvh * d)).unwrap();
+            let value = kv(noise(n * kvh * d)).unwrap();
+            be.kv_append(KvAppendArgs {
+                key: key.view(),
+                value: value.view(),
+                cache: &mut cache.layers[0],
+                group: 0,
+            })
+            .unwrap();
+            let opts = AttentionOptions::new(d as u32);
+            let prows: Vec<usize> = prefill_rows(&batch).collect();
+            let first = batch.seqs[prows[0]].token_offset as usize;
+            let pn = n - first;
+            let qv = noise(pn * qh * d);
+            let q = be
+                .upload(&HostTensor::from_f64(dtype, &[pn, qh, d], &qv).unwrap())
+                .unwrap();
+            let mut out = be
+                .upload(&HostTensor::full(dtype, &[pn, qh, d], f64::NAN))
+                .unwrap();
+            be.prefill(PrefillArgs {
+                lse: None,
+                opts: &opts,
+                q: q.view(),
+                cache: &cache.layers[0],
+                sinks: None,
+                out: out.view_mut(),
+                group: 0,
+            })
+            .unwrap();
+            let got = be.download(&out).unwrap().to_f64();
+            let (kc, vc) = (
+                be.download(&cache.layers[0].key).unwrap(),
+                be.download(&cache.layers[0].value).unwrap(),
+            );
+            let w = batch.max_blocks_per_seq as usize;
+            let tables: Vec<i32> = prows
+                .iter()
+                .flat_map(|&i| batch.block_tables[i * w..(i + 1) * w].to_vec())
+                .collect();
+            let indptr: Vec<i32> = std::iter::once(0)
+                .chain(prows.iter().scan(0, |a, &i| {
+                    *a += batch.seqs[i].num_new_tokens as i32;
+                    Some(*a)
+                }))
+                .collect();
+            let lens: Vec<i32> = prows.iter().map(|&i| batch.context_lens[i]).collect();
+            let shape = DecodeShape {
+                num_seqs: prows.len() as u32,
+                num_q_heads: qh as u32,
+                num_kv_heads: kvh as u32,
+                head_dim: d as u32,
+                block_size: cfg.shape.block_size,
+                num_blocks: cfg.shape.num_blocks,
+                max_blocks_per_seq: w as u32,
+            };
+            let qt = HostTensor::from_f64(dtype, &[pn, qh, d], &qv).unwrap();
+            let want = paged_prefill_attention(&PrefillInputs {
+                shape: &shape,
+                opts: &opts,
+                q: &qt,
+                key_cache: &kc,
+                value_cache: &vc,
+                block_tables: &tables,
+                qo_indptr: &indptr,
+                context_lens: &lens,
+                kv_scales: None,
+                sinks: None,
+                tree_mask: (step == 1).then(|| &batch.tree_mask[first..]),
+            });
+            let e = common::rel_l2(&got, &want);
+            assert!(e <= common::tolerance(dtype), "{dtype} step {step}: {e:e}");
+            if step == 1 {
+                // The tree hides something: causal attention differs.
+                let causal = paged_prefill_attention(&PrefillInputs {
+                    tree_mask: None,
+                    shape: &shape,
+                    opts: &opts,
+                    q: &qt,
+                    key_cache: &kc,
+                    value_cache: &vc,
+                    block_tables: &tables,
+                    qo_indptr: &indptr,
+                    context_lens: &lens,
+                    kv_scales: None,
+                    sinks: None,
+                });
+                let gap = common::rel_l2(&got, &causal);
+                assert!(gap > 3.0 * common::tolerance(dtype), "{dtype}: tree vs causal {gap:e}");
+            }
+            let sampled: Vec<(u64, u32)> = batch.seqs.iter().map(|q| (q.seq, 3)).collect();
+            sched.on_step_done(&sampled).unwrap();
+        }
+    }
+}

@@ -174,6 +174,22 @@ impl<D: StepDevice> StepCore<D> {
             let end = self.pindptr[self.pindptr.len() - 1] + sq.num_new_tokens as i32;
             self.pindptr.push(end);
         }
+        // A tree mask: the prefill rows' tokens' words (they follow the decodes').
+        let tree = if batch.tree_mask.is_empty() {
+            None
+        } else if batch.tree_mask.len() != batch.slot_mapping.len() {
+            return Err(Error::invalid(
+                "tree_mask",
+                format!(
+                    "{} words for the batch's {} new tokens (one each, or none)",
+                    batch.tree_mask.len(),
+                    batch.slot_mapping.len()
+                ),
+            ));
+        } else {
+            let first = batch.seqs.get(nd).map_or(0, |q| q.token_offset as usize);
+            Some(&batch.tree_mask[first..])
+        };
         if !self.plens.is_empty() {
             let pmeta = |g: usize| PrefillMeta {
                 block_tables: &self.ptables[g],
@@ -181,7 +197,7 @@ impl<D: StepDevice> StepCore<D> {
                 qo_indptr: &self.pindptr,
                 context_lens: &self.plens,
                 window: view(g).sliding_window,
-                tree_mask: None,
+                tree_mask: tree,
             };
             planned.prefill = Some(if groups == 1 {
                 self.runner.plan_prefill(&pmeta(0))?

@@ -89,6 +89,14 @@ pub struct Batch {
     pub context_lens: Vec<i32>,
     /// `[total new tokens]`: slot of each new token, sequence by sequence.
     pub slot_mapping: Vec<i64>,
+    /// `[total new tokens]`, or empty (the scheduler leaves it empty): each new
+    /// token's tree mask, for an engine that verifies its drafts as trees. Fill it
+    /// with [`tree_mask`](crate::ops::prefill::tree_mask) over `qo_indptr` (a tree's
+    /// parents for each verify row, `None` for the others) before the backend plans
+    /// the step; the decodes' words are not read. A tree's accepted path is not a
+    /// prefix of its positions: the engine copies the path's K/V into the row's first
+    /// positions before it passes the path's tokens to `on_step_done_accepted`.
+    pub tree_mask: Vec<u64>,
     /// `[seqs.len() + 1]`: prefix sums of `num_new_tokens` in batch order; sequence
     /// `i`'s new tokens (its query rows, its entries of `slot_mapping`) are
     /// `qo_indptr[i]..qo_indptr[i + 1]` (the prefill kernel's `qo_indptr`). Empty

@@ -58,6 +58,7 @@ impl Scheduler {
         b.seqs.clear();
         b.slot_mapping.clear();
         b.qo_indptr.clear();
+        b.tree_mask.clear();
         b.num_cached_tokens = 0;
         b.num_decodes = 0;
         b.copies.clear();
