@@ -278,24 +278,10 @@ pub unsafe extern "C" fn pagedkv_on_step_done(
     out_finished: *mut u64,
 ) -> pagedkv_status {
     with_scheduler(s, |h| {
-        if h.awaiting == 0 {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                format!(
-                    "on_step_done() without a step: no scheduled sequence waits for a token (n is {n})"
-                ),
-            );
-        }
         // Checked before anything is read: `sampled` holds `n` entries by the caller's
         // contract, and the library reads exactly as many as the step scheduled.
-        if n != h.awaiting {
-            return fail(
-                PAGEDKV_ERR_INVALID_ARGUMENT,
-                format!(
-                    "invalid argument `n`: {n} sampled tokens, but the last step scheduled {} sequences",
-                    h.awaiting
-                ),
-            );
+        if let Err(st) = check_awaiting(h, n, "sampled tokens") {
+            return st;
         }
         // SAFETY: `sampled` is non-null (checked in `slice`) and valid for `n` reads
         // (the caller's contract); `n` is the batch's length, so it fits in memory.
@@ -304,18 +290,57 @@ pub unsafe extern "C" fn pagedkv_on_step_done(
             Err(st) => return st,
         };
         let list: Vec<(u64, u32)> = sampled.iter().map(|x| (x.seq, x.token)).collect();
-        match h.inner.on_step_done(&list) {
-            Ok(done) => {
-                h.awaiting = 0;
-                if !out_finished.is_null() {
-                    // SAFETY: non-null, valid for a write.
-                    unsafe { out_finished.write(done.len() as u64) };
-                }
-                PAGEDKV_OK
-            }
-            Err(e) => from_error(&e),
-        }
+        let done = h.inner.on_step_done(&list);
+        // SAFETY: the caller's: null or valid for a write.
+        unsafe { step_done(h, done, out_finished) }
     })
+}
+
+/// `PAGEDKV_ERR_INVALID_STATE` when no step waits for its tokens, and
+/// `PAGEDKV_ERR_INVALID_ARGUMENT` when `n` (of `what`) is not the number of sequences
+/// the last step scheduled: what an `on_step_done` checks before it reads its arrays.
+fn check_awaiting(h: &pagedkv_scheduler, n: u64, what: &str) -> Result<(), pagedkv_status> {
+    if h.awaiting == 0 {
+        return Err(fail(
+            PAGEDKV_ERR_INVALID_STATE,
+            format!(
+                "on_step_done() without a step: no scheduled sequence waits for a token (n is {n})"
+            ),
+        ));
+    }
+    if n != h.awaiting {
+        return Err(fail(
+            PAGEDKV_ERR_INVALID_ARGUMENT,
+            format!(
+                "invalid argument `n`: {n} {what}, but the last step scheduled {} sequences",
+                h.awaiting
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// An `on_step_done`'s outcome: on success the step no longer waits, and
+/// `*out_finished` (if not null) receives how many sequences finished.
+///
+/// # Safety
+/// `out_finished` is null or valid for a write.
+unsafe fn step_done(
+    h: &mut pagedkv_scheduler,
+    done: pagedkv::host::Result<Vec<(u64, pagedkv::host::scheduler::FinishReason)>>,
+    out_finished: *mut u64,
+) -> pagedkv_status {
+    match done {
+        Ok(done) => {
+            h.awaiting = 0;
+            if !out_finished.is_null() {
+                // SAFETY: non-null, valid for a write (the caller's contract).
+                unsafe { out_finished.write(done.len() as u64) };
+            }
+            PAGEDKV_OK
+        }
+        Err(e) => from_error(&e),
+    }
 }
 
 /// Takes what every sequence of the last step keeps (speculative decoding, since
@@ -338,20 +363,8 @@ pub unsafe extern "C" fn pagedkv_on_step_done_accepted(
     out_finished: *mut u64,
 ) -> pagedkv_status {
     with_scheduler(s, |h| {
-        if h.awaiting == 0 {
-            return fail(
-                PAGEDKV_ERR_INVALID_STATE,
-                format!("on_step_done() without a step: no scheduled sequence waits (n is {n})"),
-            );
-        }
-        if n != h.awaiting {
-            return fail(
-                PAGEDKV_ERR_INVALID_ARGUMENT,
-                format!(
-                    "invalid argument `n`: {n} rows, but the last step scheduled {} sequences",
-                    h.awaiting
-                ),
-            );
+        if let Err(st) = check_awaiting(h, n, "rows") {
+            return st;
         }
         // SAFETY: valid for `n` reads (the caller's contract), `n` the batch's length.
         let rows = match unsafe { slice(rows, n, "rows") } {
@@ -389,17 +402,9 @@ pub unsafe extern "C" fn pagedkv_on_step_done_accepted(
                 (r.seq, t)
             })
             .collect();
-        match h.inner.on_step_done_accepted(&list) {
-            Ok(done) => {
-                h.awaiting = 0;
-                if !out_finished.is_null() {
-                    // SAFETY: non-null, valid for a write.
-                    unsafe { out_finished.write(done.len() as u64) };
-                }
-                PAGEDKV_OK
-            }
-            Err(e) => from_error(&e),
-        }
+        let done = h.inner.on_step_done_accepted(&list);
+        // SAFETY: the caller's: null or valid for a write.
+        unsafe { step_done(h, done, out_finished) }
     })
 }
 

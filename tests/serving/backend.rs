@@ -840,7 +840,10 @@ fn a_verify_row_of_drafts_as_a_tree_runs_through_the_backend() {
                     sinks: None,
                 });
                 let gap = common::rel_l2(&got, &causal);
-                assert!(gap > 3.0 * common::tolerance(dtype), "{dtype}: tree vs causal {gap:e}");
+                assert!(
+                    gap > 3.0 * common::tolerance(dtype),
+                    "{dtype}: tree vs causal {gap:e}"
+                );
             }
             let sampled: Vec<(u64, u32)> = batch.seqs.iter().map(|q| (q.seq, 3)).collect();
             sched.on_step_done(&sampled).unwrap();

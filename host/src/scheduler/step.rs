@@ -344,37 +344,10 @@ impl Scheduler {
         cost: u32,
         plan: &mut ChunkPlan,
     ) -> Result<()> {
-        plan.chunks -= 1;
         let start = self.seqs[&id].table.num_tokens();
         let prefill_end = self.seqs.cold(id).prefill_end;
-        let mut take = (prefill_end - start) as usize;
-        take = take.min(plan.tokens.saturating_sub(plan.chunks)).max(1);
-        // Tokens `k` more blocks hold: the rest of a partial last block (after a copy,
-        // which the one-token cost counts, when it is shared), then whole blocks.
-        // Every layer group's table takes the same blocks for the same positions
-        // (a mid-prefill sequence has no forks): `cost` and the free blocks split
-        // evenly.
-        take = take.min(self.fit_tokens(start, cost, plan)).max(1);
-        plan.tokens = plan.tokens.saturating_sub(take);
-        let offset = self.batch.slot_mapping.len() as u32;
-        // One step's appends: a sliding window releases only what the chunk's first
-        // query no longer sees.
-        let (t0, extra) = self.seqs.tables_mut(id);
-        self.kv.append_chunk(
-            t0,
-            take as u32,
-            &mut self.batch.copies,
-            &mut self.batch.slot_mapping,
-        )?;
-        for (t, plane) in extra.iter_mut().zip(&mut self.batch.groups) {
-            self.kv.append_chunk(
-                t,
-                take as u32,
-                &mut self.batch.copies,
-                &mut plane.slot_mapping,
-            )?;
-        }
-        let end = self.seqs[&id].table.num_tokens();
+        let (offset, take, end) =
+            self.append_row_chunk(id, (prefill_end - start) as usize, cost, plan)?;
         // The chunk's full blocks are registered now (see `admit_waiting`): a prompt
         // admitted later in this step may share them.
         let salt = self.seqs.cold(id).salt;
@@ -402,6 +375,47 @@ impl Scheduler {
             num_draft_tokens: 0,
         });
         Ok(())
+    }
+
+    /// Appends the next positions of running sequence `id`, a continuing chunk or a
+    /// verify row, as one chunk in every layer group (a sliding window releases only
+    /// what the chunk's first query no longer sees): `want` of them, at most what the
+    /// step's token budget leaves after one token for each later chunk or verify row
+    /// and what [`fit_tokens`](Self::fit_tokens) fits, at least the one token
+    /// `make_room` reserved (`cost` blocks). Returns the chunk's offset in the slot
+    /// mapping, its length and the table's count after it.
+    fn append_row_chunk(
+        &mut self,
+        id: u64,
+        want: usize,
+        cost: u32,
+        plan: &mut ChunkPlan,
+    ) -> Result<(u32, usize, u32)> {
+        plan.chunks -= 1;
+        let start = self.seqs[&id].table.num_tokens();
+        let take = want
+            .min(plan.tokens.saturating_sub(plan.chunks))
+            .max(1)
+            .min(self.fit_tokens(start, cost, plan))
+            .max(1);
+        plan.tokens = plan.tokens.saturating_sub(take);
+        let offset = self.batch.slot_mapping.len() as u32;
+        let (t0, extra) = self.seqs.tables_mut(id);
+        self.kv.append_chunk(
+            t0,
+            take as u32,
+            &mut self.batch.copies,
+            &mut self.batch.slot_mapping,
+        )?;
+        for (t, plane) in extra.iter_mut().zip(&mut self.batch.groups) {
+            self.kv.append_chunk(
+                t,
+                take as u32,
+                &mut self.batch.copies,
+                &mut plane.slot_mapping,
+            )?;
+        }
+        Ok((offset, take, self.seqs[&id].table.num_tokens()))
     }
 
     /// Tokens a row appending from position `start`, whose first token costs `cost`
@@ -447,31 +461,11 @@ impl Scheduler {
         cost: u32,
         plan: &mut ChunkPlan,
     ) -> Result<()> {
-        plan.chunks -= 1;
         let slot = (id & 0xffff_ffff) as usize;
         let start = self.seqs[&id].table.num_tokens();
         let left = self.seqs.hot[slot].left.max(1) as usize;
-        let mut take = (self.seqs.cold[slot].lookahead as usize + 1).min(left);
-        take = take.min(plan.tokens.saturating_sub(plan.chunks)).max(1);
-        take = take.min(self.fit_tokens(start, cost, plan)).max(1);
-        plan.tokens = plan.tokens.saturating_sub(take);
-        let offset = self.batch.slot_mapping.len() as u32;
-        let (t0, extra) = self.seqs.tables_mut(id);
-        self.kv.append_chunk(
-            t0,
-            take as u32,
-            &mut self.batch.copies,
-            &mut self.batch.slot_mapping,
-        )?;
-        for (t, plane) in extra.iter_mut().zip(&mut self.batch.groups) {
-            self.kv.append_chunk(
-                t,
-                take as u32,
-                &mut self.batch.copies,
-                &mut plane.slot_mapping,
-            )?;
-        }
-        let end = self.seqs[&id].table.num_tokens();
+        let want = (self.seqs.cold[slot].lookahead as usize + 1).min(left);
+        let (offset, take, end) = self.append_row_chunk(id, want, cost, plan)?;
         let request = self.seqs[&id].request;
         // New blocks and a copy may change several entries: the whole row.
         self.write_row(row, id);
