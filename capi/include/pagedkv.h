@@ -291,7 +291,8 @@ pagedkv_status pagedkv_set_lookahead(pagedkv_scheduler *s, uint64_t seq, uint32_
  * scheduled sequence and how many of tokens are its own, in order: the accepted
  * drafts, then the token sampled after them (num_tokens 0 rolls the row back: its
  * slots are freed, nothing of it is cached). n is checked against the last step's
- * num_seqs and the rows' counts' sum against num_tokens before either array is read.
+ * num_seqs before rows is read, and the rows' counts' sum against num_tokens before
+ * tokens is read.
  * A stop token or max_tokens among a row's tokens ends it there. Otherwise as
  * pagedkv_on_step_done(). */
 pagedkv_status pagedkv_on_step_done_accepted(pagedkv_scheduler *s,

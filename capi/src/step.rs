@@ -346,8 +346,9 @@ unsafe fn step_done(
 /// Takes what every sequence of the last step keeps (speculative decoding, since
 /// 0.2): `rows[i]` names a scheduled sequence and how many of `tokens` are its own,
 /// in order (the accepted drafts, then the token sampled after them; 0 rolls the row
-/// back). `n` is checked against the last step's sequences and the counts' sum against
-/// `num_tokens` before either array is read. Otherwise as `pagedkv_on_step_done`.
+/// back). `n` is checked against the last step's sequences before `rows` is read, and
+/// the counts' sum against `num_tokens` before `tokens` is read. Otherwise as
+/// `pagedkv_on_step_done`.
 ///
 /// # Safety
 /// `rows` is null only when `n` is 0, else valid for `n` reads; `tokens` null only

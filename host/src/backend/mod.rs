@@ -21,11 +21,12 @@
 //! ## Which rows decode
 //! A batch mixes prefills and decodes. `kv_append` writes every new token of the batch
 //! (`batch.slot_mapping`, sequence by sequence). `decode` computes one query per
-//! *decoding* sequence: its `q` and `out` hold one row for each batch row `i` with
-//! `!batch.seqs[i].is_prefill`, in batch order ([`decode_rows`] lists them).
-//! [`prefill`](AttentionBackend::prefill) computes the prefilling rows' new tokens
-//! ([`prefill_rows`]), each attending causally to its sequence's cache (the tensor-core
-//! prefill kernel).
+//! *decoding* sequence: its `q` and `out` hold one row for each of the batch's first
+//! [`num_decodes`](Batch::num_decodes) rows, in batch order ([`decode_rows`] lists
+//! them). [`prefill`](AttentionBackend::prefill) computes the new tokens of every other
+//! row ([`prefill_rows`]): prefills, prefill chunks and speculative decoding's verify
+//! rows (a decode with draft tokens, `is_prefill` false), each token attending causally
+//! to its sequence's cache (or through [`Batch::tree_mask`]) with the prefill kernels.
 //!
 //! ## Options
 //! [`AttentionOptions`] are defined once for every backend (scale, sliding window,
@@ -393,8 +394,8 @@ pub struct PrefillArgs<'a, T> {
     pub lse: Option<TensorViewMut<'a>>,
 }
 
-/// The rows of `batch` that prefill (a prompt or a chunk of one), in batch order: the
-/// rows after the decodes, `num_decodes..seqs.len()` (a backend's `plan` refuses a
+/// The rows of `batch` that run through the prefill kernels (a prompt, a chunk of one,
+/// or a verify row of draft tokens), in batch order: the rows after the decodes, `num_decodes..seqs.len()` (a backend's `plan` refuses a
 /// batch where that does not hold). Their new tokens are the rows of
 /// [`PrefillArgs::q`] and [`PrefillArgs::out`].
 pub fn prefill_rows(batch: &Batch) -> std::ops::Range<usize> {

@@ -175,21 +175,24 @@ impl<D: StepDevice> StepCore<D> {
             self.pindptr.push(end);
         }
         // A tree mask: the prefill rows' tokens' words (they follow the decodes').
-        let tree = if batch.tree_mask.is_empty() {
-            None
-        } else if batch.tree_mask.len() != batch.slot_mapping.len() {
-            return Err(Error::invalid(
-                "tree_mask",
-                format!(
-                    "{} words for the batch's {} new tokens (one each, or none)",
-                    batch.tree_mask.len(),
-                    batch.slot_mapping.len()
-                ),
-            ));
-        } else {
-            let first = batch.seqs.get(nd).map_or(0, |q| q.token_offset as usize);
-            Some(&batch.tree_mask[first..])
-        };
+        let tree =
+            if batch.tree_mask.is_empty() {
+                None
+            } else if batch.tree_mask.len() != batch.slot_mapping.len() {
+                return Err(Error::invalid(
+                    "tree_mask",
+                    format!(
+                        "{} words for the batch's {} new tokens (one each, or none)",
+                        batch.tree_mask.len(),
+                        batch.slot_mapping.len()
+                    ),
+                ));
+            } else {
+                // The decodes take one token each: the prefill rows' tokens follow.
+                Some(batch.tree_mask.get(nd..).ok_or_else(|| {
+                    Error::invalid("tree_mask", "shorter than the batch's decodes")
+                })?)
+            };
         if !self.plens.is_empty() {
             let pmeta = |g: usize| PrefillMeta {
                 block_tables: &self.ptables[g],

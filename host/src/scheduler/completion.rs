@@ -123,11 +123,15 @@ impl Scheduler {
         for i in undo {
             let (row, keep) = kept[i];
             let q = self.batch.seqs[row];
-            // A copy on write is given back only while the shared block holds no
-            // token a sibling kept past this row's start (sharers see one fill).
-            let returnable = self.copy_returnable(q.seq, q.start_pos);
-            if returnable && !self.batch.copies.is_empty() {
-                // Its forks may share their last block with it again.
+            // Per layer group: a copy on write is given back only while the shared
+            // block holds no token a fork kept past this row's start (sharers see one
+            // fill); its forks may then share their last block with it again.
+            let groups = self.specs.len();
+            let mut returnable = [false; crate::block::MAX_KV_GROUPS];
+            for (g, r) in returnable.iter_mut().enumerate().take(groups) {
+                *r = self.copy_returnable(q.seq, g, q.start_pos);
+            }
+            if returnable[..groups].iter().any(|&r| r) {
                 let request = self.seqs[&q.seq].request;
                 for k in 0..self.groups[&request].seqs.len() {
                     let o = self.groups[&request].seqs[k];
@@ -136,18 +140,20 @@ impl Scheduler {
                     extra.iter_mut().for_each(|t| t.mark_last_maybe_shared());
                 }
             }
-            let copies = if returnable {
-                &self.batch.copies[..]
-            } else {
-                &[]
+            let copies = |g: usize| {
+                if returnable[g] {
+                    &self.batch.copies[..]
+                } else {
+                    &[]
+                }
             };
             let (t0, extra) = self.seqs.tables_mut(q.seq);
-            for t in extra.iter_mut().rev() {
+            for (g, t) in extra.iter_mut().enumerate().rev() {
                 self.kv
-                    .truncate_appended(t, q.start_pos, q.start_pos + keep, copies)?;
+                    .truncate_appended(t, q.start_pos, q.start_pos + keep, copies(g + 1))?;
             }
             self.kv
-                .truncate_appended(t0, q.start_pos, q.start_pos + keep, copies)?;
+                .truncate_appended(t0, q.start_pos, q.start_pos + keep, copies(0))?;
             self.stale_rows.push(q.seq);
         }
         // The accepted drafts join the history here; the last token goes through
@@ -171,22 +177,25 @@ impl Scheduler {
         self.complete_step(&last, false)
     }
 
-    /// Whether sequence `seq`, rolled back to `start` tokens, may take back a shared
-    /// partial block it copied on write this step: no fork of its group holds a copy
-    /// source (in any layer group) with tokens past `start` (the last sharer to
-    /// append wrote into the shared block in place, and kept that token).
-    fn copy_returnable(&self, seq: SeqId, start: u32) -> bool {
+    /// Whether sequence `seq`, rolled back to `start` tokens, may take back in layer
+    /// group `g` the shared partial block it copied on write this step (if it did):
+    /// no fork of its group holds that block with tokens past `start` (the last
+    /// sharer to append wrote into it in place and kept that token).
+    fn copy_returnable(&self, seq: SeqId, g: usize, start: u32) -> bool {
         let i = (start / self.cfg.block_size) as usize;
+        let own = self.block_table_of(seq, g).expect("a live sequence");
+        let Some(src) = own
+            .blocks()
+            .get(i)
+            .and_then(|&b| self.batch.copies.iter().find(|c| c.1 == b))
+            .map(|c| c.0)
+        else {
+            return false;
+        };
         let request = self.seqs[&seq].request;
         self.groups[&request].seqs.iter().all(|&o| {
-            o == seq
-                || (0..self.specs.len()).all(|g| {
-                    let t = self.block_table_of(o, g).expect("a live fork");
-                    t.num_tokens() <= start
-                        || t.blocks()
-                            .get(i)
-                            .is_none_or(|b| !self.batch.copies.iter().any(|c| c.0 == *b))
-                })
+            let t = self.block_table_of(o, g).expect("a live fork");
+            o == seq || t.num_tokens() <= start || t.blocks().get(i) != Some(&src)
         })
     }
 
@@ -232,12 +241,14 @@ impl Scheduler {
                 }
             }
         }
+        // (Slid also when a commit failed: the next step's rows need their releases
+        // written.)
+        if self.specs.iter().any(|s| s.window().is_some()) {
+            self.slide_windows()?;
+        }
         result?;
         for &(s, why) in &done {
             self.finish_seq(s, why)?;
-        }
-        if self.specs.iter().any(|s| s.window().is_some()) {
-            self.slide_windows()?;
         }
         Ok(done)
     }
