@@ -1,7 +1,8 @@
 //! The scheduler's calls, on real handles: create (with arbitrary settings), destroy,
 //! add_request, step (reading every array the batch claims, in full, so that ASan
-//! checks the claimed lengths), on_step_done (with the right list, or one reordered,
-//! shortened, padded or replaced, and arbitrary counts) and the queries. [`State`]
+//! checks the claimed lengths), on_step_done and on_step_done_accepted (with the right
+//! list, or one reordered, shortened, padded or replaced, and arbitrary counts),
+//! set_lookahead and the queries. [`State`]
 //! tracks which handles are live or destroyed and what each step scheduled, so that
 //! the target knows what every call must answer.
 
@@ -317,11 +318,43 @@ pub(crate) fn step_done(st: &mut State, u: &mut Unstructured) -> Result<()> {
     } else {
         &mut finished as *mut u64
     };
-    // SAFETY: `sampled` is null or valid for every entry the library may read.
-    let r = check(
-        unsafe { pagedkv_on_step_done(s, sampled, n, fin) },
-        "on_step_done",
-    );
+    let r = if u.ratio(1, 3)? {
+        // The speculative form: per row a count of arbitrary size into one token
+        // array holding exactly the counts' sum (read only when `num_tokens` is it).
+        let mut rows: Vec<pagedkv_accepted> = Vec::with_capacity(buf.len());
+        for x in &buf {
+            rows.push(pagedkv_accepted {
+                seq: x.seq,
+                num_tokens: match u.int_in_range(0..=7)? {
+                    0 => u.arbitrary()?,
+                    k => k - 1,
+                },
+                reserved: 0,
+            });
+        }
+        let sum = rows.iter().map(|r| r.num_tokens as u64).sum::<u64>();
+        let tokens: Vec<u32> = (0..sum.min(1 << 16)).map(|i| (i % 80) as u32).collect();
+        let num_tokens = if sum == tokens.len() as u64 && !u.ratio(1, 8)? {
+            sum
+        } else {
+            // Not the sum (or too big to hold): refused before `tokens` is read.
+            sum.wrapping_add(1 + u.int_in_range(0..=3)?)
+        };
+        let rp = if u.ratio(1, 16)? { null() } else { rows.as_ptr() };
+        let tp = if u.ratio(1, 16)? { null() } else { tokens.as_ptr() };
+        // SAFETY: `rows` null or valid for every entry the library may read;
+        // `tokens` null or holding `sum` entries, read only when `num_tokens` is it.
+        check(
+            unsafe { pagedkv_on_step_done_accepted(s, rp, n, tp, num_tokens, fin) },
+            "on_step_done_accepted",
+        )
+    } else {
+        // SAFETY: `sampled` is null or valid for every entry the library may read.
+        check(
+            unsafe { pagedkv_on_step_done(s, sampled, n, fin) },
+            "on_step_done",
+        )
+    };
     if r == PAGEDKV_OK {
         assert_eq!(n as usize, st.awaiting(s), "on_step_done accepted n={n}");
         st.set_awaiting(s, Vec::new());
@@ -331,6 +364,17 @@ pub(crate) fn step_done(st: &mut State, u: &mut Unstructured) -> Result<()> {
 
 pub(crate) fn queries(st: &mut State, u: &mut Unstructured) -> Result<()> {
     let s = st.handle(u)?;
+    if u.ratio(1, 6)? {
+        // A lookahead for a known or arbitrary sequence, in or out of range.
+        let seq = st.id(u, &st.seqs.clone())?;
+        let k = match u.int_in_range(0..=3)? {
+            0 => u.arbitrary()?,
+            k => k * 3,
+        };
+        // SAFETY: plain values.
+        check(unsafe { pagedkv_set_lookahead(s, seq, k) }, "set_lookahead");
+        return Ok(());
+    }
     match u.int_in_range(0..=4)? {
         4 => {
             // Any group of the last step's batch, null `out` sometimes.
