@@ -809,7 +809,7 @@ fn a_verify_row_of_drafts_as_a_tree_runs_through_the_backend() {
                 max_blocks_per_seq: w as u32,
             };
             let qt = HostTensor::from_f64(dtype, &[pn, qh, d], &qv).unwrap();
-            let want = paged_prefill_attention(&PrefillInputs {
+            let inputs = PrefillInputs {
                 shape: &shape,
                 opts: &opts,
                 q: &qt,
@@ -821,23 +821,15 @@ fn a_verify_row_of_drafts_as_a_tree_runs_through_the_backend() {
                 kv_scales: None,
                 sinks: None,
                 tree_mask: (step == 1).then(|| &batch.tree_mask[first..]),
-            });
+            };
+            let want = paged_prefill_attention(&inputs);
             let e = common::rel_l2(&got, &want);
             assert!(e <= common::tolerance(dtype), "{dtype} step {step}: {e:e}");
             if step == 1 {
                 // The tree hides something: causal attention differs.
                 let causal = paged_prefill_attention(&PrefillInputs {
                     tree_mask: None,
-                    shape: &shape,
-                    opts: &opts,
-                    q: &qt,
-                    key_cache: &kc,
-                    value_cache: &vc,
-                    block_tables: &tables,
-                    qo_indptr: &indptr,
-                    context_lens: &lens,
-                    kv_scales: None,
-                    sinks: None,
+                    ..inputs
                 });
                 let gap = common::rel_l2(&got, &causal);
                 assert!(
