@@ -10,7 +10,9 @@ use common::case::{Params, build};
 use common::{approx_tolerance, cases, lse_error, lse_tolerance, rel_l2, rng, tolerance, uniform};
 use pagedkv::host::emulator::{Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
-use pagedkv::host::ops::attention::{AttentionOut, DecodeInputs, DecodeShape, decode_emulated};
+use pagedkv::host::ops::attention::{
+    AttentionOptions, AttentionOut, DecodeInputs, DecodeShape, decode_emulated,
+};
 use pagedkv::host::ops::prefill::{PrefillInputs, prefill_emulated, tree_mask};
 use pagedkv::host::reference::{paged_prefill_attention, paged_prefill_lse};
 use pagedkv::host::step::{EmuDevice, StepDevice, once};
@@ -432,8 +434,55 @@ fn bad_prefill_inputs_are_errors_naming_the_argument() {
         &mut out,
     );
     names(e.unwrap_err(), "block_tables");
+    // A tree mask of the wrong length, or with a window or ALiBi.
+    let n = *pc.qo_indptr.last().unwrap() as usize;
+    let short = vec![u64::MAX; n - 1];
+    let e = prefill_emulated(
+        &emu,
+        PrefillInputs {
+            tree_mask: Some(&short),
+            ..pc.inputs()
+        },
+        &mut out,
+    );
+    names(e.unwrap_err(), "tree_mask");
+    let full = vec![u64::MAX; n];
+    for opts in [
+        AttentionOptions {
+            window: Some(8),
+            ..pc.c.opts.clone()
+        },
+        AttentionOptions {
+            alibi_slopes: Some(vec![0.5; pc.c.shape.num_q_heads as usize]),
+            ..pc.c.opts.clone()
+        },
+    ] {
+        let e = prefill_emulated(
+            &emu,
+            PrefillInputs {
+                opts: &opts,
+                tree_mask: Some(&full),
+                ..pc.inputs()
+            },
+            &mut out,
+        );
+        names(e.unwrap_err(), "tree_mask");
+    }
     // The output untouched by every rejected call.
     assert!(out.to_f64().iter().all(|&x| x == -1.0));
+    // Parent arrays that are not trees, or do not fit the rows.
+    for (indptr, parents) in [
+        (vec![0, 3], vec![Some(&[0, 0, 0][..])]),
+        (vec![0, 3], vec![Some(&[-1, 2, 0][..])]),
+        (vec![0, 3], vec![Some(&[-1, 0][..])]),
+        (vec![0, 66], vec![Some(&[-1; 66][..])]),
+        (vec![0, 3, 1], vec![None, None]),
+    ] {
+        assert!(
+            tree_mask(&indptr, &parents).is_err(),
+            "{indptr:?} {parents:?}"
+        );
+    }
 }
 
 /// Chunks of 1, 7, 64 and 300 new tokens after prefixes that end mid-block (339, 333,
