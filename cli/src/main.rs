@@ -10,8 +10,9 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use pagedkv_cli::sim::{
-    GpuSpec, KvDtype, ModelSpec, Policy, ScenarioReport, SimConfig, SimError, Workload,
-    WorkloadKind, check_range, limits, run_scenario_kv_dtypes,
+    GpuSpec, KvDtype, ModelSpec, Policy, PrefillModel, ScenarioReport, SimConfig, SimError,
+    SweepConfig, SweepReport, Workload, WorkloadKind, check_range, limits, run_scenario_kv_dtypes,
+    sweep,
 };
 use pagedkv_cli::tiny::{Backend, RunConfig};
 
@@ -29,7 +30,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Simulate a server under paged and contiguous KV memory (the default command).
-    Simulate(SimArgs),
+    Simulate(Box<SimArgs>),
     /// Decode a small random transformer through pagedkv's kernels over the paged cache.
     Run(RunArgs),
 }
@@ -54,9 +55,11 @@ struct SimArgs {
     #[arg(long, conflicts_with = "trace")]
     workload: Option<String>,
     /// Arrival rate, requests/s (default: 2 for sharegpt, 30 for alpaca).
-    #[arg(long, conflicts_with = "trace")]
+    #[arg(long, conflicts_with_all = ["trace", "sweep"])]
     rate: Option<f64>,
-    /// Requests to simulate (synthetic workloads; 1 to 1000000).
+    /// Requests to simulate (synthetic workloads; 1 to 1000000; with --sweep, at each
+    /// rate; default 2000 for sharegpt, 6000 for alpaca with --sweep, else 1000 with
+    /// --workload).
     #[arg(long, conflicts_with = "trace")]
     num_requests: Option<usize>,
     /// A JSONL trace: {"arrival_s": …, "prompt_len": …, "output_len": …} per line.
@@ -69,7 +72,8 @@ struct SimArgs {
     #[arg(long)]
     kv_budget_gib: Option<f64>,
     /// Draw the KV memory split per policy (the vLLM paper's Fig. 2 form) and the batch
-    /// size over time to this SVG file.
+    /// size over time to this SVG file; with --sweep, normalised latency against request
+    /// rate per policy (the Fig. 12 form).
     #[arg(long)]
     plot: Option<PathBuf>,
     /// Write the report as JSON to this file.
@@ -87,6 +91,26 @@ struct SimArgs {
     /// attention (a model).
     #[arg(long)]
     system_prompt: Option<u32>,
+    /// How a step with prompt tokens is priced: separate (default: a prefill pass, then
+    /// the decodes, which wait, as the paper's 2023 systems ran) or mixed (one pass over
+    /// prompt and decode tokens, as chunked prefill batches them).
+    #[arg(long, default_value = "separate")]
+    prefill: String,
+    /// The paper's Fig. 12: serve the workload (default: sharegpt and alpaca) at a range
+    /// of request rates under contiguous Max, Pow2, Oracle and paged (block 16), report
+    /// each rate's mean normalised latency (latency / output tokens), throughput, batch
+    /// and preemptions, each policy's highest rate within the latency bound, and the
+    /// ratios paged / Oracle and paged / Max next to the paper's.
+    #[arg(long, conflicts_with = "trace")]
+    sweep: bool,
+    /// With --sweep: the request rates, req/s, comma-separated (default: chosen around
+    /// the paged policy's saturated throughput to bracket every policy's knee).
+    #[arg(long, requires = "sweep", value_delimiter = ',')]
+    rates: Option<Vec<f64>>,
+    /// With --sweep: the bound on mean normalised latency, s/token (default: twice the
+    /// paged policy's at the lowest rate).
+    #[arg(long, requires = "sweep")]
+    latency_bound: Option<f64>,
 }
 
 #[derive(Args)]
@@ -130,9 +154,10 @@ fn main() -> ExitCode {
         None => simulate(SimArgs {
             model: "opt-13b".into(),
             kv_dtype: "f16".into(),
+            prefill: "separate".into(),
             ..SimArgs::default()
         }),
-        Some(Cmd::Simulate(a)) => simulate(a),
+        Some(Cmd::Simulate(a)) => simulate(*a),
         Some(Cmd::Run(a)) => run(a),
     };
     match result {
@@ -232,6 +257,76 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// `pagedkv simulate --sweep`: the Fig. 12 sweep of each workload.
+fn simulate_sweep(a: &SimArgs, cfg: &SimConfig) -> Result<(), Box<dyn std::error::Error>> {
+    let kinds = match &a.workload {
+        Some(w) => vec![WorkloadKind::parse(w)?],
+        None => vec![WorkloadKind::ShareGpt, WorkloadKind::Alpaca],
+    };
+    let bar = if std::io::stderr().is_terminal() {
+        let b = ProgressBar::new_spinner();
+        b.set_style(
+            ProgressStyle::with_template("{spinner} {pos} runs: {msg} ({elapsed})")
+                .expect("template"),
+        );
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    let started = std::time::Instant::now();
+    let mut reports: Vec<SweepReport> = Vec::new();
+    for kind in kinds {
+        let mut sc = SweepConfig::new(kind);
+        sc.seed = a.seed;
+        sc.num_requests = a.num_requests.unwrap_or(sc.num_requests);
+        sc.rates = a.rates.clone();
+        sc.latency_bound = a.latency_bound;
+        let r = sweep(cfg, &sc, &mut |what| {
+            bar.set_message(what.to_string());
+            bar.inc(1);
+        })?;
+        reports.push(r);
+    }
+    let runs = bar.position();
+    bar.finish_and_clear();
+    for r in &reports {
+        print!("{}", r.to_table());
+    }
+    println!(
+        "\n{runs} simulations in {:.1} s. Normalised latency: mean over requests of end-to-end latency / output tokens (the paper's). Step time: roofline (weights + KV read at 80% of {:.0} GB/s, 50% of {:.0} TFLOP/s, +5 ms/step), prefill {}.",
+        started.elapsed().as_secs_f64(),
+        cfg.gpu.bandwidth_gbs,
+        cfg.gpu.tflops,
+        cfg.prefill.name()
+    );
+    write_outputs(a, &reports, || {
+        pagedkv_cli::plot::render_sweep_svg(&reports)
+    })
+}
+
+/// Writes `--json` (`reports`) and `--plot` (`svg()`), last: every output is produced
+/// and staged before any is committed (a plot that fails leaves no JSON behind).
+fn write_outputs(
+    a: &SimArgs,
+    reports: &impl serde::Serialize,
+    svg: impl FnOnce() -> Result<String, Box<dyn std::error::Error>>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut outputs = Vec::new();
+    if let Some(p) = &a.json {
+        outputs.push((
+            p.clone(),
+            serde_json::to_string_pretty(reports)?.into_bytes(),
+        ));
+    }
+    if let Some(p) = &a.plot {
+        outputs.push((p.clone(), svg()?.into_bytes()));
+    }
+    for p in pagedkv_cli::output::write_all(&outputs)? {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
 fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     let model = if a.model.ends_with(".json") || Path::new(&a.model).is_file() {
         ModelSpec::from_json_file(Path::new(&a.model))?
@@ -252,6 +347,7 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     let kv_dtype = KvDtype::parse(&a.kv_dtype)?;
     let mut cfg = SimConfig::new(gpu, model);
+    cfg.prefill = PrefillModel::parse(&a.prefill)?;
     if let Some(g) = a.kv_budget_gib {
         cfg.kv_budget_gib = Some(check_range("--kv-budget-gib", g, limits::KV_BUDGET_GIB)?);
     }
@@ -271,6 +367,10 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut compared = cfg.clone();
     compared.kv_dtype = kv_dtype;
     compared.capacity_tokens()?;
+    if a.sweep {
+        // A sweep serves the cache at the dtype asked for.
+        return simulate_sweep(&a, &compared);
+    }
     let runs = if kv_dtype == KvDtype::F16 { 1 } else { 2 };
     let max_len = cfg.model.max_model_len;
 
@@ -363,22 +463,5 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
         );
     }
 
-    // Outputs last: every one is produced and staged before any is committed.
-    let mut outputs = Vec::new();
-    if let Some(p) = &a.json {
-        outputs.push((
-            p.clone(),
-            serde_json::to_string_pretty(&reports)?.into_bytes(),
-        ));
-    }
-    if let Some(p) = &a.plot {
-        outputs.push((
-            p.clone(),
-            pagedkv_cli::plot::render_svg(&reports)?.into_bytes(),
-        ));
-    }
-    for p in pagedkv_cli::output::write_all(&outputs)? {
-        println!("wrote {}", p.display());
-    }
-    Ok(())
+    write_outputs(&a, &reports, || pagedkv_cli::plot::render_svg(&reports))
 }

@@ -10,12 +10,17 @@
 //!   values written on top; the figure widens by [`CMP_W`] for it.
 //!
 //! One legend band on top serves every row.
+//!
+//! With `--sweep`, [`render_sweep_svg`] draws the paper's Fig. 12 form instead.
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::sim::{KvDtypeComparison, MemorySplit, PolicyReport, ScenarioReport};
+
+mod sweep;
+pub use sweep::render_sweep_svg;
 
 /// Policy colours, in [`crate::sim::Policy::ALL`] order.
 const COLORS: [RGBColor; 6] = [

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::policy::Stats;
-use super::{Policy, PolicyResult, SimConfig, SimError, Workload, err};
+use super::{Policy, PolicyResult, SimConfig, SimError, StepLoad, Workload, err};
 
 /// First-fit allocator over `[0, capacity)` token slots.
 struct Contiguous {
@@ -53,6 +53,7 @@ struct Live {
     final_stored: u64,
     generated: u32,
     output: u32,
+    arrival: f64,
 }
 
 /// Runs a contiguous policy over a workload (see [`super::simulate`]).
@@ -77,8 +78,9 @@ pub(super) fn simulate_contiguous(
             next += 1;
         }
         // Decode every running request, then admit FCFS while a hole fits.
-        let mut tokens = live.len() as u64;
-        let mut kv: u64 = live.iter().map(|l| l.stored + 1).sum();
+        let decodes = live.len() as u64;
+        let decode_kv: u64 = live.iter().map(|l| l.stored + 1).sum();
+        let (mut prompt_tokens, mut tokens) = (0u64, decodes);
         for l in live.iter_mut() {
             l.stored += 1;
         }
@@ -106,7 +108,7 @@ pub(super) fn simulate_contiguous(
             };
             waiting.pop_front();
             tokens += r.prompt_len as u64;
-            kv += r.prompt_len as u64;
+            prompt_tokens += r.prompt_len as u64;
             live.push(Live {
                 start,
                 reserved: reserve,
@@ -114,6 +116,7 @@ pub(super) fn simulate_contiguous(
                 final_stored: real - 1,
                 generated: 0,
                 output: r.output_len,
+                arrival: r.arrival_s,
             });
         }
         if live.is_empty() {
@@ -126,7 +129,13 @@ pub(super) fn simulate_contiguous(
             }
             return err("contiguous simulation stalled");
         }
-        let dt = cfg.step_time(tokens, kv);
+        // (A prompt's attention reads its own tokens' K/V.)
+        let dt = cfg.step_duration(&StepLoad {
+            prefill_tokens: prompt_tokens,
+            prefill_kv_bytes: cfg.kv_bytes_of(prompt_tokens),
+            decode_tokens: decodes,
+            decode_kv_bytes: cfg.kv_bytes_of(decode_kv),
+        });
         t += dt;
         let stored: u64 = live.iter().map(|l| l.stored).sum();
         let future: u64 = live.iter().map(|l| l.final_stored - l.stored).sum();
@@ -147,6 +156,7 @@ pub(super) fn simulate_contiguous(
             if live[k].generated >= live[k].output {
                 let l = live.swap_remove(k);
                 alloc.release(l.start, l.reserved);
+                stats.request_done(l.arrival, t, l.output);
                 done += 1;
                 on_finish();
             } else {

@@ -15,10 +15,15 @@
 //! `t_mem = (weight_bytes + kv_bytes_read) / (bandwidth * bandwidth_efficiency)`. It
 //! also does `2 * params` FLOPs per processed token:
 //! `t_compute = 2 * params * tokens / (peak_flops * flops_efficiency)`. A step takes
-//! `max(t_mem, t_compute) + step_overhead`. The defaults (80% of the datasheet bandwidth,
-//! 50% of the dense peak, 5 ms of per-step overhead for sampling, scheduling and
-//! launches) are stated in [`SimConfig`]; every figure the report prints comes from this
-//! model and the policies' real admission decisions, not from the paper.
+//! `max(t_mem, t_compute) + step_overhead`. A step that also computes prompt tokens is,
+//! by default, a prefill pass followed by the decode pass, each priced so
+//! ([`PrefillModel::Separate`]: the 2023 systems the paper measured ran prompts apart
+//! from decodes, which waited), or one pass over all its tokens
+//! ([`PrefillModel::Mixed`]: chunked prefill, as current engines batch them). The
+//! defaults (80% of the datasheet bandwidth, 50% of the dense peak, 5 ms of per-step
+//! overhead for sampling, scheduling and launches) are stated in [`SimConfig`]; every
+//! figure the report prints comes from this model and the policies' real admission
+//! decisions, not from the paper.
 //!
 //! # Memory accounting (averaged over time, weighted by step duration)
 //! Of the whole KV pool, at every step: *token states* (slots holding a token's K/V),
@@ -33,13 +38,15 @@
 //! (`pagedkv_cli::sim::X`): `workload` (requests, synthetic workloads, JSONL traces), `spec`
 //! (GPU and model specs, [`SimConfig`] and the step-time model), `policy` ([`Policy`],
 //! [`PolicyResult`], [`simulate`]), `contiguous` and `paged` (the two kinds of policy),
-//! and `report` ([`ScenarioReport`], its table, the paper's figures).
+//! `report` ([`ScenarioReport`], its table, the paper's figures), and `sweep` (the
+//! paper's Fig. 12: normalised latency against request rate, [`sweep`]).
 
 mod contiguous;
 mod paged;
 mod policy;
 mod report;
 mod spec;
+mod sweep;
 mod workload;
 
 pub use policy::{MemorySplit, Policy, PolicyResult, simulate};
@@ -47,7 +54,13 @@ pub use report::{
     DtypeRow, HybridComparison, HybridRequest, HybridRow, KvDtypeComparison, PolicyReport,
     ScenarioReport, binary_size, paper_batch, run_scenario, run_scenario_kv_dtypes,
 };
-pub use spec::{GpuSpec, KvDtype, KvFootprint, ModelSpec, RequestKv, SimConfig};
+pub use spec::{
+    GpuSpec, KvDtype, KvFootprint, ModelSpec, PrefillModel, RequestKv, SimConfig, StepLoad,
+};
+pub use sweep::{
+    AUTO_GRID_POINTS, MAX_EXTENSIONS, PaperFig12, PolicySweep, SWEEP_POLICIES, SweepConfig,
+    SweepPoint, SweepReport, sweep,
+};
 pub use workload::{LENGTH_SIGMA, TraceRequest, Workload, WorkloadKind};
 
 /// An error of the simulator's inputs, with what it is about.

@@ -10,7 +10,7 @@ use pagedkv::kernels::kernels::attention::FIXED_BLOCK_SIZE;
 use pagedkv::kernels::kernels::prefill::{ROWS, TILE_ROWS, TILED_HEAD_DIMS};
 
 use super::policy::{CascadeTraffic, Stats};
-use super::{Policy, PolicyResult, SimConfig, SimError, Workload, err};
+use super::{Policy, PolicyResult, SimConfig, SimError, StepLoad, Workload, err};
 
 /// Runs [`Policy::Paged`] with `block_size` over a workload (see [`super::simulate`]).
 pub(super) fn simulate_paged(
@@ -62,6 +62,8 @@ pub(super) fn simulate_paged(
     let (mut t, mut next, mut done, mut rejected, mut generated) =
         (0.0f64, 0usize, 0usize, 0usize, 0u64);
     let mut sampled = Vec::new();
+    // The live sequences' requests (their index in the workload).
+    let mut request_of = std::collections::HashMap::new();
     let n = w.requests.len();
     let mut traffic = (cfg.system_prompt > 0 && !hybrid).then(Traffic::default);
     while done + rejected < n {
@@ -79,11 +81,14 @@ pub(super) fn simulate_paged(
                     }
                 })
                 .collect();
-            if s.add_request(Request::new(next as u64, prompt, r.output_len))
-                .is_err()
-            {
-                rejected += 1;
-                on_finish();
+            match s.add_request(Request::new(next as u64, prompt, r.output_len)) {
+                Ok(seq) => {
+                    request_of.insert(seq, next);
+                }
+                Err(_) => {
+                    rejected += 1;
+                    on_finish();
+                }
             }
             next += 1;
         }
@@ -97,26 +102,27 @@ pub(super) fn simulate_paged(
             }
             return err("paged simulation stalled: requests wait but none can be admitted");
         }
-        let (mut tokens, mut kv) = (0u64, 0u64);
-        let mut kv_bytes = 0.0;
+        let mut load = StepLoad::default();
         for q in &batch.seqs {
-            tokens += q.num_new_tokens as u64;
-            kv += q.context_len as u64;
-            if hybrid {
-                kv_bytes += cfg
-                    .model
+            let kv_bytes = if hybrid {
+                cfg.model
                     .kv_bytes_held(q.context_len as u64, element)
-                    .unwrap_or(u64::MAX) as f64;
+                    .unwrap_or(u64::MAX) as f64
+            } else {
+                cfg.kv_bytes_of(q.context_len as u64)
+            };
+            if q.is_prefill {
+                load.prefill_tokens += q.num_new_tokens as u64;
+                load.prefill_kv_bytes += kv_bytes;
+            } else {
+                load.decode_tokens += q.num_new_tokens as u64;
+                load.decode_kv_bytes += kv_bytes;
             }
         }
         if let Some(c) = traffic.as_mut() {
             c.add(batch, cfg, element, block_size);
         }
-        let dt = if hybrid {
-            cfg.step_time_bytes(tokens, kv_bytes)
-        } else {
-            cfg.step_time(tokens, kv)
-        };
+        let dt = cfg.step_duration(&load);
         t += dt;
         let running = batch.seqs.len() as u32;
         sampled.clear();
@@ -129,7 +135,11 @@ pub(super) fn simulate_paged(
         let finished = s
             .on_step_done(&sampled)
             .map_err(|e| SimError(format!("paged scheduler: {e}")))?;
-        for _ in &finished {
+        for (seq, _) in &finished {
+            if let Some(i) = request_of.remove(seq) {
+                let r = &w.requests[i];
+                stats.request_done(r.arrival_s, t, r.output_len);
+            }
             done += 1;
             on_finish();
         }

@@ -88,6 +88,12 @@ pub struct PolicyResult {
     pub p99_batch: f64,
     /// Preemptions.
     pub preemptions: u64,
+    /// Mean end-to-end latency of the completed requests (arrival to the end of the
+    /// step that produced the last token), seconds.
+    pub mean_latency_s: f64,
+    /// Mean over the completed requests of end-to-end latency divided by output
+    /// tokens, seconds per token: the paper's *normalised latency* (Fig. 12).
+    pub mean_normalized_latency: f64,
     /// Memory split, time-weighted over busy steps.
     pub split: MemorySplit,
     /// Token states over slots held by requests.
@@ -134,6 +140,10 @@ pub(super) struct Stats {
     /// [`TIMELINE_KEPT`] of them (the stride doubles as they fill).
     timeline: Vec<(f64, f64, u32)>,
     stride: u64,
+    /// Sums over finished requests of latency and of latency per output token.
+    latency_sum: f64,
+    normalized_latency_sum: f64,
+    finished: u64,
 }
 
 /// Timeline points kept while a policy runs: memory stays bounded whatever the length
@@ -153,7 +163,19 @@ impl Stats {
             held_time: 0.0,
             timeline: Vec::new(),
             stride: 1,
+            latency_sum: 0.0,
+            normalized_latency_sum: 0.0,
+            finished: 0,
         }
+    }
+
+    /// A request that arrived at `arrival` finished at `t` after `output_tokens`
+    /// tokens.
+    pub(super) fn request_done(&mut self, arrival: f64, t: f64, output_tokens: u32) {
+        let latency = t - arrival;
+        self.latency_sum += latency;
+        self.normalized_latency_sum += latency / output_tokens.max(1) as f64;
+        self.finished += 1;
     }
 
     /// One step of duration `dt` ending at `t`: slots of each kind, and the pool.
@@ -235,6 +257,8 @@ impl Stats {
             mean_batch: mean,
             p99_batch: p99,
             preemptions,
+            mean_latency_s: self.latency_sum / self.finished.max(1) as f64,
+            mean_normalized_latency: self.normalized_latency_sum / self.finished.max(1) as f64,
             split: self.split,
             tokens_per_reserved: self.tokens_time / self.held_time.max(f64::MIN_POSITIVE),
             timeline,

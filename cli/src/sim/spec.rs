@@ -462,6 +462,60 @@ impl KvFootprint {
     }
 }
 
+/// How a step that holds prompt tokens is priced (`--prefill`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillModel {
+    /// Prompts run in a pass of their own before the step's decodes, which wait for
+    /// it: the step takes the prefill pass's roofline plus the decode pass's (weights
+    /// read and overhead paid twice). The 2023 systems of the paper ran this way
+    /// (vLLM's scheduler ran prompt steps apart from decode steps, and the paper's Orca
+    /// baselines are reimplementations on the same engine), so its figures are
+    /// compared under this model: the default.
+    #[default]
+    Separate,
+    /// Prompt tokens join the decode step's one pass (chunked prefill, as pagedkv's
+    /// scheduler and current engines batch them): one roofline over all the step's
+    /// tokens and K/V bytes.
+    Mixed,
+}
+
+impl PrefillModel {
+    /// Parses a `--prefill` value: `separate` or `mixed`; anything else is an error
+    /// naming the flag.
+    pub fn parse(s: &str) -> Result<Self, SimError> {
+        match s {
+            "separate" => Ok(Self::Separate),
+            "mixed" => Ok(Self::Mixed),
+            other => err(format!(
+                "--prefill: unknown prefill model `{other}` (separate or mixed)"
+            )),
+        }
+    }
+
+    /// Its name, as the flag takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Separate => "separate",
+            Self::Mixed => "mixed",
+        }
+    }
+}
+
+/// What one step processes, by kind of row: the step-time model prices the prompt
+/// tokens and the decode tokens by [`PrefillModel`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepLoad {
+    /// Prompt tokens the step computes (whole prompts, chunks, recomputed ones).
+    pub prefill_tokens: u64,
+    /// K/V bytes the prompt rows' attention reads.
+    pub prefill_kv_bytes: f64,
+    /// Decode tokens (one per decoding request).
+    pub decode_tokens: u64,
+    /// K/V bytes the decode rows' attention reads.
+    pub decode_kv_bytes: f64,
+}
+
 /// Simulation settings beyond the workload.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
@@ -490,6 +544,8 @@ pub struct SimConfig {
     /// paged policies cache it (prefix caching) and report the K/V bytes a decode
     /// step reads with and without cascade attention.
     pub system_prompt: u32,
+    /// How a step with prompt tokens is priced (default [`PrefillModel::Separate`]).
+    pub prefill: PrefillModel,
 }
 
 impl SimConfig {
@@ -507,6 +563,7 @@ impl SimConfig {
             max_tokens_per_step: 4096,
             kv_dtype: KvDtype::F16,
             system_prompt: 0,
+            prefill: PrefillModel::default(),
         }
     }
 
@@ -633,7 +690,28 @@ impl SimConfig {
     /// cache's dtype (an fp8 cache reads half the bytes of an f16 one); the weights are
     /// read at the model's dtype either way.
     pub fn step_time(&self, tokens: u64, kv_tokens: u64) -> f64 {
-        self.step_time_bytes(tokens, kv_tokens as f64 * self.kv_bytes_per_token() as f64)
+        self.step_time_bytes(tokens, self.kv_bytes_of(kv_tokens))
+    }
+
+    /// Duration of a step with this load: one roofline over all of it
+    /// ([`PrefillModel::Mixed`]), or a prefill pass and a decode pass one after the
+    /// other, each its own roofline and overhead ([`PrefillModel::Separate`]; a step
+    /// with only one kind of row is one pass either way).
+    pub fn step_duration(&self, load: &StepLoad) -> f64 {
+        let (p, d) = (load.prefill_tokens, load.decode_tokens);
+        match self.prefill {
+            PrefillModel::Separate if p > 0 && d > 0 => {
+                self.step_time_bytes(p, load.prefill_kv_bytes)
+                    + self.step_time_bytes(d, load.decode_kv_bytes)
+            }
+            _ => self.step_time_bytes(p + d, load.prefill_kv_bytes + load.decode_kv_bytes),
+        }
+    }
+
+    /// K/V bytes of `tokens` cached tokens in the cache's dtype (a model without
+    /// windows: every layer holds every token).
+    pub fn kv_bytes_of(&self, tokens: u64) -> f64 {
+        tokens as f64 * self.kv_bytes_per_token() as f64
     }
 
     /// [`step_time`](Self::step_time) of a step that reads `kv_bytes` of K/V (a

@@ -49,6 +49,53 @@ fn no_arguments_prints_the_simulate_report_for_both_paper_scenarios() {
     }
 }
 
+/// `--sweep` prints the Fig. 12 table with the ratios next to the paper's and writes
+/// every point as JSON and the Fig. 12 figure as SVG.
+#[test]
+fn a_sweep_prints_its_table_and_writes_json_and_svg() {
+    let (json, svg) = (tmp("sweep.json"), tmp("sweep.svg"));
+    let o = bin()
+        .args([
+            "simulate",
+            "--sweep",
+            "--workload",
+            "sharegpt",
+            "--num-requests",
+            "200",
+            "--json",
+        ])
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for want in [
+        "Fig. 12 sweep",
+        "latency bound",
+        "paged / Oracle",
+        "paged / Max",
+        "paper, Fig. 12(a)",
+        "prefill separate",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in:\n{out}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let reports = v.as_array().unwrap();
+    assert_eq!(reports.len(), 1);
+    assert_eq!(reports[0]["policies"].as_array().unwrap().len(), 4);
+    assert!(reports[0]["paged_over_oracle"].as_f64().unwrap() > 1.0);
+    let figure = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        figure.starts_with("<svg"),
+        "{}",
+        &figure[..figure.len().min(80)]
+    );
+    assert!(figure.contains("normalised latency (s/token)"));
+}
+
 #[test]
 fn a_trace_run_writes_json_and_svg() {
     let trace = small_trace("ok.jsonl");

@@ -448,3 +448,43 @@ fn a_folder_as_trace_is_refused_as_a_folder() {
     );
     assert!(!e.contains("trace line"), "{e}");
 }
+
+/// The sweep's flags: each bad value is an error naming its flag, before any output is
+/// written; flags that make no sense together are refused by the parser (status 2).
+#[test]
+fn bad_sweep_flags_name_the_flag_and_write_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let json = d.path().join("s.json");
+    let json = json.to_str().unwrap();
+    let sweep = ["simulate", "--sweep", "--workload", "sharegpt"];
+    for (extra, want) in [
+        (&["--latency-bound", "0"][..], "--latency-bound"),
+        (&["--latency-bound", "NaN"][..], "--latency-bound"),
+        (&["--latency-bound=-1"][..], "--latency-bound"),
+        (&["--rates", "1,inf"][..], "--rates"),
+        (&["--rates", "1e-300"][..], "--rates"),
+        (&["--num-requests", "0"][..], "--num-requests"),
+        (&["--prefill", "interleaved"][..], "--prefill"),
+        (&["--workload", "chat"][..], "--workload"),
+    ] {
+        let mut args: Vec<&str> = sweep.to_vec();
+        if extra[0] == "--workload" {
+            args.truncate(2);
+        }
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--json", json]);
+        fails_with(&args, want);
+        assert!(!Path::new(json).exists(), "{args:?} wrote the JSON");
+    }
+    for args in [
+        &["simulate", "--rates", "1,2"][..],
+        &["simulate", "--latency-bound", "0.1"][..],
+        &["simulate", "--sweep", "--rate", "2"][..],
+        &["simulate", "--sweep", "--trace", "t.jsonl"][..],
+        &["simulate", "--sweep", "--rates", "one"][..],
+    ] {
+        let o = run_within(args, Duration::from_secs(60));
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{args:?}");
+    }
+}
