@@ -444,8 +444,10 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "\ncolumns: tokens/future/intfrag/ext+free = share of the KV pool holding token states, reserved for future tokens, internally fragmented, unreserved (time-weighted);\n\
          tok/rsv = token states / slots held by requests; paper = Fig. 2 token states (vLLM bar for paged: share of held memory; Orca bars for contiguous: share of the pool), ratio = ours/paper;\n\
-         paperB = Fig. 13 mean batch (OPT-13B, A100, same scenario), ratioB = ours/paper. Step time: roofline (weights + KV read at 80% of {:.0} GB/s, 50% of {:.0} TFLOP/s, +5 ms/step).",
-        cfg.gpu.bandwidth_gbs, cfg.gpu.tflops
+         paperB = Fig. 13 mean batch (OPT-13B, A100, same scenario), ratioB = ours/paper. Step time: roofline (weights + KV read at 80% of {:.0} GB/s, 50% of {:.0} TFLOP/s, +5 ms/step), prefill {}.",
+        cfg.gpu.bandwidth_gbs,
+        cfg.gpu.tflops,
+        cfg.prefill.name()
     );
     if let Some(c) = reports.first().and_then(|r| r.kv_dtype_comparison.as_ref()) {
         println!(
