@@ -1,7 +1,7 @@
 //! The `--sweep --plot` figure, the vLLM paper's Fig. 12 form: per workload a panel of
 //! mean normalised latency (s/token) against request rate (req/s), a line per policy
 //! (the colours of the fixed-rate figure), the common latency bound dashed, and each
-//! policy's highest rate within it ringed. Latencies above the panel's top (four times
+//! policy's highest sustained rate ringed. Latencies above the panel's top (four times
 //! the bound: past the knee a queue grows without limit) are drawn on the top edge.
 
 use plotters::prelude::*;
@@ -55,7 +55,7 @@ pub fn render_sweep_svg(reports: &[SweepReport]) -> Result<String, Box<dyn std::
             }
         }
         band.draw(&Text::new(
-            "dashed: latency bound; ringed: highest rate within it",
+            "dashed: latency bound; ringed: highest rate sustained",
             (x, 20),
             font(13).pos(Pos::new(HPos::Left, VPos::Center)),
         ))?;

@@ -3,8 +3,18 @@
 //! rates; per rate the report has the mean *normalised latency* (a request's
 //! end-to-end latency divided by its output tokens, averaged over requests, as the
 //! paper defines it), throughput, mean batch and preemptions; per policy, the highest
-//! rate whose normalised latency stays under one common bound; and the ratios paged ÷
-//! Oracle and paged ÷ Max at that bound, next to the paper's.
+//! rate it sustains (normalised latency within one common bound); and the ratios
+//! paged ÷ Oracle and paged ÷ Max at that bound, next to the paper's.
+//!
+//! # Sustained
+//! A rate is sustained by a policy ([`PolicySweep::sustains`]) when its mean
+//! normalised latency stays within the bound, every request is served, and the rate is
+//! at most the policy's saturated throughput (its completed req/s with every request
+//! arriving at once). The last condition matters for short runs: past saturation the
+//! queue grows without limit, but a run of a few hundred requests drains it before
+//! its mean latency shows it. The results still depend on the number of requests a
+//! rate serves (the knee sharpens as it grows): the defaults are those of the
+//! fixed-rate report, 2000 ShareGPT and 6000 Alpaca requests.
 //!
 //! # How rates are chosen
 //! Every rate serves the same requests (same seed: the same lengths, arrival times
@@ -13,16 +23,15 @@
 //!   once under the paged policy; its throughput `R` (req/s) anchors a geometric grid of
 //!   [`AUTO_GRID_POINTS`] rates from `R / 16` to `1.25 R`, which brackets every policy's
 //!   knee (no policy sustains much more than the paged one's saturated throughput). A
-//!   policy already over the bound at the lowest rate is run at rates 1.5x lower, one
-//!   still under it at the top at rates 1.5x higher, up to [`MAX_EXTENSIONS`] times
-//!   each way.
-//! * Given (`--rates`): those rates, sorted; no extension.
+//!   policy that does not sustain the lowest rate is run at rates 1.5x lower, one that
+//!   sustains the top at rates 1.5x higher, up to [`MAX_EXTENSIONS`] times each way.
+//! * Given (`--rates`, at most [`MAX_RATES`]): those rates, sorted; no extension.
 //!
 //! Each policy's knee is then refined by [`SweepConfig::refine_steps`] bisections
-//! (geometric midpoints) between its last grid rate under the bound and its first over
-//! it. A policy's sustained rate is the highest rate run such that every rate run up
-//! to it stays under the bound ([`PolicySweep::max_rate`]); `censored` says it never
-//! went over (the true figure is higher).
+//! (geometric midpoints) between its last rate sustained and its first not. A
+//! policy's sustained rate is the highest rate run such that every rate run up to it
+//! is sustained ([`PolicySweep::max_rate`]); `censored` says every rate run was (the
+//! true figure is higher, and no ratio is formed of it).
 //!
 //! # The bound
 //! [`SweepConfig::latency_bound`] (`--latency-bound`, s/token), or by default twice the
@@ -41,8 +50,10 @@ use super::{
 
 /// Rates of the automatic grid.
 pub const AUTO_GRID_POINTS: usize = 12;
-/// Times a policy over the bound at the grid's lowest rate is run 1.5x slower, and
-/// one under it at the top 1.5x faster.
+/// The most rates `--rates` may list.
+pub const MAX_RATES: usize = 64;
+/// Times a policy that does not sustain the grid's lowest rate is run 1.5x slower, and
+/// one that sustains its top 1.5x faster.
 pub const MAX_EXTENSIONS: usize = 8;
 /// The policies of the default sweep: the paper's three Orca variants and vLLM's
 /// (paged, block 16).
@@ -135,23 +146,42 @@ impl SweepPoint {
 pub struct PolicySweep {
     /// The policy's name.
     pub policy: String,
+    /// The policy's saturated throughput: completed requests per second when every
+    /// request arrives at once. No rate above it is sustained, whatever the latency
+    /// of a finite run (past saturation the queue grows without limit, but a run of
+    /// few requests drains it before its mean latency shows it).
+    pub saturation_rate: f64,
     /// Every rate run, ascending.
     pub points: Vec<SweepPoint>,
-    /// The highest rate run such that every rate run up to it kept the mean
-    /// normalised latency within the bound; `None` when the lowest did not.
+    /// The highest rate run such that every rate run up to it was sustained
+    /// ([`PolicySweep::sustains`]); `None` when the lowest was not.
     pub max_rate: Option<f64>,
-    /// The policy never exceeded the bound (its sustained rate is at least
-    /// `max_rate`).
+    /// Every rate run was sustained (the policy's sustained rate is at least
+    /// `max_rate`; run higher rates to find it).
     pub censored: bool,
 }
 
 impl PolicySweep {
-    /// [`PolicySweep::max_rate`] and [`PolicySweep::censored`] of `points` (ascending)
-    /// under `bound`.
-    pub fn sustained(points: &[SweepPoint], bound: f64) -> (Option<f64>, bool) {
+    /// Whether a point is sustained under `bound`: its mean normalised latency within
+    /// the bound, its rate at most the policy's `saturation_rate`, and every one of
+    /// the workload's `num_requests` requests served.
+    pub fn sustains(x: &SweepPoint, bound: f64, saturation_rate: f64, num_requests: usize) -> bool {
+        x.mean_normalized_latency <= bound
+            && x.rate <= saturation_rate
+            && x.completed == num_requests
+    }
+
+    /// [`PolicySweep::max_rate`] and [`PolicySweep::censored`] of `points` (ascending),
+    /// as [`PolicySweep::sustains`] judges each.
+    pub fn sustained(
+        points: &[SweepPoint],
+        bound: f64,
+        saturation_rate: f64,
+        num_requests: usize,
+    ) -> (Option<f64>, bool) {
         let first_over = points
             .iter()
-            .position(|p| p.mean_normalized_latency > bound);
+            .position(|p| !Self::sustains(p, bound, saturation_rate, num_requests));
         match first_over {
             Some(0) => (None, false),
             Some(i) => (Some(points[i - 1].rate), false),
@@ -252,11 +282,12 @@ pub struct SweepReport {
     pub latency_bound_source: String,
     /// Per policy, its curve.
     pub policies: Vec<PolicySweep>,
-    /// The paged policy's sustained rate over Oracle's.
+    /// The paged policy's sustained rate over Oracle's; `None` when either has none or
+    /// either is censored (a lower bound, not a rate).
     pub paged_over_oracle: Option<f64>,
-    /// The paged policy's sustained rate over Pow2's.
+    /// The paged policy's sustained rate over Pow2's (as `paged_over_oracle`).
     pub paged_over_pow2: Option<f64>,
-    /// The paged policy's sustained rate over Max's.
+    /// The paged policy's sustained rate over Max's (as `paged_over_oracle`).
     pub paged_over_max: Option<f64>,
     /// The paper's panel, when the model and GPU are the paper's (OPT-13B, A100-40GB).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -322,11 +353,13 @@ impl SweepReport {
             for p in &self.policies {
                 match p.points.iter().find(|x| x.rate == r) {
                     Some(x) => {
-                        let over = if x.mean_normalized_latency > self.latency_bound {
-                            '*'
-                        } else {
-                            ' '
-                        };
+                        let sustained = PolicySweep::sustains(
+                            x,
+                            self.latency_bound,
+                            p.saturation_rate,
+                            self.num_requests,
+                        );
+                        let over = if sustained { ' ' } else { '*' };
                         let _ = write!(
                             o,
                             " | {:>7.4}{over} {:>7.3} {:>6.1} {:>5}",
@@ -343,18 +376,24 @@ impl SweepReport {
             }
             o.push('\n');
         }
-        let _ = writeln!(o, "highest rate within the bound (* above it):");
+        let _ = writeln!(
+            o,
+            "highest rate sustained (* marks a rate not sustained: over the bound, above the policy's saturated throughput, or not every request served):"
+        );
         for p in &self.policies {
+            let rate = match (p.max_rate, p.censored) {
+                (None, _) => "none: not sustained at the lowest rate".to_string(),
+                (Some(r), false) => format!("{} req/s", format_rate(r)),
+                (Some(r), true) => format!(
+                    "at least {} req/s (every rate run sustained)",
+                    format_rate(r)
+                ),
+            };
             let _ = writeln!(
                 o,
-                "  {:<20} {}",
+                "  {:<20} {rate} (saturated: {} req/s)",
                 p.policy,
-                match (p.max_rate, p.censored) {
-                    (None, _) => "none: over the bound at the lowest rate".to_string(),
-                    (Some(r), false) => format!("{} req/s", format_rate(r)),
-                    (Some(r), true) =>
-                        format!("at least {} req/s (never over the bound)", format_rate(r)),
-                }
+                format_rate(p.saturation_rate)
             );
         }
         let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}x"));
@@ -419,7 +458,9 @@ impl SweepReport {
 
 /// A rate with as many digits as it needs (3 significant figures at least).
 fn format_rate(r: f64) -> String {
-    if r >= 100.0 {
+    if r >= 1e5 {
+        format!("{r:.2e}")
+    } else if r >= 100.0 {
         format!("{r:.1}")
     } else if r >= 10.0 {
         format!("{r:.2}")
@@ -486,6 +527,12 @@ pub fn sweep(
             if given.is_empty() {
                 return err("--rates: no rates");
             }
+            if given.len() > MAX_RATES {
+                return err(format!(
+                    "--rates: {} rates, more than {MAX_RATES}",
+                    given.len()
+                ));
+            }
             let mut g = Vec::with_capacity(given.len());
             for &r in given {
                 g.push(check_range("--rates", r, limits::RATE)?);
@@ -505,10 +552,20 @@ pub fn sweep(
                 .map(|i| lo * (hi / lo).powf(i as f64 / (n - 1) as f64))
                 .map(|r| r.clamp(*limits::RATE.start(), *limits::RATE.end()))
                 .collect();
+            let mut g: Vec<f64> = g;
+            g.dedup();
             (g, Some(sat))
         }
     };
 
+    // Every policy's saturated throughput (the paged one's is the auto grid's anchor).
+    let mut saturation = Vec::with_capacity(sc.policies.len());
+    for &p in &sc.policies {
+        saturation.push(match probe {
+            Some(sat) if p == paged => sat,
+            _ => run(p, *limits::RATE.end(), false)?.requests_per_s,
+        });
+    }
     let mut curves: Vec<Vec<SweepPoint>> = Vec::with_capacity(sc.policies.len());
     for &p in &sc.policies {
         let mut pts = Vec::with_capacity(grid.len());
@@ -546,9 +603,9 @@ pub fn sweep(
         }
     };
 
-    let over = |x: &SweepPoint| x.mean_normalized_latency > bound;
     let mut policies = Vec::with_capacity(sc.policies.len());
-    for (&p, mut pts) in sc.policies.iter().zip(curves) {
+    for ((&p, mut pts), &sat) in sc.policies.iter().zip(curves).zip(&saturation) {
+        let over = |x: &SweepPoint| !PolicySweep::sustains(x, bound, sat, sc.num_requests);
         // Automatic rates: extend below the grid until a rate is within the bound, and
         // past its top until one is over it.
         if sc.rates.is_none() {
@@ -593,19 +650,22 @@ pub fn sweep(
             }
         }
         pts.sort_by(|a, b| a.rate.total_cmp(&b.rate));
-        let (max_rate, censored) = PolicySweep::sustained(&pts, bound);
+        let (max_rate, censored) = PolicySweep::sustained(&pts, bound, sat, sc.num_requests);
         policies.push(PolicySweep {
             policy: p.name(),
+            saturation_rate: sat,
             points: pts,
             max_rate,
             censored,
         });
     }
 
+    // (A censored rate is a lower bound: no ratio of it.)
     let rate_of = |want: Policy| {
         sc.policies
             .iter()
             .position(|&p| p == want)
+            .filter(|&i| !policies[i].censored)
             .and_then(|i| policies[i].max_rate)
     };
     let ratio = |base: Policy| match (rate_of(paged), rate_of(base)) {
