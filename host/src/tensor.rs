@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 /// `Bf16`, and holds each value divided by its KV head's scale
 /// ([`KvScales`](crate::ops::scales::KvScales)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum DType {
     /// IEEE half precision.
     F16,

@@ -22,6 +22,7 @@ use crate::mem::grow_huge;
 
 /// One sequence's part of a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct ScheduledSeq {
     /// The sequence.
     pub seq: SeqId,
@@ -67,6 +68,7 @@ pub struct ScheduledSeq {
 /// layer, write every new token's K/V (`kv_append` over the whole `slot_mapping`)
 /// before that layer's attention of any row, as the backends' step path does.
 #[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Batch {
     /// The scheduled sequences; `seqs[i]` owns row `i` of the block tables. The
     /// decodes come first (`seqs[..num_decodes]`), then the prefills: with chunked
@@ -118,9 +120,11 @@ pub struct Batch {
     pub preempted: Vec<(RequestId, PreemptionMode)>,
     /// The batch is handed out (from `step()` until the next one begins): row removals
     /// wait in `moves`.
+    #[cfg_attr(feature = "serde", serde(skip))]
     pub(super) out: bool,
     /// `(dst, src)` row moves removals deferred while the batch was out, in order; the
     /// arrays are then cut to the rows left.
+    #[cfg_attr(feature = "serde", serde(skip))]
     pub(super) moves: Vec<(u32, u32)>,
     /// The block tables and slot mappings of layer groups 1.. ([`group`](Self::group)
     /// names every group's, 0 included), row for row and token for token as
@@ -133,6 +137,7 @@ pub struct Batch {
 /// A layer group's part of a [`Batch`] (groups 1..; group 0's are the batch's own
 /// fields).
 #[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct GroupTables {
     /// `[seqs.len(), max_blocks_per_seq]`, as [`Batch::block_tables`]: this group's
     /// blocks (`NULL_BLOCK` before its window).

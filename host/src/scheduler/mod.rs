@@ -263,6 +263,7 @@ pub type SeqId = u64;
 
 /// How a preempted group gives its blocks back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum PreemptionMode {
     /// Free the blocks; the group is prefilled again later (prefix hits may help).
     #[default]

@@ -11,6 +11,7 @@ use crate::tensor::DType;
 
 /// The attention shape of a model's layers: the same for every layer a runner serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct StepShape {
     /// Query heads (a multiple of `num_kv_heads`).
     pub num_q_heads: u32,
