@@ -204,6 +204,54 @@ impl<D: StepDevice> AttentionBackend for CpuBackend<D> {
     fn synchronize(&mut self) -> Result<()> {
         Ok(())
     }
+
+    fn read_blocks(
+        &mut self,
+        cache: &PagedCache<HostTensor>,
+        blocks: &[u32],
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        self.core.check_cache(cache)?;
+        let (per_block, bb) = self.swap_geometry()?;
+        let c = &self.core.config;
+        super::check_transfer("read_blocks", blocks, c.shape.num_blocks, per_block, None)?;
+        let total = blocks
+            .len()
+            .checked_mul(per_block)
+            .ok_or_else(|| Error::invalid("blocks", "too many bytes"))?;
+        out.try_reserve(total)
+            .map_err(|_| Error::invalid("blocks", format!("cannot allocate {total} bytes")))?;
+        for &b in blocks {
+            for pool in cache.pools() {
+                out.extend_from_slice(&pool.buf().as_bytes()[b as usize * bb..][..bb]);
+            }
+        }
+        Ok(())
+    }
+
+    fn write_blocks(
+        &mut self,
+        cache: &mut PagedCache<HostTensor>,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<()> {
+        self.core.check_cache(cache)?;
+        let (per_block, bb) = self.swap_geometry()?;
+        let c = &self.core.config;
+        super::check_transfer(
+            "write_blocks",
+            blocks,
+            c.shape.num_blocks,
+            per_block,
+            Some(data.len()),
+        )?;
+        for (&b, src) in blocks.iter().zip(data.chunks_exact(per_block)) {
+            for (pool, part) in cache.pools_mut().zip(src.chunks_exact(bb)) {
+                pool.buf_mut().as_bytes_mut()[b as usize * bb..][..bb].copy_from_slice(part);
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

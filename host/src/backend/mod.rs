@@ -541,6 +541,68 @@ pub trait AttentionBackend {
 
     /// Waits for every launch and copy issued so far.
     fn synchronize(&mut self) -> Result<()>;
+
+    /// Appends the bytes of `blocks` to `out`, block after block, each block's bytes
+    /// of every pool in [`PagedCache::pools`] order (K then V of each layer): what a
+    /// KV transfer exports ([`block_transfer_bytes`] a block). Waits for the work
+    /// that writes the cache first, and for the copy. An id outside the pool is an
+    /// error, nothing appended.
+    fn read_blocks(
+        &mut self,
+        cache: &PagedCache<Self::Tensor>,
+        blocks: &[u32],
+        out: &mut Vec<u8>,
+    ) -> Result<()>;
+
+    /// Writes `data`, laid out as [`read_blocks`](Self::read_blocks) lays it out,
+    /// into `blocks` of every pool (a KV transfer's import), and waits for the copy.
+    /// An id outside the pool or a length other than `blocks.len()` blocks is an
+    /// error, nothing written.
+    fn write_blocks(
+        &mut self,
+        cache: &mut PagedCache<Self::Tensor>,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<()>;
+}
+
+/// Bytes of one block of every pool of `config`'s cache: K and V of each layer (what
+/// [`AttentionBackend::read_blocks`] writes per block).
+pub fn block_transfer_bytes(config: &BackendConfig) -> Result<usize> {
+    let bb = usize::try_from(config.block_bytes()?)
+        .map_err(|_| Error::invalid("shape", "block size in bytes overflows"))?;
+    bb.checked_mul(2 * config.num_layers)
+        .ok_or_else(|| Error::invalid("num_layers", "block size in bytes overflows"))
+}
+
+/// Checks a block transfer: every id inside a pool of `num_blocks`, and (for a write)
+/// `len` bytes for `blocks.len()` blocks of `per_block` bytes.
+pub(crate) fn check_transfer(
+    what: &'static str,
+    blocks: &[u32],
+    num_blocks: u32,
+    per_block: usize,
+    len: Option<usize>,
+) -> Result<()> {
+    if let Some(&b) = blocks.iter().find(|&&b| b >= num_blocks) {
+        return Err(Error::invalid(
+            "blocks",
+            format!("{what}: block {b} is outside the pool of {num_blocks}"),
+        ));
+    }
+    if let Some(len) = len {
+        let want = blocks.len().checked_mul(per_block);
+        if want != Some(len) {
+            return Err(Error::invalid(
+                "data",
+                format!(
+                    "{what}: {len} bytes for {} blocks of {per_block}",
+                    blocks.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Checks `(a, b)` block pairs against pools of `a_blocks` and `b_blocks` blocks.

@@ -150,6 +150,74 @@ impl CudaDevice {
         Ok(num_blocks)
     }
 
+    /// Copies `blocks` of every pool to `out` (block after block, each block's bytes of
+    /// every pool in order), on the stream, and waits for the copies. The caller checks
+    /// the ids and that `out` holds `blocks.len() * pools.len() * block_bytes` bytes.
+    pub fn read_blocks(
+        &self,
+        pools: &[&DeviceTensor],
+        block_bytes: u64,
+        blocks: &[u32],
+        out: &mut [u8],
+    ) -> Result<()> {
+        let bb = block_bytes as usize;
+        assert_eq!(
+            out.len(),
+            blocks.len() * pools.len() * bb,
+            "checked by the caller"
+        );
+        for (pi, pool) in pools.iter().enumerate() {
+            let (src, _g) = pool.buf.device_ptr(&self.stream);
+            for (i, &b) in blocks.iter().enumerate() {
+                let dst = &mut out[(i * pools.len() + pi) * bb..][..bb];
+                // SAFETY: the source range is inside the pool (ids checked by the
+                // caller); `dst` stays borrowed until the stream is synchronised below.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        dst,
+                        src + b as u64 * block_bytes,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(cuda("cuMemcpyDtoHAsync"))?;
+            }
+        }
+        self.synchronize()
+    }
+
+    /// Copies `data` (laid out as [`read_blocks`](Self::read_blocks) writes it) into
+    /// `blocks` of every pool, on the stream, and waits for the copies. The caller
+    /// checks the ids and the length.
+    pub fn write_blocks(
+        &self,
+        pools: &mut [&mut DeviceTensor],
+        block_bytes: u64,
+        blocks: &[u32],
+        data: &[u8],
+    ) -> Result<()> {
+        let bb = block_bytes as usize;
+        let n = pools.len();
+        assert_eq!(data.len(), blocks.len() * n * bb, "checked by the caller");
+        for (pi, pool) in pools.iter_mut().enumerate() {
+            let (dst, _g) = pool.buf.device_ptr_mut(&self.stream);
+            for (i, &b) in blocks.iter().enumerate() {
+                let src = &data[(i * n + pi) * bb..][..bb];
+                // SAFETY: the destination range is inside the pool (ids checked by the
+                // caller), borrowed mutably; `src` stays borrowed until the stream is
+                // synchronised below.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        dst + b as u64 * block_bytes,
+                        src,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .map_err(cuda("cuMemcpyHtoDAsync"))?;
+            }
+        }
+        self.synchronize()
+    }
+
     /// Copies device blocks to host blocks (`(device, host)` pairs from the scheduler's
     /// `swap_out`), asynchronously on the stream.
     pub fn swap_out(

@@ -237,6 +237,9 @@ mod preemption;
 mod seqs;
 mod step;
 mod tokens;
+mod transfer;
+
+pub use transfer::ImportReservation;
 
 use std::collections::BTreeMap;
 

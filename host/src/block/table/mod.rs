@@ -442,6 +442,18 @@ impl KvCacheManager {
         &self.device
     }
 
+    /// The device pool, mutably: a KV transfer's import allocates and names blocks
+    /// outside any table (`Scheduler::reserve_import`).
+    pub(crate) fn device_mut(&mut self) -> &mut BlockPool {
+        &mut self.device
+    }
+
+    /// Whether full blocks are cached by name (the scheduler's
+    /// `enable_prefix_caching`).
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_caching
+    }
+
     /// The host (swap) pool.
     pub fn host(&self) -> &BlockPool {
         &self.host
