@@ -16,6 +16,11 @@
 //!   sockets or TCP: a hello that checks every rank serves the same model, shape and
 //!   group, then per step the batch out and a reply back; a dead, silent or refusing
 //!   rank is an error naming it, never a hang.
+//! * [`transfer`]: KV blocks between instances (disaggregated prefill): a request's
+//!   full blocks exported with a layout descriptor and a checksum per block, imported
+//!   into local blocks of another instance whose scheduler then serves the request as
+//!   a prefix hit; a transfer that is dropped, late, corrupted or refused is
+//!   recomputed, with a reason to log.
 //!
 //! ## How an engine runs pagedkv per tensor-parallel rank
 //! Every rank makes its backend with `shard.shape(&full)` (its cache then holds its
@@ -34,15 +39,28 @@
 //! the rank (the plan follows the CTA count, which halves with the heads): give every
 //! rank the same `SplitPolicy::ForSms(n)`, or `Never`.
 //!
+//! ## How an engine moves KV between instances
+//! The prefill instance serves the prompt (its scheduler names the full blocks as it
+//! schedules them), then [`TransferEndpoint::export`](transfer::TransferEndpoint::export)s
+//! them; the transport carries the export ([`transfer::encode_export`], or with NIXL
+//! the blocks' memory registered and read remotely); the decode instance
+//! [`import`](transfer::TransferEndpoint::import)s them before it adds the request,
+//! which is then a prefix hit, and decodes. Both instances' descriptors must be equal
+//! (same model, layout, dtype, block size, heads and shard, fp8 scales).
+//!
 //! What is tested here without GPUs: two OS processes on the CPU backend, each with
 //! half of the heads, driven by one scheduler over a Unix socket, whose outputs put
 //! side by side equal one process holding every head, bit for bit, over a serving
-//! run with prefix hits and preemption; and a killed worker, an error on the leader.
+//! run with prefix hits and preemption; a killed worker, an error on the leader; and
+//! prefill-to-decode transfers over the in-process transport, whose decode outputs
+//! equal one instance's bit for bit, with dropped, late, corrupted and refused
+//! transfers recomputed.
 
 pub mod link;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod shard;
+pub mod transfer;
 pub mod wire;
 
 pub use link::{GroupConfig, Leader, Link, Worker};

@@ -231,6 +231,7 @@ fn kind(m: &Message) -> &'static str {
         Message::Step(_) => "Step",
         Message::Reply { .. } => "Reply",
         Message::Stop => "Stop",
+        Message::Export(_) => "Export",
     }
 }
 

@@ -73,6 +73,9 @@ pub enum Message {
     },
     /// Leader to workers: no more steps.
     Stop,
+    /// Prefill instance to decode instance: a request's exported KV blocks
+    /// ([`crate::transfer`]).
+    Export(Box<crate::transfer::BlockExport>),
 }
 
 /// What a tensor-parallel group serves: sent once by the leader.
