@@ -59,6 +59,8 @@
 pub mod link;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod shard;
 pub mod transfer;
 pub mod wire;

@@ -232,6 +232,8 @@ fn kind(m: &Message) -> &'static str {
         Message::Reply { .. } => "Reply",
         Message::Stop => "Stop",
         Message::Export(_) => "Export",
+        Message::NixlOffer { .. } => "NixlOffer",
+        Message::NixlDone => "NixlDone",
     }
 }
 

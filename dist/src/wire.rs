@@ -76,6 +76,19 @@ pub enum Message {
     /// Prefill instance to decode instance: a request's exported KV blocks
     /// ([`crate::transfer`]).
     Export(Box<crate::transfer::BlockExport>),
+    /// Sender to receiver over NIXL's side channel: a frame of `len` bytes waits in
+    /// the sender's registered memory at `addr`; `agent_md` is the sender's NIXL agent
+    /// metadata (what the receiver loads to read it).
+    NixlOffer {
+        /// The sender agent's metadata.
+        agent_md: Vec<u8>,
+        /// Address of the frame in the sender's memory.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// Receiver to sender: the offered frame was read (the sender may release it).
+    NixlDone,
 }
 
 /// What a tensor-parallel group serves: sent once by the leader.

@@ -8,75 +8,14 @@
 use std::time::Duration;
 
 mod common;
-use common::{MODEL, Rank, input_tokens, sampled_token, scheduler};
+use common::disagg::{decodes, endpoint, prefill_and_export, prompt, receive, same, serve};
+use common::{Rank, scheduler};
 
 use pagedkv_dist::ShardSpec;
 use pagedkv_dist::transfer::{
-    BlockExport, Fault, InProcess, LayoutDescriptor, Outcome, RequestTokens, Transfer,
-    TransferEndpoint, TransferError, encode_export, receive_and_import,
+    BlockExport, Fault, InProcess, Outcome, RequestTokens, Transfer, TransferError, encode_export,
 };
-use pagedkv_host::scheduler::{Request, Scheduler};
-
-const OUTPUT: u32 = 6;
-
-/// Request `id`'s prompt: 3 full blocks and 5 tokens.
-fn prompt(id: u64) -> Vec<u32> {
-    (0..53).map(|p| (id as u32 * 101 + p * 17) % 1000).collect()
-}
-
-fn endpoint(rank: &Rank) -> TransferEndpoint {
-    TransferEndpoint {
-        descriptor: LayoutDescriptor::of(
-            pagedkv_host::backend::AttentionBackend::config(&rank.be),
-            ShardSpec::WHOLE,
-            MODEL,
-            Vec::new(),
-        ),
-    }
-}
-
-/// Serves request `id` to completion on `(s, rank)`: each step's outputs, and how many
-/// prompt tokens its first step found cached.
-fn serve(s: &mut Scheduler, rank: &mut Rank, id: u64) -> (Vec<Vec<f32>>, u32) {
-    s.add_request(Request::new(id, prompt(id), OUTPUT)).unwrap();
-    let mut outs = Vec::new();
-    let mut cached = None;
-    while !s.is_idle() {
-        let batch = s.step().unwrap().clone();
-        cached.get_or_insert(batch.seqs[0].num_cached_tokens);
-        let tokens = input_tokens(s, &batch);
-        outs.push(rank.step(&batch, &tokens));
-        let sampled: Vec<(u64, u32)> = batch
-            .seqs
-            .iter()
-            .map(|q| (q.seq, sampled_token(q.request, q.context_len)))
-            .collect();
-        s.on_step_done(&sampled).unwrap();
-    }
-    (outs, cached.unwrap())
-}
-
-/// The prefill instance: computes request `id`'s prompt (one step, the first token)
-/// and exports its blocks.
-fn prefill_and_export(id: u64) -> BlockExport {
-    let (mut s, mut rank) = (scheduler(), Rank::new(ShardSpec::WHOLE));
-    s.add_request(Request::new(id, prompt(id), 1)).unwrap();
-    let batch = s.step().unwrap().clone();
-    let tokens = input_tokens(&s, &batch);
-    rank.step(&batch, &tokens);
-    // (Its blocks stay cached after the request finishes.)
-    s.on_step_done(&[(batch.seqs[0].seq, 1)]).unwrap();
-    let p = prompt(id);
-    let req = RequestTokens {
-        request: id,
-        tokens: &p,
-        salt: None,
-    };
-    let ep = endpoint(&rank);
-    let e = ep.export(&s, &mut rank.be, &rank.cache, req).unwrap();
-    assert_eq!(e.blocks.len(), 3, "3 full blocks of 53 tokens");
-    e
-}
+use pagedkv_host::scheduler::Scheduler;
 
 /// A fresh decode instance waits at most `timeout` for request `id`'s export on `t`
 /// and imports it: the instance and the outcome.
@@ -84,37 +23,6 @@ fn decode_side(t: &mut InProcess, id: u64, timeout: Duration) -> (Scheduler, Ran
     let (mut s, mut rank) = (scheduler(), Rank::new(ShardSpec::WHOLE));
     let out = receive(t, id, timeout, &mut s, &mut rank);
     (s, rank, out)
-}
-
-/// `(s, rank)` waits at most `timeout` for request `id`'s export on `t` and imports it.
-fn receive(
-    t: &mut InProcess,
-    id: u64,
-    timeout: Duration,
-    s: &mut Scheduler,
-    rank: &mut Rank,
-) -> Outcome {
-    let p = prompt(id);
-    let req = RequestTokens {
-        request: id,
-        tokens: &p,
-        salt: None,
-    };
-    let ep = endpoint(rank);
-    receive_and_import(&ep, t, timeout, (s, &mut rank.be, &mut rank.cache), req)
-}
-
-/// Decode outputs of the steps after the first (the first computes the prompt, all of
-/// it or the part not imported).
-fn decodes(outs: &[Vec<f32>]) -> &[Vec<f32>] {
-    &outs[1..]
-}
-
-fn same(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
-        })
 }
 
 #[test]

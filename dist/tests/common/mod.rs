@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod disagg;
+
 use pagedkv_dist::ShardSpec;
 use pagedkv_host::backend::{
     AsView, AttentionBackend, BackendConfig, CpuBackend, DecodeArgs, KvAppendArgs, PagedCache,

@@ -1,0 +1,186 @@
+//! KV transfers over NIXL (feature `nixl`): the receiver reads the sender's frame
+//! straight out of the sender's registered memory, as a decode instance reads a
+//! prefill instance's blocks over RDMA (here: host memory, UCX over TCP).
+//!
+//! [`NixlTransfer`] is a [`Transfer`]: `send` copies the frame (an
+//! [`encode_export`](crate::transfer::encode_export)) into memory it registers with
+//! its NIXL agent, offers it on a side channel ([`Message::NixlOffer`]: the agent's
+//! metadata, the address and length) and waits until the receiver says it has read
+//! it ([`Message::NixlDone`]); `recv` takes an offer, loads the sender's metadata,
+//! reads the frame with a NIXL `READ` into memory of its own, and acknowledges. The
+//! frame then goes through the same checks as any other (CRC-32, descriptor, names).
+//! Whatever fails (no offer in time, a read that does not complete in time, the
+//! library missing) is `None` from `recv`: the request is recomputed.
+//!
+//! nixl-sys is built with its `stub-api` feature: no NIXL headers at build time, the
+//! library (`libnixl_capi.so`) opened when first used. [`NixlTransfer::new`] checks it
+//! is there (`scripts/install-nixl.sh` installs it from the nixl-cu12 wheel and
+//! prints the `LD_LIBRARY_PATH`, `NIXL_PLUGIN_DIR` and `UCX_TLS` a process needs).
+
+use std::time::{Duration, Instant};
+
+use nixl_sys::{
+    Agent, Backend, MemType, MemoryRegion, NixlDescriptor, RegistrationHandle, XferDescList, XferOp,
+};
+
+use crate::link::Link;
+use crate::transfer::{Transfer, TransferError};
+use crate::wire::{DEFAULT_MAX_PAYLOAD, Message, WireError, read_message, write_message};
+
+/// Host memory NIXL reads from or writes into. Its bytes are only touched by Rust
+/// when no transfer on it is in flight (see [`NixlTransfer`]).
+#[derive(Debug)]
+struct Region {
+    data: Vec<u8>,
+}
+
+impl MemoryRegion for Region {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.data.as_ptr()
+    }
+
+    fn size(&self) -> usize {
+        self.data.len()
+    }
+}
+
+impl NixlDescriptor for Region {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+fn nixl_err(what: &str, e: impl std::fmt::Debug) -> TransferError {
+    TransferError::Wire(WireError::Io(std::io::Error::other(format!(
+        "NIXL {what}: {e:?}"
+    ))))
+}
+
+/// One side of NIXL transfers: an agent with the UCX backend, and the side channel to
+/// the peer (a Unix socket or TCP stream: offers and acknowledgements, a few hundred
+/// bytes each).
+pub struct NixlTransfer<L: Link> {
+    agent: Agent,
+    _backend: Backend,
+    side: L,
+    /// How long `send` waits for the receiver's acknowledgement.
+    pub ack_timeout: Duration,
+}
+
+impl<L: Link> NixlTransfer<L> {
+    /// An agent named `name` (unique among the peers) with NIXL's UCX backend, talking
+    /// to its peer over `side`. An error when libnixl_capi.so cannot be opened or the
+    /// UCX plugin is missing.
+    pub fn new(name: &str, side: L) -> Result<Self, TransferError> {
+        if nixl_sys::is_stub() {
+            return Err(nixl_err(
+                "library",
+                "libnixl_capi.so cannot be opened: run `eval \"$(scripts/install-nixl.sh)\"` before starting the process",
+            ));
+        }
+        let agent = Agent::new(name).map_err(|e| nixl_err("agent", e))?;
+        let (_mems, params) = agent
+            .get_plugin_params("UCX")
+            .map_err(|e| nixl_err("UCX plugin (is NIXL_PLUGIN_DIR set?)", e))?;
+        let backend = agent
+            .create_backend("UCX", &params)
+            .map_err(|e| nixl_err("UCX backend", e))?;
+        Ok(Self {
+            agent,
+            _backend: backend,
+            side,
+            ack_timeout: Duration::from_secs(30),
+        })
+    }
+
+    fn register(&self, r: &Region) -> Result<RegistrationHandle, TransferError> {
+        self.agent
+            .register_memory(r, None)
+            .map_err(|e| nixl_err("register", e))
+    }
+}
+
+impl<L: Link> Transfer for NixlTransfer<L> {
+    fn send(&mut self, frame: Vec<u8>) -> Result<(), TransferError> {
+        let region = Region { data: frame };
+        let mut handle = self.register(&region)?;
+        let agent_md = self
+            .agent
+            .get_local_md()
+            .map_err(|e| nixl_err("metadata", e))?;
+        // SAFETY: only the address is taken (NIXL reads the bytes while the region
+        // stays registered and untouched, until the receiver acknowledges below).
+        let addr = unsafe { region.as_ptr() } as u64;
+        let len = region.data.len() as u64;
+        write_message(
+            &mut self.side,
+            &Message::NixlOffer {
+                agent_md,
+                addr,
+                len,
+            },
+        )?;
+        self.side
+            .set_read_timeout(Some(self.ack_timeout))
+            .map_err(WireError::from)?;
+        let ack = read_message(&mut self.side, DEFAULT_MAX_PAYLOAD);
+        let _ = handle.deregister();
+        match ack? {
+            Message::NixlDone => Ok(()),
+            _ => Err(TransferError::Wire(WireError::Decode(
+                "expected the receiver's NixlDone".into(),
+            ))),
+        }
+    }
+
+    fn recv(&mut self, timeout: Duration) -> Option<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        self.side
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .ok()?;
+        let (agent_md, addr, len) = match read_message(&mut self.side, DEFAULT_MAX_PAYLOAD) {
+            Ok(Message::NixlOffer {
+                agent_md,
+                addr,
+                len,
+            }) => (agent_md, addr, len),
+            _ => return None,
+        };
+        if len > DEFAULT_MAX_PAYLOAD as u64 {
+            return None;
+        }
+        let remote = self.agent.load_remote_md(&agent_md).ok()?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(len as usize).ok()?;
+        data.resize(len as usize, 0);
+        let region = Region { data };
+        let mut handle = self.register(&region).ok()?;
+        let read = (|| {
+            let mut local = XferDescList::new(MemType::Dram).ok()?;
+            local.add_storage_desc(&region).ok()?;
+            let mut far = XferDescList::new(MemType::Dram).ok()?;
+            far.add_desc(addr as usize, len as usize, 0);
+            let req = self
+                .agent
+                .create_xfer_req(XferOp::Read, &local, &far, &remote, None)
+                .ok()?;
+            self.agent.post_xfer_req(&req, None).ok()?;
+            while !self.agent.get_xfer_status(&req).ok()?.is_success() {
+                if Instant::now() > deadline {
+                    return None;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            Some(())
+        })();
+        let _ = handle.deregister();
+        read?;
+        write_message(&mut self.side, &Message::NixlDone).ok()?;
+        // The read completed: NIXL wrote the region and is done with it.
+        Some(region.data)
+    }
+}
