@@ -109,4 +109,7 @@ pub enum DistError {
     /// What this side was asked to send or accept does not match its configuration.
     #[error("{0}")]
     Mismatch(String),
+    /// An earlier error left the links possibly out of step: connect again.
+    #[error("the link failed earlier ({0}); connect the group again")]
+    Broken(String),
 }

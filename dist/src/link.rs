@@ -30,21 +30,29 @@ use crate::wire::{
 };
 use crate::{DistError, ShardSpec};
 
-/// A byte stream to a peer whose reads can time out.
+/// A byte stream to a peer whose reads and writes can time out.
 pub trait Link: Read + Write {
     /// Sets how long one read may wait (`None`: forever).
     fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()>;
+    /// Sets how long one write may wait for room (`None`: forever).
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()>;
 }
 
 impl Link for UnixStream {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
         UnixStream::set_read_timeout(self, timeout)
     }
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        UnixStream::set_write_timeout(self, timeout)
+    }
 }
 
 impl Link for TcpStream {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
         TcpStream::set_read_timeout(self, timeout)
+    }
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_write_timeout(self, timeout)
     }
 }
 
@@ -86,8 +94,9 @@ pub struct GroupConfig {
     pub model: String,
     /// Bytes for every rank, as [`Hello::engine`] (the NCCL id, say).
     pub engine: Vec<u8>,
-    /// How long the leader waits for any one reply (`None`: forever; then a worker
-    /// that hangs without closing its connection hangs the leader).
+    /// How long one read or write of the leader's may wait (`None`: forever; then a
+    /// worker that hangs without closing its connection hangs the leader). A reply
+    /// that trickles in a few bytes per timeout is not caught: the bound is per read.
     pub timeout: Option<Duration>,
 }
 
@@ -99,6 +108,9 @@ pub struct Leader<L: Link> {
     next_step: u64,
     timeout: Option<Duration>,
     max_payload: u32,
+    /// The first error: the links may be out of step since, so every later call
+    /// fails with it (recovery is a new connection).
+    broken: Option<String>,
 }
 
 impl<L: Link> Leader<L> {
@@ -118,10 +130,12 @@ impl<L: Link> Leader<L> {
             next_step: 0,
             timeout,
             max_payload: DEFAULT_MAX_PAYLOAD,
+            broken: None,
         };
         for (i, link) in me.links.iter_mut().enumerate() {
             let rank = i as u32 + 1;
             link.set_read_timeout(timeout)
+                .and_then(|()| link.set_write_timeout(timeout))
                 .map_err(|e| DistError::Wire {
                     rank,
                     source: e.into(),
@@ -155,8 +169,16 @@ impl<L: Link> Leader<L> {
 
     /// Sends one step to every worker: the batch as the scheduler handed it out and
     /// the step's input tokens (one per `batch.slot_mapping` entry, checked). Returns
-    /// the step's number, for [`gather`](Self::gather).
+    /// the step's number, for [`gather`](Self::gather). After any error of this or
+    /// [`gather`](Self::gather), every later call fails with it: some ranks may have
+    /// the step and others not, so the group must be connected again.
     pub fn send_step(&mut self, batch: &Batch, input_tokens: &[u32]) -> Result<u64, DistError> {
+        self.check_broken()?;
+        let r = self.send_step_inner(batch, input_tokens);
+        self.note(r)
+    }
+
+    fn send_step_inner(&mut self, batch: &Batch, input_tokens: &[u32]) -> Result<u64, DistError> {
         if input_tokens.len() != batch.slot_mapping.len() {
             return Err(DistError::Mismatch(format!(
                 "{} input tokens for a step of {} new tokens",
@@ -173,7 +195,7 @@ impl<L: Link> Leader<L> {
             input_tokens: input_tokens.to_vec(),
         }));
         let frame =
-            crate::wire::encode(&msg).map_err(|e| DistError::Wire { rank: 1, source: e })?;
+            crate::wire::encode(&msg).map_err(|e| DistError::Wire { rank: 0, source: e })?;
         for (i, link) in self.links.iter_mut().enumerate() {
             let rank = i as u32 + 1;
             link.write_all(&frame)
@@ -186,6 +208,27 @@ impl<L: Link> Leader<L> {
 
     /// Every worker's reply to step `step`, in rank order (ranks `1..size`).
     pub fn gather(&mut self, step: u64) -> Result<Vec<Vec<u8>>, DistError> {
+        self.check_broken()?;
+        let r = self.gather_inner(step);
+        self.note(r)
+    }
+
+    fn check_broken(&self) -> Result<(), DistError> {
+        match &self.broken {
+            Some(e) => Err(DistError::Broken(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Records the first error.
+    fn note<T>(&mut self, r: Result<T, DistError>) -> Result<T, DistError> {
+        if let Err(e) = &r {
+            self.broken.get_or_insert_with(|| e.to_string());
+        }
+        r
+    }
+
+    fn gather_inner(&mut self, step: u64) -> Result<Vec<Vec<u8>>, DistError> {
         let mut out = Vec::with_capacity(self.links.len());
         for rank in 1..self.size {
             match self.read(rank)? {
@@ -233,7 +276,7 @@ fn kind(m: &Message) -> &'static str {
         Message::Stop => "Stop",
         Message::Export(_) => "Export",
         Message::NixlOffer { .. } => "NixlOffer",
-        Message::NixlDone => "NixlDone",
+        Message::NixlDone { .. } => "NixlDone",
     }
 }
 
@@ -242,6 +285,8 @@ pub struct Worker<L: Link> {
     link: L,
     hello: Hello,
     max_payload: u32,
+    /// A frame failed: the stream may be out of step, every later read fails.
+    broken: Option<String>,
 }
 
 impl<L: Link> Worker<L> {
@@ -303,6 +348,7 @@ impl<L: Link> Worker<L> {
             link,
             hello: got,
             max_payload: DEFAULT_MAX_PAYLOAD,
+            broken: None,
         })
     }
 
@@ -327,8 +373,20 @@ impl<L: Link> Worker<L> {
     /// The next step, or `None` when the leader stopped or closed the connection. A
     /// frame that fails its checks (another wire version, a bad checksum, a malformed
     /// payload) or a step planned for another shape or group size is refused: the
-    /// leader is told why, and the error returned.
+    /// leader is told why, and the error returned; every later call fails with it (the
+    /// stream may be out of step).
     pub fn next_step(&mut self) -> Result<Option<StepMessage>, DistError> {
+        if let Some(e) = &self.broken {
+            return Err(DistError::Broken(e.clone()));
+        }
+        let r = self.next_step_inner();
+        if let Err(e) = &r {
+            self.broken = Some(e.to_string());
+        }
+        r
+    }
+
+    fn next_step_inner(&mut self) -> Result<Option<StepMessage>, DistError> {
         let rank = self.hello.shard.rank;
         let msg = match read_message(&mut self.link, self.max_payload) {
             Ok(m) => m,

@@ -67,8 +67,12 @@ pub struct NixlTransfer<L: Link> {
     agent: Agent,
     _backend: Backend,
     side: L,
+    /// Offers sent so far (each offer's number).
+    sent: u64,
     /// How long `send` waits for the receiver's acknowledgement.
     pub ack_timeout: Duration,
+    /// The largest frame `recv` reads (default 256 MiB).
+    pub max_frame_bytes: u32,
 }
 
 impl<L: Link> NixlTransfer<L> {
@@ -93,7 +97,9 @@ impl<L: Link> NixlTransfer<L> {
             agent,
             _backend: backend,
             side,
+            sent: 0,
             ack_timeout: Duration::from_secs(30),
+            max_frame_bytes: DEFAULT_MAX_PAYLOAD,
         })
     }
 
@@ -116,9 +122,12 @@ impl<L: Link> Transfer for NixlTransfer<L> {
         // stays registered and untouched, until the receiver acknowledges below).
         let addr = unsafe { region.as_ptr() } as u64;
         let len = region.data.len() as u64;
+        let seq = self.sent;
+        self.sent += 1;
         write_message(
             &mut self.side,
             &Message::NixlOffer {
+                seq,
                 agent_md,
                 addr,
                 len,
@@ -127,13 +136,31 @@ impl<L: Link> Transfer for NixlTransfer<L> {
         self.side
             .set_read_timeout(Some(self.ack_timeout))
             .map_err(WireError::from)?;
-        let ack = read_message(&mut self.side, DEFAULT_MAX_PAYLOAD);
-        let _ = handle.deregister();
-        match ack? {
-            Message::NixlDone => Ok(()),
-            _ => Err(TransferError::Wire(WireError::Decode(
-                "expected the receiver's NixlDone".into(),
-            ))),
+        // Acks of earlier offers (their receiver was late) are skipped; until this
+        // offer's ack the receiver may be reading the region.
+        let ack = loop {
+            match read_message(&mut self.side, DEFAULT_MAX_PAYLOAD) {
+                Ok(Message::NixlDone { seq: s }) if s < seq => continue,
+                r => break r,
+            }
+        };
+        match ack {
+            Ok(Message::NixlDone { seq: s }) if s == seq => {
+                let _ = handle.deregister();
+                Ok(())
+            }
+            other => {
+                // No ack: the receiver may still read the region, so it stays
+                // registered and allocated (leaked) rather than freed under a read.
+                std::mem::forget(handle);
+                std::mem::forget(region);
+                Err(match other {
+                    Err(e) => e.into(),
+                    Ok(_) => TransferError::Wire(WireError::Decode(format!(
+                        "expected the receiver's NixlDone for offer {seq}"
+                    ))),
+                })
+            }
         }
     }
 
@@ -142,15 +169,16 @@ impl<L: Link> Transfer for NixlTransfer<L> {
         self.side
             .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
             .ok()?;
-        let (agent_md, addr, len) = match read_message(&mut self.side, DEFAULT_MAX_PAYLOAD) {
+        let (seq, agent_md, addr, len) = match read_message(&mut self.side, DEFAULT_MAX_PAYLOAD) {
             Ok(Message::NixlOffer {
+                seq,
                 agent_md,
                 addr,
                 len,
-            }) => (agent_md, addr, len),
+            }) => (seq, agent_md, addr, len),
             _ => return None,
         };
-        if len > DEFAULT_MAX_PAYLOAD as u64 {
+        if len > self.max_frame_bytes as u64 {
             return None;
         }
         let remote = self.agent.load_remote_md(&agent_md).ok()?;
@@ -177,9 +205,15 @@ impl<L: Link> Transfer for NixlTransfer<L> {
             }
             Some(())
         })();
+        if read.is_none() {
+            // The read may still be in flight: NIXL may yet write the region, so it
+            // stays registered and allocated (leaked) rather than freed under it.
+            std::mem::forget(handle);
+            std::mem::forget(region);
+            return None;
+        }
         let _ = handle.deregister();
-        read?;
-        write_message(&mut self.side, &Message::NixlDone).ok()?;
+        write_message(&mut self.side, &Message::NixlDone { seq }).ok()?;
         // The read completed: NIXL wrote the region and is done with it.
         Some(region.data)
     }

@@ -194,30 +194,53 @@ pub enum TransferError {
     Wire(#[from] WireError),
 }
 
-/// One instance's side of KV transfers: its descriptor.
+/// One instance: its scheduler, backend and cache (what an export reads and an import
+/// writes).
+pub struct Instance<'a, B: AttentionBackend> {
+    /// The instance's scheduler.
+    pub sched: &'a mut Scheduler,
+    /// Its backend.
+    pub be: &'a mut B,
+    /// Its paged cache.
+    pub cache: &'a mut PagedCache<B::Tensor>,
+}
+
+/// One instance's side of KV transfers: its descriptor, and the largest export frame
+/// it accepts.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TransferEndpoint {
     /// This instance's cache, as an export describes it.
     pub descriptor: LayoutDescriptor,
+    /// The largest export frame `receive_and_import` decodes (default
+    /// [`DEFAULT_MAX_PAYLOAD`], 256 MiB: some 128 blocks of an 8B model's 2 MiB; a
+    /// longer prompt's export is refused and the prompt recomputed). At most 4 GiB, the
+    /// frame's length field.
+    pub max_frame_bytes: u32,
 }
 
 impl TransferEndpoint {
+    /// The endpoint of `descriptor`, with the default frame limit.
+    pub fn new(descriptor: LayoutDescriptor) -> Self {
+        Self {
+            descriptor,
+            max_frame_bytes: DEFAULT_MAX_PAYLOAD,
+        }
+    }
+
     /// Exports `req`'s cached full blocks (its leading blocks the pool holds under
     /// their names, up to the first it does not), reading their bytes from `cache`.
     /// Call it after the step that computed them (their names are registered when
     /// scheduled and their bytes written in that step).
     pub fn export<B: AttentionBackend>(
         &self,
-        sched: &Scheduler,
-        be: &mut B,
-        cache: &PagedCache<B::Tensor>,
+        at: Instance<'_, B>,
         req: RequestTokens<'_>,
     ) -> Result<BlockExport, TransferError> {
-        let per_block = self.check_backend(be)?;
-        let names = sched.block_names(req.tokens, req.salt);
-        let blocks = sched.cached_blocks(&names);
+        let per_block = self.check_instance(&at)?;
+        let names = at.sched.block_names(req.tokens, req.salt);
+        let blocks = at.sched.cached_blocks(&names)?;
         let mut data = Vec::new();
-        be.read_blocks(cache, &blocks, &mut data)?;
+        at.be.read_blocks(at.cache, &blocks, &mut data)?;
         let bs = self.descriptor.block_size as usize;
         let out = blocks
             .iter()
@@ -245,13 +268,12 @@ impl TransferEndpoint {
     /// block is free again.
     pub fn import<B: AttentionBackend>(
         &self,
-        sched: &mut Scheduler,
-        be: &mut B,
-        cache: &mut PagedCache<B::Tensor>,
+        at: Instance<'_, B>,
         req: RequestTokens<'_>,
         export: &BlockExport,
     ) -> Result<usize, TransferError> {
-        let per_block = self.check_backend(be)?;
+        let per_block = self.check_instance(&at)?;
+        let Instance { sched, be, cache } = at;
         if let Some(d) = self.descriptor.difference(&export.descriptor) {
             return Err(TransferError::Descriptor(d));
         }
@@ -306,22 +328,35 @@ impl TransferEndpoint {
             data.extend_from_slice(&b.data);
         }
         if let Err(e) = be.write_blocks(cache, r.blocks(), &data) {
-            sched.abort_import(r)?;
+            // (The write's error is the one to report; an abort of this scheduler's
+            // own reservation between steps does not fail.)
+            let _ = sched.abort_import(r);
             return Err(e.into());
         }
         Ok(sched.commit_import(r)?)
     }
 
-    /// Bytes of a block of `be`'s cache, checked against the descriptor's.
-    fn check_backend<B: AttentionBackend>(&self, be: &B) -> Result<usize, TransferError> {
-        let per_block = block_transfer_bytes(be.config())?;
-        if self.descriptor.block_bytes() != Some(per_block) {
+    /// Bytes of a block of the instance's cache, once its backend's shape and its
+    /// scheduler's block size are checked against the descriptor's.
+    fn check_instance<B: AttentionBackend>(
+        &self,
+        at: &Instance<'_, B>,
+    ) -> Result<usize, TransferError> {
+        let d = &self.descriptor;
+        let mine = LayoutDescriptor::of(at.be.config(), d.shard, &d.model, d.kv_scales.clone());
+        if let Some(diff) = mine.difference(d) {
             return Err(TransferError::Descriptor(format!(
-                "the backend's blocks have {per_block} bytes, the descriptor's {:?}",
-                self.descriptor.block_bytes()
+                "the endpoint's descriptor is not its backend's: {diff}"
             )));
         }
-        Ok(per_block)
+        let bs = at.sched.kv().block_size();
+        if bs != d.block_size {
+            return Err(TransferError::Descriptor(format!(
+                "the scheduler's blocks hold {bs} tokens, the descriptor's {}",
+                d.block_size
+            )));
+        }
+        Ok(block_transfer_bytes(at.be.config())?)
     }
 }
 
@@ -331,9 +366,9 @@ pub fn encode_export(export: BlockExport) -> Result<Vec<u8>, WireError> {
     encode(&Message::Export(Box::new(export)))
 }
 
-/// The export of a frame from [`encode_export`].
-pub fn decode_export(frame: &[u8]) -> Result<BlockExport, WireError> {
-    match decode(frame, DEFAULT_MAX_PAYLOAD)? {
+/// The export of a frame from [`encode_export`], of at most `max_payload` bytes.
+pub fn decode_export(frame: &[u8], max_payload: u32) -> Result<BlockExport, WireError> {
+    match decode(frame, max_payload)? {
         Message::Export(e) => Ok(*e),
         _ => Err(WireError::Decode("not an export frame".into())),
     }
@@ -382,7 +417,7 @@ pub fn receive_and_import<B: AttentionBackend, T: Transfer>(
     endpoint: &TransferEndpoint,
     transport: &mut T,
     timeout: Duration,
-    (sched, be, cache): (&mut Scheduler, &mut B, &mut PagedCache<B::Tensor>),
+    at: Instance<'_, B>,
     req: RequestTokens<'_>,
 ) -> Outcome {
     let recompute = |reason: String| Outcome::Recomputed { reason };
@@ -395,7 +430,7 @@ pub fn receive_and_import<B: AttentionBackend, T: Transfer>(
                 req.request
             ));
         };
-        let export = match decode_export(&frame) {
+        let export = match decode_export(&frame, endpoint.max_frame_bytes) {
             Ok(e) => e,
             Err(e) => return recompute(format!("the export frame failed its checks: {e}")),
         };
@@ -403,7 +438,7 @@ pub fn receive_and_import<B: AttentionBackend, T: Transfer>(
             // A late export of a request served already: dropped, keep waiting.
             continue;
         }
-        return match endpoint.import(sched, be, cache, req, &export) {
+        return match endpoint.import(at, req, &export) {
             Ok(blocks) => Outcome::Imported { blocks },
             Err(e) => recompute(format!("the import refused the export: {e}")),
         };

@@ -80,6 +80,8 @@ pub enum Message {
     /// the sender's registered memory at `addr`; `agent_md` is the sender's NIXL agent
     /// metadata (what the receiver loads to read it).
     NixlOffer {
+        /// The offer's number (the sender's count of offers), echoed by the ack.
+        seq: u64,
         /// The sender agent's metadata.
         agent_md: Vec<u8>,
         /// Address of the frame in the sender's memory.
@@ -87,8 +89,11 @@ pub enum Message {
         /// Its length.
         len: u64,
     },
-    /// Receiver to sender: the offered frame was read (the sender may release it).
-    NixlDone,
+    /// Receiver to sender: offer `seq` was read (the sender may release it).
+    NixlDone {
+        /// The offer's number.
+        seq: u64,
+    },
 }
 
 /// What a tensor-parallel group serves: sent once by the leader.
@@ -267,6 +272,70 @@ pub fn decode(bytes: &[u8], max_payload: u32) -> Result<Message, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The encoded bytes of a fixed hello and step: a change of [`Message`]'s or
+    /// [`Batch`]'s serialized form (a field added, removed or reordered, a type
+    /// changed) changes them, and must come with a new [`WIRE_VERSION`] (then update
+    /// the bytes here). Postcard does not describe its own format: without this, two
+    /// fields of one type swapped would decode silently wrong.
+    #[test]
+    fn the_encoded_form_is_pinned_to_the_wire_version() {
+        use pagedkv_host::DType;
+        use pagedkv_host::scheduler::ScheduledSeq;
+        let shape = StepShape {
+            num_q_heads: 8,
+            num_kv_heads: 4,
+            head_dim: 64,
+            block_size: 16,
+            num_blocks: 22,
+            dtype: DType::F32,
+            kv_dtype: DType::Bf16,
+        };
+        let mut batch = Batch::default();
+        batch.seqs.push(ScheduledSeq {
+            seq: 3,
+            request: 3,
+            is_prefill: true,
+            start_pos: 0,
+            num_new_tokens: 2,
+            context_len: 2,
+            token_offset: 0,
+            num_cached_tokens: 0,
+            samples: true,
+            num_draft_tokens: 0,
+        });
+        batch.block_tables = vec![5, 0];
+        batch.max_blocks_per_seq = 2;
+        batch.context_lens = vec![2];
+        batch.slot_mapping = vec![80, 81];
+        batch.qo_indptr = vec![0, 2];
+        let step = Message::Step(Box::new(StepMessage {
+            step: 1,
+            shape,
+            shard_size: 2,
+            batch,
+            input_tokens: vec![7, 300],
+        }));
+        let hello = Message::Hello(Hello {
+            shape,
+            num_layers: 2,
+            shard: ShardSpec { rank: 1, size: 2 },
+            model: "m".into(),
+            engine: vec![9],
+        });
+        let hex = |m: &Message| -> String {
+            encode(m).unwrap()[HEADER_BYTES..]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
+        assert_eq!(WIRE_VERSION, 1, "a new version: update the bytes below");
+        assert_eq!(hex(&hello), "0008044010160201020102016d0109");
+        assert_eq!(
+            hex(&step),
+            "03010804401016020102010303010002020000010000020a000200010402a001a201000200040000000000000207ac02"
+        );
+    }
 
     fn stop() -> Vec<u8> {
         encode(&Message::Stop).unwrap()

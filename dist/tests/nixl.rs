@@ -25,16 +25,31 @@ const SOCK: &str = "PAGEDKV_NIXL_TEST_SOCKET";
 #[test]
 #[ignore = "a process of the NIXL test, which runs it"]
 fn nixl_role_process() {
-    let role = std::env::var(ROLE).expect("run by prefill_to_decode_over_nixl");
-    let sock = std::env::var(SOCK).unwrap();
+    let (Ok(role), Ok(sock)) = (std::env::var(ROLE), std::env::var(SOCK)) else {
+        println!("a process of prefill_to_decode_over_nixl: nothing to do run alone");
+        return;
+    };
     match role.as_str() {
         "prefill" => {
             let listener = UnixListener::bind(&sock).unwrap();
-            let (side, _) = listener.accept().unwrap();
+            listener.set_nonblocking(true).unwrap();
+            let start = Instant::now();
+            let side = loop {
+                match listener.accept() {
+                    Ok((s, _)) => break s,
+                    Err(_) if start.elapsed() < Duration::from_secs(60) => {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => panic!("no decode process in 60 s: {e}"),
+                }
+            };
+            side.set_nonblocking(false).unwrap();
             let mut t = NixlTransfer::new("prefill", side).unwrap();
-            t.send(encode_export(prefill_and_export(1)).unwrap())
-                .unwrap();
-            println!("nixl prefill: export of request 1 read by the decode process");
+            for id in [1, 2] {
+                t.send(encode_export(prefill_and_export(id)).unwrap())
+                    .unwrap();
+            }
+            println!("nixl prefill: exports of requests 1 and 2 read by the decode process");
         }
         "decode" => {
             let start = Instant::now();
@@ -47,15 +62,20 @@ fn nixl_role_process() {
                     Err(e) => panic!("no prefill process: {e}"),
                 }
             };
-            let (want, _) = serve(&mut scheduler(), &mut Rank::new(ShardSpec::WHOLE), 1);
             let mut t = NixlTransfer::new("decode", side).unwrap();
             let (mut s, mut rank) = (scheduler(), Rank::new(ShardSpec::WHOLE));
-            let out = receive(&mut t, 1, Duration::from_secs(60), &mut s, &mut rank);
-            assert_eq!(out, Outcome::Imported { blocks: 3 }, "{out}");
-            let (got, cached) = serve(&mut s, &mut rank, 1);
-            assert_eq!(cached, 48, "the imported blocks are prefix hits");
-            assert!(same(decodes(&got), decodes(&want)), "decode outputs differ");
-            println!("nixl decode: {out}; 48 cached tokens; decode outputs equal");
+            // Two transfers over one agent pair: each offer's ack is its own.
+            for id in [1, 2] {
+                let (want, _) = serve(&mut scheduler(), &mut Rank::new(ShardSpec::WHOLE), id);
+                let out = receive(&mut t, id, Duration::from_secs(60), &mut s, &mut rank);
+                assert_eq!(out, Outcome::Imported { blocks: 3 }, "{out}");
+                let (got, cached) = serve(&mut s, &mut rank, id);
+                assert_eq!(cached, 48, "the imported blocks are prefix hits");
+                assert!(same(decodes(&got), decodes(&want)), "decode outputs differ");
+                println!(
+                    "nixl decode: request {id}: {out}; 48 cached tokens; decode outputs equal"
+                );
+            }
         }
         "missing" => {
             let (side, _) = UnixStream::pair().unwrap();

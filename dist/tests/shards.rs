@@ -168,7 +168,10 @@ fn spawn_worker(dir: &Path) -> (Child, UnixStream) {
 #[test]
 #[ignore = "the worker rank of the two-process tests, which run it"]
 fn shard_worker_process() {
-    let path = std::env::var(WORKER_ENV).expect("run by the two-process tests");
+    let Ok(path) = std::env::var(WORKER_ENV) else {
+        println!("the worker rank of the two-process tests: nothing to do run alone");
+        return;
+    };
     let link = UnixStream::connect(path).unwrap();
     let mut w = Worker::accept(link, &worker_hello()).unwrap();
     assert_eq!(w.hello().engine, [7; 3], "the leader's engine bytes");

@@ -8,12 +8,13 @@
 use std::time::Duration;
 
 mod common;
-use common::disagg::{decodes, endpoint, prefill_and_export, prompt, receive, same, serve};
+use common::disagg::{at, decodes, endpoint, prefill_and_export, prompt, receive, same, serve};
 use common::{Rank, scheduler};
 
 use pagedkv_dist::ShardSpec;
 use pagedkv_dist::transfer::{
-    BlockExport, Fault, InProcess, Outcome, RequestTokens, Transfer, TransferError, encode_export,
+    BlockExport, Fault, InProcess, Instance, Outcome, RequestTokens, Transfer, TransferError,
+    encode_export,
 };
 use pagedkv_host::scheduler::Scheduler;
 
@@ -113,20 +114,44 @@ fn an_import_that_fails_a_check_registers_nothing() {
         let (mut s, mut rank) = (scheduler(), Rank::new(ShardSpec::WHOLE));
         let free = s.kv().device().num_free();
         let ep = endpoint(&rank);
-        let err: TransferError = ep
-            .import(&mut s, &mut rank.be, &mut rank.cache, req, &export)
-            .unwrap_err();
+        let err: TransferError = ep.import(at(&mut s, &mut rank), req, &export).unwrap_err();
         assert!(err.to_string().contains(want), "{want}: {err}");
         assert_eq!(s.kv().device().num_free(), free, "{want}: blocks held");
         let names = s.block_names(req.tokens, req.salt);
-        assert!(s.cached_blocks(&names).is_empty(), "{want}: registered");
+        assert!(
+            s.cached_blocks(&names).unwrap().is_empty(),
+            "{want}: registered"
+        );
     }
     // And the good one imports.
     let (mut s, mut rank) = (scheduler(), Rank::new(ShardSpec::WHOLE));
     let ep = endpoint(&rank);
-    assert_eq!(
-        ep.import(&mut s, &mut rank.be, &mut rank.cache, req, &good)
-            .unwrap(),
-        3
-    );
+    assert_eq!(ep.import(at(&mut s, &mut rank), req, &good).unwrap(), 3);
+}
+
+/// A write that fails after the blocks are reserved (here: a cache of another shape
+/// than the backend's) aborts the reservation: nothing named, nothing held.
+#[test]
+fn a_failed_write_aborts_the_reservation() {
+    let good = prefill_and_export(1);
+    let p = prompt(1);
+    let req = RequestTokens {
+        request: 1,
+        tokens: &p,
+        salt: None,
+    };
+    let (mut s, mut rank) = (scheduler(), Rank::new(ShardSpec::WHOLE));
+    let mut half = Rank::new(ShardSpec::new(0, 2).unwrap());
+    let free = s.kv().device().num_free();
+    let ep = endpoint(&rank);
+    let wrong = Instance {
+        sched: &mut s,
+        be: &mut rank.be,
+        cache: &mut half.cache,
+    };
+    let err = ep.import(wrong, req, &good).unwrap_err();
+    assert!(matches!(err, TransferError::Host(_)), "{err}");
+    assert_eq!(s.kv().device().num_free(), free, "blocks held");
+    let names = s.block_names(&p, None);
+    assert!(s.cached_blocks(&names).unwrap().is_empty(), "registered");
 }

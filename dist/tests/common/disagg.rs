@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use pagedkv_dist::ShardSpec;
 use pagedkv_dist::transfer::{
-    BlockExport, LayoutDescriptor, Outcome, RequestTokens, Transfer, TransferEndpoint,
+    BlockExport, Instance, LayoutDescriptor, Outcome, RequestTokens, Transfer, TransferEndpoint,
     receive_and_import,
 };
+use pagedkv_host::backend::CpuBackend;
 use pagedkv_host::scheduler::{Request, Scheduler};
 
 use super::{MODEL, Rank, input_tokens, sampled_token, scheduler};
@@ -19,14 +20,22 @@ pub fn prompt(id: u64) -> Vec<u32> {
     (0..53).map(|p| (id as u32 * 101 + p * 17) % 1000).collect()
 }
 
+/// The endpoint of `rank`'s backend.
 pub fn endpoint(rank: &Rank) -> TransferEndpoint {
-    TransferEndpoint {
-        descriptor: LayoutDescriptor::of(
-            pagedkv_host::backend::AttentionBackend::config(&rank.be),
-            ShardSpec::WHOLE,
-            MODEL,
-            Vec::new(),
-        ),
+    TransferEndpoint::new(LayoutDescriptor::of(
+        pagedkv_host::backend::AttentionBackend::config(&rank.be),
+        ShardSpec::WHOLE,
+        MODEL,
+        Vec::new(),
+    ))
+}
+
+/// `(s, rank)` as an [`Instance`].
+pub fn at<'a>(s: &'a mut Scheduler, rank: &'a mut Rank) -> Instance<'a, CpuBackend> {
+    Instance {
+        sched: s,
+        be: &mut rank.be,
+        cache: &mut rank.cache,
     }
 }
 
@@ -68,7 +77,7 @@ pub fn prefill_and_export(id: u64) -> BlockExport {
         salt: None,
     };
     let ep = endpoint(&rank);
-    let e = ep.export(&s, &mut rank.be, &rank.cache, req).unwrap();
+    let e = ep.export(at(&mut s, &mut rank), req).unwrap();
     assert_eq!(e.blocks.len(), 3, "3 full blocks of 53 tokens");
     e
 }
@@ -88,7 +97,7 @@ pub fn receive<T: Transfer>(
         salt: None,
     };
     let ep = endpoint(rank);
-    receive_and_import(&ep, t, timeout, (s, &mut rank.be, &mut rank.cache), req)
+    receive_and_import(&ep, t, timeout, at(s, rank), req)
 }
 
 /// Decode outputs of the steps after the first (the first computes the prompt, all of

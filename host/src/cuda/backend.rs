@@ -199,7 +199,11 @@ impl AttentionBackend for CudaBackend<'_> {
         out.resize(at + total, 0);
         let pools: Vec<&DeviceTensor> = cache.pools().collect();
         let gpu = self.gpu;
-        gpu.read_blocks(&pools, c.block_bytes()?, blocks, &mut out[at..])
+        let r = gpu.read_blocks(&pools, c.block_bytes()?, blocks, &mut out[at..]);
+        if r.is_err() {
+            out.truncate(at);
+        }
+        r
     }
 
     fn write_blocks(&mut self, cache: &mut PagedCache, blocks: &[u32], data: &[u8]) -> Result<()> {

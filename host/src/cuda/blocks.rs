@@ -172,14 +172,18 @@ impl CudaDevice {
                 let dst = &mut out[(i * pools.len() + pi) * bb..][..bb];
                 // SAFETY: the source range is inside the pool (ids checked by the
                 // caller); `dst` stays borrowed until the stream is synchronised below.
-                unsafe {
+                let r = unsafe {
                     cudarc::driver::result::memcpy_dtoh_async(
                         dst,
                         src + b as u64 * block_bytes,
                         self.stream.cu_stream(),
                     )
+                };
+                if let Err(e) = r {
+                    // (Copies issued so far still write `out`: wait for them.)
+                    let _ = self.synchronize();
+                    return Err(cuda("cuMemcpyDtoHAsync")(e));
                 }
-                .map_err(cuda("cuMemcpyDtoHAsync"))?;
             }
         }
         self.synchronize()
@@ -205,14 +209,18 @@ impl CudaDevice {
                 // SAFETY: the destination range is inside the pool (ids checked by the
                 // caller), borrowed mutably; `src` stays borrowed until the stream is
                 // synchronised below.
-                unsafe {
+                let r = unsafe {
                     cudarc::driver::result::memcpy_htod_async(
                         dst + b as u64 * block_bytes,
                         src,
                         self.stream.cu_stream(),
                     )
+                };
+                if let Err(e) = r {
+                    // (Copies issued so far still read `data`: wait for them.)
+                    let _ = self.synchronize();
+                    return Err(cuda("cuMemcpyHtoDAsync")(e));
                 }
-                .map_err(cuda("cuMemcpyHtoDAsync"))?;
             }
         }
         self.synchronize()

@@ -12,14 +12,21 @@
 //!   ([`AttentionBackend::write_blocks`](crate::backend::AttentionBackend::write_blocks)),
 //!   then [`Scheduler::commit_import`] names them and frees them into the prefix
 //!   cache's free queue (most recently freed: evicted last), or
-//!   [`Scheduler::abort_import`] frees them unnamed. A request added after the commit
-//!   is a prefix hit on them; one added before is not (its hits were looked up).
+//!   [`Scheduler::abort_import`] frees them unnamed. A request admitted after the
+//!   commit (its hits are looked up when a step admits it) is a prefix hit on them.
+//! * Both sides run between steps (not between `step()` and `on_step_done()`): during
+//!   a step, blocks are named when scheduled, before the step writes them, and a block
+//!   a swap-out gave back is still to be copied; so
+//!   [`cached_blocks`](Scheduler::cached_blocks) and
+//!   [`reserve_import`](Scheduler::reserve_import) refuse then.
+//! * A reservation must be committed or aborted: dropping one leaves its blocks held.
 //!
 //! What an importer checks before it commits (pagedkv-dist's `transfer` does): that
 //! the names are the chain of the request's own tokens under its own salt
-//! ([`block_names`](Scheduler::block_names)), so an import cannot name a block as
-//! the K/V of tokens it was not computed from (names cannot be forged: see
-//! `crate::block::table` on prefix caching), and the bytes' checksums.
+//! ([`block_names`](Scheduler::block_names)), so an export cannot name its blocks
+//! after other tokens than the ones it says it holds, and the bytes' checksums
+//! (corruption in transit). The bytes themselves are the exporter's: an importer
+//! trusts its exporters as it trusts its own kernels.
 //!
 //! Only models of one layer group (no sliding windows) transfer for now: a window
 //! group's blocks are cached under their own names.
@@ -69,17 +76,30 @@ impl Scheduler {
     }
 
     /// The cached blocks holding `names`, in order, up to the first name not cached.
-    pub fn cached_blocks(&self, names: &[BlockHash]) -> Vec<BlockId> {
-        names
+    /// Refused during a step (between `step()` and `on_step_done()`): the step's
+    /// blocks are named before it writes them.
+    pub fn cached_blocks(&self, names: &[BlockHash]) -> Result<Vec<BlockId>> {
+        self.check_between_steps("cached_blocks")?;
+        Ok(names
             .iter()
             .map_while(|&h| self.kv.device().lookup(h))
-            .collect()
+            .collect())
+    }
+
+    fn check_between_steps(&self, what: &str) -> Result<()> {
+        if self.in_step {
+            return Err(Error::InvalidState(format!(
+                "{what} during a step: call it before step() or after on_step_done()"
+            )));
+        }
+        Ok(())
     }
 
     /// Reserves one free block per name for an import (see the module docs). Errors,
-    /// reserving nothing: prefix caching off, a model of several layer groups, a name
-    /// listed twice, or fewer free blocks than names.
+    /// reserving nothing: during a step, prefix caching off, a model of several layer
+    /// groups, a name listed twice, or fewer free blocks than names.
     pub fn reserve_import(&mut self, names: &[BlockHash]) -> Result<ImportReservation> {
+        self.check_between_steps("reserve_import")?;
         if !self.kv.prefix_caching() {
             return Err(Error::InvalidState(
                 "reserve_import: prefix caching is off, so imported blocks could not be found"
@@ -132,8 +152,9 @@ impl Scheduler {
         let pool = self.kv.device_mut();
         let mut named = 0;
         for (&b, &h) in r.blocks.iter().zip(&r.names) {
-            if pool.lookup(h).is_none() {
-                pool.cache(b, h)?;
+            // (A reserved block is held and not null: naming it cannot fail, and every
+            // block is freed whatever happens.)
+            if pool.lookup(h).is_none() && pool.cache(b, h).is_ok() {
                 named += 1;
             }
             pool.free(b, 0)?;
@@ -190,16 +211,14 @@ mod tests {
             assert_eq!(names.len(), 2);
             let r = s.reserve_import(&names).unwrap();
             assert_eq!(s.kv().device().num_free(), free - 2);
-            assert!(
-                s.cached_blocks(&names).is_empty(),
-                "named before the commit"
-            );
+            let cached = |s: &Scheduler| s.cached_blocks(&names).unwrap().len();
+            assert_eq!(cached(&s), 0, "named before the commit");
             if commit {
                 assert_eq!(s.commit_import(r).unwrap(), 2);
-                assert_eq!(s.cached_blocks(&names).len(), 2);
+                assert_eq!(cached(&s), 2);
             } else {
                 s.abort_import(r).unwrap();
-                assert!(s.cached_blocks(&names).is_empty());
+                assert_eq!(cached(&s), 0);
             }
             assert_eq!(s.kv().device().num_free(), free);
             s.add_request(Request::new(1, prompt.clone(), 4)).unwrap();
@@ -234,5 +253,22 @@ mod tests {
         assert!(s.commit_import(r).is_err());
         // (The salt separates chains.)
         assert_ne!(s.block_names(&prompt, Some(7)), names);
+    }
+
+    /// During a step the pool holds blocks named but not yet written, and blocks a
+    /// swap-out gave back but not yet copied: neither side of a transfer runs then.
+    #[test]
+    fn transfers_are_refused_during_a_step() {
+        let mut s = sched(true);
+        let prompt: Vec<u32> = (0..40).collect();
+        s.add_request(Request::new(1, prompt.clone(), 4)).unwrap();
+        let names = s.block_names(&prompt, None);
+        let b = s.step().unwrap().clone();
+        assert!(s.cached_blocks(&names).is_err());
+        assert!(s.reserve_import(&names[..1]).is_err());
+        s.on_step_done(&[(b.seqs[0].seq, 9)]).unwrap();
+        assert_eq!(s.cached_blocks(&names).unwrap().len(), 2);
+        let r = s.reserve_import(&[crate::block::hash_block(None, &[5; 16], None)]);
+        s.abort_import(r.unwrap()).unwrap();
     }
 }
