@@ -322,8 +322,11 @@ impl TransferEndpoint {
         }
         let r = sched.reserve_import(&names[..export.blocks.len()])?;
         let mut data = Vec::new();
-        data.try_reserve_exact(per_block * export.blocks.len())
-            .map_err(|_| bad_request("cannot allocate the import's bytes".into()))?;
+        let total = per_block.checked_mul(export.blocks.len());
+        if total.is_none_or(|n| data.try_reserve_exact(n).is_err()) {
+            let _ = sched.abort_import(r);
+            return Err(bad_request("cannot allocate the import's bytes".into()));
+        }
         for b in &export.blocks {
             data.extend_from_slice(&b.data);
         }
