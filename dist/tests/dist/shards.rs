@@ -12,8 +12,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-mod common;
-use common::{LAYERS, MODEL, Rank, full_shape, input_tokens, sampled_token, scheduler};
+use crate::common::{LAYERS, MODEL, Rank, full_shape, input_tokens, sampled_token, scheduler};
 
 use pagedkv_dist::wire::{Hello, Message, StepMessage, WIRE_VERSION, encode, write_message};
 use pagedkv_dist::{DistError, GroupConfig, Leader, ShardSpec, Worker};
@@ -134,7 +133,7 @@ fn spawn_worker(dir: &Path) -> (Child, UnixStream) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "shard_worker_process",
+            "shards::shard_worker_process",
             "--ignored",
             "--nocapture",
         ])

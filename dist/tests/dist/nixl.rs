@@ -4,15 +4,13 @@
 //! decode outputs equal one instance's, bit for bit. Both processes are this test
 //! binary run again (`nixl_role_process`), with the environment
 //! `scripts/install-nixl.sh` prints (the library from the nixl-cu12 wheel).
-#![cfg(feature = "nixl")]
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-mod common;
-use common::disagg::{decodes, prefill_and_export, receive, same, serve};
-use common::{Rank, scheduler};
+use crate::common::disagg::{decodes, prefill_and_export, receive, same, serve};
+use crate::common::{Rank, scheduler};
 
 use pagedkv_dist::ShardSpec;
 use pagedkv_dist::nixl::NixlTransfer;
@@ -113,7 +111,12 @@ fn prefill_to_decode_over_nixl() {
     let sock = dir.path().join("side.sock");
     let spawn = |role: &str| {
         Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "nixl_role_process", "--ignored", "--nocapture"])
+            .args([
+                "--exact",
+                "nixl::nixl_role_process",
+                "--ignored",
+                "--nocapture",
+            ])
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env(ROLE, role)
             .env(SOCK, &sock)
@@ -140,7 +143,12 @@ fn prefill_to_decode_over_nixl() {
 #[test]
 fn a_missing_library_is_an_error_that_says_how_to_install_it() {
     let o = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "nixl_role_process", "--ignored", "--nocapture"])
+        .args([
+            "--exact",
+            "nixl::nixl_role_process",
+            "--ignored",
+            "--nocapture",
+        ])
         .env_remove("LD_LIBRARY_PATH")
         .env(ROLE, "missing")
         .env(SOCK, "-")

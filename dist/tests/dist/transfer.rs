@@ -7,9 +7,10 @@
 
 use std::time::Duration;
 
-mod common;
-use common::disagg::{at, decodes, endpoint, prefill_and_export, prompt, receive, same, serve};
-use common::{Rank, scheduler};
+use crate::common::disagg::{
+    at, decodes, endpoint, prefill_and_export, prompt, receive, same, serve,
+};
+use crate::common::{Rank, scheduler};
 
 use pagedkv_dist::ShardSpec;
 use pagedkv_dist::transfer::{
