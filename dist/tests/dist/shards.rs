@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use crate::common::{LAYERS, MODEL, Rank, full_shape, input_tokens, sampled_token, scheduler};
+use crate::common::{LAYERS, MODEL, Rank, full_shape, input_tokens, sampled, scheduler};
 
 use pagedkv_dist::wire::{Hello, Message, StepMessage, WIRE_VERSION, encode, write_message};
 use pagedkv_dist::{DistError, GroupConfig, Leader, ShardSpec, Worker};
@@ -70,12 +70,7 @@ fn serve(
             Ok(o) => outs.push(o),
             Err(e) => return (outs, s, Some(e)),
         }
-        let sampled: Vec<(u64, u32)> = batch
-            .seqs
-            .iter()
-            .map(|q| (q.seq, sampled_token(q.request, q.context_len)))
-            .collect();
-        s.on_step_done(&sampled).unwrap();
+        s.on_step_done(&sampled(&batch)).unwrap();
     }
     (outs, s, None)
 }

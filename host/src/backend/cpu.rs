@@ -62,11 +62,7 @@ impl<D: StepDevice> CpuBackend<D> {
     fn swap_geometry(&self) -> Result<(usize, usize)> {
         let bb = usize::try_from(self.core.config.block_bytes()?)
             .map_err(|_| Error::invalid("shape", "block size in bytes overflows"))?;
-        let pools = 2 * self.core.config.num_layers;
-        let per = bb
-            .checked_mul(pools)
-            .ok_or_else(|| Error::invalid("num_layers", "swap block size overflows"))?;
-        Ok((per, bb))
+        Ok((super::block_transfer_bytes(&self.core.config)?, bb))
     }
 }
 
@@ -212,15 +208,9 @@ impl<D: StepDevice> AttentionBackend for CpuBackend<D> {
         out: &mut Vec<u8>,
     ) -> Result<()> {
         self.core.check_cache(cache)?;
-        let (per_block, bb) = self.swap_geometry()?;
-        let c = &self.core.config;
-        super::check_transfer("read_blocks", blocks, c.shape.num_blocks, per_block, None)?;
-        let total = blocks
-            .len()
-            .checked_mul(per_block)
-            .ok_or_else(|| Error::invalid("blocks", "too many bytes"))?;
-        out.try_reserve(total)
-            .map_err(|_| Error::invalid("blocks", format!("cannot allocate {total} bytes")))?;
+        let (_, bb) = self.swap_geometry()?;
+        let per_block = super::check_transfer("read_blocks", blocks, &self.core.config, None)?;
+        super::reserve_transfer(out, blocks.len(), per_block)?;
         for &b in blocks {
             for pool in cache.pools() {
                 out.extend_from_slice(&pool.buf().as_bytes()[b as usize * bb..][..bb]);
@@ -236,15 +226,9 @@ impl<D: StepDevice> AttentionBackend for CpuBackend<D> {
         data: &[u8],
     ) -> Result<()> {
         self.core.check_cache(cache)?;
-        let (per_block, bb) = self.swap_geometry()?;
-        let c = &self.core.config;
-        super::check_transfer(
-            "write_blocks",
-            blocks,
-            c.shape.num_blocks,
-            per_block,
-            Some(data.len()),
-        )?;
+        let (_, bb) = self.swap_geometry()?;
+        let per_block =
+            super::check_transfer("write_blocks", blocks, &self.core.config, Some(data.len()))?;
         for (&b, src) in blocks.iter().zip(data.chunks_exact(per_block)) {
             for (pool, part) in cache.pools_mut().zip(src.chunks_exact(bb)) {
                 pool.buf_mut().as_bytes_mut()[b as usize * bb..][..bb].copy_from_slice(part);

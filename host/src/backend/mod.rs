@@ -575,15 +575,17 @@ pub fn block_transfer_bytes(config: &BackendConfig) -> Result<usize> {
         .ok_or_else(|| Error::invalid("num_layers", "block size in bytes overflows"))
 }
 
-/// Checks a block transfer: every id inside a pool of `num_blocks`, and (for a write)
-/// `len` bytes for `blocks.len()` blocks of `per_block` bytes.
+/// Checks a block transfer of `config`'s cache: every id inside the pool, and (for a
+/// write) `len` bytes for `blocks.len()` blocks. Returns the bytes of one block
+/// ([`block_transfer_bytes`]).
 pub(crate) fn check_transfer(
     what: &'static str,
     blocks: &[u32],
-    num_blocks: u32,
-    per_block: usize,
+    config: &BackendConfig,
     len: Option<usize>,
-) -> Result<()> {
+) -> Result<usize> {
+    let per_block = block_transfer_bytes(config)?;
+    let num_blocks = config.shape.num_blocks;
     if let Some(&b) = blocks.iter().find(|&&b| b >= num_blocks) {
         return Err(Error::invalid(
             "blocks",
@@ -602,7 +604,18 @@ pub(crate) fn check_transfer(
             ));
         }
     }
-    Ok(())
+    Ok(per_block)
+}
+
+/// Reserves room in `out` for `n` blocks of `per_block` bytes (fallibly: the count
+/// comes from the caller); returns the bytes.
+pub(crate) fn reserve_transfer(out: &mut Vec<u8>, n: usize, per_block: usize) -> Result<usize> {
+    let total = n
+        .checked_mul(per_block)
+        .ok_or_else(|| Error::invalid("blocks", "too many bytes"))?;
+    out.try_reserve(total)
+        .map_err(|_| Error::invalid("blocks", format!("cannot allocate {total} bytes")))?;
+    Ok(total)
 }
 
 /// Checks `(a, b)` block pairs against pools of `a_blocks` and `b_blocks` blocks.

@@ -186,16 +186,9 @@ impl AttentionBackend for CudaBackend<'_> {
     fn read_blocks(&mut self, cache: &PagedCache, blocks: &[u32], out: &mut Vec<u8>) -> Result<()> {
         self.core.check_cache(cache)?;
         let c = self.core.config;
-        let per_block = crate::backend::block_transfer_bytes(&c)?;
-        crate::backend::check_transfer("read_blocks", blocks, c.shape.num_blocks, per_block, None)?;
-        let total = blocks
-            .len()
-            .checked_mul(per_block)
-            .ok_or_else(|| crate::Error::invalid("blocks", "too many bytes"))?;
+        let per_block = crate::backend::check_transfer("read_blocks", blocks, &c, None)?;
         let at = out.len();
-        out.try_reserve(total).map_err(|_| {
-            crate::Error::invalid("blocks", format!("cannot allocate {total} bytes"))
-        })?;
+        let total = crate::backend::reserve_transfer(out, blocks.len(), per_block)?;
         out.resize(at + total, 0);
         let pools: Vec<&DeviceTensor> = cache.pools().collect();
         let gpu = self.gpu;
@@ -209,14 +202,7 @@ impl AttentionBackend for CudaBackend<'_> {
     fn write_blocks(&mut self, cache: &mut PagedCache, blocks: &[u32], data: &[u8]) -> Result<()> {
         self.core.check_cache(cache)?;
         let c = self.core.config;
-        let per_block = crate::backend::block_transfer_bytes(&c)?;
-        crate::backend::check_transfer(
-            "write_blocks",
-            blocks,
-            c.shape.num_blocks,
-            per_block,
-            Some(data.len()),
-        )?;
+        crate::backend::check_transfer("write_blocks", blocks, &c, Some(data.len()))?;
         let mut pools: Vec<&mut DeviceTensor> = cache.pools_mut().collect();
         let gpu = self.gpu;
         gpu.write_blocks(&mut pools, c.block_bytes()?, blocks, data)

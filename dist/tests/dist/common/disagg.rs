@@ -11,7 +11,7 @@ use pagedkv_dist::transfer::{
 use pagedkv_host::backend::CpuBackend;
 use pagedkv_host::scheduler::{Request, Scheduler};
 
-use super::{MODEL, Rank, input_tokens, sampled_token, scheduler};
+use super::{MODEL, Rank, input_tokens, sampled, scheduler};
 
 pub const OUTPUT: u32 = 6;
 
@@ -50,12 +50,7 @@ pub fn serve(s: &mut Scheduler, rank: &mut Rank, id: u64) -> (Vec<Vec<f32>>, u32
         cached.get_or_insert(batch.seqs[0].num_cached_tokens);
         let tokens = input_tokens(s, &batch);
         outs.push(rank.step(&batch, &tokens));
-        let sampled: Vec<(u64, u32)> = batch
-            .seqs
-            .iter()
-            .map(|q| (q.seq, sampled_token(q.request, q.context_len)))
-            .collect();
-        s.on_step_done(&sampled).unwrap();
+        s.on_step_done(&sampled(&batch)).unwrap();
     }
     (outs, cached.unwrap())
 }

@@ -217,6 +217,15 @@ pub fn input_tokens(s: &Scheduler, batch: &Batch) -> Vec<u32> {
     t
 }
 
+/// What a step sampled: each of `batch`'s sequences its [`sampled_token`].
+pub fn sampled(batch: &Batch) -> Vec<(u64, u32)> {
+    batch
+        .seqs
+        .iter()
+        .map(|q| (q.seq, sampled_token(q.request, q.context_len)))
+        .collect()
+}
+
 /// The scheduler of every run: a pool small enough to preempt, prefix caching on.
 pub fn scheduler() -> Scheduler {
     Scheduler::new(SchedulerConfig {
