@@ -240,8 +240,9 @@ pagedkv_status pagedkv_scheduler_destroy(pagedkv_scheduler *s);
 
 /* Queues a request (the prompt is copied). *out_seq receives its sequence id. An empty
  * prompt, zero max_tokens, a duplicate id, or a request that could never fit the pool
- * or max_model_len is PAGEDKV_ERR_INVALID_ARGUMENT. prompt_len is checked (at least 1,
- * prompt_len + max_tokens at most max_model_len) before req->prompt is read. */
+ * or max_model_len is PAGEDKV_ERR_INVALID_ARGUMENT. Every one of these checks comes
+ * before req->prompt is read: a refused request never reads its prompt, so prompt_len
+ * may be anything then (the message ends "(nothing was read)"). */
 pagedkv_status pagedkv_add_request(pagedkv_scheduler *s, const pagedkv_request *req,
                                    uint64_t *out_seq);
 

@@ -36,6 +36,7 @@
 //! Rust has an `Option`. Every call on the handle goes through [`with_scheduler`], i.e.
 //! the registry of [`crate::handle`]: a null, destroyed or busy scheduler is refused.
 
+use pagedkv::host::Error;
 use pagedkv::host::block::KvSpec;
 use pagedkv::host::scheduler::{PreemptionMode, QueuePolicy, Request, Scheduler, SchedulerConfig};
 
@@ -318,13 +319,15 @@ pub unsafe extern "C" fn pagedkv_scheduler_destroy(s: *mut pagedkv_scheduler) ->
     })
 }
 
-/// Queues a request; `*out_seq` receives its first sequence's id. `req->prompt_len`
-/// (at least 1, and with `max_tokens` at most `max_model_len`) is checked before
-/// `req->prompt` is read.
+/// Queues a request; `*out_seq` receives its first sequence's id. Every refusal comes
+/// before `req->prompt` is read: an empty prompt, zero `max_tokens`, an id already
+/// live, `prompt_len + max_tokens` over `max_model_len`, or a request needing more
+/// blocks than the pool holds (`PAGEDKV_ERR_INVALID_ARGUMENT`, the message ends
+/// "(nothing was read)").
 ///
 /// # Safety
 /// `req` is null or valid for a read, and `req->prompt` for `req->prompt_len` reads
-/// (only read once `prompt_len` passed the checks above); `out_seq` is null or valid
+/// (only read once the request passed every check above); `out_seq` is null or valid
 /// for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pagedkv_add_request(
@@ -341,30 +344,27 @@ pub unsafe extern "C" fn pagedkv_add_request(
         if r.prompt.is_null() {
             return fail(PAGEDKV_ERR_NULL, "req->prompt is null");
         }
-        // The counts checked against the scheduler's own limits before the prompt is
-        // read: `prompt` is only trusted for `prompt_len` reads when that many tokens
-        // could be a request at all.
-        let max_len = h.inner.config().max_model_len as u64;
-        if r.prompt_len == 0 {
-            return fail(
-                PAGEDKV_ERR_INVALID_ARGUMENT,
-                "invalid argument `req->prompt_len`: 0 (a prompt must hold at least one token)",
-            );
-        }
-        if r.prompt_len.saturating_add(r.max_tokens as u64) > max_len {
-            return fail(
-                PAGEDKV_ERR_INVALID_ARGUMENT,
-                format!(
-                    "invalid argument `req->prompt_len`: {} prompt + {} output tokens exceed max_model_len {max_len} (nothing was read)",
-                    r.prompt_len, r.max_tokens
-                ),
-            );
-        }
         if r.stop_token < -1 || r.stop_token > u32::MAX as i64 {
             return fail(
                 PAGEDKV_ERR_INVALID_ARGUMENT,
                 format!("req->stop_token {} (a token id, or -1)", r.stop_token),
             );
+        }
+        // Every refusal the scheduler would give, from the counts, before the prompt
+        // is read: `prompt` is only trusted for `prompt_len` reads when that many
+        // tokens would be accepted (max_model_len, the pool's size, a live id, ...).
+        if let Err(e) = h.inner.check_request(r.id, r.prompt_len, r.max_tokens) {
+            return from_error(&match e {
+                Error::InvalidArgument { arg, reason } => Error::invalid(
+                    match arg {
+                        "id" => "req->id",
+                        "max_tokens" => "req->max_tokens",
+                        _ => "req->prompt_len",
+                    },
+                    format!("{reason} (nothing was read)"),
+                ),
+                e => e,
+            });
         }
         // SAFETY: non-null, valid for `prompt_len` reads (the caller's contract).
         let prompt = match unsafe { slice(r.prompt, r.prompt_len, "req->prompt") } {

@@ -188,6 +188,32 @@ static int prompt_len_first(void) {
     return pagedkv_scheduler_destroy(s) != PAGEDKV_OK;
 }
 
+/* Every refusal before the prompt is read, not only max_model_len's (issue #49): with
+ * max_model_len 4096 over a pool of 63 usable blocks of 16 (1008 tokens), a 2000-token
+ * prompt_len over a 4-token stack buffer is refused for the pool's size, and a
+ * duplicate id with a prompt_len that would fit is refused for the id, both without
+ * reading past the buffer (each once read 8000 or 4000 bytes beyond it). */
+static int prompt_refusals_first(void) {
+    pagedkv_scheduler_config cfg;
+    pagedkv_scheduler *s = NULL;
+    if (pagedkv_scheduler_config_default(&cfg) != PAGEDKV_OK) return 1;
+    cfg.num_blocks = 64;
+    cfg.max_model_len = 4096;
+    if (pagedkv_scheduler_create(&cfg, &s) != PAGEDKV_OK) return 1;
+    uint32_t prompt[4] = {1, 2, 3, 4};
+    uint64_t seq = 0;
+    pagedkv_request big = {.id = 1, .prompt = prompt, .prompt_len = 2000, .max_tokens = 1,
+                           .stop_token = -1};
+    report("prompt_pool", pagedkv_add_request(s, &big, &seq));
+    pagedkv_request ok = {.id = 5, .prompt = prompt, .prompt_len = 4, .max_tokens = 1,
+                          .stop_token = -1};
+    if (pagedkv_add_request(s, &ok, &seq) != PAGEDKV_OK) return 1;
+    pagedkv_request dup = {.id = 5, .prompt = prompt, .prompt_len = 1000, .max_tokens = 1,
+                           .stop_token = -1};
+    report("prompt_dup_id", pagedkv_add_request(s, &dup, &seq));
+    return pagedkv_scheduler_destroy(s) != PAGEDKV_OK;
+}
+
 /* A step's arrays stay as they were until the next step, whatever on_step_done and
  * abort do in between (a row that leaves moved the last one into its place, in the
  * arrays the caller still held). */
@@ -277,6 +303,10 @@ int main(void) {
     }
     if (prompt_len_first() != 0) {
         printf("prompt_len setup failed\n");
+        return 1;
+    }
+    if (prompt_refusals_first() != 0) {
+        printf("prompt_refusals setup failed\n");
         return 1;
     }
     if (batch_stays() != 0) {

@@ -282,6 +282,17 @@ fn the_hostile_program_gets_errors_never_crashes_and_prints_nothing_to_stderr() 
         ("prompt_len_2", 2, "`req->prompt_len`: 2000 prompt"),
         ("prompt_len_3", 2, "`req->prompt_len`: 1048576 prompt"),
         ("prompt_len_fits", 0, ""),
+        // The pool's size and a live id, too, before the prompt is read.
+        (
+            "prompt_pool",
+            2,
+            "`req->prompt_len`: needs 126 blocks, the pool holds 63: it could never run (nothing was read)",
+        ),
+        (
+            "prompt_dup_id",
+            2,
+            "`req->id`: request 5 is already live (nothing was read)",
+        ),
         // Pools beyond the cap: refused by name, not an abort.
         (
             "pool_host_max",

@@ -9,7 +9,7 @@
 
 use super::seqs::{Cold, Group, Hot, Seq, Status};
 use super::tokens::History;
-use super::{Request, ScheduledSeq, Scheduler, SeqId};
+use super::{Request, RequestId, ScheduledSeq, Scheduler, SeqId};
 use crate::block::BlockTable;
 use crate::error::{Error, Result};
 
@@ -17,46 +17,11 @@ impl Scheduler {
     /// Queues a request. Rejects an empty prompt, zero `max_tokens`, a duplicate id,
     /// and a request that could never run: longer than `max_model_len`, or growing to
     /// more blocks than the whole usable pool. A request accepted here finishes if the
-    /// caller keeps stepping (see the module docs on liveness).
+    /// caller keeps stepping (see the module docs on liveness). The refusals are
+    /// [`check_request`](Self::check_request)'s.
     pub fn add_request(&mut self, req: Request) -> Result<SeqId> {
-        if req.prompt.is_empty() {
-            return Err(Error::invalid("prompt", "must hold at least one token"));
-        }
-        if req.max_tokens == 0 {
-            return Err(Error::invalid("max_tokens", "must be at least 1"));
-        }
-        if self.groups.contains_key(&req.id) {
-            return Err(Error::invalid(
-                "id",
-                format!("request {} is already live", req.id),
-            ));
-        }
+        self.check_request(req.id, req.prompt.len() as u64, req.max_tokens)?;
         let total = req.prompt.len() as u64 + req.max_tokens as u64;
-        if total > self.cfg.max_model_len as u64 {
-            return Err(Error::invalid(
-                "prompt",
-                format!(
-                    "{} prompt + {} output tokens exceed max_model_len {}",
-                    req.prompt.len(),
-                    req.max_tokens,
-                    self.cfg.max_model_len
-                ),
-            ));
-        }
-        let need = self.max_blocks(&req);
-        let usable = self.kv.device().num_usable() as u64;
-        if need > usable {
-            let hint = if self.specs.iter().any(|s| s.window().is_some()) && !self.chunked {
-                " (a sliding window lowers that only with chunked prefill: a whole \
-                 prefill or recompute holds every block of its tokens)"
-            } else {
-                ""
-            };
-            return Err(Error::invalid(
-                "prompt",
-                format!("needs {need} blocks, the pool holds {usable}: it could never run{hint}"),
-            ));
-        }
         let seq = self.seqs.alloc_id();
         let arrival = self.next_arrival;
         self.next_arrival += 1;
@@ -85,23 +50,70 @@ impl Scheduler {
         Ok(seq)
     }
 
-    /// Blocks one sequence of `req` holds at its largest, in all its layer groups (in
-    /// 64 bits: 64 groups of 2^28 blocks overflow `u32`).
-    fn max_blocks(&self, req: &Request) -> u64 {
+    /// Every refusal of [`add_request`](Self::add_request), from the counts alone: a
+    /// request `id` with a prompt of `prompt_len` tokens and `max_tokens` to generate
+    /// is refused here exactly when `add_request` would refuse it (an empty prompt,
+    /// zero `max_tokens`, a live `id`, more than `max_model_len` tokens, more blocks
+    /// than the usable pool). A caller holding the prompt in memory it cannot trust
+    /// for `prompt_len` reads (the C ABI) checks before it reads.
+    pub fn check_request(&self, id: RequestId, prompt_len: u64, max_tokens: u32) -> Result<()> {
+        if prompt_len == 0 {
+            return Err(Error::invalid("prompt", "must hold at least one token"));
+        }
+        if max_tokens == 0 {
+            return Err(Error::invalid("max_tokens", "must be at least 1"));
+        }
+        if self.groups.contains_key(&id) {
+            return Err(Error::invalid(
+                "id",
+                format!("request {id} is already live"),
+            ));
+        }
+        let total = prompt_len.saturating_add(max_tokens as u64);
+        if total > self.cfg.max_model_len as u64 {
+            return Err(Error::invalid(
+                "prompt",
+                format!(
+                    "{prompt_len} prompt + {max_tokens} output tokens exceed max_model_len {}",
+                    self.cfg.max_model_len
+                ),
+            ));
+        }
+        // At most max_model_len, a u32.
+        let need = self.max_blocks(total as u32);
+        let usable = self.kv.device().num_usable() as u64;
+        if need > usable {
+            let hint = if self.specs.iter().any(|s| s.window().is_some()) && !self.chunked {
+                " (a sliding window lowers that only with chunked prefill: a whole \
+                 prefill or recompute holds every block of its tokens)"
+            } else {
+                ""
+            };
+            return Err(Error::invalid(
+                "prompt",
+                format!("needs {need} blocks, the pool holds {usable}: it could never run{hint}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Blocks one sequence of `total` tokens (prompt and output, at most
+    /// `max_model_len`) holds at its largest, in all its layer groups (in 64 bits: 64
+    /// groups of 2^28 blocks overflow `u32`).
+    fn max_blocks(&self, total: u32) -> u64 {
         (0..self.specs.len())
-            .map(|g| self.max_blocks_in(req, g) as u64)
+            .map(|g| self.max_blocks_in(total, g) as u64)
             .sum()
     }
 
-    /// Blocks one sequence of `req` holds at its largest in layer group `g`: all of
-    /// `prompt + max_tokens`. With a sliding window and chunked prefill, at most the
+    /// Blocks one sequence of `total` tokens holds at its largest in layer group `g`:
+    /// all of them (`prompt + max_tokens`). With a sliding window and chunked prefill, at most the
     /// window's blocks plus one partial block: a step's queries read every block the
     /// window of its first new token sees, and a chunk takes only the tokens whose
     /// blocks fit. Without chunked prefill a window does not lower it: a prefill's
     /// queries read all its tokens at once, and a recomputed sequence prefills
     /// everything it has in one step.
-    fn max_blocks_in(&self, req: &Request, g: usize) -> u32 {
-        let total = req.prompt.len() as u32 + req.max_tokens;
+    fn max_blocks_in(&self, total: u32, g: usize) -> u32 {
         let mut need = self.kv.blocks_for(total);
         if let Some(w) = self.specs[g].window()
             && self.chunked
@@ -139,7 +151,7 @@ impl Scheduler {
         // A preempted group is recomputed (or swapped in) whole: refuse a fork that
         // would make it too large to ever come back.
         let size = g.seqs.len() as u64 + 1;
-        let blocks = size.saturating_mul(self.max_blocks(&g.req));
+        let blocks = size.saturating_mul(self.max_blocks(max_len(&g.req)));
         let tokens = size * (g.req.prompt.len() as u64 + g.req.max_tokens as u64);
         // With chunked prefill a recomputed group's prefills take as many steps as
         // they need (one token a sequence at least; `max_num_seqs` bounds the group,
@@ -214,7 +226,7 @@ impl Scheduler {
             // the request may hold at once in each layer group (with a sliding window,
             // fewer than its prompt's), so that it fits the pool alone.
             let max_held: Vec<usize> = (0..self.specs.len())
-                .map(|g| self.max_blocks_in(&self.groups[&id].req, g) as usize)
+                .map(|g| self.max_blocks_in(max_len(&self.groups[&id].req), g) as usize)
                 .collect();
             let bs = self.cfg.block_size as usize;
             let (mut tokens_needed, mut blocks_needed) = (0usize, 0u64);
@@ -358,6 +370,12 @@ impl Scheduler {
 /// make memory that most sequences never use resident).
 fn initial_room(len: usize, max_len: usize) -> usize {
     max_len.min(len.saturating_mul(2).saturating_add(64))
+}
+
+/// The most tokens a sequence of `req` holds: its prompt and every output token (an
+/// accepted request's is at most `max_model_len`, a `u32`).
+fn max_len(req: &Request) -> u32 {
+    req.prompt.len() as u32 + req.max_tokens
 }
 
 #[cfg(test)]
