@@ -65,6 +65,7 @@
  * - 0.2 (additions): speculative decoding, pagedkv_set_lookahead(),
  *   pagedkv_on_step_done_accepted() and pagedkv_accepted;
  *   pagedkv_scheduled_seq.num_draft_tokens in place of its reserved 0.
+ * - 0.2 (additions): pagedkv_batch.block_size in place of its reserved 0.
  */
 #ifndef PAGEDKV_H
 #define PAGEDKV_H
@@ -160,7 +161,9 @@ typedef struct pagedkv_batch {
     uint64_t num_seqs;                   /* scheduled sequences; 0: nothing could run */
     const pagedkv_scheduled_seq *seqs;   /* [num_seqs]; seqs[i] owns row i below */
     uint32_t max_blocks_per_seq;         /* row length of block_tables */
-    uint32_t reserved;                   /* 0 */
+    uint32_t block_size;                 /* tokens per block of the tables and slots
+                                            (the scheduler's): pass the same to every
+                                            kernel call of the step */
     const int32_t *block_tables;         /* [num_seqs, max_blocks_per_seq], 0-padded */
     const int32_t *context_lens;         /* [num_seqs] */
     uint64_t num_slots;                  /* new tokens this step */

@@ -86,7 +86,7 @@ same_layout!(pagedkv_batch {
     num_seqs,
     seqs,
     max_blocks_per_seq,
-    reserved,
+    block_size,
     block_tables,
     context_lens,
     num_slots,

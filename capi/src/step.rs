@@ -76,8 +76,10 @@ pub struct pagedkv_batch {
     pub seqs: *const pagedkv_scheduled_seq,
     /// Row length of `block_tables`.
     pub max_blocks_per_seq: u32,
-    /// Padding (0).
-    pub reserved: u32,
+    /// Tokens per block of the tables and slots (the scheduler's `block_size`): the
+    /// block size every kernel call of the step must be given (slot `b * block_size +
+    /// i` is token `i` of block `b` only in a cache of this block size).
+    pub block_size: u32,
     /// `[num_seqs, max_blocks_per_seq]`, padded with the null block 0.
     pub block_tables: *const i32,
     /// `[num_seqs]`.
@@ -176,7 +178,7 @@ fn fill_batch(l: &mut StepLists, b: &Batch) -> pagedkv_batch {
         num_seqs: l.seqs.len() as u64,
         seqs: l.seqs.as_ptr(),
         max_blocks_per_seq: b.max_blocks_per_seq,
-        reserved: 0,
+        block_size: b.block_size,
         block_tables: b.block_tables.as_ptr(),
         context_lens: b.context_lens.as_ptr(),
         num_slots: b.slot_mapping.len() as u64,

@@ -248,6 +248,8 @@ fn a_scheduler_of_layer_groups_hands_out_each_groups_tables() {
         let mut b = std::mem::MaybeUninit::uninit();
         assert_eq!(pagedkv_step(s, b.as_mut_ptr()), PAGEDKV_OK);
         let b = b.assume_init();
+        // The batch says the block size its slots are in (the config's).
+        assert_eq!(b.block_size, cfg.block_size);
         let (w, n) = (b.max_blocks_per_seq as usize, b.num_slots as usize);
         let mut g = [
             std::mem::MaybeUninit::uninit(),

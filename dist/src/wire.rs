@@ -30,7 +30,7 @@ use crate::ShardSpec;
 
 /// The frame version this build writes and accepts. Bump it whenever [`Message`] or
 /// anything it holds ([`Batch`] among them) changes its serialized form.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 
 /// The magic bytes that begin every frame.
 pub const MAGIC: [u8; 4] = *b"PKVD";
@@ -306,6 +306,7 @@ mod tests {
         });
         batch.block_tables = vec![5, 0];
         batch.max_blocks_per_seq = 2;
+        batch.block_size = 16;
         batch.context_lens = vec![2];
         batch.slot_mapping = vec![80, 81];
         batch.qo_indptr = vec![0, 2];
@@ -329,11 +330,11 @@ mod tests {
                 .map(|b| format!("{b:02x}"))
                 .collect()
         };
-        assert_eq!(WIRE_VERSION, 1, "a new version: update the bytes below");
+        assert_eq!(WIRE_VERSION, 2, "a new version: update the bytes below");
         assert_eq!(hex(&hello), "0008044010160201020102016d0109");
         assert_eq!(
             hex(&step),
-            "03010804401016020102010303010002020000010000020a000200010402a001a201000200040000000000000207ac02"
+            "03010804401016020102010303010002020000010000020a00021000010402a001a201000200040000000000000207ac02"
         );
     }
 
@@ -372,7 +373,16 @@ mod tests {
         let mut g = stop();
         g[4] = 9;
         let e = decode(&g, 64).unwrap_err();
-        assert!(matches!(e, WireError::Version { got: 9, want: 1 }), "{e}");
+        assert!(
+            matches!(
+                e,
+                WireError::Version {
+                    got: 9,
+                    want: WIRE_VERSION
+                }
+            ),
+            "{e}"
+        );
         assert!(e.to_string().contains("same pagedkv-dist"), "{e}");
         assert!(matches!(
             decode(&f, 2),

@@ -551,6 +551,60 @@ fn attention_over_a_windowed_batch_needs_its_window() {
     }
 }
 
+/// A scheduler's block size and the backend's must agree: a batch scheduled for blocks
+/// of 16 tokens over a cache of blocks of 8 (slot 16 * b + i names token i of block b
+/// there, token i - 8 of block 2b + 1 here) is refused by `begin_step` and by `plan`,
+/// before any block moves, naming both sizes. (It once passed every check and attended
+/// the wrong positions.)
+#[test]
+fn a_batch_of_another_block_size_is_refused() {
+    let mut be = CpuBackend::new(config(DType::F32, SplitPolicy::Auto, 1)).unwrap();
+    assert_eq!(be.config().shape.block_size, 8);
+    let mut cache = be.alloc_cache().unwrap();
+    let mut sched = Scheduler::new(SchedulerConfig {
+        num_blocks: NUM_BLOCKS,
+        block_size: 16,
+        max_model_len: 64,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    sched.add_request(Request::new(1, vec![5; 9], 4)).unwrap();
+    let batch = sched.step().unwrap().clone();
+    assert_eq!(batch.block_size, 16);
+    let before: Vec<f64> = cache.layers[0].key.to_f64();
+    for e in [be.begin_step(&batch, &mut cache), be.plan(&batch)] {
+        match e {
+            Err(Error::InvalidArgument {
+                arg: "batch",
+                reason,
+            }) => {
+                assert!(
+                    reason.contains("blocks of 16 tokens") && reason.contains("blocks of 8"),
+                    "{reason}"
+                );
+            }
+            e => panic!("a block-16 batch over a block-8 cache: {e:?}"),
+        }
+    }
+    // Nothing ran: the pool is as it was (all NaN), and a matching batch plans.
+    let after = cache.layers[0].key.to_f64();
+    assert!(
+        before
+            .iter()
+            .zip(&after)
+            .all(|(a, b)| a.is_nan() && b.is_nan())
+    );
+    let mut same = Scheduler::new(SchedulerConfig {
+        num_blocks: NUM_BLOCKS,
+        block_size: 8,
+        max_model_len: 64,
+        ..SchedulerConfig::default()
+    })
+    .unwrap();
+    same.add_request(Request::new(1, vec![5; 9], 4)).unwrap();
+    be.begin_step(same.step().unwrap(), &mut cache).unwrap();
+}
+
 /// A burst of requests with one system prompt, all admitted in the first step: the
 /// later ones share the first one's full blocks in that very step (their prefill reads
 /// K/V the step's kv_append writes), and every output still matches f64 attention over

@@ -412,6 +412,24 @@ pub fn decode_rows(batch: &Batch) -> std::ops::Range<usize> {
 /// `batch` lists its decodes first and only there, as [`decode_rows`] and
 /// [`prefill_rows`] read it (`Batch`'s fields are public: a batch an engine built or
 /// edited may not).
+/// `batch` was scheduled for blocks of the backend's size: its slots and tables name
+/// token positions only in a pool of that block size (a scheduler of block 16 over a
+/// cache of block 32 would write and attend other positions).
+pub(crate) fn check_block_size(batch: &Batch, config: &BackendConfig) -> Result<()> {
+    let bs = config.shape.block_size;
+    if batch.block_size != bs {
+        return Err(Error::invalid(
+            "batch",
+            format!(
+                "scheduled for blocks of {} tokens, the backend's cache has blocks of {bs} \
+                 (SchedulerConfig::block_size and StepShape::block_size must be equal)",
+                batch.block_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn check_rows(batch: &Batch) -> Result<()> {
     let nd = batch.num_decodes as usize;
     // (The rows after them are prefills and verify rows: a decode with draft tokens,
@@ -462,11 +480,14 @@ pub trait AttentionBackend {
 
     /// Starts a step: runs `batch.swap_out`, then `batch.swap_in`, then
     /// `batch.copies` on `cache`, then [`plan`](Self::plan)s the step. Returns the plan.
+    /// A batch scheduled for another block size than the backend's
+    /// ([`Batch::block_size`]) is refused before any block moves.
     fn begin_step(
         &mut self,
         batch: &Batch,
         cache: &mut PagedCache<Self::Tensor>,
     ) -> Result<Planned> {
+        check_block_size(batch, self.config())?;
         self.swap_out(cache, &batch.swap_out)?;
         self.swap_in(cache, &batch.swap_in)?;
         self.copy_blocks(cache, &batch.copies)?;

@@ -80,6 +80,7 @@ impl<D: StepDevice> StepCore<D> {
     /// Plans the step of `batch`: the decoding rows' tables and lengths, every new
     /// token's slot.
     pub(crate) fn plan_batch(&mut self, batch: &Batch) -> Result<Planned> {
+        super::check_block_size(batch, &self.config)?;
         let w = batch.max_blocks_per_seq as usize;
         let rows = batch.seqs.len();
         if batch.context_lens.len() != rows || batch.block_tables.len() != rows * w {

@@ -82,6 +82,12 @@ pub struct Batch {
     pub block_tables: Vec<i32>,
     /// Row length of `block_tables`.
     pub max_blocks_per_seq: u32,
+    /// Tokens per block of the pool the tables and slots index (the scheduler's
+    /// [`SchedulerConfig::block_size`](super::SchedulerConfig::block_size)): slot
+    /// `b * block_size + i` is token `i` of block `b` only in a cache of this block
+    /// size, so a backend refuses a batch of another
+    /// ([`AttentionBackend::begin_step`](crate::backend::AttentionBackend::begin_step)).
+    pub block_size: u32,
     /// The sliding window the batch was scheduled with (the scheduler's): its tables
     /// hold released ([`NULL_BLOCK`]) entries before each sequence's window, so
     /// attention over them must use a window of at most this many tokens; a backend

@@ -587,6 +587,7 @@ impl Scheduler {
         let arena = SeqAlloc::arena();
         let batch = Batch {
             max_blocks_per_seq: max_blocks,
+            block_size: cfg.block_size,
             sliding_window: specs[0].window(),
             groups: specs[1..]
                 .iter()
