@@ -125,7 +125,7 @@ fn dense(inputs: &DenseInputs<'_>) -> (Vec<f64>, Vec<f64>) {
 /// and their log-sum-exp (`lse`, `[num_rows, num_states, num_heads]`, base 2; `-inf`
 /// for a part of no keys, whose `v` is ignored), merged into the output over all the
 /// parts' keys, with the sink `sinks[h]` (natural units) joining each head's
-/// denominator once. Returns `([num_rows, num_heads, head_dim], [num_rows,
+/// denominator once. A NaN or `+inf` part makes its head's output and log-sum-exp NaN. Returns `([num_rows, num_heads, head_dim], [num_rows,
 /// num_heads])`: the outputs and their log-sum-exp.
 pub fn merge_states(
     v: &[f64],
@@ -144,6 +144,13 @@ pub fn merge_states(
                 .map(|i| lse[at(i)])
                 .chain(sink)
                 .fold(f64::NEG_INFINITY, f64::max);
+            // A NaN or +inf log-sum-exp poisons the head (f64::max would skip a NaN).
+            if (0..num_states).any(|i| lse[at(i)].is_nan() || lse[at(i)] == f64::INFINITY) {
+                lse_out[r * num_heads + h] = f64::NAN;
+                let o = (r * num_heads + h) * head_dim;
+                out[o..o + head_dim].fill(f64::NAN);
+                continue;
+            }
             if m == f64::NEG_INFINITY {
                 continue;
             }

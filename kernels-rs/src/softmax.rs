@@ -81,17 +81,19 @@ impl SoftmaxState {
     /// logits `x` (the scores are `x * log2(e)`) it is `log2(Σ exp(x))`: the natural
     /// log-sum-exp times `log2(e)`. An output `o` normalised against this state and
     /// this value are the pair `(o, lse)` that [`Self::of_output`] turns back into a
-    /// state for a merge.
+    /// state for a merge. A state poisoned by a NaN score, or by a merged part whose
+    /// log-sum-exp was NaN or `+inf`, has a NaN sum, and its `lse` is NaN (never the
+    /// `-inf` of a state of no scores: its output is NaN too, and must not look empty).
     #[inline(always)]
     pub fn lse<C: Ctx>(self, sink: Option<f32>, ctx: &C) -> f32 {
         let s = match sink {
             None => self,
             Some(logit) => self.merge(SoftmaxState::sink(logit), ctx).0,
         };
-        if s.l > 0.0 {
-            s.m + ctx.log2(s.l)
-        } else {
+        if s.l == 0.0 {
             f32::NEG_INFINITY
+        } else {
+            s.m + ctx.log2(s.l)
         }
     }
 

@@ -255,6 +255,97 @@ fn two_parts_merge_into_the_whole() {
     assert_eq!(checked, 18);
 }
 
+/// A part whose log-sum-exp is NaN or `+inf` poisons its head of its row, output and
+/// log-sum-exp both NaN, before or after finite parts, with or without a sink, in every
+/// dtype and both math modes, as the f64 reference does; the other heads and rows are
+/// merged as usual. (A NaN part once gave a NaN output with `lse_out = -inf`: a row
+/// that looked empty.)
+#[test]
+fn a_nan_or_infinite_lse_poisons_its_head_not_the_others() {
+    let shape = MergeShape {
+        num_rows: 2,
+        num_states: 3,
+        num_heads: 4,
+        head_dim: 32,
+    };
+    let (nan, inf, ninf) = (f64::NAN, f64::INFINITY, f64::NEG_INFINITY);
+    // [row][state][head]: row 0 head 0 NaN first, head 1 +inf last, head 2 NaN between
+    // finite parts, head 3 finite; row 1 finite (and one empty part).
+    let lse = [
+        [nan, 1.0, 2.0, 0.5],
+        [1.0, 2.0, nan, 1.5],
+        [2.0, inf, 3.0, 2.5],
+        [1.0, 0.0, 2.0, ninf],
+        [2.0, 1.0, 0.0, 3.0],
+        [0.5, 0.5, 0.5, 0.5],
+    ]
+    .concat();
+    let poisoned = |r: usize, h: usize| r == 0 && h < 3;
+    let v: Vec<f64> = (0..2 * 3 * 4 * 32)
+        .map(|i| (i % 7) as f64 * 0.25 - 0.5)
+        .collect();
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        for sinks in [None, Some(vec![0.5f32, -1.0, 2.0, 0.0])] {
+            for math in [MathMode::Exact, MathMode::Approx { seed: 3 }] {
+                let vt = HostTensor::from_f64(dtype, &[2, 3, 4, 32], &v).unwrap();
+                let lt = HostTensor::from_f64(DType::F32, &[2, 3, 4], &lse).unwrap();
+                let mut out = HostTensor::full(dtype, &[2, 4, 32], 7.0);
+                let mut lse_out = HostTensor::full(DType::F32, &[2, 4], 7.0);
+                let inputs = MergeInputs {
+                    shape: &shape,
+                    v: &vt,
+                    lse: &lt,
+                    sinks: sinks.as_deref(),
+                };
+                merge_emulated(
+                    &Emulator::new().with_math(math),
+                    inputs,
+                    AttentionOut {
+                        out: &mut out,
+                        lse: Some(&mut lse_out),
+                    },
+                )
+                .unwrap();
+                let (o, l) = (out.to_f64(), lse_out.to_f64());
+                let (want, want_l) =
+                    reference::merge_states(&vt.to_f64(), &lse, (3, 4, 32), sinks.as_deref());
+                for r in 0..2 {
+                    for h in 0..4 {
+                        let at = r * 4 + h;
+                        let row = &o[at * 32..(at + 1) * 32];
+                        let what = format!(
+                            "{dtype} sinks {} {math:?} row {r} head {h}",
+                            sinks.is_some()
+                        );
+                        if poisoned(r, h) {
+                            assert!(
+                                l[at].is_nan() && want_l[at].is_nan(),
+                                "{what}: lse {} / {}",
+                                l[at],
+                                want_l[at]
+                            );
+                            assert!(row.iter().all(|x| x.is_nan()), "{what}: {row:?}");
+                            assert!(
+                                want[at * 32..(at + 1) * 32].iter().all(|x| x.is_nan()),
+                                "{what}"
+                            );
+                        } else {
+                            assert!(
+                                l[at].is_finite() && (l[at] - want_l[at]).abs() < 1e-3,
+                                "{what}: lse {} / {}",
+                                l[at],
+                                want_l[at]
+                            );
+                            let e = rel_l2(row, &want[at * 32..(at + 1) * 32]);
+                            assert!(e <= tolerance(dtype), "{what}: rel L2 {e:e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A merge that would read past its inputs or write past its outputs is refused
 /// before any launch, with the argument named.
 #[test]

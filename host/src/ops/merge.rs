@@ -11,6 +11,12 @@
 //! `M = max(max_i lse_i, σ_h log2 e)`, `w_i = 2^(lse_i - M)`, `w_σ = 2^(σ_h log2 e - M)`;
 //! `out[r, h] = Σ_i w_i v_i / (Σ_i w_i + w_σ)`, `lse_out[r, h] = M + log2(Σ_i w_i + w_σ)`.
 //!
+//! A part whose `lse_i` is NaN or `+inf` is not the state of any finite scores: it
+//! poisons its row's head, whose `out` and `lse_out` are then NaN (a NaN `lse_out`,
+//! never the `-inf` of a head of no keys, so a poisoned row does not look empty). The
+//! merge propagates rather than refuses: the log-sum-exps are device data the host
+//! does not read.
+//!
 //! This is attention over the union of the parts' keys (the parts computed without the
 //! sink: it joins here, once). Split-K, cascade attention over a shared prefix and
 //! speculative verification all reduce to it. The f64 reference is

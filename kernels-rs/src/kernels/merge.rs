@@ -8,7 +8,9 @@
 //! merge split-K and every tile already use, so merged parts equal attention over all
 //! their keys up to rounding. An attention sink joins once, after the fold, as
 //! everywhere else: the parts must be computed without it. A part with `lse = -inf`
-//! saw no keys: it gets no weight and its `v` is not read.
+//! saw no keys: it gets no weight and its `v` is not read. A part whose `lse` is NaN
+//! or `+inf` (no log-sum-exp of finite scores) poisons its head of the row: the
+//! merged output and log-sum-exp are NaN, never a row that looks empty.
 //!
 //! Cascade attention computes a shared prefix once for every query that shares it and
 //! merges that part with each query's own suffix with this kernel.
