@@ -43,7 +43,10 @@ impl PagedLayout {
         self.num_kv_heads as u64 * self.head_stride()
     }
 
-    /// Elements in the whole pool.
+    /// Elements in the whole pool. Unchecked (the kernels take a layout the host
+    /// validated): it wraps around for a layout of 2^64 elements or more, so a host
+    /// sizing anything from a caller's layout uses
+    /// `pagedkv_host::ops::checked_pool_elems` instead.
     #[inline(always)]
     pub const fn pool_elems(&self) -> u64 {
         self.num_blocks as u64 * self.block_stride()
