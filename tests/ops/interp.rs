@@ -1113,6 +1113,56 @@ fn decode_reads_what_its_plan_needs() {
 /// With the approximate `ex2` / `tanh` model (the ISA's documented error bounds), the
 /// committed PTX stays within the GPU tolerance of the f64 reference, decode and
 /// prefill, with soft-cap (tanh) and without.
+/// A sink 95 above every score: each key's weight, `exp2((s - 95) log2 e)`, is below
+/// f32's smallest normal, which `ex2.approx.ftz` flushes to zero, so the f32 output is
+/// exactly 0 and the log-sum-exp the sink's alone, in the interpreter and in the
+/// emulator's exact math alike, bit for bit. (The emulator once kept the subnormal
+/// weights: 4.2e-44 against the PTX's +0.)
+#[test]
+fn exact_math_flushes_subnormal_weights_as_the_ptx_does() {
+    let p = Params {
+        sinks: true,
+        dtype: DType::F32,
+        head_dim: 64,
+        block_size: 16,
+        num_kv_heads: 2,
+        group: 2,
+        batch: 3,
+        max_len: 40,
+        window: None,
+        softcap: None,
+        alibi: false,
+        partition: None,
+        narrow_heads: false,
+        seed: 77,
+        full_length: false,
+    };
+    let mut c = build(&p);
+    c.sinks = Some(vec![95.0; c.shape.num_q_heads as usize]);
+    let max_len = *c.lens.iter().max().unwrap() as u32;
+    let emu = decode_on_lse(
+        EmuDevice::new(Emulator::new()),
+        &c,
+        plan(&c.shape, p.dtype, max_len, 1),
+    )
+    .unwrap();
+    assert!(
+        emu.0.to_f64().iter().all(|&x| x == 0.0),
+        "the emulator kept subnormal weights: {:?}",
+        emu.0.to_f64().iter().find(|&&x| x != 0.0)
+    );
+    let sink_lse = 95.0 * std::f64::consts::LOG2_E;
+    assert!(emu.1.to_f64().iter().all(|&l| (l - sink_lse).abs() < 1e-4));
+    for a in ARCHS.iter() {
+        let ptx = decode_on_lse(a.device(), &c, plan(&c.shape, p.dtype, max_len, 1)).unwrap();
+        for (what, got, want) in [("out", &ptx.0, &emu.0), ("lse", &ptx.1, &emu.1)] {
+            if let Some(d) = first_difference(what, got, want) {
+                panic!("{}: {d}", a.module.target());
+            }
+        }
+    }
+}
+
 #[test]
 fn approximate_math_stays_within_the_gpu_tolerance() {
     for (arch, a) in ARCHS.iter().enumerate() {

@@ -1,5 +1,6 @@
 //! The fast-math operations' error model: [`MathMode::Exact`] computes `exp2` and
-//! `tanh` as the Rust standard library does; [`MathMode::Approx`] perturbs each
+//! `tanh` as the Rust standard library does (with the flush to zero of `ex2`'s and
+//! `lg2`'s `.ftz` forms); [`MathMode::Approx`] perturbs each
 //! result by a relative error drawn uniformly from the hardware instruction's
 //! documented worst case, so a test's tolerance that holds here holds on the GPU.
 //!
@@ -18,7 +19,11 @@ use super::ctx::EmuCtx;
 /// [`Ctx::log2`]: pagedkv_kernels::Ctx::log2
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum MathMode {
-    /// Correctly rounded `f32` results (the Rust standard library's).
+    /// Correctly rounded `f32` results (the Rust standard library's), with the
+    /// flush to zero of the PTX's `.ftz` forms: `exp2`'s subnormal results and
+    /// `log2`'s subnormal inputs are 0, as `ex2.approx.ftz.f32` and
+    /// `lg2.approx.ftz.f32` make them (so the emulator and the PTX interpreter agree
+    /// bit for bit in this mode, down to the smallest weights).
     #[default]
     Exact,
     /// The GPU's error model: each result is perturbed by a relative error drawn
@@ -61,14 +66,17 @@ impl MathMode {
 }
 
 impl EmuCtx {
-    /// `exp2` in this thread's math mode (approximate: perturbed like
-    /// `ex2.approx.ftz.f32`, subnormal results flushed to zero).
+    /// `exp2` in this thread's math mode, subnormal results flushed to zero in both
+    /// (the `.ftz` of `ex2.approx.ftz.f32`, which the PTX interpreter models too: a
+    /// weight of 2^-140 is 0 on the GPU, so it is here); approximate: perturbed like
+    /// that instruction first.
     pub(super) fn math_exp2(&self, x: f32) -> f32 {
         let r = x.exp2();
-        if self.approx.get().is_none() {
-            return r;
-        }
-        let r = (r as f64 * (1.0 + self.perturbation(EX2_APPROX_REL_ERR))) as f32;
+        let r = if self.approx.get().is_none() {
+            r
+        } else {
+            (r as f64 * (1.0 + self.perturbation(EX2_APPROX_REL_ERR))) as f32
+        };
         if r.is_subnormal() { 0.0 } else { r }
     }
 
