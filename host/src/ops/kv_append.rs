@@ -90,8 +90,9 @@ pub fn validate<T: TensorDesc>(io: &KvAppendInputs<'_, T>) -> Result<()> {
         ));
     }
     let dtype = key_cache.dtype();
-    check_tensor("key_cache", key_cache, dtype, layout.pool_elems())?;
-    check_tensor("value_cache", value_cache, dtype, layout.pool_elems())?;
+    let pool = super::checked_pool_elems(layout)?;
+    check_tensor("key_cache", key_cache, dtype, pool)?;
+    check_tensor("value_cache", value_cache, dtype, pool)?;
     let row = layout.num_kv_heads as u64 * layout.head_dim as u64;
     check_cache_types(key.dtype(), dtype, scales, layout.num_kv_heads)?;
     check_tensor("key", key, key.dtype(), n as u64 * row)?;

@@ -100,8 +100,9 @@ pub fn validate<T: TensorDesc>(inputs: &PrefillInputs<'_, T>, out: &T) -> Result
     let total = inputs.qo_indptr[n] as u64;
     let qn = total * sh.row_elems();
     let (dtype, qd) = (inputs.key_cache.dtype(), inputs.q.dtype());
-    check_tensor("key_cache", inputs.key_cache, dtype, l.pool_elems())?;
-    check_tensor("value_cache", inputs.value_cache, dtype, l.pool_elems())?;
+    let pool = super::checked_pool_elems(&l)?;
+    check_tensor("key_cache", inputs.key_cache, dtype, pool)?;
+    check_tensor("value_cache", inputs.value_cache, dtype, pool)?;
     check_cache_types(qd, dtype, inputs.kv_scales, sh.num_kv_heads)?;
     if let Some(s) = inputs.sinks {
         crate::ops::attention::check_per_head("sinks", s, sh.num_q_heads)?;

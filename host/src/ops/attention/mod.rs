@@ -293,8 +293,9 @@ pub fn validate<T: TensorDesc>(inputs: &DecodeInputs<'_, T>, out: &T) -> Result<
     }
     let dtype = key_cache.dtype();
     let qn = shape.num_seqs as u64 * shape.num_q_heads as u64 * shape.head_dim as u64;
-    check_tensor("key_cache", key_cache, dtype, l.pool_elems())?;
-    check_tensor("value_cache", value_cache, dtype, l.pool_elems())?;
+    let pool = crate::ops::checked_pool_elems(&l)?;
+    check_tensor("key_cache", key_cache, dtype, pool)?;
+    check_tensor("value_cache", value_cache, dtype, pool)?;
     check_cache_types(q.dtype(), dtype, kv_scales, shape.num_kv_heads)?;
     check_tensor("q", q, q.dtype(), qn)?;
     check_tensor("out", out, q.dtype(), qn)?;
