@@ -117,8 +117,9 @@ pub(crate) fn prefill_case(p: &Params) -> Prefill {
 
 /// A tree-verification case: `prefill_case` without a window or ALiBi (a tree takes
 /// neither), each sequence of at most 64 new tokens a random tree of drafts (node
-/// `i`'s parent drawn from `0..i`; a chain or a star now and then) with probability
-/// 3/4, the rest causal; returns the case and each sequence's parents.
+/// `i`'s parent drawn from `0..i`; a chain, a star or a forest, whose nodes after the
+/// first may be roots too, now and then) with probability 3/4, the rest causal;
+/// returns the case and each sequence's parents.
 pub(crate) fn tree_case(p: &Params) -> (Prefill, Vec<Option<Vec<i32>>>) {
     let mut pc = prefill_case(&Params {
         window: None,
@@ -130,12 +131,13 @@ pub(crate) fn tree_case(p: &Params) -> (Prefill, Vec<Option<Vec<i32>>>) {
         .map(|s| {
             let n = (pc.qo_indptr[s + 1] - pc.qo_indptr[s]) as usize;
             (n <= 64 && r.random_range(0..4) != 0).then(|| {
-                let shape = r.random_range(0..4);
+                let shape = r.random_range(0..5);
                 (0..n as i32)
                     .map(|i| match (i, shape) {
                         (0, _) => -1,
                         (_, 0) => i - 1,
                         (_, 1) => 0,
+                        (_, 4) => r.random_range(-1..i),
                         _ => r.random_range(0..i),
                     })
                     .collect()
@@ -363,6 +365,60 @@ fn a_tree_node_never_attends_to_a_sibling() {
         (out[2 * d] - 7.0).abs() > 0.1,
         "node 2 attended to its sibling"
     );
+}
+
+/// A forest (several roots with parent -1, as EAGLE's first-level drafts whose parent
+/// is the cached context): a second root and its child never see the first root's
+/// key, even one that would take all of their softmax; the first root does. (Such
+/// parent arrays were once refused.)
+#[test]
+fn a_forest_of_drafts_hides_the_other_roots() {
+    let p = Params {
+        sinks: false,
+        dtype: DType::F32,
+        head_dim: 64,
+        block_size: 16,
+        num_kv_heads: 1,
+        group: 1,
+        batch: 1,
+        max_len: 20,
+        window: None,
+        softcap: None,
+        alibi: false,
+        partition: None,
+        narrow_heads: false,
+        seed: 6,
+        full_length: true,
+    };
+    let mut pc = prefill_case(&p);
+    let n = pc.c.lens[0] as usize;
+    pc.qo_indptr = vec![0, 3];
+    let mask = tree_mask(&pc.qo_indptr, &[Some(&[-1, -1, 1])]).unwrap();
+    assert_eq!(mask, [0b1, 0b1, 0b11]);
+    pc.tree = Some(mask);
+    let d = 64;
+    pc.q = HostTensor::from_f64(DType::F32, &[3, 1, d], &vec![1.0; 3 * d]).unwrap();
+    // Node 0's key is huge along q, its value 7.
+    let bs = 16;
+    let pos = n - 3;
+    let block = pc.c.tables[pos / bs] as usize;
+    let at = (block * bs + pos % bs) * d;
+    for e in 0..d {
+        pc.c.kc.set(at + e, 50.0);
+        pc.c.vc.set(at + e, 7.0);
+    }
+    let out = prefill_on(EmuDevice::new(Emulator::new()), &pc)
+        .unwrap()
+        .to_f64();
+    let want = paged_prefill_attention(&pc.inputs());
+    assert!(rel_l2(&out, &want) < 1e-5);
+    assert!((out[0] - 7.0).abs() < 1e-3, "node 0: {}", out[0]);
+    for node in [1, 2] {
+        assert!(
+            (out[node * d] - 7.0).abs() > 0.1,
+            "node {node} attended to the first root"
+        );
+    }
 }
 
 #[test]

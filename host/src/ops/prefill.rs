@@ -122,11 +122,13 @@ pub const MAX_TREE_TOKENS: usize = 64;
 
 /// The tree masks of a prefill batch (the kernels' `tree_mask`, `[qo_indptr[n]]`):
 /// sequence `s` with `parents[s] = Some(p)` is a verify row whose `qo_len <= 64`
-/// query tokens form a tree, `p[i]` the parent of token `i` (`p[0] = -1`: the root,
-/// the token sampled last step; `0 <= p[i] < i` after it, so the nodes are in
-/// topological order, as EAGLE and SpecInfer number them). Token `i` attends to the
-/// cached positions and to its ancestors and itself among the new tokens. Sequences
-/// with `None` are causal (every bit set). Errors name the sequence and node.
+/// query tokens form a tree, or a forest, `p[i]` the parent of token `i` (`p[0] =
+/// -1`: the first root, the token sampled last step; after it `0 <= p[i] < i`, so the
+/// nodes are in topological order, as EAGLE and SpecInfer number them, or `-1`: a
+/// further root, a first-level draft whose parent is the cached context). Token `i`
+/// attends to the cached positions and to its ancestors and itself among the new
+/// tokens. Sequences with `None` are causal (every bit set). Errors name the sequence
+/// and node.
 ///
 /// The tree is given as a parent array because that is what a drafter produces and
 /// it cannot describe a mask that is not a tree; the kernels read each token's 64-bit
@@ -142,6 +144,9 @@ pub const MAX_TREE_TOKENS: usize = 64;
 /// assert_eq!(m[..3], [u64::MAX; 3]);
 /// // Token 3 of the tree sees itself (bit 0), its parent 2 (bit 1) and the root (bit 3).
 /// assert_eq!(m[3..], [0b1, 0b11, 0b101, 0b1011]);
+/// // A forest: roots 0 and 1 (1 sees the cached context and itself), 2 a child of 1.
+/// let f = tree_mask(&[0, 3], &[Some(&[-1, -1, 1])])?;
+/// assert_eq!(f, [0b1, 0b1, 0b11]);
 /// # Ok::<(), pagedkv_host::Error>(())
 /// ```
 pub fn tree_mask(qo_indptr: &[i32], parents: &[Option<&[i32]>]) -> Result<Vec<u64>> {
@@ -183,20 +188,16 @@ pub fn tree_mask(qo_indptr: &[i32], parents: &[Option<&[i32]>]) -> Result<Vec<u6
         // Each node's ancestors and itself, by absolute index, then relative.
         let mut abs = [0u64; MAX_TREE_TOKENS];
         for (i, &pi) in p.iter().enumerate() {
-            let ok = if i == 0 {
-                pi == -1
-            } else {
-                pi >= 0 && (pi as usize) < i
-            };
-            if !ok {
+            // -1: a root (node 0 always); else an earlier node.
+            if pi < -1 || pi >= i as i32 {
                 return Err(Error::invalid(
                     "parents",
                     format!(
-                        "sequence {s}, node {i}: parent {pi} (the root's is -1, every other node's an earlier node)"
+                        "sequence {s}, node {i}: parent {pi} (a root's is -1, node 0 is one; every other node's is -1 or an earlier node)"
                     ),
                 ));
             }
-            abs[i] = (1 << i) | if i == 0 { 0 } else { abs[pi as usize] };
+            abs[i] = (1 << i) | if pi == -1 { 0 } else { abs[pi as usize] };
             out.push(
                 (0..=i)
                     .filter(|&j| abs[i] >> j & 1 != 0)
