@@ -14,3 +14,4 @@ mod kv_append;
 mod merge;
 mod prefill;
 mod ptx;
+mod seeds;
