@@ -3,7 +3,7 @@
 //! maximum length (Max), the next power of two of its real final length (Pow2), or
 //! exactly that length (Oracle).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use super::policy::Stats;
 use super::{Policy, PolicyResult, SimConfig, SimError, StepLoad, Workload, err};
@@ -66,15 +66,15 @@ pub(super) fn simulate_contiguous(
     let capacity = cfg.capacity_tokens()?;
     let max_len = cfg.model.max_model_len as u64;
     let mut alloc = Contiguous::new(capacity);
-    let mut waiting: VecDeque<usize> = VecDeque::new();
     let mut live: Vec<Live> = Vec::new();
     let mut stats = Stats::new();
-    let (mut t, mut next, mut done, mut rejected, mut generated) =
-        (0.0f64, 0usize, 0usize, 0usize, 0u64);
+    // The requests waiting are `head..next` of the workload, in arrival order (first
+    // come, first served): nothing is held per waiting request.
+    let (mut t, mut head, mut next, mut done, mut rejected, mut generated) =
+        (0.0f64, 0usize, 0usize, 0usize, 0usize, 0u64);
     let n = w.requests.len();
     while done + rejected < n {
         while next < n && w.requests[next].arrival_s <= t {
-            waiting.push_back(next);
             next += 1;
         }
         // Decode every running request, then admit FCFS while a hole fits.
@@ -84,8 +84,8 @@ pub(super) fn simulate_contiguous(
         for l in live.iter_mut() {
             l.stored += 1;
         }
-        while let Some(&i) = waiting.front() {
-            let r = &w.requests[i];
+        while head < next {
+            let r = &w.requests[head];
             let real = r.prompt_len as u64 + r.output_len as u64;
             let reserve = match policy {
                 Policy::Max => max_len,
@@ -93,7 +93,7 @@ pub(super) fn simulate_contiguous(
                 _ => real,
             };
             if reserve > capacity {
-                waiting.pop_front();
+                head += 1;
                 rejected += 1;
                 on_finish();
                 continue;
@@ -106,7 +106,7 @@ pub(super) fn simulate_contiguous(
             let Some(start) = alloc.alloc(reserve) else {
                 break;
             };
-            waiting.pop_front();
+            head += 1;
             tokens += r.prompt_len as u64;
             prompt_tokens += r.prompt_len as u64;
             live.push(Live {
@@ -124,7 +124,7 @@ pub(super) fn simulate_contiguous(
                 t = t.max(w.requests[next].arrival_s);
                 continue;
             }
-            if waiting.is_empty() {
+            if head == next {
                 break;
             }
             return err("contiguous simulation stalled");

@@ -104,6 +104,12 @@ pub mod limits {
     pub const MAX_REQUESTS: usize = 1_000_000;
     /// KV token slots the simulator can hold (the pool is simulated block by block).
     pub const MAX_TOKEN_SLOTS: u64 = 1 << 24;
+    /// Tokens (prompt + output) of the requests the paged policies' scheduler holds at
+    /// once, running or waiting (it keeps each one's tokens, some 8 bytes a token: at
+    /// most about 256 MiB). Requests that arrived wait outside it, holding nothing,
+    /// until it could admit them, so only running requests and the few it could admit
+    /// next count.
+    pub const MAX_LIVE_TOKENS: u64 = 1 << 25;
     /// A trace's latest arrival time, seconds (about 31.7 years).
     pub const MAX_ARRIVAL_S: f64 = 1e9;
     /// Bytes of one trace line (a line is three numbers).

@@ -4,8 +4,10 @@
 //! `layers_per_group` layers (see `pagedkv::host::block::spec`), each window group
 //! holding only its window; a step reads each layer's window of each sequence.
 
+use std::collections::VecDeque;
+
 use pagedkv::host::ops::cascade::find_groups;
-use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig};
+use pagedkv::host::scheduler::{Batch, Request, Scheduler, SchedulerConfig, SeqId};
 use pagedkv::kernels::kernels::attention::FIXED_BLOCK_SIZE;
 use pagedkv::kernels::kernels::prefill::{ROWS, TILE_ROWS, TILED_HEAD_DIMS};
 
@@ -58,17 +60,48 @@ pub(super) fn simulate_paged(
     })
     .map_err(|e| SimError(format!("paged scheduler: {e}")))?;
     let pool = (num_blocks - 1) as f64 * block_size as f64;
+    let step_tokens = s.config().max_tokens_per_step as u64;
     let mut stats = Stats::new();
-    let (mut t, mut next, mut done, mut rejected, mut generated) =
-        (0.0f64, 0usize, 0usize, 0usize, 0u64);
+    let (mut t, mut arrived, mut fed, mut done, mut rejected, mut generated) =
+        (0.0f64, 0usize, 0usize, 0usize, 0usize, 0u64);
     let mut sampled = Vec::new();
     // The live sequences' requests (their index in the workload).
     let mut request_of = std::collections::HashMap::new();
+    // Requests that arrived wait in the workload (`fed..arrived`, nothing held per
+    // request) until the scheduler could admit them; the scheduler holds the few it
+    // could admit in its next step (`queued`, with a lower bound on the prompt tokens
+    // each would compute). A request in the scheduler holds its prompt's tokens twice
+    // and its block tables, some 4 to 7 KB: fed at arrival, a trace arriving faster than it
+    // is served grew by that much per waiting request until the process aborted.
+    let mut queued: VecDeque<(SeqId, u64)> = VecDeque::new();
+    let mut queued_cost = 0u64;
+    // Tokens (prompt + output) of the requests in the scheduler, at most
+    // `cfg.max_live_tokens`.
+    let mut live_tokens = 0u64;
+    let mut started: Vec<SeqId> = Vec::new();
     let n = w.requests.len();
     let mut traffic = (cfg.system_prompt > 0 && !hybrid).then(Traffic::default);
     while done + rejected < n {
-        while next < n && w.requests[next].arrival_s <= t {
-            let r = &w.requests[next];
+        while arrived < n && w.requests[arrived].arrival_s <= t {
+            arrived += 1;
+        }
+        // The scheduler admits from the head of its queue, first come first served,
+        // at most `max_num_seqs` groups and `step_tokens` computed tokens a step (and
+        // never a request behind one it cannot admit): with that many queued, or
+        // prompts of more tokens than that, a request behind them could not start in
+        // the next step, so feeding it later changes no decision.
+        while fed < arrived && queued.len() < cfg.max_num_seqs && queued_cost <= step_tokens {
+            let r = &w.requests[fed];
+            let len = r.prompt_len as u64 + r.output_len as u64;
+            if live_tokens + len > cfg.max_live_tokens {
+                return err(format!(
+                    "{}: the requests running and waiting would hold more than the simulator's limit of {} tokens of prompt and output in memory ({} requests live, request {} of {len} tokens next); shorten the requests or --system-prompt",
+                    Policy::Paged(block_size).name(),
+                    cfg.max_live_tokens,
+                    request_of.len(),
+                    fed
+                ));
+            }
             // The system prompt's tokens (the same for every request), then the
             // request's own.
             let shared = cfg.system_prompt.min(r.prompt_len);
@@ -77,30 +110,46 @@ pub(super) fn simulate_paged(
                     if i < shared {
                         u32::MAX - i
                     } else {
-                        (next as u32).wrapping_mul(7919) ^ i
+                        (fed as u32).wrapping_mul(7919) ^ i
                     }
                 })
                 .collect();
-            match s.add_request(Request::new(next as u64, prompt, r.output_len)) {
+            match s.add_request(Request::new(fed as u64, prompt, r.output_len)) {
                 Ok(seq) => {
-                    request_of.insert(seq, next);
+                    request_of.insert(seq, fed);
+                    live_tokens += len;
+                    // Prefix hits are at most the shared tokens (its own are unique).
+                    let cost = ((r.prompt_len - shared) as u64).max(1);
+                    queued.push_back((seq, cost));
+                    queued_cost += cost;
                 }
                 Err(_) => {
                     rejected += 1;
                     on_finish();
                 }
             }
-            next += 1;
+            fed += 1;
         }
         let batch = s
             .step()
             .map_err(|e| SimError(format!("paged scheduler: {e}")))?;
         if batch.seqs.is_empty() {
-            if next < n {
-                t = t.max(w.requests[next].arrival_s);
+            if arrived < n {
+                t = t.max(w.requests[arrived].arrival_s);
                 continue;
             }
             return err("paged simulation stalled: requests wait but none can be admitted");
+        }
+        // The queued requests this step admitted (a prefix of the queue: first come,
+        // first served).
+        started.clear();
+        started.extend(batch.seqs.iter().filter(|q| q.is_prefill).map(|q| q.seq));
+        while let Some(&(seq, cost)) = queued.front() {
+            if !started.contains(&seq) {
+                break;
+            }
+            queued.pop_front();
+            queued_cost -= cost;
         }
         let mut load = StepLoad::default();
         for q in &batch.seqs {
@@ -139,6 +188,7 @@ pub(super) fn simulate_paged(
             if let Some(i) = request_of.remove(seq) {
                 let r = &w.requests[i];
                 stats.request_done(r.arrival_s, t, r.output_len);
+                live_tokens -= r.prompt_len as u64 + r.output_len as u64;
             }
             done += 1;
             on_finish();

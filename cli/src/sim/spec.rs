@@ -546,6 +546,10 @@ pub struct SimConfig {
     pub system_prompt: u32,
     /// How a step with prompt tokens is priced (default [`PrefillModel::Separate`]).
     pub prefill: PrefillModel,
+    /// Most tokens (prompt + output) of the requests the paged scheduler holds at once,
+    /// running or about to be admitted; a run that needs more is an error (default and
+    /// most: [`limits::MAX_LIVE_TOKENS`]).
+    pub max_live_tokens: u64,
 }
 
 impl SimConfig {
@@ -564,6 +568,7 @@ impl SimConfig {
             kv_dtype: KvDtype::F16,
             system_prompt: 0,
             prefill: PrefillModel::default(),
+            max_live_tokens: limits::MAX_LIVE_TOKENS,
         }
     }
 
@@ -600,6 +605,13 @@ impl SimConfig {
         }
         if self.max_num_seqs == 0 || self.max_tokens_per_step == 0 {
             return err("max_num_seqs and max_tokens_per_step must be positive");
+        }
+        if !(1..=limits::MAX_LIVE_TOKENS).contains(&self.max_live_tokens) {
+            return err(format!(
+                "max_live_tokens: {} is not in 1 to {}",
+                self.max_live_tokens,
+                limits::MAX_LIVE_TOKENS
+            ));
         }
         Ok(())
     }
