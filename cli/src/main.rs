@@ -170,6 +170,8 @@ fn main() -> ExitCode {
 }
 
 fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
+    // Before the run: a bad output path is an error now, not after it.
+    pagedkv_cli::output::check_paths(&a.plot.iter().cloned().collect::<Vec<_>>())?;
     let backend = match a.backend.as_str() {
         "cpu" => Backend::Cpu,
         "cuda" => Backend::Cuda,
@@ -328,6 +330,10 @@ fn write_outputs(
 }
 
 fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
+    // Before the run: a folder, a path named twice or a missing folder is an error now,
+    // not after the whole simulation.
+    let outputs: Vec<PathBuf> = a.json.iter().chain(&a.plot).cloned().collect();
+    pagedkv_cli::output::check_paths(&outputs)?;
     let model = if a.model.ends_with(".json") || Path::new(&a.model).is_file() {
         ModelSpec::from_json_file(Path::new(&a.model))?
     } else {

@@ -14,6 +14,10 @@
 //!
 //! Nothing is left behind on failure: a temporary not committed is removed when it is
 //! dropped, and an error before step 3 leaves every target as it was.
+//!
+//! [`check_paths`] runs step 1 on the paths alone, before a run produces anything: a
+//! folder, a path named twice, a missing or unwritable folder is an error at once, not
+//! after the whole run.
 
 use std::fs::{self, OpenOptions, Permissions};
 use std::io::Write as _;
@@ -62,14 +66,7 @@ pub fn write_all(outputs: &[(PathBuf, Vec<u8>)]) -> Result<Vec<PathBuf>, OutputE
         let target = match &plan {
             Plan::Replace { target, .. } | Plan::WriteThrough { target } => target,
         };
-        let parent = target.parent().filter(|d| !d.as_os_str().is_empty());
-        let key = fs::canonicalize(parent.unwrap_or(Path::new(".")))
-            .map(|d| d.join(target.file_name().unwrap_or_default()))
-            .unwrap_or_else(|_| target.clone());
-        if seen.contains(&key) {
-            return Err(fail("named by two outputs".into()));
-        }
-        seen.push(key);
+        not_seen(&mut seen, target).map_err(fail)?;
         plans.push((path.clone(), bytes, plan));
     }
     let mut written = Vec::with_capacity(plans.len());
@@ -96,8 +93,56 @@ pub fn write_all(outputs: &[(PathBuf, Vec<u8>)]) -> Result<Vec<PathBuf>, OutputE
     Ok(written)
 }
 
-/// Resolves `path` and, for a replaced file, writes `bytes` to its staged temporary.
-fn stage(path: &Path, bytes: &[u8]) -> Result<Plan, String> {
+/// Checks every path as [`write_all`] would before writing (step 1 of the module docs),
+/// without producing anything: each resolves to a file that can be replaced or written
+/// through (not a folder, not a dangling symlink), no two name the same file, and the
+/// folder of each replaced file exists and takes a new file (a temporary is created
+/// there and removed). Returns the first error, with its path.
+pub fn check_paths(paths: &[PathBuf]) -> Result<(), OutputError> {
+    let mut seen: Vec<PathBuf> = Vec::new();
+    for path in paths {
+        let fail = |reason: String| OutputError {
+            path: path.clone(),
+            reason,
+        };
+        let target = match resolve(path).map_err(fail)? {
+            Resolved::WriteThrough(target) => target,
+            Resolved::Replace { target, .. } => {
+                drop(temporary_beside(&target).map_err(fail)?);
+                target
+            }
+        };
+        not_seen(&mut seen, &target).map_err(fail)?;
+    }
+    Ok(())
+}
+
+/// An error when `target` names the same file as one in `seen`, which it joins.
+fn not_seen(seen: &mut Vec<PathBuf>, target: &Path) -> Result<(), String> {
+    let parent = target.parent().filter(|d| !d.as_os_str().is_empty());
+    let key = fs::canonicalize(parent.unwrap_or(Path::new(".")))
+        .map(|d| d.join(target.file_name().unwrap_or_default()))
+        .unwrap_or_else(|_| target.to_path_buf());
+    if seen.contains(&key) {
+        return Err("named by two outputs".into());
+    }
+    seen.push(key);
+    Ok(())
+}
+
+/// Where an output goes (see [`resolve`]).
+enum Resolved {
+    /// A regular file (`existing`: its metadata) or nothing yet, to be replaced.
+    Replace {
+        target: PathBuf,
+        existing: Option<fs::Metadata>,
+    },
+    /// An existing non-regular file (a device, a FIFO), to be written through.
+    WriteThrough(PathBuf),
+}
+
+/// Resolves `path`: a symlink to its target; a folder or a dangling symlink is an error.
+fn resolve(path: &Path) -> Result<Resolved, String> {
     let (target, existing) = match fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_symlink() => {
             let target = fs::canonicalize(path)
@@ -106,17 +151,28 @@ fn stage(path: &Path, bytes: &[u8]) -> Result<Plan, String> {
             (target, Some(m))
         }
         Ok(m) => (path.to_path_buf(), Some(m)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (path.to_path_buf(), None),
+        // (A path under a file is not there either: its folder is then said not to be one.)
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            (path.to_path_buf(), None)
+        }
         Err(e) => return Err(e.to_string()),
     };
-    if let Some(m) = &existing {
-        if m.is_dir() {
-            return Err("is a folder, not a file".into());
-        }
-        if !m.is_file() {
-            return Ok(Plan::WriteThrough { target });
-        }
+    match existing {
+        Some(m) if m.is_dir() => Err("is a folder, not a file".into()),
+        Some(m) if !m.is_file() => Ok(Resolved::WriteThrough(target)),
+        existing => Ok(Resolved::Replace { target, existing }),
     }
+}
+
+/// A new temporary file beside `target`, created exclusively with an unpredictable name
+/// (mode 0666 less the umask); an error saying why when its folder is missing, is not
+/// a folder, or refuses a new file.
+fn temporary_beside(target: &Path) -> Result<NamedTempFile, String> {
     let name = target
         .file_name()
         .ok_or_else(|| "not a file name".to_string())?;
@@ -124,17 +180,40 @@ fn stage(path: &Path, bytes: &[u8]) -> Result<Plan, String> {
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
+    match fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(format!("{} is not a folder", dir.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(format!("the folder {} does not exist", dir.display()));
+        }
+        Err(e) => return Err(format!("the folder {}: {e}", dir.display())),
+    }
     let mut prefix = std::ffi::OsString::from(".");
     prefix.push(name);
     prefix.push(".");
-    // A new file gets the usual 0666 less the umask (applied by open(2)); an existing
-    // one keeps its mode, set below without the umask.
-    let tmp = tempfile::Builder::new()
+    tempfile::Builder::new()
         .prefix(&prefix)
         .suffix(".tmp")
         .permissions(Permissions::from_mode(0o666))
         .tempfile_in(dir)
-        .map_err(|e| format!("cannot create a temporary file in {}: {e}", dir.display()))?;
+        .map_err(|e| {
+            format!(
+                "cannot create a file in the folder {}: {}",
+                dir.display(),
+                e.kind()
+            )
+        })
+}
+
+/// Resolves `path` and, for a replaced file, writes `bytes` to its staged temporary.
+fn stage(path: &Path, bytes: &[u8]) -> Result<Plan, String> {
+    let (target, existing) = match resolve(path)? {
+        Resolved::WriteThrough(target) => return Ok(Plan::WriteThrough { target }),
+        Resolved::Replace { target, existing } => (target, existing),
+    };
+    // A new file gets the usual 0666 less the umask (applied by open(2)); an existing
+    // one keeps its mode, set below without the umask.
+    let tmp = temporary_beside(&target)?;
     let io = |e: std::io::Error| e.to_string();
     tmp.as_file().write_all(bytes).map_err(io)?;
     if let Some(m) = &existing {

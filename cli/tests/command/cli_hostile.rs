@@ -488,3 +488,63 @@ fn bad_sweep_flags_name_the_flag_and_write_nothing() {
         assert!(!stderr(&o).contains("panicked"), "{args:?}");
     }
 }
+
+/// A bad output path (a folder, one path for both outputs, a missing folder) was
+/// reported only after the whole run, its report already printed: it is an error before
+/// anything runs, with nothing on stdout.
+#[test]
+fn bad_output_paths_are_refused_before_the_run() {
+    let d = tempfile::tempdir().unwrap();
+    let trace = small_trace(d.path());
+    let dir = d.path().to_str().unwrap().to_string();
+    let same = d.path().join("same.out");
+    let same = same.to_str().unwrap();
+    let missing = d.path().join("missing-folder").join("r.json");
+    let missing = missing.to_str().unwrap();
+    let file = d.path().join("file");
+    fs::write(&file, "x").unwrap();
+    let under_file = file.join("r.json");
+    let under_file = under_file.to_str().unwrap();
+    for (outputs, want) in [
+        (vec!["--json", dir.as_str()], "is a folder"),
+        (vec!["--plot", dir.as_str()], "is a folder"),
+        (vec!["--json", same, "--plot", same], "named by two outputs"),
+        (vec!["--json", missing], "missing-folder does not exist"),
+        (vec!["--plot", under_file], "is not a folder"),
+    ] {
+        let mut args = vec!["simulate", "--trace", &trace];
+        args.extend(&outputs);
+        let o = run_within(&args, Duration::from_secs(60));
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {e}");
+        assert!(e.contains(want), "{args:?}: stderr lacks `{want}`:\n{e}");
+        assert!(
+            o.stdout.is_empty(),
+            "{args:?}: the run went ahead:\n{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
+    // `pagedkv run --no-cache --plot` too.
+    let o = run_within(
+        &[
+            "run",
+            "--requests",
+            "1",
+            "--max-tokens",
+            "2",
+            "--no-cache",
+            "--plot",
+            missing,
+        ],
+        Duration::from_secs(120),
+    );
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(e.contains("missing-folder does not exist"), "{e}");
+    assert!(
+        o.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(!Path::new(same).exists() && leftovers(d.path()).is_empty());
+}
