@@ -24,19 +24,8 @@ pub(super) fn simulate_paged(
     let element = cfg.kv_dtype.element_bytes(&cfg.model);
     let (num_blocks, kv_groups) = if cfg.model.is_hybrid() {
         // A block is a page of every tensor a group's layers use.
-        let groups = cfg.model.layer_groups()?;
-        let page = cfg.model.layer_token_bytes(element) as f64
-            * groups.layers_per_group() as f64
-            * block_size as f64;
-        let blocks = (cfg.kv_budget_bytes()? / page).floor();
-        if blocks * block_size as f64 > super::limits::MAX_TOKEN_SLOTS as f64 {
-            return err(format!(
-                "{}: {blocks} blocks of {block_size} is more than the simulator's limit of {} token slots",
-                cfg.budget_flag(),
-                super::limits::MAX_TOKEN_SLOTS
-            ));
-        }
-        (blocks as u64 + 1, groups.specs().to_vec())
+        let (blocks, groups) = cfg.hybrid_pool(block_size)?;
+        (blocks + 1, groups.specs().to_vec())
     } else {
         (cfg.capacity_tokens()? / block_size as u64 + 1, Vec::new())
     };

@@ -681,20 +681,89 @@ impl SimConfig {
         Ok(b)
     }
 
-    /// KV token slots in the budget; an error naming the flag when they are more than
-    /// the simulator can hold ([`limits::MAX_TOKEN_SLOTS`]).
+    /// KV token slots in the budget; an error naming the flag, the slots and the largest
+    /// `--kv-budget-gib` that fits when they are more than the simulator can hold
+    /// ([`limits::MAX_TOKEN_SLOTS`]). A model with sliding-window layers is checked for
+    /// its paged pool too (see [`SimConfig::hybrid_pool`]): its token slots are pages of
+    /// a few layers, so the same budget holds more of them.
     pub fn capacity_tokens(&self) -> Result<u64, SimError> {
-        let slots = (self.kv_budget_bytes()? / self.kv_bytes_per_token() as f64).floor();
+        let budget = self.kv_budget_bytes()?;
+        let slot = self.kv_bytes_per_token();
+        let slots = (budget / slot as f64).floor();
         if slots > limits::MAX_TOKEN_SLOTS as f64 {
-            return err(format!(
-                "{}: a KV budget of {:.4e} token slots for {} is more than the simulator's limit of {} (2^24); use a smaller budget",
-                self.budget_flag(),
-                slots,
-                self.model.name,
-                limits::MAX_TOKEN_SLOTS
-            ));
+            return Err(self.too_many_slots(budget, slots, slot, String::new()));
+        }
+        if self.model.is_hybrid() {
+            for p in super::Policy::ALL {
+                if let super::Policy::Paged(bs) = p {
+                    self.hybrid_pool(bs)?;
+                }
+            }
         }
         Ok(slots as u64)
+    }
+
+    /// The paged pool of a model with sliding-window layers at `block_size`: the blocks
+    /// the budget holds (each a page of `layers_per_group` layers of `block_size`
+    /// tokens: see `pagedkv::host::block::spec`) and the model's layer groups; an error
+    /// as [`SimConfig::capacity_tokens`]'s when `blocks x block_size` token slots are
+    /// more than [`limits::MAX_TOKEN_SLOTS`].
+    pub fn hybrid_pool(&self, block_size: u32) -> Result<(u64, LayerGroups), SimError> {
+        let budget = self.kv_budget_bytes()?;
+        let groups = self.model.layer_groups()?;
+        let slot = self
+            .model
+            .layer_token_bytes(self.kv_dtype.element_bytes(&self.model))
+            .saturating_mul(groups.layers_per_group() as u64);
+        let blocks = (budget / (slot as f64 * block_size.max(1) as f64)).floor();
+        let slots = blocks * block_size as f64;
+        if slots > limits::MAX_TOKEN_SLOTS as f64 {
+            let pool = format!(
+                " in its paged pool at block size {block_size} (the hybrid allocator's pages hold {} layers: {} a token slot)",
+                groups.layers_per_group(),
+                super::binary_size(slot)
+            );
+            return Err(self.too_many_slots(budget, slots, slot, pool));
+        }
+        Ok((blocks as u64, groups))
+    }
+
+    /// The error of a budget of `budget` bytes that is `slots` token slots of
+    /// `slot_bytes` each, more than [`limits::MAX_TOKEN_SLOTS`]: in token slots
+    /// throughout, with the largest `--kv-budget-gib` that fits.
+    fn too_many_slots(&self, budget: f64, slots: f64, slot_bytes: u64, pool: String) -> SimError {
+        let gib = (1u64 << 30) as f64;
+        let fit =
+            (limits::MAX_TOKEN_SLOTS as f64 * slot_bytes as f64 / gib * 100.0).floor() / 100.0;
+        let element = self.kv_dtype.element_bytes(&self.model);
+        let need = self
+            .model
+            .kv_bytes_held(self.model.max_model_len as u64, element)
+            .unwrap_or(u64::MAX) as f64;
+        let remedy = if fit * gib >= need {
+            let mut r = format!("use --kv-budget-gib {fit:.2} or less");
+            if self.kv_dtype == KvDtype::Fp8 {
+                r.push_str(" (--kv-dtype fp8 doubles the token slots of a budget)");
+            }
+            r
+        } else {
+            format!(
+                "and one {}-token request needs {:.2} GiB, more than that limit holds: this model cannot be simulated (a smaller max_model_len can)",
+                self.model.max_model_len,
+                need / gib
+            )
+        };
+        SimError(format!(
+            "{}: a KV budget of {:.2} GiB for {}{} is {slots:.0} token slots{pool}, more than the simulator's limit of {} token slots (2^24); {remedy}",
+            self.budget_flag(),
+            budget / gib,
+            self.model.name,
+            match self.kv_dtype {
+                KvDtype::Fp8 => " with an fp8 cache",
+                KvDtype::F16 => "",
+            },
+            limits::MAX_TOKEN_SLOTS
+        ))
     }
 
     /// Duration of a step that processes `tokens` tokens and reads `kv_tokens` cached

@@ -548,3 +548,38 @@ fn bad_output_paths_are_refused_before_the_run() {
     );
     assert!(!Path::new(same).exists() && leftovers(d.path()).is_empty());
 }
+
+/// gemma-3-1b's paged pool (pages of 4 layers) on an H200, or at fp8 on the default
+/// A100, is more token slots than the simulator holds: the refusal once said "3811645
+/// blocks of 8 is more than the simulator's limit of 16777216 token slots", in two
+/// units and with no way out. It counts token slots throughout and names the largest
+/// --kv-budget-gib that fits, which then runs.
+#[test]
+fn a_pool_past_the_slot_limit_is_said_in_token_slots_with_the_budget_that_fits() {
+    for args in [
+        &["simulate", "--model", "gemma-3-1b", "--gpu", "h200"][..],
+        &["simulate", "--model", "gemma-3-1b", "--kv-dtype", "fp8"][..],
+    ] {
+        let e = fails_with(
+            args,
+            "more than the simulator's limit of 16777216 token slots",
+        );
+        assert!(!e.contains("blocks"), "{args:?}: {e}");
+        let fit = e
+            .split("use --kv-budget-gib ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .unwrap_or_else(|| panic!("{args:?}: no budget to use: {e}"));
+        let mut ok: Vec<&str> = args.to_vec();
+        ok.extend([
+            "--kv-budget-gib",
+            fit,
+            "--workload",
+            "alpaca",
+            "--num-requests",
+            "20",
+        ]);
+        let o = run_within(&ok, Duration::from_secs(60));
+        assert!(o.status.success(), "{ok:?}: {}", stderr(&o));
+    }
+}
