@@ -684,7 +684,15 @@ pub fn sweep(
             "{} (synthetic: Poisson arrivals, log-normal lengths calibrated to the paper's means {mp}/{mo}{}), {} requests at each rate, seed {}",
             sc.kind.name(),
             if cfg.system_prompt > 0 {
-                format!(", after a {}-token system prompt", cfg.system_prompt)
+                // (Every rate serves the same lengths.)
+                let shortened =
+                    Workload::synthetic(sc.kind, 1.0, sc.num_requests, max_len, sc.seed)?
+                        .shortened_by_system_prompt(cfg.system_prompt, max_len);
+                format!(
+                    ", after a {}-token system prompt, {}",
+                    cfg.system_prompt,
+                    super::workload::shortened_note(shortened, sc.num_requests, max_len)
+                )
             } else {
                 String::new()
             },

@@ -104,27 +104,38 @@ fn calibrated_lognormal(mean: f64, max: u32) -> LogNormal<f64> {
 impl Workload {
     /// The same requests, each prompt `n` tokens longer (a system prompt before it),
     /// within `max_len` tokens a request: the output shortened first (to one token at
-    /// least), then the prompt.
+    /// least), then the prompt. The description says how many requests were shortened
+    /// ([`Workload::shortened_by_system_prompt`]), none silently.
     pub fn with_system_prompt(&self, n: u32, max_len: u32) -> Workload {
-        let requests = self
+        let requests: Vec<TraceRequest> = self
             .requests
             .iter()
-            .map(|r| {
-                let prompt = r
-                    .prompt_len
-                    .saturating_add(n)
-                    .min(max_len.saturating_sub(1));
-                TraceRequest {
-                    prompt_len: prompt,
-                    output_len: r.output_len.min(max_len - prompt).max(1),
-                    ..*r
-                }
-            })
+            .map(|r| with_system_prompt(r, n, max_len))
             .collect();
         Workload {
+            description: format!(
+                "{}, after a {n}-token system prompt ({})",
+                self.description,
+                shortened_note(
+                    self.shortened_by_system_prompt(n, max_len),
+                    self.requests.len(),
+                    max_len
+                )
+            ),
             requests,
-            description: format!("{}, after a {n}-token system prompt", self.description),
         }
+    }
+
+    /// How many of the requests a system prompt of `n` tokens would push past
+    /// `max_len` tokens, so that [`Workload::with_system_prompt`] shortens them.
+    pub fn shortened_by_system_prompt(&self, n: u32, max_len: u32) -> usize {
+        self.requests
+            .iter()
+            .filter(|r| {
+                let s = with_system_prompt(r, n, max_len);
+                s.prompt_len != r.prompt_len.saturating_add(n) || s.output_len != r.output_len
+            })
+            .count()
     }
 
     /// `n` requests arriving as a Poisson process at `rate` per second, lengths drawn
@@ -250,6 +261,29 @@ impl Workload {
             requests,
         })
     }
+}
+
+/// `r` after a system prompt of `n` tokens, within `max_len` (see
+/// [`Workload::with_system_prompt`]).
+fn with_system_prompt(r: &TraceRequest, n: u32, max_len: u32) -> TraceRequest {
+    let prompt = r
+        .prompt_len
+        .saturating_add(n)
+        .min(max_len.saturating_sub(1));
+    TraceRequest {
+        prompt_len: prompt,
+        output_len: r.output_len.min(max_len - prompt).max(1),
+        ..*r
+    }
+}
+
+/// What a report says of the requests a system prompt shortened: "3 of 400 requests
+/// shortened to fit the model's 2048 tokens, outputs first".
+pub(super) fn shortened_note(shortened: usize, requests: usize, max_len: u32) -> String {
+    format!(
+        "{shortened} of {requests} request{} shortened to fit the model's {max_len} tokens, outputs first",
+        if requests == 1 { "" } else { "s" }
+    )
 }
 
 /// One trace line, checked: a finite arrival time in `[0, MAX_ARRIVAL_S]`, positive

@@ -583,3 +583,33 @@ fn a_pool_past_the_slot_limit_is_said_in_token_slots_with_the_budget_that_fits()
         assert!(o.status.success(), "{ok:?}: {}", stderr(&o));
     }
 }
+
+/// `--system-prompt` shortened the requests it pushed past the model's maximum without a
+/// word: the report (its first line, and the JSON's `workload`) counts them. OPT-13B
+/// takes 2048 tokens; after 100 more, 2000 + 40 and 1000 + 1000 no longer fit.
+#[test]
+fn requests_a_system_prompt_shortens_are_counted_in_the_report() {
+    let d = tempfile::tempdir().unwrap();
+    let t = d.path().join("t.jsonl");
+    fs::write(
+        &t,
+        "{\"arrival_s\": 0, \"prompt_len\": 2000, \"output_len\": 40}\n\
+         {\"arrival_s\": 1, \"prompt_len\": 10, \"output_len\": 10}\n\
+         {\"arrival_s\": 2, \"prompt_len\": 1000, \"output_len\": 1000}\n",
+    )
+    .unwrap();
+    let json = d.path().join("r.json");
+    let want = "2 of 3 requests shortened to fit the model's 2048 tokens";
+    let o = bin()
+        .args(["simulate", "--system-prompt", "100", "--trace"])
+        .arg(&t)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains(want), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(v[0]["workload"].as_str().unwrap().contains(want), "{v}");
+}
