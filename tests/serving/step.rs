@@ -501,6 +501,41 @@ proptest! {
     }
 }
 
+/// A row stride whose bytes overflow 64 bits (2^64 - 256 f16 elements: at least a row
+/// and an even number of elements) is refused for the overflow, naming the view; it
+/// was refused as "not a multiple of 16 bytes", which it is.
+#[test]
+fn a_row_stride_whose_bytes_overflow_is_refused_for_that() {
+    let mut r = emu_runner();
+    r.plan(&two_rows()).unwrap();
+    let row = 4 * 64usize;
+    let kc = HostTensor::full(DType::F16, &[8 * 2 * 16 * 64], 0.5);
+    let q = HostTensor::full(DType::F16, &[2 * row], 1.0);
+    let mut out = HostTensor::full(DType::F16, &[2 * row], f64::NAN);
+    let e = r.decode(
+        &AttentionOptions::new(64),
+        DecodeIo {
+            lse: None,
+            q: TensorView::of_host(&q).with_row_stride(u64::MAX - 255),
+            key_cache: TensorView::of_host(&kc),
+            value_cache: TensorView::of_host(&kc),
+            kv_scales: None,
+            sinks: None,
+            out: TensorViewMut::of_host(&mut out),
+            group: 0,
+        },
+    );
+    match e {
+        Err(Error::InvalidArgument { arg: "q", reason }) => {
+            assert!(
+                reason.contains("overflow") && !reason.contains("multiple of 16"),
+                "{reason}"
+            );
+        }
+        e => panic!("{e:?}"),
+    }
+}
+
 /// A row stride: none (dense), near `u64::MAX`, near a power of two, or small.
 fn stride() -> impl Strategy<Value = Option<u64>> {
     prop_oneof![

@@ -172,10 +172,17 @@ impl<D: StepDevice> StepRunner<D> {
         // in 16-byte vectors, so a stride must keep them 16-byte aligned (a dense view
         // of one row, e.g. one layer's fp8 scales of 1 or 3 KV heads, has no stride to
         // speak of).
-        let aligned = stride
-            .checked_mul(size)
-            .is_some_and(|b| b.is_multiple_of(16));
-        if stride < row || ((rows > 1 || v.row_stride.is_some()) && !aligned) {
+        let Some(stride_bytes) = stride.checked_mul(size) else {
+            return Err(Error::invalid(
+                arg,
+                format!(
+                    "row stride {stride}: {stride} elements of {size} bytes overflow 64 bits (no memory holds such rows)"
+                ),
+            ));
+        };
+        if stride < row
+            || ((rows > 1 || v.row_stride.is_some()) && !stride_bytes.is_multiple_of(16))
+        {
             return Err(Error::invalid(
                 arg,
                 format!("row stride {stride} must be >= {row} elements and a multiple of 16 bytes"),
