@@ -16,6 +16,23 @@ use pagedkv_cli::sim::{
 };
 use pagedkv_cli::tiny::{Backend, RunConfig};
 
+/// Writes to stdout, returning the error instead of panicking as `print!` does: a reader that stops early (`pagedkv simulate | head -3`) closes
+/// the pipe, and the run then ends quietly (see `main`).
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($t)*)?
+    }};
+}
+
+/// [`out!`] with a newline.
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($t)*)?
+    }};
+}
+
 #[derive(Parser)]
 #[command(
     name = "pagedkv",
@@ -162,6 +179,13 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader closed stdout (`| head`): what it wanted was written.
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("pagedkv: error: {e}");
             ExitCode::FAILURE
@@ -191,7 +215,7 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         ..RunConfig::default()
     };
     let report = pagedkv_cli::tiny::run(&cfg, &mut |line| eprintln!("{line}"))?;
-    println!("{report}");
+    outln!("{report}");
     if !report.verified() {
         return Err("verification against dense attention failed".into());
     }
@@ -206,7 +230,7 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             return Err("verification of the run without drafts failed".into());
         }
         let m = pagedkv_cli::tiny::compare_greedy(&report, &plain);
-        println!(
+        outln!(
             "without drafts: {} tokens in {} steps, {:.3} s; with --spec {}: {} steps ({:.2}x fewer)",
             plain.tokens,
             plain.steps,
@@ -215,7 +239,7 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             report.steps,
             plain.steps as f64 / report.steps.max(1) as f64
         );
-        println!(
+        outln!(
             "greedy outputs: {} of {} requests identical; {} diverge where the relative logit margin is within the error bound {:.1e} (4x the worst measured attention error): {:?}",
             m.identical,
             m.requests,
@@ -234,7 +258,7 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     if a.no_cache {
         eprintln!("the same requests without a KV cache (every step recomputes every token):");
         let slow = pagedkv_cli::tiny::run_without_cache(&cfg, &mut |line| eprintln!("{line}"))?;
-        println!("without a cache: {slow}");
+        outln!("without a cache: {slow}");
         if !slow.verified() {
             return Err("verification of the run without a cache failed".into());
         }
@@ -243,7 +267,7 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
             .iter()
             .filter(|(id, t)| slow.outputs.get(id) == Some(t))
             .count();
-        println!(
+        outln!(
             "with the cache {:.3} s, without {:.3} s: {:.1}x faster with the cache; {same} of {} requests generated the same tokens both ways",
             report.seconds,
             slow.seconds,
@@ -253,7 +277,7 @@ fn run(a: RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         if let Some(p) = &a.plot {
             let svg = pagedkv_cli::tiny::render_step_times(&report, &slow)?;
             pagedkv_cli::output::write_all(&[(p.clone(), svg.into_bytes())])?;
-            println!("wrote {}", p.display());
+            outln!("wrote {}", p.display());
         }
     }
     Ok(())
@@ -292,9 +316,9 @@ fn simulate_sweep(a: &SimArgs, cfg: &SimConfig) -> Result<(), Box<dyn std::error
     let runs = bar.position();
     bar.finish_and_clear();
     for r in &reports {
-        print!("{}", r.to_table());
+        out!("{}", r.to_table());
     }
-    println!(
+    outln!(
         "\n{runs} simulations in {:.1} s. Normalised latency: mean over requests of end-to-end latency / output tokens (the paper's). Step time: roofline (weights + KV read at 80% of {:.0} GB/s, 50% of {:.0} TFLOP/s, +5 ms/step), prefill {}.",
         started.elapsed().as_secs_f64(),
         cfg.gpu.bandwidth_gbs,
@@ -324,7 +348,7 @@ fn write_outputs(
         outputs.push((p.clone(), svg()?.into_bytes()));
     }
     for p in pagedkv_cli::output::write_all(&outputs)? {
-        println!("wrote {}", p.display());
+        outln!("wrote {}", p.display());
     }
     Ok(())
 }
@@ -445,9 +469,9 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
     bar.finish_and_clear();
 
     for r in &reports {
-        print!("{}", r.to_table());
+        out!("{}", r.to_table());
     }
-    println!(
+    outln!(
         "\ncolumns: tokens/future/intfrag/ext+free = share of the KV pool holding token states, reserved for future tokens, internally fragmented, unreserved (time-weighted);\n\
          tok/rsv = token states / slots held by requests; paper = Fig. 2 token states (vLLM bar for paged: share of held memory; Orca bars for contiguous: share of the pool), ratio = ours/paper;\n\
          paperB = Fig. 13 mean batch (OPT-13B, A100, same scenario), ratioB = ours/paper. Step time: roofline (weights + KV read at 80% of {:.0} GB/s, 50% of {:.0} TFLOP/s, +5 ms/step), prefill {}.",
@@ -456,7 +480,7 @@ fn simulate(a: SimArgs) -> Result<(), Box<dyn std::error::Error>> {
         cfg.prefill.name()
     );
     if let Some(c) = reports.first().and_then(|r| r.kv_dtype_comparison.as_ref()) {
-        println!(
+        outln!(
             "{d} vs {b}: the same scenario with the KV cache at {d} ({} byte{} per element) and at {b}; same budget, so more token slots; \
              a step reads {d}'s fewer KV bytes, the weights unchanged (modelled: step-time roofline and admission, not measured).\n\
              Where arrivals, not memory, bound a policy, {d}'s shorter steps finish requests sooner and its mean batch can be smaller at the same req/s.",

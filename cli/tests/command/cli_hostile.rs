@@ -613,3 +613,26 @@ fn requests_a_system_prompt_shortens_are_counted_in_the_report() {
     let v: serde_json::Value = serde_json::from_str(&fs::read_to_string(&json).unwrap()).unwrap();
     assert!(v[0]["workload"].as_str().unwrap().contains(want), "{v}");
 }
+
+/// A reader that stops early (`pagedkv simulate | head -3`) closes stdout before the
+/// report is written: the run ends quietly with status 0, never the panic of a
+/// `println!` on a closed pipe (status 101 and "failed printing to stdout").
+#[test]
+fn a_closed_stdout_ends_the_run_quietly() {
+    for args in [
+        &["simulate", "--workload", "alpaca", "--num-requests", "20"][..],
+        &["run", "--requests", "2"][..],
+    ] {
+        let mut child = bin()
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take()); // the reader is gone before anything is written
+        let o = child.wait_with_output().unwrap();
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "pagedkv {args:?}: {err}");
+        assert_eq!(o.status.code(), Some(0), "pagedkv {args:?}: {err}");
+    }
+}
