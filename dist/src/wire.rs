@@ -13,9 +13,11 @@
 //!
 //! The payload is one [`Message`] in [postcard](https://docs.rs/postcard) (serde's
 //! compact varint format). A reader checks the magic, then the version (a frame of
-//! another version is refused, never guessed at), the length against its limit
-//! (before allocating, and fallibly), the checksum, and decodes: each failure is its
-//! own [`WireError`]. A [`Message::Step`] also names the full shape and the shard
+//! another version is refused, never guessed at), the length against its limit,
+//! reads the payload into a buffer that grows as its bytes arrive (fallibly: a header
+//! alone allocates nothing near the length it claims), checks the checksum, and
+//! decodes: each failure is its own [`WireError`]. How long a frame may take is the
+//! caller's: [`crate::link`] gives each frame and each call one deadline. A [`Message::Step`] also names the full shape and the shard
 //! size it was planned for, which the worker compares with its own
 //! ([`crate::link::Worker`]).
 
@@ -240,12 +242,7 @@ pub fn read_message(r: &mut impl Read, max_payload: u32) -> Result<Message, Wire
             limit: max_payload,
         });
     }
-    let mut payload = Vec::new();
-    payload
-        .try_reserve_exact(len as usize)
-        .map_err(|_| WireError::Alloc(len))?;
-    payload.resize(len as usize, 0);
-    r.read_exact(&mut payload)?;
+    let payload = read_payload(r, len)?;
     let actual = crc32fast::hash(&payload);
     if actual != crc {
         return Err(WireError::Checksum {
@@ -254,6 +251,39 @@ pub fn read_message(r: &mut impl Read, max_payload: u32) -> Result<Message, Wire
         });
     }
     postcard::from_bytes(&payload).map_err(|e| WireError::Decode(e.to_string()))
+}
+
+/// The first bytes a payload's buffer holds; it then doubles as bytes arrive.
+const FIRST_CHUNK: usize = 64 << 10;
+
+/// A payload of `len` bytes from `r`, in a buffer that grows with the bytes that
+/// arrive (at most [`FIRST_CHUNK`] ahead of them, or as many as arrived): a header
+/// claiming 256 MiB followed by nothing costs 64 KiB, not 256 MiB. Each growth is
+/// fallible ([`WireError::Alloc`]).
+fn read_payload(r: &mut impl Read, len: u32) -> Result<Vec<u8>, WireError> {
+    let total = len as usize;
+    let mut buf = Vec::new();
+    let mut filled = 0;
+    while filled < total {
+        if filled == buf.len() {
+            let grow = (total - filled).min(filled.max(FIRST_CHUNK));
+            buf.try_reserve_exact(grow)
+                .map_err(|_| WireError::Alloc(len))?;
+            buf.resize(filled + grow, 0);
+        }
+        match r.read(&mut buf[filled..]) {
+            Ok(0) => {
+                return Err(WireError::Io(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("the stream ended {filled} bytes into a payload of {total}"),
+                )));
+            }
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(buf)
 }
 
 /// [`read_message`] of a frame held in memory (the whole of `bytes`).

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod alloc;
 pub mod disagg;
 
 use pagedkv_dist::ShardSpec;
