@@ -10,24 +10,26 @@
 //! (in this crate's tests: their attention outputs, which the leader compares; in an
 //! engine, often nothing but "done", the sampled token coming from rank 0).
 //!
-//! Failures are errors that name the rank, never a hang: the leader waits at most its
-//! timeout for each reply, a worker that died is [`DistError::Lost`], one that refused
-//! a step (another wire version, shape or group size, a corrupted frame) is
+//! Failures are errors that name the rank, never a hang: each call of the leader
+//! ([`Leader::connect`], [`send_step`](Leader::send_step),
+//! [`gather`](Leader::gather)) has one deadline, its timeout from the call's start, for
+//! every byte it writes and reads (a peer that trickles a byte per second is caught
+//! as one that sends nothing), and so has each call of a [`Worker`]. A worker that
+//! died or missed the deadline is [`DistError::Lost`], one that refused a hello or a
+//! step (another wire version, model, shape or group size, a corrupted frame) is
 //! [`DistError::Refused`] with its reason. The leader's scheduler is untouched by a
 //! failed step: it has not seen `on_step_done`, so every request is still where it
 //! was (the engine may retry the step on a replacement rank or abort).
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pagedkv_host::scheduler::Batch;
 use pagedkv_host::step::StepShape;
 
-use crate::wire::{
-    DEFAULT_MAX_PAYLOAD, Hello, Message, StepMessage, WireError, read_message, write_message,
-};
+use crate::wire::{DEFAULT_MAX_PAYLOAD, Hello, Message, StepMessage, WireError, read_message};
 use crate::{DistError, ShardSpec};
 
 /// A byte stream to a peer whose reads and writes can time out.
@@ -56,6 +58,156 @@ impl Link for TcpStream {
     }
 }
 
+/// `now + d`, or `None` (no deadline) when `d` is `None` or too far to represent.
+pub(crate) fn deadline_in(d: Option<Duration>) -> Option<Instant> {
+    d.and_then(|d| Instant::now().checked_add(d))
+}
+
+/// What is left until `by` as a socket timeout: `Ok(None)` for no deadline, an error
+/// of kind `TimedOut` saying `what` once it has passed.
+fn left_until(
+    by: Option<Instant>,
+    what: impl FnOnce() -> String,
+) -> std::io::Result<Option<Duration>> {
+    match by {
+        None => Ok(None),
+        Some(t) => {
+            let left = t.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                Err(std::io::Error::new(ErrorKind::TimedOut, what()))
+            } else {
+                Ok(Some(left))
+            }
+        }
+    }
+}
+
+/// A link read against deadlines rather than per read: a frame's first byte must come
+/// by `first_by`, and the rest within `rest_within` of it (`None`: by `first_by`).
+/// Each read sets the link's timeout to what is left, so a peer that trickles a byte
+/// per timeout is caught like one that sends nothing. Once a deadline has passed a
+/// read fails with kind `TimedOut`; [`received`](Self::received) then says whether
+/// the stream is still between frames (0) or out of step.
+pub(crate) struct Paced<'a, L: Link> {
+    link: &'a mut L,
+    first_by: Option<Instant>,
+    rest_within: Option<Duration>,
+    rest_by: Option<Instant>,
+    /// The bound the caller set, for the error's words.
+    bound: Option<Duration>,
+    received: usize,
+}
+
+impl<'a, L: Link> Paced<'a, L> {
+    /// Reads of one frame from `link`: its first byte by `first_by`, the rest within
+    /// `rest_within` of it (`None`: by `first_by`); `bound` is what the error says
+    /// was exceeded.
+    pub(crate) fn new(
+        link: &'a mut L,
+        first_by: Option<Instant>,
+        rest_within: Option<Duration>,
+        bound: Option<Duration>,
+    ) -> Self {
+        Self {
+            link,
+            first_by,
+            rest_within,
+            rest_by: first_by,
+            bound,
+            received: 0,
+        }
+    }
+
+    /// Bytes of the frame read so far.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn received(&self) -> usize {
+        self.received
+    }
+}
+
+impl<L: Link> Read for Paced<'_, L> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let (by, received, bound) = (
+                if self.received == 0 {
+                    self.first_by
+                } else {
+                    self.rest_by
+                },
+                self.received,
+                self.bound,
+            );
+            let left = left_until(by, || {
+                if received == 0 {
+                    format!("nothing arrived within {bound:?}")
+                } else {
+                    format!("a frame stopped {received} bytes in: not whole within {bound:?}")
+                }
+            })?;
+            self.link.set_read_timeout(left)?;
+            match self.link.read(buf) {
+                Ok(n) => {
+                    if self.received == 0 && n > 0 && self.rest_within.is_some() {
+                        self.rest_by = deadline_in(self.rest_within);
+                    }
+                    self.received += n;
+                    return Ok(n);
+                }
+                // The link's own timeout: the deadline decides, above.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Writes `frame` to `link` by `by` (`None`: as long as it takes), each write's
+/// timeout what is left: a peer that reads a byte per timeout is caught like one that
+/// reads nothing. `bound` is what the error says was exceeded.
+pub(crate) fn write_by<L: Link>(
+    link: &mut L,
+    frame: &[u8],
+    by: Option<Instant>,
+    bound: Option<Duration>,
+) -> std::io::Result<()> {
+    let mut sent = 0;
+    while sent < frame.len() {
+        let left = left_until(by, || {
+            format!(
+                "the peer took {sent} of {} bytes, not all within {bound:?}: it is not reading",
+                frame.len()
+            )
+        })?;
+        link.set_write_timeout(left)?;
+        match link.write(&frame[sent..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => sent += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    link.flush()
+}
+
+/// `msg` as a frame written by `by` ([`write_by`]).
+pub(crate) fn write_message_by<L: Link>(
+    link: &mut L,
+    msg: &Message,
+    by: Option<Instant>,
+    bound: Option<Duration>,
+) -> Result<(), WireError> {
+    let frame = crate::wire::encode(msg)?;
+    Ok(write_by(link, &frame, by, bound)?)
+}
+
 /// A failed read from `rank`, as the caller should see it.
 fn lost_or_wire(rank: u32, e: WireError, timeout: Option<Duration>) -> DistError {
     use std::io::ErrorKind::*;
@@ -64,7 +216,12 @@ fn lost_or_wire(rank: u32, e: WireError, timeout: Option<Duration>) -> DistError
             rank,
             detail: "it closed the connection (exited or was killed)".into(),
         },
-        WireError::Io(io) if matches!(io.kind(), WouldBlock | TimedOut) => DistError::Lost {
+        // A deadline of ours ([`Paced`], [`write_by`]): its words say which.
+        WireError::Io(io) if io.kind() == TimedOut => DistError::Lost {
+            rank,
+            detail: io.to_string(),
+        },
+        WireError::Io(io) if io.kind() == WouldBlock => DistError::Lost {
             rank,
             detail: format!("no answer within {timeout:?}"),
         },
@@ -94,9 +251,11 @@ pub struct GroupConfig {
     pub model: String,
     /// Bytes for every rank, as [`Hello::engine`] (the NCCL id, say).
     pub engine: Vec<u8>,
-    /// How long one read or write of the leader's may wait (`None`: forever; then a
-    /// worker that hangs without closing its connection hangs the leader). A reply
-    /// that trickles in a few bytes per timeout is not caught: the bound is per read.
+    /// How long one call of the leader may take in all (`None`: forever; then a
+    /// worker that hangs without closing its connection hangs the leader): `connect`
+    /// (every hello written, every `Ready` read), `send_step` (the step written to
+    /// every worker), `gather` (every reply read). The bound is the call's, not each
+    /// read's: a worker that trickles its bytes misses it as one that sends nothing.
     pub timeout: Option<Duration>,
 }
 
@@ -115,9 +274,9 @@ pub struct Leader<L: Link> {
 
 impl<L: Link> Leader<L> {
     /// Greets the workers: `links[i]` is rank `i + 1` of `links.len() + 1`, each sent
-    /// a [`Hello`] of `group`, and awaited [`Message::Ready`]. Every read waits at most
-    /// `group.timeout`. An error names the first rank that refused, failed or did not
-    /// answer.
+    /// a [`Hello`] of `group`, and awaited [`Message::Ready`], all within
+    /// `group.timeout` of the call. An error names the first rank that refused (with
+    /// its reason), failed or did not answer.
     pub fn connect(links: Vec<L>, group: &GroupConfig) -> Result<Self, DistError> {
         let (shape, timeout) = (group.shape, group.timeout);
         let size = u32::try_from(links.len() + 1)
@@ -132,14 +291,9 @@ impl<L: Link> Leader<L> {
             max_payload: DEFAULT_MAX_PAYLOAD,
             broken: None,
         };
+        let by = deadline_in(timeout);
         for (i, link) in me.links.iter_mut().enumerate() {
             let rank = i as u32 + 1;
-            link.set_read_timeout(timeout)
-                .and_then(|()| link.set_write_timeout(timeout))
-                .map_err(|e| DistError::Wire {
-                    rank,
-                    source: e.into(),
-                })?;
             let hello = Hello {
                 shape,
                 num_layers: group.num_layers,
@@ -147,11 +301,11 @@ impl<L: Link> Leader<L> {
                 model: group.model.clone(),
                 engine: group.engine.clone(),
             };
-            write_message(link, &Message::Hello(hello))
+            write_message_by(link, &Message::Hello(hello), by, timeout)
                 .map_err(|e| lost_or_wire(rank, e, timeout))?;
         }
         for rank in 1..size {
-            match me.read(rank)? {
+            match me.read(rank, by)? {
                 Message::Ready { rank: r } if r == rank => {}
                 m => return Err(me.unexpected(rank, m, "Ready")),
             }
@@ -169,7 +323,8 @@ impl<L: Link> Leader<L> {
 
     /// Sends one step to every worker: the batch as the scheduler handed it out and
     /// the step's input tokens (one per `batch.slot_mapping` entry, checked). Returns
-    /// the step's number, for [`gather`](Self::gather). After any error of this or
+    /// the step's number, for [`gather`](Self::gather). Every worker must take the
+    /// whole step within the group's timeout of the call. After any error of this or
     /// [`gather`](Self::gather), every later call fails with it: some ranks may have
     /// the step and others not, so the group must be connected again.
     pub fn send_step(&mut self, batch: &Batch, input_tokens: &[u32]) -> Result<u64, DistError> {
@@ -196,17 +351,18 @@ impl<L: Link> Leader<L> {
         }));
         let frame =
             crate::wire::encode(&msg).map_err(|e| DistError::Wire { rank: 0, source: e })?;
+        let by = deadline_in(self.timeout);
         for (i, link) in self.links.iter_mut().enumerate() {
             let rank = i as u32 + 1;
-            link.write_all(&frame)
-                .and_then(|()| link.flush())
+            write_by(link, &frame, by, self.timeout)
                 .map_err(|e| lost_or_wire(rank, e.into(), self.timeout))?;
         }
         self.next_step += 1;
         Ok(step)
     }
 
-    /// Every worker's reply to step `step`, in rank order (ranks `1..size`).
+    /// Every worker's reply to step `step`, in rank order (ranks `1..size`), all within
+    /// the group's timeout of the call.
     pub fn gather(&mut self, step: u64) -> Result<Vec<Vec<u8>>, DistError> {
         self.check_broken()?;
         let r = self.gather_inner(step);
@@ -230,29 +386,40 @@ impl<L: Link> Leader<L> {
 
     fn gather_inner(&mut self, step: u64) -> Result<Vec<Vec<u8>>, DistError> {
         let mut out = Vec::with_capacity(self.links.len());
+        let by = deadline_in(self.timeout);
         for rank in 1..self.size {
-            match self.read(rank)? {
+            match self.read(rank, by)? {
                 Message::Reply {
                     step: s,
                     rank: r,
                     data,
                 } if s == step && r == rank => out.push(data),
-                m => return Err(self.unexpected(rank, m, &format!("Reply to step {step}"))),
+                m => {
+                    let want = format!("Reply to step {step}");
+                    return Err(self.unexpected(rank, m, &want));
+                }
             }
         }
         Ok(out)
     }
 
-    /// Tells every worker to stop (a worker that is gone already is not an error).
+    /// Tells every worker to stop, within the group's timeout (a worker that is gone
+    /// already, or not reading, is not an error).
     pub fn stop(mut self) {
+        let by = deadline_in(self.timeout);
         for link in &mut self.links {
-            let _ = write_message(link, &Message::Stop);
+            let _ = write_message_by(link, &Message::Stop, by, self.timeout);
         }
     }
 
-    fn read(&mut self, rank: u32) -> Result<Message, DistError> {
+    /// The next frame from `rank`, whole by `by`.
+    fn read(&mut self, rank: u32, by: Option<Instant>) -> Result<Message, DistError> {
         let link = &mut self.links[rank as usize - 1];
-        read_message(link, self.max_payload).map_err(|e| lost_or_wire(rank, e, self.timeout))
+        read_message(
+            &mut Paced::new(link, by, None, self.timeout),
+            self.max_payload,
+        )
+        .map_err(|e| lost_or_wire(rank, e, self.timeout))
     }
 
     fn unexpected(&self, rank: u32, m: Message, want: &str) -> DistError {
@@ -285,6 +452,11 @@ pub struct Worker<L: Link> {
     link: L,
     hello: Hello,
     max_payload: u32,
+    /// How long a call may take (`None`: forever): the hello, each step frame from its
+    /// first byte, each reply.
+    timeout: Option<Duration>,
+    /// How long [`next_step`](Self::next_step) waits for a step to begin.
+    idle_timeout: Option<Duration>,
     /// A frame failed: the stream may be out of step, every later read fails.
     broken: Option<String>,
 }
@@ -294,9 +466,33 @@ impl<L: Link> Worker<L> {
     /// layers, model; not `engine`, which the leader sends and
     /// [`hello`](Self::hello) returns): [`Message::Ready`] when they match, else
     /// [`Message::Refused`] with what differs, and that as the error.
-    pub fn accept(mut link: L, expect: &Hello) -> Result<Self, DistError> {
+    ///
+    /// `timeout` bounds this call (the hello read and the answer written) and, kept,
+    /// every later one: each step's frame from its first byte, each reply
+    /// ([`set_idle_timeout`](Self::set_idle_timeout) bounds the wait for a step to
+    /// begin). `None`: forever (a leader that hangs without closing its connection
+    /// then hangs the worker).
+    pub fn accept(
+        mut link: L,
+        expect: &Hello,
+        timeout: Option<Duration>,
+    ) -> Result<Self, DistError> {
         let rank = expect.shard.rank;
-        let got = match read_message(&mut link, DEFAULT_MAX_PAYLOAD) {
+        let by = deadline_in(timeout);
+        let refuse = |link: &mut L, reason: String| {
+            let _ = write_message_by(
+                link,
+                &Message::Refused {
+                    rank,
+                    reason: reason.clone(),
+                },
+                by,
+                timeout,
+            );
+            reason
+        };
+        let mut paced = Paced::new(&mut link, by, None, timeout);
+        let got = match read_message(&mut paced, DEFAULT_MAX_PAYLOAD) {
             Ok(Message::Hello(h)) => h,
             Ok(m) => {
                 return Err(DistError::Protocol {
@@ -304,7 +500,7 @@ impl<L: Link> Worker<L> {
                     detail: format!("expected Hello, got {}", kind(&m)),
                 });
             }
-            Err(e) => return Err(lost_or_wire(0, e, None)),
+            Err(e) => return Err(lost_or_wire(0, e, timeout)),
         };
         let mut diffs = Vec::new();
         if got.shard != expect.shard {
@@ -333,23 +529,28 @@ impl<L: Link> Worker<L> {
         }
         if !diffs.is_empty() {
             let reason = format!("the leader's hello does not match: {}", diffs.join("; "));
-            let _ = write_message(
-                &mut link,
-                &Message::Refused {
-                    rank,
-                    reason: reason.clone(),
-                },
-            );
-            return Err(DistError::Mismatch(reason));
+            return Err(DistError::Mismatch(refuse(&mut link, reason)));
         }
         expect.shard.shape(&expect.shape)?;
-        write_message(&mut link, &Message::Ready { rank }).map_err(|e| lost_or_wire(0, e, None))?;
+        write_message_by(&mut link, &Message::Ready { rank }, by, timeout)
+            .map_err(|e| lost_or_wire(0, e, timeout))?;
         Ok(Self {
             link,
             hello: got,
             max_payload: DEFAULT_MAX_PAYLOAD,
+            timeout,
+            idle_timeout: None,
             broken: None,
         })
+    }
+
+    /// How long [`next_step`](Self::next_step) waits for the leader's next step to
+    /// begin (`None`, the default: as long as it takes, since a group with no
+    /// requests sends no steps; set it when the leader is known to send steps at some
+    /// rate). A step's frame, once begun, must arrive whole within the timeout of
+    /// [`accept`](Self::accept) either way.
+    pub fn set_idle_timeout(&mut self, idle: Option<Duration>) {
+        self.idle_timeout = idle;
     }
 
     /// The leader's hello (with its [`Hello::engine`] bytes).
@@ -373,8 +574,10 @@ impl<L: Link> Worker<L> {
     /// The next step, or `None` when the leader stopped or closed the connection. A
     /// frame that fails its checks (another wire version, a bad checksum, a malformed
     /// payload) or a step planned for another shape or group size is refused: the
-    /// leader is told why, and the error returned; every later call fails with it (the
-    /// stream may be out of step).
+    /// leader is told why, and the error returned; a step that does not begin within
+    /// the idle timeout, or not arrive whole within the timeout of its first byte, is
+    /// [`DistError::Lost`]. After any error every later call fails with it (the stream
+    /// may be out of step).
     pub fn next_step(&mut self) -> Result<Option<StepMessage>, DistError> {
         if let Some(e) = &self.broken {
             return Err(DistError::Broken(e.clone()));
@@ -388,9 +591,16 @@ impl<L: Link> Worker<L> {
 
     fn next_step_inner(&mut self) -> Result<Option<StepMessage>, DistError> {
         let rank = self.hello.shard.rank;
-        let msg = match read_message(&mut self.link, self.max_payload) {
+        let mut paced = Paced::new(
+            &mut self.link,
+            deadline_in(self.idle_timeout),
+            self.timeout,
+            self.timeout,
+        );
+        let msg = match read_message(&mut paced, self.max_payload) {
             Ok(m) => m,
             Err(WireError::Closed) => return Ok(None),
+            Err(e @ WireError::Io(_)) => return Err(lost_or_wire(0, e, self.timeout)),
             Err(e) => {
                 self.refuse(format!("a frame failed its checks: {e}"));
                 return Err(DistError::Wire { rank: 0, source: e });
@@ -429,15 +639,27 @@ impl<L: Link> Worker<L> {
         Ok(Some(*step))
     }
 
-    /// Answers step `step` with the engine's bytes.
+    /// Answers step `step` with the engine's bytes, within the timeout.
     pub fn reply(&mut self, step: u64, data: Vec<u8>) -> Result<(), DistError> {
         let rank = self.hello.shard.rank;
-        write_message(&mut self.link, &Message::Reply { step, rank, data })
-            .map_err(|e| lost_or_wire(0, e, None))
+        let msg = Message::Reply { step, rank, data };
+        write_message_by(
+            &mut self.link,
+            &msg,
+            deadline_in(self.timeout),
+            self.timeout,
+        )
+        .map_err(|e| lost_or_wire(0, e, self.timeout))
     }
 
     fn refuse(&mut self, reason: String) {
         let rank = self.hello.shard.rank;
-        let _ = write_message(&mut self.link, &Message::Refused { rank, reason });
+        let msg = Message::Refused { rank, reason };
+        let _ = write_message_by(
+            &mut self.link,
+            &msg,
+            deadline_in(self.timeout),
+            self.timeout,
+        );
     }
 }

@@ -167,7 +167,7 @@ fn shard_worker_process() {
         return;
     };
     let link = UnixStream::connect(path).unwrap();
-    let mut w = Worker::accept(link, &worker_hello()).unwrap();
+    let mut w = Worker::accept(link, &worker_hello(), Some(Duration::from_secs(60))).unwrap();
     assert_eq!(w.hello().engine, [7; 3], "the leader's engine bytes");
     let mut rank = Rank::new(w.shard());
     while let Some(step) = w.next_step().unwrap() {
@@ -275,7 +275,7 @@ fn a_killed_worker_is_an_error_on_the_leader_and_nothing_is_lost() {
 fn workers_refuse_what_does_not_match_and_the_leader_says_why() {
     // Another model.
     let (a, b) = UnixStream::pair().unwrap();
-    let w = std::thread::spawn(move || Worker::accept(b, &worker_hello()).err().unwrap());
+    let w = std::thread::spawn(move || Worker::accept(b, &worker_hello(), None).err().unwrap());
     let other = GroupConfig {
         model: "other model".into(),
         ..group(None)
@@ -317,7 +317,7 @@ fn workers_refuse_what_does_not_match_and_the_leader_says_why() {
     ] {
         let (mut a, b) = UnixStream::pair().unwrap();
         let w = std::thread::spawn(move || {
-            let mut w = Worker::accept(b, &worker_hello()).unwrap();
+            let mut w = Worker::accept(b, &worker_hello(), None).unwrap();
             w.next_step().err().unwrap()
         });
         write_message(&mut a, &Message::Hello(worker_hello())).unwrap();
