@@ -307,7 +307,7 @@ impl<L: Link> Leader<L> {
         for rank in 1..size {
             match me.read(rank, by)? {
                 Message::Ready { rank: r } if r == rank => {}
-                m => return Err(me.unexpected(rank, m, "Ready")),
+                m => return Err(me.unexpected(rank, m, &format!("Ready from rank {rank}"))),
             }
         }
         Ok(me)
@@ -395,7 +395,7 @@ impl<L: Link> Leader<L> {
                     data,
                 } if s == step && r == rank => out.push(data),
                 m => {
-                    let want = format!("Reply to step {step}");
+                    let want = format!("Reply to step {step} from rank {rank}");
                     return Err(self.unexpected(rank, m, &want));
                 }
             }
@@ -427,23 +427,24 @@ impl<L: Link> Leader<L> {
             Message::Refused { reason, .. } => DistError::Refused { rank, reason },
             m => DistError::Protocol {
                 rank,
-                detail: format!("expected {want}, got {}", kind(&m)),
+                detail: format!("expected {want}, got {}", describe(&m)),
             },
         }
     }
 }
 
-fn kind(m: &Message) -> &'static str {
+/// A message in a few words: its kind and what tells it from another of that kind.
+pub(crate) fn describe(m: &Message) -> String {
     match m {
-        Message::Hello(_) => "Hello",
-        Message::Ready { .. } => "Ready",
-        Message::Refused { .. } => "Refused",
-        Message::Step(_) => "Step",
-        Message::Reply { .. } => "Reply",
-        Message::Stop => "Stop",
-        Message::Export(_) => "Export",
-        Message::NixlOffer { .. } => "NixlOffer",
-        Message::NixlDone { .. } => "NixlDone",
+        Message::Hello(h) => format!("Hello for rank {} of {}", h.shard.rank, h.shard.size),
+        Message::Ready { rank } => format!("Ready from rank {rank}"),
+        Message::Refused { rank, .. } => format!("Refused from rank {rank}"),
+        Message::Step(s) => format!("Step {}", s.step),
+        Message::Reply { step, rank, .. } => format!("Reply to step {step} from rank {rank}"),
+        Message::Stop => "Stop".into(),
+        Message::Export(e) => format!("Export of request {}", e.request),
+        Message::NixlOffer { seq, .. } => format!("NixlOffer {seq}"),
+        Message::NixlDone { seq } => format!("NixlDone {seq}"),
     }
 }
 
@@ -465,7 +466,9 @@ impl<L: Link> Worker<L> {
     /// Waits for the leader's [`Hello`] and compares it with `expect` (shard, shape,
     /// layers, model; not `engine`, which the leader sends and
     /// [`hello`](Self::hello) returns): [`Message::Ready`] when they match, else
-    /// [`Message::Refused`] with what differs, and that as the error.
+    /// [`Message::Refused`] with what differs, and that as the error. A hello that
+    /// fails its checks (another wire version, a bad checksum, a malformed payload) is
+    /// refused the same way, with the check that failed: the leader's error says why.
     ///
     /// `timeout` bounds this call (the hello read and the answer written) and, kept,
     /// every later one: each step's frame from its first byte, each reply
@@ -495,12 +498,22 @@ impl<L: Link> Worker<L> {
         let got = match read_message(&mut paced, DEFAULT_MAX_PAYLOAD) {
             Ok(Message::Hello(h)) => h,
             Ok(m) => {
+                let detail = format!("expected Hello, got {}", describe(&m));
                 return Err(DistError::Protocol {
                     rank: 0,
-                    detail: format!("expected Hello, got {}", kind(&m)),
+                    detail: refuse(&mut link, detail),
                 });
             }
-            Err(e) => return Err(lost_or_wire(0, e, timeout)),
+            Err(e @ (WireError::Io(_) | WireError::Closed)) => {
+                return Err(lost_or_wire(0, e, timeout));
+            }
+            Err(e) => {
+                refuse(
+                    &mut link,
+                    format!("the leader's hello failed its checks: {e}"),
+                );
+                return Err(DistError::Wire { rank: 0, source: e });
+            }
         };
         let mut diffs = Vec::new();
         if got.shard != expect.shard {
@@ -531,7 +544,13 @@ impl<L: Link> Worker<L> {
             let reason = format!("the leader's hello does not match: {}", diffs.join("; "));
             return Err(DistError::Mismatch(refuse(&mut link, reason)));
         }
-        expect.shard.shape(&expect.shape)?;
+        if let Err(e) = expect.shard.shape(&expect.shape) {
+            refuse(
+                &mut link,
+                format!("this worker cannot serve its own shard: {e}"),
+            );
+            return Err(e);
+        }
         write_message_by(&mut link, &Message::Ready { rank }, by, timeout)
             .map_err(|e| lost_or_wire(0, e, timeout))?;
         Ok(Self {
@@ -610,7 +629,7 @@ impl<L: Link> Worker<L> {
             Message::Stop => return Ok(None),
             Message::Step(s) => s,
             m => {
-                let reason = format!("expected Step or Stop, got {}", kind(&m));
+                let reason = format!("expected Step or Stop, got {}", describe(&m));
                 self.refuse(reason.clone());
                 return Err(DistError::Protocol {
                     rank: 0,

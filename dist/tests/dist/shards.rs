@@ -332,3 +332,119 @@ fn workers_refuse_what_does_not_match_and_the_leader_says_why() {
         }
     }
 }
+
+/// A link that edits the bytes the leader writes (`edit(offset in the stream, byte)`),
+/// as a leader of another build or a corrupting network would send them.
+struct Tamper {
+    inner: UnixStream,
+    sent: usize,
+    edit: fn(usize, u8) -> u8,
+}
+
+impl std::io::Read for Tamper {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl std::io::Write for Tamper {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let edited: Vec<u8> = (buf.iter().enumerate())
+            .map(|(i, &b)| (self.edit)(self.sent + i, b))
+            .collect();
+        let n = self.inner.write(&edited)?;
+        self.sent += n;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl pagedkv_dist::Link for Tamper {
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.inner.set_read_timeout(t)
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.inner.set_write_timeout(t)
+    }
+}
+
+/// A hello of another wire version, or one whose checksum fails, is refused by the
+/// worker with the check that failed, and `Leader::connect`'s error gives it (it was
+/// "connection reset", or "closed the connection": the worker hung up without a word).
+#[test]
+fn a_hello_of_another_version_or_a_bad_checksum_is_refused_and_the_leader_says_why() {
+    let other_version: fn(usize, u8) -> u8 = |i, b| match i {
+        4 | 5 => (WIRE_VERSION + 1).to_le_bytes()[i - 4],
+        _ => b,
+    };
+    // The first byte of the hello's CRC-32.
+    let bad_checksum: fn(usize, u8) -> u8 = |i, b| if i == 12 { b ^ 0x5a } else { b };
+    for (edit, want) in [(other_version, "wire version"), (bad_checksum, "checksum")] {
+        let (a, b) = UnixStream::pair().unwrap();
+        let timeout = Some(Duration::from_secs(30));
+        let w = std::thread::spawn(move || {
+            Worker::accept(b, &worker_hello(), timeout)
+                .err()
+                .expect("a bad hello accepted")
+        });
+        let link = Tamper {
+            inner: a,
+            sent: 0,
+            edit,
+        };
+        let e = Leader::connect(vec![link], &group(timeout)).err().unwrap();
+        assert!(
+            matches!(&e, DistError::Refused { rank: 1, reason } if reason.contains(want)),
+            "{want}: {e}"
+        );
+        let we = w.join().unwrap();
+        assert!(we.to_string().contains(want), "{want}: {we}");
+    }
+}
+
+/// A worker that answers out of turn is a protocol error that says what came, not
+/// "expected Ready, got Ready": a Ready from another rank, a Reply to another step.
+#[test]
+fn an_answer_out_of_turn_says_what_was_expected_and_what_came() {
+    let timeout = Some(Duration::from_secs(30));
+    let (a, mut b) = UnixStream::pair().unwrap();
+    let w = std::thread::spawn(move || {
+        let hello = pagedkv_dist::wire::read_message(&mut b, 1 << 20).unwrap();
+        assert!(matches!(hello, Message::Hello(_)));
+        write_message(&mut b, &Message::Ready { rank: 2 }).unwrap();
+        b
+    });
+    let e = Leader::connect(vec![a], &group(timeout)).err().unwrap();
+    w.join().unwrap();
+    let text = e.to_string();
+    assert!(
+        matches!(e, DistError::Protocol { rank: 1, .. })
+            && text.contains("expected Ready from rank 1, got Ready from rank 2"),
+        "{text}"
+    );
+
+    let (a, mut b) = UnixStream::pair().unwrap();
+    let w = std::thread::spawn(move || {
+        let _hello = pagedkv_dist::wire::read_message(&mut b, 1 << 20).unwrap();
+        write_message(&mut b, &Message::Ready { rank: 1 }).unwrap();
+        let _step = pagedkv_dist::wire::read_message(&mut b, 1 << 20).unwrap();
+        let reply = Message::Reply {
+            step: 5,
+            rank: 1,
+            data: Vec::new(),
+        };
+        write_message(&mut b, &reply).unwrap();
+        b
+    });
+    let mut leader = Leader::connect(vec![a], &group(timeout)).unwrap();
+    let step = leader.send_step(&Batch::default(), &[]).unwrap();
+    let e = leader.gather(step).unwrap_err();
+    w.join().unwrap();
+    let text = e.to_string();
+    assert!(
+        text.contains("expected Reply to step 0 from rank 1, got Reply to step 5 from rank 1"),
+        "{text}"
+    );
+}
