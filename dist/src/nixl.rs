@@ -164,7 +164,13 @@ impl<L: Link> Transfer for NixlTransfer<L> {
         }
     }
 
-    fn recv(&mut self, timeout: Duration) -> Option<Vec<u8>> {
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, TransferError> {
+        Ok(self.recv_frame(timeout))
+    }
+}
+
+impl<L: Link> NixlTransfer<L> {
+    fn recv_frame(&mut self, timeout: Duration) -> Option<Vec<u8>> {
         let deadline = Instant::now() + timeout;
         self.side
             .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))

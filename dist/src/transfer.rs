@@ -192,6 +192,10 @@ pub enum TransferError {
     /// The frame failed its checks.
     #[error("{0}")]
     Wire(#[from] WireError),
+    /// The transport failed, or refused to go on, and says why (what NIXL said, an
+    /// offer never acknowledged, memory held by transfers that never finished).
+    #[error("transport: {0}")]
+    Transport(String),
 }
 
 /// One instance: its scheduler, backend and cache (what an export reads and an import
@@ -407,15 +411,17 @@ impl std::fmt::Display for Outcome {
 pub trait Transfer {
     /// Sends one export frame.
     fn send(&mut self, frame: Vec<u8>) -> Result<(), TransferError>;
-    /// The next frame, waiting at most `timeout`; `None` when none came in time.
-    fn recv(&mut self, timeout: Duration) -> Option<Vec<u8>>;
+    /// The next frame, waiting at most `timeout` in all: `Ok(None)` when none came in
+    /// time, an error when the transport failed (and why).
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, TransferError>;
 }
 
 /// Receives `request`'s export over `transport` within `timeout` and imports it:
 /// [`Outcome::Imported`], or [`Outcome::Recomputed`] with the reason when nothing
-/// arrived in time, a frame failed its checks, the frame was of another request (a
-/// late one, dropped), or the import refused it. Either way the engine then adds the
-/// request and serves it.
+/// arrived in time, the transport failed, a frame failed its checks, or the import
+/// refused it. Frames of other requests (late ones) are dropped and the wait goes on,
+/// within the same `timeout`: a stream of them does not hold the request past it.
+/// Either way the engine then adds the request and serves it.
 pub fn receive_and_import<B: AttentionBackend, T: Transfer>(
     endpoint: &TransferEndpoint,
     transport: &mut T,
@@ -425,13 +431,26 @@ pub fn receive_and_import<B: AttentionBackend, T: Transfer>(
 ) -> Outcome {
     let recompute = |reason: String| Outcome::Recomputed { reason };
     let start = std::time::Instant::now();
+    let mut dropped = 0usize;
+    let none_in_time = |dropped: usize| {
+        let others = match dropped {
+            0 => String::new(),
+            n => format!(" ({n} exports of other requests dropped)"),
+        };
+        recompute(format!(
+            "no export of request {} within {timeout:?}{others}",
+            req.request
+        ))
+    };
     loop {
         let left = timeout.saturating_sub(start.elapsed());
-        let Some(frame) = transport.recv(left) else {
-            return recompute(format!(
-                "no export of request {} within {timeout:?}",
-                req.request
-            ));
+        if dropped > 0 && left.is_zero() {
+            return none_in_time(dropped);
+        }
+        let frame = match transport.recv(left) {
+            Ok(Some(f)) => f,
+            Ok(None) => return none_in_time(dropped),
+            Err(e) => return recompute(format!("the transport failed: {e}")),
         };
         let export = match decode_export(&frame, endpoint.max_frame_bytes) {
             Ok(e) => e,
@@ -439,6 +458,7 @@ pub fn receive_and_import<B: AttentionBackend, T: Transfer>(
         };
         if export.request != req.request {
             // A late export of a request served already: dropped, keep waiting.
+            dropped += 1;
             continue;
         }
         return match endpoint.import(at, req, &export) {
@@ -507,7 +527,13 @@ impl Transfer for InProcess {
         send(&self.tx, frame)
     }
 
-    fn recv(&mut self, timeout: Duration) -> Option<Vec<u8>> {
-        self.rx.recv_timeout(timeout).ok()
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, TransferError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(f) => Ok(Some(f)),
+            Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(TransferError::Wire(WireError::Closed))
+            }
+        }
     }
 }

@@ -5,7 +5,7 @@
 //! transfer, or one that fails an import check, makes the decode instance recompute
 //! the prompt (same outputs), and registers nothing.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::common::disagg::{
     at, decodes, endpoint, prefill_and_export, prompt, receive, same, serve,
@@ -155,4 +155,55 @@ fn a_failed_write_aborts_the_reservation() {
     assert_eq!(s.kv().device().num_free(), free, "blocks held");
     let names = s.block_names(&p, None);
     assert!(s.cached_blocks(&names).unwrap().is_empty(), "registered");
+}
+
+/// A transport with a backlog of `left` late exports of another request, each ready
+/// at once and taking 10 ms to read, then nothing.
+struct Backlog {
+    frame: Vec<u8>,
+    left: usize,
+}
+
+impl Transfer for Backlog {
+    fn send(&mut self, _: Vec<u8>) -> Result<(), TransferError> {
+        Ok(())
+    }
+
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, TransferError> {
+        if self.left == 0 {
+            std::thread::sleep(timeout);
+            return Ok(None);
+        }
+        self.left -= 1;
+        std::thread::sleep(Duration::from_millis(10));
+        Ok(Some(self.frame.clone()))
+    }
+}
+
+/// Exports of other requests that keep arriving do not hold `receive_and_import` past
+/// its deadline: with 50 ms it returns within a second (it ran until the backlog of
+/// 300 ran out, 3 s), recomputing, and says how many it dropped.
+#[test]
+fn exports_of_other_requests_do_not_hold_the_receiver_past_its_deadline() {
+    let mut late = prefill_and_export(2);
+    late.blocks.clear();
+    let mut t = Backlog {
+        frame: encode_export(late).unwrap(),
+        left: 300,
+    };
+    let (mut s, mut rank) = (scheduler(), Rank::new(ShardSpec::WHOLE));
+    let start = Instant::now();
+    let out = receive(&mut t, 1, Duration::from_millis(50), &mut s, &mut rank);
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "{took:?} for a 50 ms deadline ({out})"
+    );
+    match &out {
+        Outcome::Recomputed { reason } => {
+            assert!(reason.contains("no export of request 1"), "{reason}");
+            assert!(reason.contains("other requests dropped"), "{reason}");
+        }
+        o => panic!("{o:?}"),
+    }
 }
