@@ -2,19 +2,41 @@
 //! memory, TCP on loopback), with `--features nixl`: the decode process reads the
 //! prefill process's export out of its registered memory, imports the blocks, and its
 //! decode outputs equal one instance's, bit for bit. Both processes are this test
-//! binary run again (`nixl_role_process`), with the environment
-//! `scripts/install-nixl.sh` prints (the library from the nixl-cu12 wheel).
+//! binary run again (`nixl_role_process`). Offers that fail and offers never
+//! acknowledged give their memory back, or hold at most a bound of it, and say why.
+//!
+//! The library comes from the nixl-cu12 wheel: the in-process tests need the
+//! environment `scripts/install-nixl.sh` prints, and fail saying so without it.
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::common::alloc;
 use crate::common::disagg::{decodes, prefill_and_export, receive, same, serve};
 use crate::common::{Rank, scheduler};
 
 use pagedkv_dist::ShardSpec;
 use pagedkv_dist::nixl::NixlTransfer;
 use pagedkv_dist::transfer::{Outcome, Transfer, encode_export};
+use pagedkv_dist::wire::{Message, read_message, write_message};
+
+/// What the NIXL tests say when this process cannot use the library.
+const INSTALL: &str = "NIXL is not installed for this process: run \
+    `eval \"$(scripts/install-nixl.sh)\"` in this shell first (it downloads the pinned \
+    nixl-cu12 wheel from PyPI with `python3 -m pip download`, unpacks it with unzip into \
+    .tools/, and prints LD_LIBRARY_PATH, NIXL_PLUGIN_DIR and UCX_TLS), then run the test \
+    again: `cargo test -p pagedkv-dist --features nixl --test dist nixl::`";
+
+/// Fails the test, saying what to run, unless this process can use NIXL.
+fn require_nixl() {
+    let plugins = std::env::var_os("NIXL_PLUGIN_DIR");
+    assert!(
+        plugins.is_some() && !nixl_sys::is_stub(),
+        "{INSTALL} (libnixl_capi.so opens: {}; NIXL_PLUGIN_DIR: {plugins:?})",
+        !nixl_sys::is_stub()
+    );
+}
 
 const ROLE: &str = "PAGEDKV_NIXL_TEST_ROLE";
 const SOCK: &str = "PAGEDKV_NIXL_TEST_SOCKET";
@@ -161,4 +183,97 @@ fn a_missing_library_is_an_error_that_says_how_to_install_it() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(out.contains("nixl missing:"), "{out}");
+}
+
+/// A sender agent for hand-made offers: its metadata, nothing registered.
+fn bare_agent(name: &str) -> (nixl_sys::Agent, nixl_sys::Backend) {
+    let agent = nixl_sys::Agent::new(name).unwrap();
+    let (_mems, params) = agent.get_plugin_params("UCX").unwrap();
+    let backend = agent.create_backend("UCX", &params).unwrap();
+    (agent, backend)
+}
+
+/// Offers the receiver cannot read (64 MiB at an address the sender never
+/// registered, and metadata that is not an agent's) are errors that say why, the
+/// receiver acknowledges each (the sender may release it), and their memory is given
+/// back (each leaked its length: +257 MiB from four).
+#[test]
+fn offers_that_cannot_be_read_give_their_memory_back_and_say_why() {
+    require_nixl();
+    let (a, mut b) = UnixStream::pair().unwrap();
+    let mut rx = NixlTransfer::new("decode-bad-offers", a).unwrap();
+    let (agent, _backend) = bare_agent("sender-bad-offers");
+    let md = agent.get_local_md().unwrap();
+    let base = alloc::live();
+    for seq in 0..5u64 {
+        let agent_md = if seq == 4 { vec![7; 100] } else { md.clone() };
+        let offer = Message::NixlOffer {
+            seq,
+            agent_md,
+            addr: 0x10_0000,
+            len: 64 << 20,
+        };
+        write_message(&mut b, &offer).unwrap();
+        let e = rx.recv(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("offer {seq}")) && e.contains("NIXL"),
+            "{e}"
+        );
+        match read_message(&mut b, 1 << 20).unwrap() {
+            Message::NixlDone { seq: s } => assert_eq!(s, seq),
+            m => panic!("{m:?}"),
+        }
+    }
+    let held = alloc::live() - base;
+    assert!(
+        held < 1 << 20,
+        "five bad offers of 64 MiB: the receiver holds {held} bytes"
+    );
+    assert_eq!(rx.outstanding(), (0, 0));
+}
+
+/// Offers never acknowledged stay registered (the receiver may be reading them), but
+/// at most `max_outstanding_bytes` of them (256 MiB): past it a send is refused, and
+/// each error says what is held (it was "os error 11", and every such frame leaked);
+/// late acknowledgements release them.
+#[test]
+fn offers_never_acknowledged_are_bounded_and_released_by_late_acks() {
+    require_nixl();
+    let (a, mut b) = UnixStream::pair().unwrap();
+    let mut tx = NixlTransfer::new("prefill-unacked", a).unwrap();
+    tx.ack_timeout = Duration::from_millis(50);
+    let base = alloc::live();
+    let errors: Vec<String> = (0..6)
+        .map(|_| tx.send(vec![1u8; 64 << 20]).unwrap_err().to_string())
+        .collect();
+    let held = alloc::live() - base;
+    assert!(
+        held <= (256 << 20) + (1 << 20),
+        "six offers of 64 MiB never acknowledged: {held} bytes held"
+    );
+    for (i, e) in errors.iter().enumerate() {
+        let want = if i < 4 {
+            format!("did not acknowledge offer {i}")
+        } else {
+            "not offered".to_string()
+        };
+        assert!(e.contains(&want) && e.contains("held"), "send {i}: {e}");
+    }
+    assert_eq!(tx.outstanding(), (4, 256 << 20));
+    // The receiver acknowledges the four late: the next send releases them.
+    for seq in 0..4 {
+        match read_message(&mut b, 1 << 20).unwrap() {
+            Message::NixlOffer { seq: s, .. } => assert_eq!(s, seq),
+            m => panic!("{m:?}"),
+        }
+        write_message(&mut b, &Message::NixlDone { seq }).unwrap();
+    }
+    let e = tx.send(vec![2u8; 1 << 20]).unwrap_err().to_string();
+    assert!(e.contains("did not acknowledge offer 4"), "{e}");
+    assert_eq!(tx.outstanding(), (1, 1 << 20));
+    let held = alloc::live() - base;
+    assert!(
+        held <= 2 << 20,
+        "acknowledged offers still held: {held} bytes"
+    );
 }
