@@ -5,8 +5,10 @@
 //! binary run again (`nixl_role_process`). Offers that fail and offers never
 //! acknowledged give their memory back, or hold at most a bound of it, and say why.
 //!
-//! The library comes from the nixl-cu12 wheel: the in-process tests need the
-//! environment `scripts/install-nixl.sh` prints, and fail saying so without it.
+//! The library comes from the nixl-cu12 wheel: these tests need the environment
+//! `scripts/install-nixl.sh` prints (`eval "$(scripts/install-nixl.sh)"` first, as
+//! .ci/run's NIXL step does; the script downloads the wheel), and fail saying so
+//! without it. They download nothing themselves.
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
@@ -109,26 +111,8 @@ fn nixl_role_process() {
 
 #[test]
 fn prefill_to_decode_over_nixl() {
-    // The library's environment, from the install script (idempotent).
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/install-nixl.sh");
-    let o = Command::new("bash").arg(script).output().unwrap();
-    assert!(
-        o.status.success(),
-        "scripts/install-nixl.sh failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let env: Vec<(String, String)> = String::from_utf8(o.stdout)
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.strip_prefix("export "))
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| {
-            // (The script's `${LD_LIBRARY_PATH:+...}` tail is for a shell.)
-            let v = v.split("${").next().unwrap();
-            (k.to_string(), v.to_string())
-        })
-        .collect();
-    assert_eq!(env.len(), 3, "{env:?}");
+    // The processes inherit this one's environment: the library's.
+    require_nixl();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("side.sock");
     let spawn = |role: &str| {
@@ -139,7 +123,6 @@ fn prefill_to_decode_over_nixl() {
                 "--ignored",
                 "--nocapture",
             ])
-            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env(ROLE, role)
             .env(SOCK, &sock)
             .output()
@@ -183,6 +166,28 @@ fn a_missing_library_is_an_error_that_says_how_to_install_it() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(out.contains("nixl missing:"), "{out}");
+}
+
+/// Without the library's environment the NIXL test fails, saying what to run (it ran
+/// scripts/install-nixl.sh, a download, from inside the test).
+#[test]
+fn without_the_library_the_nixl_test_says_what_to_run() {
+    let o = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "nixl::prefill_to_decode_over_nixl",
+            "--nocapture",
+        ])
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("NIXL_PLUGIN_DIR")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout) + String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "it passed without the library:\n{out}");
+    assert!(
+        out.contains("eval \"$(scripts/install-nixl.sh)\"") && out.contains("PyPI"),
+        "{out}"
+    );
 }
 
 /// A sender agent for hand-made offers: its metadata, nothing registered.
