@@ -74,16 +74,19 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-/// Runs `f` and checks it never held more than 10 times `input` bytes plus 256 KiB
-/// at once: the payload buffer is at most 64 KiB ahead of the bytes that arrived, and
-/// a decoded message at most some times its payload (a one-byte varint is a 4-byte
-/// u32, and a vector may double as it grows), whatever length a header claims.
+/// Runs `f` and checks it never held more than 10 times `input` bytes plus 4 MiB at
+/// once, whatever length a header claims: the payload buffer is at most 64 KiB ahead
+/// of the bytes that arrived; a decoded message is at most some times its payload (a
+/// one-byte varint is a 4-byte u32, a vector may double as it grows); and a vector's
+/// claimed length preallocates at most 1 MiB (serde's cautious size hint) for each of
+/// the few vectors being decoded at once (an export's blocks, a block's tokens and
+/// bytes).
 fn bounded<T>(input: usize, f: impl FnOnce() -> T) -> T {
     let base = LIVE.load(Relaxed);
     PEAK.store(base, Relaxed);
     let r = f();
     let held = PEAK.load(Relaxed) - base;
-    let bound = 10 * input as isize + (256 << 10);
+    let bound = 10 * input as isize + (4 << 20);
     assert!(
         held <= bound,
         "{input} bytes of input held {held} bytes at once"
