@@ -32,8 +32,7 @@ use crate::ShardSpec;
 
 /// The frame version this build writes and accepts. Bump it whenever [`Message`] or
 /// anything it holds ([`Batch`] among them) changes its serialized form. Version 2:
-/// the batch carries its block size ([`Batch::block_size`]), and a refused hello is
-/// answered with its reason.
+/// the batch carries its block size ([`Batch::block_size`]).
 pub const WIRE_VERSION: u16 = 2;
 
 /// The magic bytes that begin every frame.

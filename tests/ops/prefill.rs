@@ -317,10 +317,11 @@ proptest! {
     }
 }
 
-/// A tree hides what it should: a node whose only ancestor is the root never sees
-/// its sibling's key, even one that would take all of its softmax.
-#[test]
-fn a_tree_node_never_attends_to_a_sibling() {
+/// One verify row of 3 new tokens after 17 cached ones (f32, head_dim 64, block 16)
+/// with the tree of `parents`, every query 1, and node `huge`'s key 50 along the
+/// query with value 7 (a key that takes all the softmax of whoever sees it): the
+/// outputs, checked against the f64 reference, one row of 64 per node.
+fn outputs_with_one_dominant_node(parents: &[i32], huge: usize, seed: u64) -> Vec<f64> {
     let p = Params {
         sinks: false,
         dtype: DType::F32,
@@ -335,19 +336,17 @@ fn a_tree_node_never_attends_to_a_sibling() {
         alibi: false,
         partition: None,
         narrow_heads: false,
-        seed: 5,
+        seed,
         full_length: true,
     };
     let mut pc = prefill_case(&p);
     let n = pc.c.lens[0] as usize;
     pc.qo_indptr = vec![0, 3];
-    // The root, then two children of the root: node 2 must not see node 1.
-    pc.tree = Some(tree_mask(&pc.qo_indptr, &[Some(&[-1, 0, 0])]).unwrap());
+    pc.tree = Some(tree_mask(&pc.qo_indptr, &[Some(parents)]).unwrap());
     let d = 64;
     pc.q = HostTensor::from_f64(DType::F32, &[3, 1, d], &vec![1.0; 3 * d]).unwrap();
-    // Node 1's key is huge along q, its value 7.
     let bs = 16;
-    let pos = n - 2;
+    let pos = n - 3 + huge;
     let block = pc.c.tables[pos / bs] as usize;
     let at = (block * bs + pos % bs) * d;
     for e in 0..d {
@@ -359,10 +358,19 @@ fn a_tree_node_never_attends_to_a_sibling() {
         .to_f64();
     let want = paged_prefill_attention(&pc.inputs());
     assert!(rel_l2(&out, &want) < 1e-5);
+    out
+}
+
+/// A tree hides what it should: a node whose only ancestor is the root never sees
+/// its sibling's key, even one that would take all of its softmax.
+#[test]
+fn a_tree_node_never_attends_to_a_sibling() {
+    // The root, then two children of the root: node 2 must not see node 1.
+    let out = outputs_with_one_dominant_node(&[-1, 0, 0], 1, 5);
     // Node 1 is dominated by its own key; node 2 never saw it.
-    assert!((out[d] - 7.0).abs() < 1e-3, "node 1: {}", out[d]);
+    assert!((out[64] - 7.0).abs() < 1e-3, "node 1: {}", out[64]);
     assert!(
-        (out[2 * d] - 7.0).abs() > 0.1,
+        (out[2 * 64] - 7.0).abs() > 0.1,
         "node 2 attended to its sibling"
     );
 }
@@ -373,49 +381,14 @@ fn a_tree_node_never_attends_to_a_sibling() {
 /// parent arrays were once refused.)
 #[test]
 fn a_forest_of_drafts_hides_the_other_roots() {
-    let p = Params {
-        sinks: false,
-        dtype: DType::F32,
-        head_dim: 64,
-        block_size: 16,
-        num_kv_heads: 1,
-        group: 1,
-        batch: 1,
-        max_len: 20,
-        window: None,
-        softcap: None,
-        alibi: false,
-        partition: None,
-        narrow_heads: false,
-        seed: 6,
-        full_length: true,
-    };
-    let mut pc = prefill_case(&p);
-    let n = pc.c.lens[0] as usize;
-    pc.qo_indptr = vec![0, 3];
-    let mask = tree_mask(&pc.qo_indptr, &[Some(&[-1, -1, 1])]).unwrap();
+    let forest = [-1, -1, 1];
+    let mask = tree_mask(&[0, 3], &[Some(&forest)]).unwrap();
     assert_eq!(mask, [0b1, 0b1, 0b11]);
-    pc.tree = Some(mask);
-    let d = 64;
-    pc.q = HostTensor::from_f64(DType::F32, &[3, 1, d], &vec![1.0; 3 * d]).unwrap();
-    // Node 0's key is huge along q, its value 7.
-    let bs = 16;
-    let pos = n - 3;
-    let block = pc.c.tables[pos / bs] as usize;
-    let at = (block * bs + pos % bs) * d;
-    for e in 0..d {
-        pc.c.kc.set(at + e, 50.0);
-        pc.c.vc.set(at + e, 7.0);
-    }
-    let out = prefill_on(EmuDevice::new(Emulator::new()), &pc)
-        .unwrap()
-        .to_f64();
-    let want = paged_prefill_attention(&pc.inputs());
-    assert!(rel_l2(&out, &want) < 1e-5);
+    let out = outputs_with_one_dominant_node(&forest, 0, 6);
     assert!((out[0] - 7.0).abs() < 1e-3, "node 0: {}", out[0]);
     for node in [1, 2] {
         assert!(
-            (out[node * d] - 7.0).abs() > 0.1,
+            (out[node * 64] - 7.0).abs() > 0.1,
             "node {node} attended to the first root"
         );
     }
