@@ -63,6 +63,12 @@ pub(crate) fn deadline_in(d: Option<Duration>) -> Option<Instant> {
     d.and_then(|d| Instant::now().checked_add(d))
 }
 
+/// A bound in an error's words: `200ms`, or "its deadline" where none was given (a
+/// deadline with no bound never passes, so this is for completeness).
+fn within(bound: Option<Duration>) -> String {
+    bound.map_or_else(|| "its deadline".into(), |d| format!("{d:?}"))
+}
+
 /// What is left until `by` as a socket timeout: `Ok(None)` for no deadline, an error
 /// of kind `TimedOut` saying `what` once it has passed.
 fn left_until(
@@ -82,6 +88,27 @@ fn left_until(
     }
 }
 
+/// Reads and drops what has already arrived on `link` (at most 1 MiB, waiting 10 ms
+/// at most for each read), before a refusing worker closes it: a TCP socket closed
+/// with unread bytes (a refused hello's payload) resets the connection, and the reset
+/// may overtake the refusal the peer is about to read.
+fn drain_arrived<L: Link>(link: &mut L) {
+    if link
+        .set_read_timeout(Some(Duration::from_millis(10)))
+        .is_err()
+    {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    let mut total = 0;
+    while total < 1 << 20 {
+        match link.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => total += n,
+        }
+    }
+}
+
 /// A link read against deadlines rather than per read: a frame's first byte must come
 /// by `first_by`, and the rest within `rest_within` of it (`None`: by `first_by`).
 /// Each read sets the link's timeout to what is left, so a peer that trickles a byte
@@ -93,27 +120,26 @@ pub(crate) struct Paced<'a, L: Link> {
     first_by: Option<Instant>,
     rest_within: Option<Duration>,
     rest_by: Option<Instant>,
-    /// The bound the caller set, for the error's words.
-    bound: Option<Duration>,
+    /// The bound of the first byte's wait, for the error's words.
+    first_within: Option<Duration>,
     received: usize,
 }
 
 impl<'a, L: Link> Paced<'a, L> {
-    /// Reads of one frame from `link`: its first byte by `first_by`, the rest within
-    /// `rest_within` of it (`None`: by `first_by`); `bound` is what the error says
-    /// was exceeded.
+    /// Reads of one frame from `link`: its first byte by `first_by` (which is
+    /// `first_within` from the start of the wait: the error's words), the rest within
+    /// `rest_within` of it (`None`: by `first_by`).
     pub(crate) fn new(
         link: &'a mut L,
-        first_by: Option<Instant>,
+        (first_by, first_within): (Option<Instant>, Option<Duration>),
         rest_within: Option<Duration>,
-        bound: Option<Duration>,
     ) -> Self {
         Self {
             link,
             first_by,
             rest_within,
             rest_by: first_by,
-            bound,
+            first_within,
             received: 0,
         }
     }
@@ -128,20 +154,20 @@ impl<'a, L: Link> Paced<'a, L> {
 impl<L: Link> Read for Paced<'_, L> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         loop {
-            let (by, received, bound) = (
-                if self.received == 0 {
-                    self.first_by
-                } else {
-                    self.rest_by
-                },
-                self.received,
-                self.bound,
-            );
+            let (by, received) = if self.received == 0 {
+                (self.first_by, 0)
+            } else {
+                (self.rest_by, self.received)
+            };
+            let (first, rest) = (self.first_within, self.rest_within.or(self.first_within));
             let left = left_until(by, || {
                 if received == 0 {
-                    format!("nothing arrived within {bound:?}")
+                    format!("nothing arrived within {}", within(first))
                 } else {
-                    format!("a frame stopped {received} bytes in: not whole within {bound:?}")
+                    format!(
+                        "a frame stopped {received} bytes in: not whole within {}",
+                        within(rest)
+                    )
                 }
             })?;
             self.link.set_read_timeout(left)?;
@@ -178,8 +204,9 @@ pub(crate) fn write_by<L: Link>(
     while sent < frame.len() {
         let left = left_until(by, || {
             format!(
-                "the peer took {sent} of {} bytes, not all within {bound:?}: it is not reading",
-                frame.len()
+                "the peer took {sent} of {} bytes, not all within {}: it is not reading",
+                frame.len(),
+                within(bound)
             )
         })?;
         link.set_write_timeout(left)?;
@@ -416,7 +443,7 @@ impl<L: Link> Leader<L> {
     fn read(&mut self, rank: u32, by: Option<Instant>) -> Result<Message, DistError> {
         let link = &mut self.links[rank as usize - 1];
         read_message(
-            &mut Paced::new(link, by, None, self.timeout),
+            &mut Paced::new(link, (by, self.timeout), None),
             self.max_payload,
         )
         .map_err(|e| lost_or_wire(rank, e, self.timeout))
@@ -492,9 +519,10 @@ impl<L: Link> Worker<L> {
                 by,
                 timeout,
             );
+            drain_arrived(link);
             reason
         };
-        let mut paced = Paced::new(&mut link, by, None, timeout);
+        let mut paced = Paced::new(&mut link, (by, timeout), None);
         let got = match read_message(&mut paced, DEFAULT_MAX_PAYLOAD) {
             Ok(Message::Hello(h)) => h,
             Ok(m) => {
@@ -612,8 +640,7 @@ impl<L: Link> Worker<L> {
         let rank = self.hello.shard.rank;
         let mut paced = Paced::new(
             &mut self.link,
-            deadline_in(self.idle_timeout),
-            self.timeout,
+            (deadline_in(self.idle_timeout), self.idle_timeout),
             self.timeout,
         );
         let msg = match read_message(&mut paced, self.max_payload) {

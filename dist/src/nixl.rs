@@ -194,7 +194,7 @@ impl<L: Link> NixlTransfer<L> {
         rest_within: Option<Duration>,
         bound: Duration,
     ) -> Result<Option<Message>, TransferError> {
-        let mut paced = Paced::new(&mut self.side, first_by, rest_within, Some(bound));
+        let mut paced = Paced::new(&mut self.side, (first_by, Some(bound)), rest_within);
         let r = read_message(&mut paced, DEFAULT_MAX_PAYLOAD);
         let between_frames = paced.received() == 0;
         match r {
