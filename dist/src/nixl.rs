@@ -94,6 +94,13 @@ struct Stranded {
 /// One side of NIXL transfers: an agent with the UCX backend, and the side channel to
 /// the peer (a Unix socket or TCP stream: offers and acknowledgements, a few hundred
 /// bytes each).
+///
+/// One direction per transfer: a prefill instance's object only sends and the decode
+/// instance's only receives (a `send` reads acknowledgements off the side channel and
+/// would take an offer for one; an instance that does both keeps two, over two side
+/// channels). `recv(timeout)` waits at least 1 ms, so a zero timeout polls for an
+/// offer that has arrived, and each acknowledgement it writes may take up to 100 ms
+/// past `timeout` (the least an ack of a few bytes is given to be written).
 pub struct NixlTransfer<L: Link> {
     /// Dropped by hand, before the memory of `unacked` and `stranded` (see `Drop`).
     agent: ManuallyDrop<Agent>,
@@ -423,6 +430,8 @@ impl<L: Link> Transfer for NixlTransfer<L> {
 
     fn recv(&mut self, timeout: Duration) -> Result<Option<Vec<u8>>, TransferError> {
         self.check_broken()?;
+        // (At least 1 ms: a zero timeout takes an offer that has already arrived.)
+        let timeout = timeout.max(Duration::from_millis(1));
         let deadline = deadline_in(Some(timeout));
         self.reap_reads()?;
         let Some(msg) = self.read_side(deadline, None, timeout)? else {

@@ -1110,9 +1110,6 @@ fn decode_reads_what_its_plan_needs() {
     }
 }
 
-/// With the approximate `ex2` / `tanh` model (the ISA's documented error bounds), the
-/// committed PTX stays within the GPU tolerance of the f64 reference, decode and
-/// prefill, with soft-cap (tanh) and without.
 /// A sink 95 above every score: each key's weight, `exp2((s - 95) log2 e)`, is below
 /// f32's smallest normal, which `ex2.approx.ftz` flushes to zero, so the f32 output is
 /// exactly 0 and the log-sum-exp the sink's alone, in the interpreter and in the
@@ -1163,6 +1160,9 @@ fn exact_math_flushes_subnormal_weights_as_the_ptx_does() {
     }
 }
 
+/// With the approximate `ex2` / `tanh` model (the ISA's documented error bounds), the
+/// committed PTX stays within the GPU tolerance of the f64 reference, decode and
+/// prefill, with soft-cap (tanh) and without.
 #[test]
 fn approximate_math_stays_within_the_gpu_tolerance() {
     for (arch, a) in ARCHS.iter().enumerate() {

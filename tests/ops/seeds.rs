@@ -54,12 +54,15 @@ fn every_proptest_seed_file_is_one_proptest_reads() {
             .map(|d| d.join(format!("{stem}.rs")))
             .filter(|s| s.is_file())
             .collect();
+        // Exactly one with proptests: proptest would replay one file's seeds for two.
+        let with_proptests: Vec<&PathBuf> = sources
+            .iter()
+            .filter(|s| std::fs::read_to_string(s).unwrap().contains("proptest!"))
+            .collect();
         assert!(
-            sources
-                .iter()
-                .any(|s| std::fs::read_to_string(s).unwrap().contains("proptest!")),
-            "{rel}: no proptest source it belongs to (a <bin>/{stem}.rs beside a main.rs \
-             or lib.rs, with a proptest! block)"
+            with_proptests.len() == 1,
+            "{rel}: not the seeds of exactly one proptest source (a <bin>/{stem}.rs beside \
+             a main.rs or lib.rs, with a proptest! block): {with_proptests:?}"
         );
         for line in std::fs::read_to_string(f).unwrap().lines() {
             let seed = line

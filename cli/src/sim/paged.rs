@@ -129,17 +129,17 @@ pub(super) fn simulate_paged(
             }
             return err("paged simulation stalled: requests wait but none can be admitted");
         }
-        // The queued requests this step admitted (a prefix of the queue: first come,
-        // first served).
+        // The queued requests this step admitted (first come, first served makes them
+        // a prefix of the queue, but any order is counted right).
         started.clear();
         started.extend(batch.seqs.iter().filter(|q| q.is_prefill).map(|q| q.seq));
-        while let Some(&(seq, cost)) = queued.front() {
-            if !started.contains(&seq) {
-                break;
+        queued.retain(|&(seq, cost)| {
+            let admitted = started.contains(&seq);
+            if admitted {
+                queued_cost -= cost;
             }
-            queued.pop_front();
-            queued_cost -= cost;
-        }
+            !admitted
+        });
         let mut load = StepLoad::default();
         for q in &batch.seqs {
             let kv_bytes = if hybrid {

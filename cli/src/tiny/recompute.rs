@@ -13,7 +13,8 @@ use super::model::{finish_layer, matmul};
 /// `batch` with every sequence's whole history as its new tokens: one prefill from
 /// position 0, every position's slot in its block table. A slot two sequences share
 /// (a prefix-cache block) is written once: both compute the same K/V for it.
-fn whole_history(batch: &Batch, block_size: u32) -> Batch {
+fn whole_history(batch: &Batch) -> Batch {
+    let block_size = batch.block_size;
     let mut full = batch.clone();
     let w = batch.max_blocks_per_seq as usize;
     full.slot_mapping.clear();
@@ -51,7 +52,7 @@ pub(super) fn step<B: AttentionBackend>(
         cfg.head_dim as usize,
     );
     let hidden = c.model.hidden;
-    let full = whole_history(batch, cfg.block_size);
+    let full = whole_history(batch);
     be.begin_step(&full, cache)?;
     let n = full.slot_mapping.len();
     let mut x = Vec::with_capacity(n * hidden);

@@ -409,9 +409,6 @@ pub fn decode_rows(batch: &Batch) -> std::ops::Range<usize> {
     0..(batch.num_decodes as usize).min(batch.seqs.len())
 }
 
-/// `batch` lists its decodes first and only there, as [`decode_rows`] and
-/// [`prefill_rows`] read it (`Batch`'s fields are public: a batch an engine built or
-/// edited may not).
 /// `batch` was scheduled for blocks of the backend's size: its slots and tables name
 /// token positions only in a pool of that block size (a scheduler of block 16 over a
 /// cache of block 32 would write and attend other positions).
@@ -430,6 +427,9 @@ pub(crate) fn check_block_size(batch: &Batch, config: &BackendConfig) -> Result<
     Ok(())
 }
 
+/// `batch` lists its decodes first and only there, as [`decode_rows`] and
+/// [`prefill_rows`] read it (`Batch`'s fields are public: a batch an engine built or
+/// edited may not).
 pub(crate) fn check_rows(batch: &Batch) -> Result<()> {
     let nd = batch.num_decodes as usize;
     // (The rows after them are prefills and verify rows: a decode with draft tokens,

@@ -130,6 +130,14 @@ pub const MAX_TREE_TOKENS: usize = 64;
 /// tokens. Sequences with `None` are causal (every bit set). Errors name the sequence
 /// and node.
 ///
+/// A root after the first does not see token 0: its scores condition on the cached
+/// context alone. Make a draft that follows the token sampled last step a child of
+/// node 0; a further root is for drafts of the same position as token 0 (alternatives
+/// to it, as a drafter that proposes several first tokens), or for an engine whose
+/// row starts with a draft. Acceptance is the engine's, as for any tree: it copies the
+/// accepted path's K/V into the row's first positions before it passes the path's
+/// tokens to `on_step_done_accepted`.
+///
 /// The tree is given as a parent array because that is what a drafter produces and
 /// it cannot describe a mask that is not a tree; the kernels read each token's 64-bit
 /// word of ancestors, relative to itself (bit `d`: the token `d` before it), one
