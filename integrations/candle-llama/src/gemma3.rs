@@ -33,6 +33,10 @@ use crate::bridge::{CandleBackend, Copies, candle_dtype};
 use crate::engine::{Arrival, Generated, PagedModel, argmax};
 use crate::model::StepLayout;
 
+pub mod config;
+
+pub use config::{Gemma3Config, LayerKind, Rope, RopeScaling};
+
 /// Gemma's RMS norm, as candle's Gemma 3 computes it (in f32, scaled by `1 + weight`).
 #[derive(Debug)]
 struct GemmaNorm {
