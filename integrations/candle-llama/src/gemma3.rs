@@ -14,6 +14,15 @@
 //! contiguous tensors"), and its prefill mask would also let a sliding layer see
 //! `sliding_window + 1` positions, one more than its decode.
 //!
+//! # Scale and RoPE
+//! The scores are scaled by `query_pre_attn_scalar^-0.5` and the global layers' RoPE
+//! takes the configuration's scaling (gemma-3-27b: 168 against a `head_dim` of 128,
+//! positions divided by 8), as Hugging Face's Gemma 3; candle 0.11.1's scales by
+//! `1 / sqrt(head_dim)` and has no RoPE scaling, so the model reads a [`Gemma3Config`]
+//! (from the model's `config.json`), whose [`Gemma3Config::to_candle`] gives candle's
+//! configuration only where the two compute the same.
+//!
+//! * [`Gemma3Config`]: the configuration, read from `config.json`;
 //! * [`tiny_config`] and [`random_weights`]: a small Gemma 3 and seeded random weights
 //!   (no download);
 //! * [`generate`]: candle's own Gemma 3, one request at a time, for the comparison.
@@ -22,7 +31,7 @@ use std::collections::HashMap;
 
 use candle_core::{D, DType, Device, Module, Tensor};
 use candle_nn::{Activation, Embedding, Linear, VarBuilder, embedding, linear_no_bias};
-use candle_transformers::models::gemma3::{Config, Model};
+use candle_transformers::models::gemma3::Model;
 use pagedkv::host::backend::PagedCache;
 use pagedkv::host::block::{KvSpec, LayerGroups};
 use pagedkv::host::ops::attention::AttentionOptions;
@@ -87,10 +96,14 @@ pub struct PagedGemma3 {
     layers: Vec<Layer>,
     norm: GemmaNorm,
     groups: LayerGroups,
-    /// RoPE tables of the sliding layers (`rope_local_base_freq`) and of the global
-    /// ones (`rope_theta`), `[max_position_embeddings, head_dim / 2]`.
-    local: (Tensor, Tensor),
-    global: (Tensor, Tensor),
+    /// The inverse RoPE frequencies of the sliding layers and of the global ones
+    /// ([`Rope::inv_freq`]), `[1, head_dim / 2]` f32.
+    local_inv_freq: Tensor,
+    global_inv_freq: Tensor,
+    /// `max_position_embeddings`: a position from it on is refused.
+    max_positions: usize,
+    /// The scores' scale, `query_pre_attn_scalar^-0.5`.
+    scale: f32,
     act: Activation,
     hidden: usize,
     heads: usize,
@@ -99,26 +112,19 @@ pub struct PagedGemma3 {
     final_softcap: Option<f64>,
 }
 
-/// `(cos, sin)` of RoPE with base `base`, as candle's Gemma 3 makes them.
-fn rope_tables(base: f64, cfg: &Config) -> Result<(Tensor, Tensor)> {
-    let dim = cfg.head_dim;
-    let inv_freq: Vec<f32> = (0..dim)
-        .step_by(2)
-        .map(|i| 1f32 / base.powf(i as f64 / dim as f64) as f32)
-        .collect();
-    let n = inv_freq.len();
-    let inv_freq = Tensor::from_vec(inv_freq, (1, n), &Device::Cpu)?;
-    let t = Tensor::arange(0u32, cfg.max_position_embeddings as u32, &Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .reshape((cfg.max_position_embeddings, 1))?;
-    let freqs = t.matmul(&inv_freq)?;
-    Ok((freqs.cos()?, freqs.sin()?))
+/// `rope`'s inverse frequencies for `head_dim` as a `[1, head_dim / 2]` tensor.
+fn inv_freq(rope: &Rope, head_dim: usize) -> Result<Tensor> {
+    let f = rope.inv_freq(head_dim);
+    let n = f.len();
+    Ok(Tensor::from_vec(f, (1, n), &Device::Cpu)?)
 }
 
 impl PagedGemma3 {
     /// Loads the model from `vb` under `candle_transformers::models::gemma3`'s names
-    /// (no attention bias, no attention soft-cap: the test's configuration).
-    pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Self> {
+    /// (no attention bias, no attention soft-cap: Gemma 3's), `cfg` checked first
+    /// ([`Gemma3Config::validate`]).
+    pub fn load(vb: VarBuilder, cfg: &Gemma3Config) -> Result<Self> {
+        cfg.validate()?;
         if cfg.attention_bias || cfg.attn_logit_softcapping.is_some() {
             return Err("attention bias and soft-cap are not supported here".into());
         }
@@ -130,7 +136,7 @@ impl PagedGemma3 {
             .map(|i| {
                 let vb = m.pp(format!("layers.{i}"));
                 let (a, p) = (vb.pp("self_attn"), vb.pp("mlp"));
-                let sliding = (i + 1) % cfg.sliding_window_pattern > 0;
+                let sliding = cfg.layer_types[i] == LayerKind::Sliding;
                 Ok(Layer {
                     q: linear_no_bias(h, qn, a.pp("q_proj"))?,
                     k: linear_no_bias(h, kvn, a.pp("k_proj"))?,
@@ -155,8 +161,10 @@ impl PagedGemma3 {
             layers,
             norm: GemmaNorm::load(h, eps, m.pp("norm"))?,
             groups,
-            local: rope_tables(cfg.rope_local_base_freq, cfg)?,
-            global: rope_tables(cfg.rope_theta, cfg)?,
+            local_inv_freq: inv_freq(&cfg.local_rope, d)?,
+            global_inv_freq: inv_freq(&cfg.global_rope, d)?,
+            max_positions: cfg.max_position_embeddings,
+            scale: cfg.attention_scale() as f32,
             act: cfg.hidden_activation,
             hidden: h,
             heads: cfg.num_attention_heads,
@@ -168,14 +176,12 @@ impl PagedGemma3 {
 
     /// Each layer's KV spec: a sliding layer keeps `sliding_window` tokens, a global
     /// one every token.
-    pub fn layer_specs(cfg: &Config) -> Vec<KvSpec> {
-        (0..cfg.num_hidden_layers)
-            .map(|i| {
-                if (i + 1) % cfg.sliding_window_pattern > 0 {
-                    KvSpec::SlidingWindow(cfg.sliding_window as u32)
-                } else {
-                    KvSpec::Full
-                }
+    pub fn layer_specs(cfg: &Gemma3Config) -> Vec<KvSpec> {
+        cfg.layer_types
+            .iter()
+            .map(|k| match k {
+                LayerKind::Sliding => KvSpec::SlidingWindow(cfg.sliding_window as u32),
+                LayerKind::Full => KvSpec::Full,
             })
             .collect()
     }
@@ -210,13 +216,31 @@ impl PagedModel for PagedGemma3 {
         let n = tokens.len();
         let (hq, hkv, d) = (self.heads, self.kv_heads, self.head_dim);
         let dtype = candle_dtype(be.config().shape.dtype)?;
-        let pick = |(cos, sin): &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
-            Ok((
-                cos.index_select(&positions, 0)?,
-                sin.index_select(&positions, 0)?,
-            ))
+        if let Some(end) = batch
+            .seqs
+            .iter()
+            .map(|s| s.start_pos + s.num_new_tokens)
+            .max()
+            && end as usize > self.max_positions
+        {
+            return Err(format!(
+                "position {} past max_position_embeddings {}",
+                end - 1,
+                self.max_positions
+            )
+            .into());
+        }
+        // The step's RoPE angles, `position * inv_freq` in f32 (the products candle's
+        // Gemma 3 tabulates for every position up to max_position_embeddings).
+        let positions = positions.to_dtype(DType::F32)?.reshape((n, 1))?;
+        let angles = |inv_freq: &Tensor| -> Result<(Tensor, Tensor)> {
+            let a = positions.matmul(inv_freq)?;
+            Ok((a.cos()?, a.sin()?))
         };
-        let (local, global) = (pick(&self.local)?, pick(&self.global)?);
+        let (local, global) = (
+            angles(&self.local_inv_freq)?,
+            angles(&self.global_inv_freq)?,
+        );
 
         let x = self.embed.forward(&Tensor::new(tokens, &dev)?)?;
         let mut x = (x * (self.hidden as f64).sqrt())?;
@@ -241,8 +265,10 @@ impl PagedModel for PagedGemma3 {
             let v = layer.v.forward(&h)?.reshape((n, hkv, d))?.to_dtype(dtype)?;
             be.append_kv(&k, &v, (lc, group), copies)?;
 
-            // The layer's window (its group's).
+            // The model's scale (not the engine's 1 / sqrt(head_dim)) and the layer's
+            // window (its group's).
             let o = AttentionOptions {
+                scale: self.scale,
                 window: layer.window,
                 ..opts.clone()
             };
@@ -275,34 +301,51 @@ impl PagedModel for PagedGemma3 {
 
 /// A small Gemma 3: 6 layers (two sliding, one global, twice), hidden 128, 4 query
 /// heads of 32 over 2 KV heads, a `window`-token sliding window, vocabulary 256,
-/// 512 positions; RoPE bases 10000 (local) and 1e6 (global) as Gemma 3's.
-pub fn tiny_config(window: usize) -> Config {
-    Config {
-        attention_bias: false,
-        head_dim: 32,
-        hidden_activation: Activation::GeluPytorchTanh,
+/// 512 positions; RoPE bases 10000 (local) and 1e6 (global) as Gemma 3's, unscaled,
+/// and `query_pre_attn_scalar` = `head_dim`: a model candle's Gemma 3 computes too
+/// ([`Gemma3Config::to_candle`]).
+pub fn tiny_config(window: usize) -> Gemma3Config {
+    let layers = 6;
+    Gemma3Config {
+        vocab_size: 256,
         hidden_size: 128,
         intermediate_size: 256,
+        num_hidden_layers: layers,
         num_attention_heads: 4,
-        num_hidden_layers: 6,
         num_key_value_heads: 2,
+        head_dim: 32,
+        hidden_activation: Activation::GeluPytorchTanh,
+        max_position_embeddings: 512,
         rms_norm_eps: 1e-6,
-        rope_theta: 1_000_000.0,
-        rope_local_base_freq: 10_000.0,
-        vocab_size: 256,
+        attention_bias: false,
+        query_pre_attn_scalar: 32.0,
+        sliding_window: window,
+        layer_types: (0..layers)
+            .map(|i| {
+                if (i + 1) % 3 > 0 {
+                    LayerKind::Sliding
+                } else {
+                    LayerKind::Full
+                }
+            })
+            .collect(),
         final_logit_softcapping: None,
         attn_logit_softcapping: None,
-        query_pre_attn_scalar: 32,
-        sliding_window: window,
-        sliding_window_pattern: 3,
-        max_position_embeddings: 512,
+        global_rope: Rope {
+            theta: 1_000_000.0,
+            scaling: RopeScaling::None,
+        },
+        local_rope: Rope {
+            theta: 10_000.0,
+            scaling: RopeScaling::None,
+        },
     }
 }
 
 /// Every weight of `cfg`'s Gemma 3, named as `candle_transformers::models::gemma3`
 /// loads them, seeded with `seed` (as [`crate::weights::random`] draws Llama's; the
 /// norms' weights `± 0.1` around 0: Gemma scales by `1 + weight`).
-pub fn random_weights(cfg: &Config, seed: u64) -> Result<HashMap<String, Tensor>> {
+pub fn random_weights(cfg: &Gemma3Config, seed: u64) -> Result<HashMap<String, Tensor>> {
     let mut draw = crate::weights::Draw::new(seed);
     let (h, i, v, d) = (
         cfg.hidden_size,
