@@ -320,3 +320,32 @@ fn a_scalar_other_than_head_dim_and_linear_rope_scaling_match_the_f64_reference(
         served.metrics
     );
 }
+
+/// A position from `max_position_embeddings` on is an error, not an unchecked RoPE
+/// angle (the RoPE tables it once indexed are computed per step now).
+#[test]
+fn a_position_past_max_position_embeddings_is_an_error() {
+    let mut cfg = gemma3::tiny_config(16);
+    cfg.max_position_embeddings = 64;
+    let w = gemma3::random_weights(&cfg, 37).unwrap();
+    let model = PagedGemma3::load(weights::var_builder(w), &cfg).unwrap();
+    let mut engine = engine(model, &cfg, PreemptionMode::Recompute, 32);
+    let fits = Arrival {
+        at: 0,
+        id: 0,
+        prompt: workload::prompt(8, 60, cfg.vocab_size as u32),
+        max_tokens: 4,
+    };
+    serve(&mut engine, &[fits]).unwrap();
+    let past = Arrival {
+        at: 0,
+        id: 1,
+        prompt: workload::prompt(9, 60, cfg.vocab_size as u32),
+        max_tokens: 6,
+    };
+    let e = serve(&mut engine, &[past]).unwrap_err().to_string();
+    assert!(
+        e.contains("position 64 past max_position_embeddings 64"),
+        "{e}"
+    );
+}
