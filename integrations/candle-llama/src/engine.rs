@@ -85,8 +85,11 @@ pub trait PagedModel {
 
     /// One forward pass over `batch` (whose `begin_step` already ran on `be`):
     /// `tokens` holds each scheduled sequence's new tokens, in batch order
-    /// (`batch.slot_mapping`'s). Returns the logits after each sequence's last new
-    /// token, `[batch.seqs.len(), vocab]`.
+    /// (`batch.slot_mapping`'s); `opts` are the engine's attention options (scale
+    /// `1 / sqrt(head_dim)`, no window), which a model whose attention differs
+    /// overrides per layer (Gemma 3: `query_pre_attn_scalar^-0.5`, its windows).
+    /// Returns the logits after each sequence's last new token,
+    /// `[batch.seqs.len(), vocab]`.
     fn forward<B: CandleBackend>(
         &self,
         be: &mut B,
