@@ -2,6 +2,9 @@
 """The steady-state loop of each decode kernel, read from its SASS (nvdisasm -c output).
 
     decode-model.py ARCH FILE.sass      prints one `key=value` line per loop found
+    decode-model.py --anchor NAME ARCH FILE.sass
+                                        the same for the one kernel of an anchor's file
+                                        (ptx/anchors/), named NAME
 
 For every `paged_decode_attention_*` and `paged_decode_reduce_*` entry point, and every
 multi-warp prefill kernel (`paged_prefill_attention_*_d<N>`, whose stage loop is
@@ -39,7 +42,9 @@ import sys
 from collections import defaultdict
 
 HEADER = re.compile(r"^//-+ \.text\.(\S+)\s+-+$", re.M)
-INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;(?:\s*/\* 0x([0-9a-f]{16}) \*/)?")
+# `nvdisasm -hex`: the second 64-bit word of a 128-bit instruction, on a line of its own.
+HIGH_WORD = re.compile(r"^\s*/\* 0x([0-9a-f]{16}) \*/\s*$")
 LABEL = re.compile(r"^(\.L_x_\d+):")
 TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
@@ -67,6 +72,8 @@ def ldsm_matrices(op):
 class Instr:
     def __init__(self, addr, text):
         self.addr = addr
+        self.ctrl = None  # bits 105-127 of the instruction (nvdisasm -hex), or None
+        self.low_word = False
         self.pred = bool(PRED.match(text))
         body = PRED.sub("", text)
         parts = body.split(None, 1)
@@ -135,14 +142,70 @@ def parse(body):
         if m:
             pending.append(m.group(1))
             continue
+        m = HIGH_WORD.match(line)
+        if m and instrs and instrs[-1].ctrl is None and instrs[-1].low_word:
+            instrs[-1].ctrl = int(m.group(1), 16) >> 41
+            continue
         m = INSTR.match(line)
         if m:
             ins = Instr(int(m.group(1), 16), m.group(2))
+            ins.low_word = m.group(3) is not None
             for lb in pending:
                 labels[lb] = len(instrs)
             pending = []
             instrs.append(ins)
     return instrs, labels
+
+
+# The pipe class of an instruction for the replay in examples/decode_model (its
+# `Class`): which unit issues it and so how long it holds that unit, and whether its
+# result comes by a fixed latency (the control codes' stall counts cover it) or through
+# a scoreboard (a latency the model supplies).
+CLASS = {
+    "FFMA": "fma", "FMUL": "fma", "FADD": "fma", "FCHK": "fma",
+    "HFMA2": "half", "HADD2": "half", "HMUL2": "half", "HMNMX2": "half",
+    "IMAD": "imad", "IMUL": "imad",
+    "MUFU": "mufu", "I2F": "conv", "F2I": "conv", "F2F": "conv", "FRND": "conv",
+    "SHFL": "shfl", "LDS": "lds", "LDSM": "ldsm", "STS": "sts", "LDGSTS": "ldgsts",
+    "LDG": "ldg", "LD": "ldg", "LDL": "ldg", "STG": "stg", "ST": "stg", "STL": "stg",
+    "RED": "stg", "ATOM": "stg", "ATOMG": "stg", "LDC": "ldc", "S2R": "s2r",
+    "HMMA": "hmma", "BAR": "bar", "DEPBAR": "depbar",
+    "BRA": "branch", "BSSY": "branch", "BSYNC": "branch", "WARPSYNC": "branch",
+    "EXIT": "branch", "NOP": "branch", "BREAK": "branch", "CALL": "branch", "RET": "branch",
+    "LDGDEPBAR": "branch", "BPT": "branch",
+}
+
+
+def pipe_class(ins):
+    """(class, size): `size` is the bytes a shared-memory access moves for the whole warp
+    (lds/ldsm/sts/ldgsts) or the m16n8k16-equivalents of an HMMA (16816: 2, 1688: 1)."""
+    if ins.base.startswith("U") and ins.base not in CLASS:
+        return "uniform", 0  # the uniform datapath, beside the warp's vector pipes
+    cls = CLASS.get(ins.base, "alu")
+    size = 0
+    if cls in ("lds", "sts"):
+        size = 512 if ".128" in ins.op else 256 if ".64" in ins.op else 128
+    elif cls == "ldsm":
+        size = 128 * ldsm_matrices(ins.op)
+    elif cls == "ldgsts":
+        size = 512 if ".128" in ins.op else 256 if ".64" in ins.op else 128
+    elif cls == "hmma":
+        size = 1 if ".1688" in ins.op else 2
+    return cls, size
+
+
+def trace(seq):
+    """One token per instruction for the replay: `class.size.stall.wb.rb.wait` from the
+    control code (stall cycles bits 105-108, write scoreboard 110-112, read scoreboard
+    113-115, wait mask 116-121 of the 128-bit instruction; 7 = no scoreboard)."""
+    out = []
+    for ins in seq:
+        if ins.ctrl is None:
+            raise SystemExit(f"decode-model: no control word at {ins.addr:#x}: run nvdisasm with -hex")
+        c = ins.ctrl
+        cls, size = pipe_class(ins)
+        out.append(f"{cls}.{size}.{c & 15}.{(c >> 5) & 7}.{(c >> 8) & 7}.{(c >> 11) & 63}")
+    return ",".join(out)
 
 
 def blocks_of(instrs, labels):
@@ -318,7 +381,7 @@ def stage_kernel(name):
         name.startswith("paged_prefill_attention") and re.search(r"_d\d+$", name) is not None)
 
 
-def analyse(name, body):
+def analyse(name, body, anchor=False):
     instrs, labels = parse(body)
     spans, succ = blocks_of(instrs, labels)
     loops = natural_loops(len(spans), succ)
@@ -329,7 +392,7 @@ def analyse(name, body):
         seq = seq_of(body_blocks)
         ops = {i.base for i in seq}
         inner = [(h2, b2) for h2, b2 in loops.items() if h2 != h and b2 < body_blocks]
-        if stage_kernel(name):
+        if anchor or stage_kernel(name):
             if not {"LDGSTS", "BAR", "DEPBAR"} <= ops:
                 continue
             # innermost such loop: no inner loop also holds the copies
@@ -362,6 +425,16 @@ def analyse(name, body):
                               key=lambda b: spans[b][0])
                 plain = seq_of(set(via_shortest(body_blocks, succ, h, spans, size, must)))
             c_out, c_tile = counts(outer), counts(tile)
+            # The replay's traces: one iteration's path, the code before the loop and
+            # after it up to the first unconditional EXIT (every block, both sides of
+            # a branch: an over-estimate of a warp's prologue and epilogue).
+            first = min(spans[b][0] for b in body_blocks)
+            last = max(spans[b][1] for b in body_blocks)
+            end = next((k + 1 for k in range(last, len(instrs))
+                        if instrs[k].base == "EXIT" and not instrs[k].pred), len(instrs))
+            traces = (f" stage_trace={trace(outer)} pre_trace={trace(instrs[:first])}"
+                      f" post_trace={trace(instrs[last:end])}"
+                      + (f" tile_trace={trace(tile)}" if tiles else ""))
             # A tensor-core loop (HMMA) serves a whole stage per iteration: no tile.
             mma = c_out["hmma"] + c_tile["hmma"] > 0
             n = 0 if mma else (c_tile["ex2"] - 1) if tiles else (c_out["ex2"] - 1)
@@ -373,7 +446,9 @@ def analyse(name, body):
                 f"{fmt('stage_', c_out)} {fmt('tile_', c_tile)} "
                 f"stage_chain={chain(outer)} tile_chain={chain(tile)}"
                 + (f" {fmt('plain_', counts(plain))} plain_chain={chain(plain)}"
-                   if not tiles and plain and name.startswith("paged_prefill") else ""))
+                   f" plain_trace={trace(plain)}"
+                   if not tiles and plain and (anchor or name.startswith("paged_prefill")) else "")
+                + traces)
         elif name.startswith("paged_decode_reduce"):
             if inner or not ({"LDG", "LD"} & ops):
                 continue
@@ -389,7 +464,9 @@ def analyse(name, body):
             out.append(f"kernel={name} loop_at={instrs[spans[h][0]].addr:#x} modelled=yes "
                        f"{fmt('iter_', c)} iter_loads={loads} iter_chain={chain(seq)} "
                        f"pre_chain={chain(instrs[:first])} post_chain={chain(instrs[last:end])} "
-                       f"post_shfl={counts(instrs[last:end])['shfl']}")
+                       f"post_shfl={counts(instrs[last:end])['shfl']} "
+                       f"iter_trace={trace(seq)} pre_trace={trace(instrs[:first])} "
+                       f"post_trace={trace(instrs[last:end])}")
     if not out and name.startswith("paged_decode_reduce"):
         c = counts(instrs)
         out.append(f"kernel={name} loop_at=none modelled=yes {fmt('iter_', c)} "
@@ -399,10 +476,21 @@ def analyse(name, body):
 
 
 def main():
-    arch, path = sys.argv[1], sys.argv[2]
+    args = sys.argv[1:]
+    anchor = None
+    if len(args) == 4 and args[0] == "--anchor":
+        anchor, args = args[1], args[2:]
+    if len(args) != 2:
+        raise SystemExit("usage: decode-model.py [--anchor NAME] ARCH FILE.sass")
+    arch, path = args
     text = open(path, encoding="utf-8", errors="replace").read()
     for name, body in sections(text):
-        if stage_kernel(name) or name.startswith("paged_decode_reduce"):
+        if anchor is not None:
+            # An anchor's file holds one kernel (FlashInfer's, ptx/anchors/): its stage
+            # loop, reported under the anchor's name.
+            for line in analyse(name, body, anchor=True):
+                print(f"arch={arch} {line.replace(f'kernel={name}', f'kernel={anchor}', 1)}")
+        elif stage_kernel(name) or name.startswith("paged_decode_reduce"):
             for line in analyse(name, body):
                 print(f"arch={arch} {line}")
     return 0

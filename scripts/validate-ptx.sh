@@ -91,8 +91,9 @@ for f in "${files[@]}"; do
     /bytes stack frame/ { for (i=1;i<=NF;i++) { if ($(i+1)=="bytes" && $(i+2)=="stack") stack=$i; if ($(i+2)=="spill" && $(i+3)=="stores,") spst=$i; if ($(i+2)=="spill" && $(i+3)=="loads") spld=$i } }
     /Used [0-9]+ registers/ { for (i=1;i<=NF;i++) { if ($(i+1)=="registers,") regs=$i; if ($(i+1)=="bytes" && $(i+2) ~ /^smem/) smem=$i }
                               if (smem=="?") smem=0
-                              printf "| %s | %s | %s | %s | %s | %s | %s |\n", arch, name, regs, smem, stack, spst, spld }
-  ' "$log")
+                              printf "| %s | %s | %s | %s | %s | %s | %s |\n", arch, name, regs, smem, stack, spst, spld
+                              printf "arch=%s kernel=%s registers=%s shared=%s stack=%s\n", arch, name, regs, smem, stack > kv }
+  ' kv="$work/ptxas.$arch.txt" "$log")
   if [ -z "$rows" ]; then
     cat "$log" >&2
     echo "validate-ptx: could not read ptxas's report for $f" >&2
@@ -116,7 +117,12 @@ for f in "${files[@]}"; do
     bad=1
   fi
   sass_rows+="$rows"$'\n'
-  python3 scripts/decode-model.py "$arch" "$work/$arch.sass" >> "$work/loops.txt"
+  # The model reads the control codes (stall counts, scoreboards): -hex keeps both
+  # 64-bit words of every instruction.
+  "$NVDISASM" -c -hex "$work/$arch.cubin" > "$work/$arch.hex.sass" 2> "$log" || {
+    cat "$log" >&2; echo "validate-ptx: nvdisasm -hex failed on $arch" >&2; exit 1; }
+  python3 scripts/decode-model.py "$arch" "$work/$arch.hex.sass" >> "$work/loops.txt"
+  cat "$work/ptxas.$arch.txt" >> "$work/ptxas.txt"
 done
 
 {
@@ -130,11 +136,20 @@ done
   printf '%s' "$sass_rows"
 } >> "$report"
 
-model_args=("$report" "$work/loops.txt")
+# The anchors: FlashInfer's kernels, their committed SASS (nvdisasm -c -hex), each
+# file's stage loop under its file's stem.
+for f in ptx/anchors/flashinfer/*.sm_90a.sass; do
+  name=$(basename "$f" .sm_90a.sass)
+  python3 scripts/decode-model.py --anchor "$name" sm_90 "$f" >> "$work/loops.txt"
+done
+
+# The model: ptxas's resources (by name), the loops' traces, and the anchor kernels
+# (FlashInfer's, built by scripts/build-anchors.sh and committed under ptx/anchors/).
+model_args=("$work/ptxas.txt" "$work/loops.txt" ptx/anchors/flashinfer)
 if [ "${PAGEDKV_ENFORCE_MODEL:-0}" = 1 ]; then model_args+=(--enforce); fi
 if ! cargo run -q --release --example decode_model -- "${model_args[@]}" > "$work/model.md"; then
   cat "$work/model.md" >&2
-  echo "validate-ptx: the performance model misses a bar of issue #29 or #30 (see above)" >&2
+  echo "validate-ptx: the speed model misses a bar or an anchor's error bound (see above)" >&2
   bad=1
 fi
 cat "$work/model.md" >> "$report"
