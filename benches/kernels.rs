@@ -151,6 +151,10 @@ fn prefill_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
             (4, 512, 0),
             (8, 256, 1024),
             (1, 512, 8192),
+            // The speed model's two prefill shapes (ptx/resources.md): gpu-check.sh
+            // prints them modelled next to measured.
+            (8, 2048, 0),
+            (8, 512, 4096),
         ] {
             let ctx = new + cached;
             let width = ctx.div_ceil(16);

@@ -23,7 +23,8 @@
 #   GPU tests, one process each, <= 120 s per test          <= 170 s in all
 #   compute-sanitizer memcheck, racecheck, synccheck on the
 #     sanitizer_small_* tests, <= 40 s per run              <= 100 s in all
-#   kernels bench (criterion + its summary table)           the rest, >= 170 s
+#   kernels bench (criterion + its summary table, then the speed
+#     model's rows modelled next to measured)            the rest, >= 170 s
 #   slack before the 480 s mark                                 10 s
 #
 # Exit status: 0 when every test passed and every sanitizer run was clean, or when there
@@ -439,7 +440,69 @@ bench() {
     row ""
     cat "$table" >> "$REPORT"
     row ""
+    model_vs_measured "$table" >> "$REPORT"
   fi
+}
+
+# The speed model's rows (ptx/resources.md, a model from the SASS) next to the bench's
+# measurement of the same shape on this GPU, so the first GPU run tells how far the model
+# was off: decode as % of peak DRAM bandwidth, prefill as TFLOP/s.
+#   model_vs_measured BENCH_TABLE [GPU_NAME]
+model_vs_measured() {
+  local table=$1 name=${2:-} gpu
+  [ -n "$name" ] || name=$(timeout 10 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  case "${name^^}" in
+    *H200*) gpu="H200" ;;
+    *H100*PCIE*) gpu="" ;;
+    *H100*) gpu="H100 SXM" ;;
+    *A100-SXM4-80GB*|*A100*80GB*SXM*) gpu="A100 80GB SXM" ;;
+    *) gpu="" ;;
+  esac
+  echo "## Modelled next to measured"
+  echo
+  if [ -z "$gpu" ]; then
+    echo "The model has no rows for this GPU (${name:-unknown})."
+    echo
+    return
+  fi
+  echo "Model: ptx/resources.md (from the SASS, no GPU); measured: the summary table above (CUDA events, kernels launched back to back on a stream, not in a graph), on ${name}."
+  echo
+  echo "| row | modelled | measured | measured / modelled |"
+  echo "|---|---|---|---|"
+  awk -F'|' -v gpu="$gpu" '
+    function trim(s) { gsub(/^ +| +$/, "", s); return s }
+    FNR == NR {
+      # The model: decode rows "| batch B, ctx C | cache | GPU | ... | % of peak |" and
+      # prefill rows "| (a) S x N new | q | GPU | ... | TFLOP/s | ceiling | % |".
+      if (trim($4) != gpu) next
+      shape = trim($2); cache = trim($3)
+      if (shape ~ /^batch [0-9]+, ctx [0-9]+$/) {
+        split(shape, w, /[ ,]+/)
+        types = (cache == "e4m3") ? "f16-e4m3" : cache
+        key = "decode " types "/q32kv8/b" w[2] "/ctx" w[4]
+        model[key] = trim($(NF - 1)); label[key] = shape ", " cache; order[++n] = key
+      } else if (shape ~ /^\([a-z]\) [0-9]+ x [0-9]+ /) {
+        split(shape, w, / +/)
+        cached = (shape ~ /after/) ? w[7] : 0
+        key = "prefill " w[2] " x " w[4] " x " cached " " cache
+        model[key] = trim($10) " TFLOP/s"; label[key] = "prefill " shape ", " cache; order[++n] = key
+      }
+      next
+    }
+    {
+      r = trim($2)
+      if (r ~ /^decode /) { sub(/ \(parts.*$/, "", r); measured[r] = trim($7) }
+      else if (r ~ /^[0-9]+ x [0-9]+ x [0-9]+$/) { measured["prefill " r " " trim($3)] = trim($6) " TFLOP/s" }
+    }
+    END {
+      for (i = 1; i <= n; i++) {
+        k = order[i]; m = model[k]; v = (k in measured) ? measured[k] : "not measured"
+        mv = m; vv = v; gsub(/[^0-9.]/, "", mv); gsub(/[^0-9.]/, "", vv)
+        ratio = (vv != "" && mv + 0 > 0) ? sprintf("%.2f", vv / mv) : "-"
+        printf "| %s | %s | %s | %s |\n", label[k], m, v, ratio
+      }
+    }' ptx/resources.md "$table"
+  echo
 }
 
 main() {
