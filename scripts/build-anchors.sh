@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Build the FlashInfer calibration anchors for the static SASS speed model: compile
-# FlashInfer's own attention kernels (CUDA-core paged decode f16 and fp8-e4m3 KV,
-# tensor-core decode, FA2 batch prefill paged and ragged, causal and not) from the
-# headers in the flashinfer-python wheel with nvcc from NVIDIA's PyPI wheels, one cubin
-# per kernel, then disassemble each cubin and keep its ptxas resource report.
+# FlashInfer's own attention kernels (CUDA-core paged decode f16 for GQA groups 4 and 8,
+# and fp8-e4m3 KV; tensor-core decode; FA2 batch prefill paged and ragged, causal and not)
+# from the headers in the flashinfer-python wheel with nvcc from NVIDIA's PyPI wheels, one
+# cubin per kernel, then disassemble each cubin and keep its ptxas resource report.
 #
 #   scripts/build-anchors.sh           rebuild and rewrite ptx/anchors/flashinfer/*.sass, *.res.txt
 #   scripts/build-anchors.sh --check   rebuild into a temporary folder and fail if the committed
@@ -43,8 +43,8 @@ declare -A WHEEL_SHA256=(
 
 # Kernels (src/<name>.cu) and targets. FlashInfer's JIT builds sm_90a for an H100
 # (compilation_context.py _normalize_cuda_arch) and sm_80 for an A100.
-KERNELS=(decode_f16 decode_e4m3kv decode_tc_f16 prefill_paged_causal prefill_paged_nomask
-         prefill_ragged_causal prefill_ragged_nomask)
+KERNELS=(decode_f16 decode_f16_g8 decode_e4m3kv decode_tc_f16 prefill_paged_causal
+         prefill_paged_nomask prefill_ragged_causal prefill_ragged_nomask)
 ARCHS=(90a 80)
 # SASS not committed by default, to keep ptx/anchors/ near 3 MB: fp8 KV on sm_80 has no
 # hardware e4m3 conversion (1.7 MB of SASS), and the sm_80 ragged prefill kernels.
