@@ -191,7 +191,7 @@ fn prefill_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
                 max_partitions: 1,
             };
             let mut run =
-                StepRunner::new(CudaStepDevice::new(gpu), shape, cap, gpu.sm_count()).unwrap();
+                StepRunner::new(CudaStepDevice::new(gpu), shape, cap, gpu.split_target()).unwrap();
             run.plan(&StepMeta {
                 block_tables: &[],
                 max_blocks_per_seq: 0,
@@ -298,7 +298,7 @@ fn cascade_benches(gpu: &CudaDevice, r: &mut SmallRng) -> String {
         let opts = AttentionOptions::new(d);
         let mut time = |cascade: bool| {
             let mut run =
-                StepRunner::new(CudaStepDevice::new(gpu), shape, cap, gpu.sm_count()).unwrap();
+                StepRunner::new(CudaStepDevice::new(gpu), shape, cap, gpu.split_target()).unwrap();
             run.enable_cascade().unwrap();
             run.plan(&meta).unwrap();
             if cascade {
@@ -512,7 +512,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &CudaDevice) {
                                 CudaStepDevice::new(gpu),
                                 step_shape,
                                 cap,
-                                gpu.sm_count(),
+                                gpu.split_target(),
                             )
                             .unwrap();
                             run.plan(&StepMeta {

@@ -53,7 +53,7 @@ fn planned_runner<'g>(
         CudaStepDevice::new(g),
         shape_of(c, dtype),
         cap,
-        g.sm_count(),
+        g.split_target(),
     )
     .unwrap();
     r.plan(&StepMeta {
@@ -128,7 +128,7 @@ fn a_captured_step_replays_like_direct_launches_after_the_tables_change() {
         CudaStepDevice::new(&g),
         shape_of(&c, dtype),
         cap,
-        g.sm_count(),
+        g.split_target(),
     )
     .unwrap();
     let (kc, vc) = (

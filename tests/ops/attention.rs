@@ -16,7 +16,7 @@ use common::{
 use pagedkv::host::emulator::{BlockOrder, Emulator, MathMode};
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
 use pagedkv::host::ops::attention::{
-    AttentionOut, DecodeInputs, SplitPlan, decode_emulated, max_heads_per_block, plan,
+    AttentionOut, DecodeInputs, SplitPlan, decode_emulated, max_heads_per_block, plan_unsplit,
 };
 use pagedkv::host::reference::{
     DenseInputs, dense_decode_attention, gather, paged_decode_attention, paged_decode_lse,
@@ -154,7 +154,7 @@ fn check_case(p: Params) -> Result<(), TestCaseError> {
 
     // Unsplit: the plan a big GPU would make for this (small) batch, without split.
     let max_len = *c.lens.iter().max().unwrap() as u32;
-    let mut unsplit = plan(&c.shape, p.dtype, max_len, 1);
+    let mut unsplit = plan_unsplit(&c.shape, p.dtype, max_len);
     prop_assert_eq!(unsplit.num_partitions, 1);
     if p.narrow_heads {
         unsplit.heads_per_block =

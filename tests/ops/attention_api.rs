@@ -190,10 +190,18 @@ fn the_planner_splits_only_when_the_grid_leaves_sms_idle() {
     let p = plan(&llama(64), DType::F16, 4096, 132);
     assert_eq!(p.num_partitions, 1);
     assert_eq!(p.heads_per_block, 4);
-    // Batch 1, context 32768: 8 blocks would idle 124 SMs: split-K.
+    // Batch 1, context 32768: 8 blocks would idle 124 SMs: split-K, filling the
+    // resident slots (sm_80's bounds: one block a SM, its shared memory) without
+    // starting a second wave: 17 partitions (136 blocks) would leave 4 SMs running two
+    // blocks each while 128 ran one.
     let p = plan(&llama(1), DType::F16, 32768, 132);
-    assert!(p.num_partitions >= 16, "{p:?}");
-    assert!(8 * p.num_partitions >= 132, "{p:?}");
+    use pagedkv::host::ops::attention::{Arch, decode_blocks_per_sm};
+    let slots = decode_blocks_per_sm(&llama(1), DType::F16, Arch::Sm80) * 132;
+    assert!(8 * p.num_partitions <= slots, "{p:?}");
+    assert!(
+        8 * (p.num_partitions + 1) > slots - 8 * 2,
+        "{p:?}: fills the wave"
+    );
     assert!(p.partition_tokens >= 256 && p.partition_tokens.is_multiple_of(64));
     validate_plan(&llama(1), DType::F16, &p, 32768).unwrap();
     // Short contexts are never cut below the minimum partition.
@@ -212,9 +220,41 @@ fn the_planner_splits_only_when_the_grid_leaves_sms_idle() {
 }
 
 #[test]
+fn the_planner_evens_out_the_waves_of_a_grid_over_one_wave() {
+    use pagedkv::host::ops::attention::{Arch, SplitTarget, decode_blocks_per_sm};
+    let shape = |seqs| DecodeShape {
+        num_seqs: seqs,
+        num_q_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        num_blocks: 1 << 16,
+        max_blocks_per_seq: 256,
+    };
+    let h100 = SplitTarget {
+        sm_count: 132,
+        arch: Arch::Sm90,
+    };
+    // The fp8 tensor-core kernel's 168 registers on sm_90: 3 blocks a SM, 396 slots.
+    assert_eq!(decode_blocks_per_sm(&shape(64), DType::E4m3, Arch::Sm90), 3);
+    assert_eq!(decode_blocks_per_sm(&shape(64), DType::E4m3, Arch::Sm80), 2);
+    // Batch 64: 512 blocks are 1.29 waves; unsplit, the second wave runs 116 blocks on
+    // 396 slots. Three partitions make 1536 blocks, 3.9 waves.
+    let p = plan(&shape(64), DType::E4m3, 4096, h100);
+    assert_eq!(p.num_partitions, 3, "{p:?}");
+    validate_plan(&shape(64), DType::E4m3, &p, 4096).unwrap();
+    // f16 (2 blocks a SM): 512 blocks are 1.94 waves, no split evens them out better.
+    assert_eq!(plan(&shape(64), DType::F16, 4096, h100).num_partitions, 1);
+    // Batch 40 of fp8 (320 blocks) fits one wave of 396: no split.
+    assert_eq!(plan(&shape(40), DType::E4m3, 4096, h100).num_partitions, 1);
+    // With sm_80's bounds the same fp8 grid is 1.94 waves of 264: no split.
+    assert_eq!(plan(&shape(64), DType::E4m3, 4096, 132).num_partitions, 1);
+}
+
+#[test]
 fn the_pipeline_model_keeps_32_kib_in_flight_per_sm_at_the_flagship_shape() {
     use pagedkv::host::ops::attention::{
-        SmLimits, decode_blocks_per_sm, decode_bytes_in_flight_per_sm,
+        Arch, decode_blocks_per_sm, decode_bytes_in_flight_per_sm,
     };
     // Batch 64, context 4096, 32:8 heads, head_dim 128, block 16: no split, so the
     // pipeline alone must keep the SMs' loads in flight (a model, not a measurement):
@@ -229,10 +269,10 @@ fn the_pipeline_model_keeps_32_kib_in_flight_per_sm_at_the_flagship_shape() {
         max_blocks_per_seq: 256,
     };
     for (head_dim, dtype) in [(128, DType::F16), (128, DType::E4m3), (96, DType::F16)] {
-        for sm in [SmLimits::SM_80, SmLimits::SM_90] {
-            let blocks = decode_blocks_per_sm(&shape(head_dim), dtype, &sm);
-            let bytes = decode_bytes_in_flight_per_sm(&shape(head_dim), dtype, &sm);
-            let what = format!("{dtype} head_dim {head_dim} {sm:?}");
+        for arch in [Arch::Sm80, Arch::Sm90] {
+            let blocks = decode_blocks_per_sm(&shape(head_dim), dtype, arch);
+            let bytes = decode_bytes_in_flight_per_sm(&shape(head_dim), dtype, arch);
+            let what = format!("{dtype} head_dim {head_dim} {arch:?}");
             assert!(blocks >= 1, "{what}: {blocks} blocks per SM");
             assert!(bytes >= 32 * 1024, "{what}: {bytes} bytes in flight per SM");
         }

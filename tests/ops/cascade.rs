@@ -13,6 +13,7 @@ use common::case::{Case, Params, build_shared};
 use common::fp8::quantise_case;
 use common::{approx_tolerance, cases, lse_error, lse_tolerance, rel_l2, tolerance};
 use pagedkv::host::emulator::{Emulator, MathMode};
+use pagedkv::host::ops::attention::SplitTarget;
 use pagedkv::host::ops::cascade::{CascadeGroup, find_groups};
 use pagedkv::host::reference::{paged_decode_attention, paged_decode_lse};
 use pagedkv::host::step::{
@@ -48,7 +49,8 @@ pub(crate) fn cascade_on<D: StepDevice>(
         max_tokens: 1,
         max_partitions: 64,
     };
-    let mut runner = StepRunner::with_split(dev, shape, cap, sms).map_err(e)?;
+    let mut runner =
+        StepRunner::with_split(dev, shape, cap, sms.map(SplitTarget::conservative)).map_err(e)?;
     runner.enable_cascade().map_err(e)?;
     runner
         .set_alibi_slopes(c.opts.alibi_slopes.as_deref())

@@ -21,7 +21,7 @@ use common::fp8::quantise_case;
 use common::{cases, lse_error, lse_tolerance, rel_l2, rng, tolerance, uniform};
 use pagedkv::host::emulator::Emulator;
 use pagedkv::host::ops::SUPPORTED_HEAD_DIMS;
-use pagedkv::host::ops::attention::{AttentionOut, DecodeInputs, SplitPlan, plan};
+use pagedkv::host::ops::attention::{AttentionOut, DecodeInputs, SplitPlan, plan_unsplit};
 use pagedkv::host::ops::kv_append::{KvAppendInputs, kv_append_reference};
 use pagedkv::host::ops::merge::{MergeInputs, MergeShape};
 use pagedkv::host::ops::prefill::PrefillKernel;
@@ -348,7 +348,7 @@ fn decode_all(a: &Arch) -> Outcome {
         let want = paged_decode_attention(&c.inputs());
         let want_lse = paged_decode_lse(&c.inputs());
         let max_len = *c.lens.iter().max().unwrap() as u32;
-        let unsplit = plan(&c.shape, p.dtype, max_len, 1);
+        let unsplit = plan_unsplit(&c.shape, p.dtype, max_len);
         let part = p.partition.unwrap();
         // Split, with fewer heads per CTA (so other thread geometries: more token
         // groups, another split of the copies between K and V).
@@ -1087,7 +1087,7 @@ fn decode_reads_what_its_plan_needs() {
         };
         let c = build(&p);
         let max_len = *c.lens.iter().max().unwrap() as u32;
-        let mut unsplit = plan(&c.shape, p.dtype, max_len, 1);
+        let mut unsplit = plan_unsplit(&c.shape, p.dtype, max_len);
         unsplit.heads_per_block = 3; // chunks of 3 and 1 heads: K/V read twice
         let split = SplitPlan {
             partition_tokens: 64,
@@ -1140,7 +1140,7 @@ fn exact_math_flushes_subnormal_weights_as_the_ptx_does() {
     let emu = decode_on_lse(
         EmuDevice::new(Emulator::new()),
         &c,
-        plan(&c.shape, p.dtype, max_len, 1),
+        plan_unsplit(&c.shape, p.dtype, max_len),
     )
     .unwrap();
     assert!(
@@ -1151,7 +1151,7 @@ fn exact_math_flushes_subnormal_weights_as_the_ptx_does() {
     let sink_lse = 95.0 * std::f64::consts::LOG2_E;
     assert!(emu.1.to_f64().iter().all(|&l| (l - sink_lse).abs() < 1e-4));
     for a in ARCHS.iter() {
-        let ptx = decode_on_lse(a.device(), &c, plan(&c.shape, p.dtype, max_len, 1)).unwrap();
+        let ptx = decode_on_lse(a.device(), &c, plan_unsplit(&c.shape, p.dtype, max_len)).unwrap();
         for (what, got, want) in [("out", &ptx.0, &emu.0), ("lse", &ptx.1, &emu.1)] {
             if let Some(d) = first_difference(what, got, want) {
                 panic!("{}: {d}", a.module.target());
@@ -1189,8 +1189,8 @@ fn approximate_math_stays_within_the_gpu_tolerance() {
             let c = build(&p);
             let want = paged_decode_attention(&c.inputs());
             let max_len = *c.lens.iter().max().unwrap() as u32;
-            let got = decode_on(dev(), &c, plan(&c.shape, dtype, max_len, 1)).unwrap();
-            let exact = decode_on(a.device(), &c, plan(&c.shape, dtype, max_len, 1)).unwrap();
+            let got = decode_on(dev(), &c, plan_unsplit(&c.shape, dtype, max_len)).unwrap();
+            let exact = decode_on(a.device(), &c, plan_unsplit(&c.shape, dtype, max_len)).unwrap();
             assert_ne!(
                 got.buf().as_bytes(),
                 exact.buf().as_bytes(),
@@ -1239,7 +1239,7 @@ proptest! {
             }
             let want = paged_decode_attention(&c.inputs());
             let max_len = *c.lens.iter().max().unwrap() as u32;
-            let mut pl = plan(&c.shape, p.dtype, max_len, 1);
+            let mut pl = plan_unsplit(&c.shape, p.dtype, max_len);
             if p.narrow_heads {
                 pl.heads_per_block = 1.max(pl.heads_per_block / 2);
             }
@@ -1423,7 +1423,7 @@ fn cascade_reads_a_shared_prefix_once_per_tile() {
     let dev = a.device();
     let log = dev.log();
     let max_len = *c.lens.iter().max().unwrap() as u32;
-    let flat = decode_on(dev, &c, plan(&c.shape, p.dtype, max_len, 1)).unwrap();
+    let flat = decode_on(dev, &c, plan_unsplit(&c.shape, p.dtype, max_len)).unwrap();
     let (fk, fv) = reads(&log);
     assert_eq!(
         (fk, fv),

@@ -225,7 +225,8 @@ fn prefill_runs_on_tensor_cores_with_k_and_v_through_cp_async() {
 #[test]
 fn the_planners_register_count_bounds_every_decode_kernel() {
     use pagedkv::host::ops::attention::{
-        DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA, DECODE_REGISTERS_MMA_FP8,
+        Arch, DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA,
+        DECODE_REGISTERS_MMA_FP8,
     };
     let report = include_str!("../../ptx/resources.md");
     // The ptxas table comes first; the SASS and occupancy tables follow it.
@@ -252,6 +253,15 @@ fn the_planners_register_count_bounds_every_decode_kernel() {
         assert!(
             regs <= bound,
             "{} {}: {regs} registers > the planner's bound {bound}: occupancy would be overestimated",
+            cols[1],
+            cols[2]
+        );
+        // And the architecture's own bound, which the planner uses on that GPU.
+        let arch = Arch::from_name(cols[1]).expect("a shipped architecture");
+        let own = arch.decode_registers(tensor_core_decode(cols[2]), fp8);
+        assert!(
+            regs <= own,
+            "{} {}: {regs} registers > {arch:?}'s bound {own}: occupancy would be overestimated",
             cols[1],
             cols[2]
         );

@@ -113,7 +113,9 @@ pub enum SplitPolicy {
     Auto,
     /// Never split (one partition per sequence).
     Never,
-    /// Plan as if for a GPU of this many SMs (on any backend: tests of split-K).
+    /// Plan as if for a GPU of this many SMs with sm_80's residency bounds
+    /// ([`SplitTarget::conservative`](crate::ops::attention::SplitTarget::conservative)),
+    /// on any backend: tests of split-K.
     ForSms(u32),
 }
 

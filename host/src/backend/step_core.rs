@@ -6,6 +6,7 @@ use super::{
     BackendConfig, DecodeArgs, KvAppendArgs, LayerCache, PagedCache, PrefillArgs, SplitPolicy,
 };
 use crate::error::{Error, Result};
+use crate::ops::attention::SplitTarget;
 use crate::ops::cascade::{CascadePolicy, find_groups, pays};
 use crate::scheduler::Batch;
 use crate::step::{
@@ -50,14 +51,14 @@ pub(crate) struct StepCore<D: StepDevice> {
 }
 
 impl<D: StepDevice> StepCore<D> {
-    /// A core on `dev`, whose GPU has `sm_count` SMs (`None`: a CPU, which never
-    /// splits unless the config asks).
-    pub(crate) fn new(dev: D, config: BackendConfig, sm_count: Option<u32>) -> Result<Self> {
+    /// A core on `dev`, whose GPU is `gpu` (`None`: a CPU, which never splits unless
+    /// the config asks).
+    pub(crate) fn new(dev: D, config: BackendConfig, gpu: Option<SplitTarget>) -> Result<Self> {
         config.check()?;
-        let sms = match (config.split, sm_count) {
+        let sms = match (config.split, gpu) {
             (SplitPolicy::Never, _) | (SplitPolicy::Auto, None) => None,
-            (SplitPolicy::Auto, Some(n)) => Some(n),
-            (SplitPolicy::ForSms(n), _) => Some(n),
+            (SplitPolicy::Auto, Some(t)) => Some(t),
+            (SplitPolicy::ForSms(n), _) => Some(SplitTarget::conservative(n)),
         };
         let mut runner = StepRunner::with_split(dev, config.shape, config.capacity, sms)?;
         runner.set_groups(config.num_groups)?;

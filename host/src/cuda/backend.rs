@@ -48,7 +48,7 @@ impl<'g> CudaBackend<'g> {
     pub fn new(gpu: &'g CudaDevice, config: BackendConfig) -> Result<Self> {
         Ok(Self {
             gpu,
-            core: StepCore::new(CudaStepDevice::new(gpu), config, Some(gpu.sm_count()))?,
+            core: StepCore::new(CudaStepDevice::new(gpu), config, Some(gpu.split_target()))?,
             swap: None,
         })
     }

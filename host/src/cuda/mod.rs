@@ -344,6 +344,16 @@ impl CudaDevice {
         self.sm_count
     }
 
+    /// What the split-K planner plans for on this device: its SM count and the
+    /// architecture of the PTX loaded (sm_80's bounds for one pagedkv has no table for).
+    pub fn split_target(&self) -> crate::ops::attention::SplitTarget {
+        use crate::ops::attention::{Arch, SplitTarget};
+        SplitTarget {
+            sm_count: self.sm_count,
+            arch: Arch::from_name(self.arch).unwrap_or(Arch::Sm80),
+        }
+    }
+
     /// The stream every launch goes to.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
@@ -447,7 +457,12 @@ impl CudaDevice {
         inputs: DecodeInputs<'_, DeviceTensor>,
         out: impl Into<crate::ops::attention::AttentionOut<'o, DeviceTensor>>,
     ) -> Result<SplitPlan> {
-        crate::step::once::decode(CudaStepDevice::new(self), Some(self.sm_count), inputs, out)
+        crate::step::once::decode(
+            CudaStepDevice::new(self),
+            Some(self.split_target()),
+            inputs,
+            out,
+        )
     }
 
     /// Merges partial attention states (see [`crate::ops::merge`]): a per-call

@@ -15,7 +15,7 @@ use super::prefill::PrefillMeta;
 use super::runner::{DecodeIo, KvAppendIo, StepCapacity, StepMeta, StepRunner, StepShape};
 use crate::backend::AsView;
 use crate::error::Result;
-use crate::ops::attention::{self, AttentionOut, DecodeInputs, SplitPlan};
+use crate::ops::attention::{self, AttentionOut, DecodeInputs, SplitPlan, SplitTarget};
 use crate::ops::kv_append::{self, KvAppendInputs};
 use crate::ops::merge::{self, MergeInputs};
 use crate::ops::prefill::{self, PrefillInputs};
@@ -85,17 +85,17 @@ fn upload_f32<'a, D: StepDevice>(
     })
 }
 
-/// One decode call on `dev` (whose GPU has `sm_count` SMs; `None`: never split): the
+/// One decode call on `dev` (whose GPU is `target`; `None`: never split): the
 /// inputs checked, the plan made (or `inputs.plan` taken) and validated, then one step
 /// of a runner with room for exactly that plan. Returns the plan it ran.
 pub fn decode<'o, D: StepDevice, T: AsView + TensorDesc + 'o>(
     dev: D,
-    sm_count: Option<u32>,
+    target: Option<SplitTarget>,
     inputs: DecodeInputs<'_, T>,
     out: impl Into<AttentionOut<'o, T>>,
 ) -> Result<SplitPlan> {
     let AttentionOut { out, lse } = out.into();
-    let p = attention::validate_launch(&inputs, out, sm_count)?;
+    let p = attention::validate_launch(&inputs, out, target)?;
     let s = inputs.shape;
     attention::check_lse(lse.as_deref(), s.num_seqs as u64, s.num_q_heads)?;
     let cap = StepCapacity {

@@ -4,7 +4,7 @@ use pagedkv_kernels::PagedLayout;
 
 use super::device::{DeviceAddr, StepDevice, TensorView, TensorViewMut};
 use crate::error::{Error, Result};
-use crate::ops::attention::{self, DecodeShape, SplitPlan};
+use crate::ops::attention::{self, DecodeShape, SplitPlan, SplitTarget};
 use crate::ops::scales::check_cache_pair;
 use crate::ops::{MAX_GRID_YZ, check_layout, kv_append};
 use crate::tensor::DType;
@@ -202,7 +202,7 @@ pub struct StepRunner<D: StepDevice> {
     pub(super) shape: StepShape,
     pub(super) cap: StepCapacity,
     /// SMs the split planner plans for; `None`: never split.
-    pub(super) sm_count: Option<u32>,
+    pub(super) split: Option<SplitTarget>,
     /// `[tables of each group | lens | slots of each group]`, 16-byte aligned
     /// sections, room for `groups` groups (`meta_bytes` a group).
     pub(super) meta: DeviceAddr,
@@ -250,22 +250,28 @@ fn too_large(what: &'static str) -> Error {
 }
 
 impl<D: StepDevice> StepRunner<D> {
-    /// A runner for `shape` on `dev` (whose GPU has `sm_count` SMs, the split planner's
-    /// input), with device buffers allocated for `cap`: metadata, split-K workspace and
-    /// ALiBi slopes. The only allocations the runner ever makes.
-    pub fn new(dev: D, shape: StepShape, cap: StepCapacity, sm_count: u32) -> Result<Self> {
-        Self::with_split(dev, shape, cap, Some(sm_count))
+    /// A runner for `shape` on `dev` (whose GPU is `target`, the split planner's input:
+    /// a [`SplitTarget`], or a bare SM count for sm_80's conservative bounds), with device
+    /// buffers allocated for `cap`: metadata, split-K workspace and ALiBi slopes. The
+    /// only allocations the runner ever makes.
+    pub fn new(
+        dev: D,
+        shape: StepShape,
+        cap: StepCapacity,
+        target: impl Into<SplitTarget>,
+    ) -> Result<Self> {
+        Self::with_split(dev, shape, cap, Some(target.into()))
     }
 
-    /// [`new`](Self::new), planning split-K for `sm_count` SMs, or never splitting when
-    /// it is `None` (the CPU: split-K exists to fill a GPU's SMs).
+    /// [`new`](Self::new), planning split-K for `target`, or never splitting when it is
+    /// `None` (the CPU: split-K exists to fill a GPU's SMs).
     pub fn with_split(
         dev: D,
         shape: StepShape,
         cap: StepCapacity,
-        sm_count: Option<u32>,
+        target: Option<SplitTarget>,
     ) -> Result<Self> {
-        Self::with_workspace(dev, shape, cap, sm_count, 0)
+        Self::with_workspace(dev, shape, cap, target, 0)
     }
 
     /// [`with_split`](Self::with_split), with a split-K workspace of at least
@@ -275,7 +281,7 @@ impl<D: StepDevice> StepRunner<D> {
         mut dev: D,
         shape: StepShape,
         cap: StepCapacity,
-        sm_count: Option<u32>,
+        split: Option<SplitTarget>,
         min_rows: u64,
     ) -> Result<Self> {
         check_layout(&shape.layout())?;
@@ -320,23 +326,22 @@ impl<D: StepDevice> StepRunner<D> {
             ));
         }
         let meta_bytes = usize::try_from(meta_bytes).map_err(|_| too_large("capacity"))?;
-        // Partials for the most (sequence, head, partition) rows any plan within `cap`
-        // makes: the planner splits only small batches, so this is far below
-        // max_seqs * num_q_heads * max_partitions.
+        // Partials for the most (sequence, head, partition) rows the planner makes for
+        // a batch within `cap` at the longest context (far below max_seqs *
+        // num_q_heads * max_partitions: it splits small batches, and large ones at most
+        // MAX_BALANCING_PARTITIONS ways). A plan for a shorter context that would need
+        // more is cut to what the workspace holds when the step is planned.
         let mut rows = min_rows;
         let decode_shape = |n| shape.batch(n, cap.max_blocks_per_seq);
         let longest = cap.max_blocks_per_seq.saturating_mul(shape.block_size);
-        let sms = sm_count.unwrap_or(0);
-        for n in (1..=cap.max_seqs).take_while(|_| sm_count.is_some()) {
+        for (n, target) in (1..=cap.max_seqs).filter_map(|n| Some((n, split?))) {
             let p = clamp_partitions(
-                attention::plan(&decode_shape(n), shape.kv_dtype, longest, sms),
+                attention::plan(&decode_shape(n), shape.kv_dtype, longest, target),
                 longest,
                 cap.max_partitions,
             );
             if p.is_split() {
                 rows = rows.max(n as u64 * shape.num_q_heads as u64 * p.num_partitions as u64);
-            } else {
-                break; // larger batches split even less
             }
         }
         let out_bytes = rows
@@ -379,7 +384,7 @@ impl<D: StepDevice> StepRunner<D> {
             dev,
             shape,
             cap,
-            sm_count,
+            split,
             meta,
             meta_bytes,
             groups: 1,
@@ -593,14 +598,17 @@ impl<D: StepDevice> StepRunner<D> {
                 meta.block_tables,
                 meta.context_lens,
             )?;
+            // The planner's choice, within the capacity and the workspace's rows.
+            let fits = self.part_out.1
+                / (self.shape.head_dim as u64 * n.max(1) as u64 * self.shape.num_q_heads as u64);
             let p = split.unwrap_or_else(|| {
                 clamp_partitions(
-                    match self.sm_count {
-                        Some(sms) => attention::plan(&ds, self.shape.kv_dtype, max_len, sms),
+                    match self.split {
+                        Some(t) => attention::plan(&ds, self.shape.kv_dtype, max_len, t),
                         None => attention::plan_unsplit(&ds, self.shape.kv_dtype, max_len),
                     },
                     max_len,
-                    self.cap.max_partitions,
+                    (fits.min(self.cap.max_partitions as u64) as u32).max(1),
                 )
             });
             attention::validate_plan(&ds, self.shape.kv_dtype, &p, max_len)?;

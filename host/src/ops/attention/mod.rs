@@ -49,12 +49,12 @@ mod plan;
 pub use emulated::decode_emulated;
 pub use pagedkv_kernels::kernels::attention::TILE_TOKENS;
 pub use plan::{
-    DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA, DECODE_REGISTERS_MMA_FP8,
-    DecodeKernel, MIN_PARTITION_TOKENS, SmLimits, SplitPlan, TARGET_BYTES_IN_FLIGHT_PER_SM,
-    decode_blocks_per_sm, decode_blocks_per_sm_at, decode_blocks_wanted_per_sm,
-    decode_bytes_in_flight, decode_bytes_in_flight_per_sm, decode_kernel, decode_launch_config,
-    decode_registers, geometry, max_heads_per_block, plan, plan_unsplit, reduce_launch_config,
-    validate_plan,
+    Arch, DECODE_REGISTERS, DECODE_REGISTERS_FP8, DECODE_REGISTERS_MMA, DECODE_REGISTERS_MMA_FP8,
+    DECODE_REGISTERS_MMA_FP8_SM90, DECODE_REGISTERS_MMA_SM90, DecodeKernel,
+    MAX_BALANCING_PARTITIONS, MIN_PARTITION_TOKENS, SmLimits, SplitPlan, SplitTarget,
+    decode_blocks_per_sm, decode_blocks_per_sm_at, decode_bytes_in_flight,
+    decode_bytes_in_flight_per_sm, decode_kernel, decode_launch_config, decode_registers, geometry,
+    max_heads_per_block, plan, plan_unsplit, reduce_launch_config, validate_plan,
 };
 
 use pagedkv_kernels::PagedLayout;
@@ -420,18 +420,17 @@ pub fn decode_bytes(
 }
 
 /// Everything a backend checks before a decode launch: [`validate`] the inputs, take
-/// `inputs.plan` or make one (with [`plan`] for `sm_count` SMs, or [`plan_unsplit`]
-/// when `sm_count` is `None`), then [`validate_plan`] it. Returns the plan to launch
-/// with.
+/// `inputs.plan` or make one (with [`plan`] for `target`, or [`plan_unsplit`] when
+/// `target` is `None`), then [`validate_plan`] it. Returns the plan to launch with.
 pub fn validate_launch<T: TensorDesc>(
     inputs: &DecodeInputs<'_, T>,
     out: &T,
-    sm_count: Option<u32>,
+    target: Option<SplitTarget>,
 ) -> Result<SplitPlan> {
     let max_len = validate(inputs, out)?;
     let (shape, dtype) = (inputs.shape, inputs.key_cache.dtype());
-    let p = inputs.plan.unwrap_or_else(|| match sm_count {
-        Some(sms) => plan(shape, dtype, max_len, sms),
+    let p = inputs.plan.unwrap_or_else(|| match target {
+        Some(t) => plan(shape, dtype, max_len, t),
         None => plan_unsplit(shape, dtype, max_len),
     });
     validate_plan(shape, dtype, &p, max_len)?;

@@ -66,8 +66,9 @@ pub struct DecodeKernel {
     pub stage_bytes: u32,
     /// Stages in flight while the block computes on one.
     pub stages_in_flight: u32,
-    /// Registers per thread the planner assumes (at least ptxas's count for every
-    /// such entry point, checked by `tests/ops/ptx.rs`).
+    /// Registers per thread on every architecture (at least ptxas's count for every
+    /// such entry point, checked by `tests/ops/ptx.rs`); the planner takes the
+    /// architecture's own, [`Arch::decode_registers`].
     pub registers: u32,
 }
 
@@ -122,13 +123,92 @@ pub const DECODE_REGISTERS_MMA: u32 = 224;
 /// (sm_80 decodes fp8 in software: up to 230 registers at head_dim 128; sm_90's
 /// `cvt` needs 168).
 pub const DECODE_REGISTERS_MMA_FP8: u32 = 248;
+/// [`DECODE_REGISTERS_MMA`] on sm_90 alone: ptxas's most for any such entry point there
+/// (212, the bf16 head_dim 128 kernel). The same residency as sm_80's bound (2 blocks).
+pub const DECODE_REGISTERS_MMA_SM90: u32 = 212;
+/// [`DECODE_REGISTERS_MMA_FP8`] on sm_90 alone (168 at head_dim 128: `cvt` decodes fp8
+/// in one instruction a pair). Exactly ptxas's count: 168 registers let an SM hold 3
+/// blocks, 170 would hold 2.
+pub const DECODE_REGISTERS_MMA_FP8_SM90: u32 = 168;
 
-/// The register bound of the CUDA-core decode kernel over a cache of `dtype`.
+/// The register bound of the CUDA-core decode kernel over a cache of `dtype` (the same
+/// on every architecture).
 pub const fn decode_registers(dtype: DType) -> u32 {
     if dtype.is_fp8() {
         DECODE_REGISTERS_FP8
     } else {
         DECODE_REGISTERS
+    }
+}
+
+/// An architecture pagedkv ships PTX for: what bounds residency there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arch {
+    /// sm_80 (A100); also the conservative choice for a GPU of unknown architecture
+    /// (its bounds are never below another's).
+    Sm80,
+    /// sm_90 (H100, H200).
+    Sm90,
+}
+
+impl Arch {
+    /// The architecture of a PTX target name (`"sm_80"`, `"sm_90"`, `"sm_90a"`); `None`
+    /// for one pagedkv does not ship.
+    pub fn from_name(name: &str) -> Option<Arch> {
+        match name {
+            "sm_80" => Some(Arch::Sm80),
+            "sm_90" | "sm_90a" => Some(Arch::Sm90),
+            _ => None,
+        }
+    }
+
+    /// The SM's limits on this architecture.
+    pub const fn limits(self) -> SmLimits {
+        match self {
+            Arch::Sm80 => SmLimits::SM_80,
+            Arch::Sm90 => SmLimits::SM_90,
+        }
+    }
+
+    /// Registers per thread the planner assumes for a decode kernel here: at least
+    /// ptxas's count for every such entry point of this architecture (checked by
+    /// `tests/ops/ptx.rs`).
+    pub const fn decode_registers(self, tensor_cores: bool, fp8: bool) -> u32 {
+        match (self, tensor_cores, fp8) {
+            (Arch::Sm90, true, true) => DECODE_REGISTERS_MMA_FP8_SM90,
+            (Arch::Sm90, true, false) => DECODE_REGISTERS_MMA_SM90,
+            (_, true, true) => DECODE_REGISTERS_MMA_FP8,
+            (_, true, false) => DECODE_REGISTERS_MMA,
+            (_, false, true) => DECODE_REGISTERS_FP8,
+            (_, false, false) => DECODE_REGISTERS,
+        }
+    }
+}
+
+/// The GPU a plan is made for: its SM count and architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitTarget {
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    /// Its architecture (residency: registers, shared memory).
+    pub arch: Arch,
+}
+
+/// A bare SM count: [`SplitTarget::conservative`].
+impl From<u32> for SplitTarget {
+    fn from(sm_count: u32) -> SplitTarget {
+        SplitTarget::conservative(sm_count)
+    }
+}
+
+impl SplitTarget {
+    /// `sm_count` SMs of sm_80's bounds (never optimistic about residency on a newer
+    /// architecture).
+    pub const fn conservative(sm_count: u32) -> SplitTarget {
+        SplitTarget {
+            sm_count,
+            arch: Arch::Sm80,
+        }
     }
 }
 
@@ -163,15 +243,17 @@ impl SmLimits {
     };
 }
 
-/// Blocks of the decode kernel one SM runs at once (the least of what registers,
-/// threads, shared memory and the block limit allow), with the kernel's register bound.
-pub fn decode_blocks_per_sm(shape: &DecodeShape, dtype: DType, sm: &SmLimits) -> u32 {
+/// Blocks of the decode kernel one SM of `arch` runs at once (the least of what
+/// registers, threads, shared memory and the block limit allow), with the
+/// architecture's register bound ([`Arch::decode_registers`]).
+pub fn decode_blocks_per_sm(shape: &DecodeShape, dtype: DType, arch: Arch) -> u32 {
     let k = decode_kernel(shape, dtype);
-    decode_blocks_per_sm_at(k.registers, &k, sm)
+    let registers = arch.decode_registers(k.tensor_cores, dtype.is_fp8());
+    decode_blocks_per_sm_at(registers, &k, &arch.limits())
 }
 
-/// [`decode_blocks_per_sm`] for kernel `k` at `registers` registers per thread (what
-/// ptxas reports for one entry point).
+/// Blocks of kernel `k` an SM of limits `sm` runs at once at `registers` registers per
+/// thread (what ptxas reports for one entry point).
 pub fn decode_blocks_per_sm_at(registers: u32, k: &DecodeKernel, sm: &SmLimits) -> u32 {
     // Registers are allocated per warp in units of 256.
     let warp_regs = (registers.max(1) * 32).next_multiple_of(256);
@@ -181,12 +263,12 @@ pub fn decode_blocks_per_sm_at(registers: u32, k: &DecodeKernel, sm: &SmLimits) 
     by_regs.min(by_threads).min(by_smem).min(sm.blocks).max(1)
 }
 
-/// Bytes of K and V in flight per SM when every resident block has its stages in
-/// flight: `blocks_per_sm * stages_in_flight * stage bytes`. A model of the pipeline's
-/// memory-level parallelism, not a measurement.
-pub fn decode_bytes_in_flight_per_sm(shape: &DecodeShape, dtype: DType, sm: &SmLimits) -> u32 {
+/// Bytes of K and V in flight per SM of `arch` when every resident block has its stages
+/// in flight: `blocks_per_sm * stages_in_flight * stage bytes`. A model of the
+/// pipeline's memory-level parallelism, not a measurement.
+pub fn decode_bytes_in_flight_per_sm(shape: &DecodeShape, dtype: DType, arch: Arch) -> u32 {
     decode_bytes_in_flight(
-        decode_blocks_per_sm(shape, dtype, sm),
+        decode_blocks_per_sm(shape, dtype, arch),
         &decode_kernel(shape, dtype),
     )
 }
@@ -197,35 +279,66 @@ pub fn decode_bytes_in_flight(blocks: u32, k: &DecodeKernel) -> u32 {
     blocks * k.stages_in_flight * k.stage_bytes
 }
 
-/// Bytes in flight per SM the planner aims for: by Little's law, bandwidth x latency /
-/// SMs is about 20-40 KiB on an A100 or H100 (a model, to be checked on a GPU).
-pub const TARGET_BYTES_IN_FLIGHT_PER_SM: u32 = 40 * 1024;
+/// The most partitions [`plan`] cuts a sequence into to even out the waves of a grid
+/// that already fills the GPU (more would add partials and reduce work for little).
+pub const MAX_BALANCING_PARTITIONS: u32 = 4;
 
-/// Decode blocks each SM should run for the pipeline to keep
-/// [`TARGET_BYTES_IN_FLIGHT_PER_SM`] in flight (at most what fits, with sm_80's limits,
-/// the smallest of the supported architectures).
-pub fn decode_blocks_wanted_per_sm(shape: &DecodeShape, dtype: DType) -> u32 {
-    let k = decode_kernel(shape, dtype);
-    let per_block = k.stages_in_flight * k.stage_bytes;
-    TARGET_BYTES_IN_FLIGHT_PER_SM
-        .div_ceil(per_block)
-        .min(decode_blocks_per_sm(shape, dtype, &SmLimits::SM_80))
-}
-
-/// Plans a launch: as many query heads per block as fit (so K/V is read once per
-/// group), then split-K only when `num_seqs * num_kv_heads * head_chunks` blocks are
-/// fewer than `sm_count` SMs times [`decode_blocks_wanted_per_sm`]: partitions are then
-/// sized so the grid reaches that count, and never shorter than
+/// Plans a launch for `target` (a [`SplitTarget`], or a bare SM count for sm_80's
+/// conservative bounds): as many query heads per block as fit (so K/V is read
+/// once per group), then partitions so the grid fills the GPU's resident slots (`S` =
+/// SMs x [`decode_blocks_per_sm`]) in whole waves:
+///
+/// * fewer than `S` blocks (`num_seqs * num_kv_heads * head_chunks`): as many
+///   partitions as keep the grid within one wave, `floor(S / blocks)` (one more would
+///   start a second wave that a few SMs run alone);
+/// * more: split only when a last partial wave costs a fifth of the time or more, by
+///   `cost(n) = ceil(blocks * n / S) / n` (the time in unsplit blocks' lengths, for `n`
+///   partitions up to [`MAX_BALANCING_PARTITIONS`]): then the fewest partitions whose
+///   cost is within 10% of the least. So 1.3 waves of fp8 blocks on an H100 become 3.9
+///   (3 partitions) rather than a second wave at a third of the slots, while 4.7 waves
+///   of f16 on an A100 stay unsplit. The two thresholds were chosen on the speed model
+///   (`ptx/resources.md`; FlashAttention-2's split heuristic likewise keeps the fewest
+///   splits within 85% of the best wave efficiency) and wait for a GPU to confirm them.
+///
+/// Partitions are multiples of [`TILE_TOKENS`] and never shorter than
 /// [`MIN_PARTITION_TOKENS`].
-pub fn plan(shape: &DecodeShape, dtype: DType, max_context_len: u32, sm_count: u32) -> SplitPlan {
+pub fn plan(
+    shape: &DecodeShape,
+    dtype: DType,
+    max_context_len: u32,
+    target: impl Into<SplitTarget>,
+) -> SplitPlan {
+    let target = target.into();
     let mut p = plan_unsplit(shape, dtype, max_context_len);
     let blocks = shape.num_seqs as u64 * shape.num_kv_heads as u64 * p.head_chunks(shape) as u64;
-    let per_sm = decode_blocks_wanted_per_sm(shape, dtype);
-    let target = per_sm as u64 * sm_count.max(1) as u64;
-    if blocks >= target {
-        return p;
-    }
-    let want = target.div_ceil(blocks.max(1)) as u32;
+    let slots =
+        decode_blocks_per_sm(shape, dtype, target.arch) as u64 * target.sm_count.max(1) as u64;
+    let blocks = blocks.max(1);
+    let want = if blocks < slots {
+        slots / blocks
+    } else {
+        // cost(n) = waves(n) / n, compared in integers.
+        let waves = |n: u64| (blocks * n).div_ceil(slots);
+        let ns = 1..=MAX_BALANCING_PARTITIONS as u64;
+        let best = ns.clone().fold(1, |best, n| {
+            if waves(n) * best < waves(best) * n {
+                n
+            } else {
+                best
+            }
+        });
+        // Worth the partials, the reduce and every block's fixed costs only when the
+        // last wave idled a fifth of the time or more; then the fewest partitions
+        // within 10% of the least cost.
+        if 5 * waves(best) > 4 * waves(1) * best {
+            1
+        } else {
+            ns.into_iter()
+                .find(|&n| 10 * waves(n) * best <= 11 * waves(best) * n)
+                .unwrap_or(best)
+        }
+    };
+    let want = want.min(MAX_GRID_YZ as u64) as u32;
     let part = max_context_len
         .div_ceil(want)
         .next_multiple_of(TILE_TOKENS)
