@@ -11,6 +11,10 @@
 #   scripts/validate-ptx.sh           validate and rewrite ptx/resources.md
 #   scripts/validate-ptx.sh --check   validate and fail if ptx/resources.md is stale
 #
+# PAGEDKV_MODEL_KEEP=DIR keeps the model's inputs (ptxas.txt, loops.txt, the SASS) in DIR,
+# to rerun `cargo run --release --example decode_model -- DIR/ptxas.txt DIR/loops.txt
+# ptx/anchors/flashinfer` while working on a kernel or the model.
+#
 # ptxas and nvdisasm come from PyPI (nvidia-cuda-nvcc-cu12 and nvidia-cuda-nvdisasm,
 # pinned below), unpacked into the ignored folder .tools/: no CUDA toolkit is needed.
 set -euo pipefail
@@ -153,6 +157,11 @@ if ! cargo run -q --release --example decode_model -- "${model_args[@]}" > "$wor
   bad=1
 fi
 cat "$work/model.md" >> "$report"
+if [ -n "${PAGEDKV_MODEL_KEEP:-}" ]; then
+  mkdir -p "$PAGEDKV_MODEL_KEEP"
+  cp "$work"/ptxas.txt "$work"/loops.txt "$work"/*.sass "$PAGEDKV_MODEL_KEEP"/
+  echo "validate-ptx: the model's inputs are in $PAGEDKV_MODEL_KEEP"
+fi
 
 if [ $bad -ne 0 ]; then
   cat "$report"

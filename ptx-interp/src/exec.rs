@@ -1172,6 +1172,24 @@ impl Cta<'_, '_> {
                             let wide = ((y as u32 as u64) << 32) | x as u32 as u64;
                             ((wide << (z as u32 & 0x1f)) >> 32) & 0xFFFF_FFFF
                         }
+                        TernOp::PrmtB32 => {
+                            // PTX ISA, prmt (default mode): the bytes of {b, a}
+                            // indexed 0-7, four selector nibbles, bit 3 of each a
+                            // sign replication.
+                            let bytes = ((y as u32 as u64) << 32) | x as u32 as u64;
+                            (0..4).fold(0u64, |d, i| {
+                                let s = (z >> (4 * i)) & 0xf;
+                                let byte = (bytes >> (8 * (s & 7))) & 0xff;
+                                let byte = if s & 8 == 0 {
+                                    byte
+                                } else if byte & 0x80 != 0 {
+                                    0xff
+                                } else {
+                                    0
+                                };
+                                d | byte << (8 * i)
+                            })
+                        }
                     };
                 }
                 Op::Setp {

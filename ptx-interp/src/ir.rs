@@ -119,6 +119,9 @@ pub(crate) enum TernOp {
     BfeU32,
     /// `shf.l.wrap.b32 d, a, b, n`: the high word of `{b, a} << (n & 31)`.
     ShfLWrap32,
+    /// `prmt.b32 d, a, b, sel` (default mode): byte `i` of `d` is byte `sel[4i+2:4i]`
+    /// of `{b, a}`, or its sign replicated when `sel[4i+3]` is set.
+    PrmtB32,
 }
 
 /// The type a `setp` compares as.

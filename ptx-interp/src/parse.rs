@@ -984,6 +984,7 @@ impl<'p, 'a, 'f> Body<'p, 'a, 'f> {
             "fma.rn.f32" => tern(self, TernOp::FmaF32, f32t)?,
             "bfe.u32" => tern(self, TernOp::BfeU32, b32)?,
             "shf.l.wrap.b32" => tern(self, TernOp::ShfLWrap32, b32)?,
+            "prmt.b32" => tern(self, TernOp::PrmtB32, b32)?,
             _ if opc.starts_with("mov.") => self.mov(opc, ops)?,
             _ if opc.starts_with("setp.") => self.setp(opc, ops)?,
             _ if opc.starts_with("selp.") => {

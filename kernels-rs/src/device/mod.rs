@@ -31,6 +31,32 @@ pub use fp8::{
     f32x2_to_e4m3x2, f32x2_to_e5m2x2,
 };
 
+/// Byte `i` of the result is byte `sel >> 4i & 7` of the eight bytes `{b, a}` (`a`'s
+/// bytes 0-3, then `b`'s 4-7), or that byte's sign bit in all eight bits when `sel >> 4i
+/// & 8` is set: PTX's `prmt.b32` in its default mode, one instruction on the GPU (its
+/// pairs of fp8 bytes for one conversion each, where shifts and masks take four).
+#[inline(always)]
+pub fn byte_perm(a: u32, b: u32, sel: u32) -> u32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        nvptx::prmt(a, b, sel)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        let bytes = (b as u64) << 32 | a as u64;
+        (0..4).fold(0, |d, i| {
+            let s = (sel >> (4 * i)) & 0xf;
+            let byte = (bytes >> (8 * (s & 7))) as u8;
+            let byte = if s & 8 != 0 {
+                if byte & 0x80 != 0 { 0xff } else { 0 }
+            } else {
+                byte
+            };
+            d | (byte as u32) << (8 * i)
+        })
+    }
+}
+
 /// Threads in a warp on every NVIDIA GPU pagedkv supports.
 pub const WARP_SIZE: u32 = 32;
 
@@ -444,5 +470,23 @@ unsafe impl<T: 'static> KernelParams for GlobalSlice<T> {
 unsafe impl<T: 'static> KernelParams for GlobalSliceMut<T> {
     fn globals(&self, f: &mut dyn FnMut(GlobalRange)) {
         f(self.range("slice"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::byte_perm;
+
+    #[test]
+    fn byte_perm_picks_bytes_of_both_words_and_replicates_signs() {
+        let (a, b) = (0x3322_1100, 0xf7e6_d5c4);
+        // Identity and the other word.
+        assert_eq!(byte_perm(a, b, 0x3210), a);
+        assert_eq!(byte_perm(a, b, 0x7654), b);
+        // The fp8 V pairs: a's and b's byte 0, then byte 1; then bytes 2 and 3.
+        assert_eq!(byte_perm(a, b, 0x5140), 0xd511_c400);
+        assert_eq!(byte_perm(a, b, 0x7362), 0xf733_e622);
+        // Bit 3 of a nibble: the selected byte's sign in all eight bits.
+        assert_eq!(byte_perm(a, b, 0x8c8c), 0x00ff_00ff);
     }
 }

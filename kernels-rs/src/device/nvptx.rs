@@ -96,6 +96,18 @@ pub(super) fn mul_rn_f16x2(a: u32, b: u32) -> u32 {
     d
 }
 
+/// `prmt.b32 d, a, b, sel` (the default mode): see [`super::byte_perm`].
+#[inline(always)]
+pub(super) fn prmt(a: u32, b: u32, sel: u32) -> u32 {
+    let d: u32;
+    // SAFETY: register-only arithmetic.
+    unsafe {
+        asm!("prmt.b32 {d}, {a}, {b}, {s};", d = out(reg32) d, a = in(reg32) a,
+             b = in(reg32) b, s = in(reg32) sel, options(pure, nomem, nostack));
+    }
+    d
+}
+
 /// The hardware FP8 conversions behind [`super::fp8`]'s functions, with the same
 /// names and operand order as [`super::fp8::soft`]: `sm_90`+, or `sm_89` with PTX ISA
 /// 8.1 (the gate is in `fp8.rs`).

@@ -205,16 +205,24 @@ macro_rules! mma_cache_fp8 {
                 // Rows 2t, 2t + 1 (k = 2t, 2t + 1) and 2t + 8, 2t + 9; word 8u + g.
                 let w = |r: u32| ctx.smem_ld_u32(vbase + r * rw + 8 * u + g);
                 let (w0, w1, w2, w3) = (w(2 * t), w(2 * t + 1), w(2 * t + 8), w(2 * t + 9));
-                // Byte i of two rows, as one fp8 pair decoded to `T`.
-                let cv = |a: u32, b: u32, i: u32| -> u32 {
-                    let pair = ((a >> (8 * i)) & 0xff) | (((b >> (8 * i)) & 0xff) << 8);
-                    <$t>::from_f16x2($cvt(pair as u16))
+                // Bytes i and i + 1 of two rows, interleaved by one byte permute: the
+                // low half pairs the rows' byte i, the high half their byte i + 1, each
+                // one fp8 pair decoded to `T`.
+                let pairs = |a: u32, b: u32, i: u32| -> [u32; 2] {
+                    let sel = if i == 0 { 0x5140 } else { 0x7362 };
+                    let x = crate::device::byte_perm(a, b, sel);
+                    [
+                        <$t>::from_f16x2($cvt(x as u16)),
+                        <$t>::from_f16x2($cvt((x >> 16) as u16)),
+                    ]
                 };
+                let (lo01, lo23) = (pairs(w0, w1, 0), pairs(w2, w3, 0));
+                let (hi01, hi23) = (pairs(w0, w1, 2), pairs(w2, w3, 2));
                 [
-                    [cv(w0, w1, 0), cv(w2, w3, 0)],
-                    [cv(w0, w1, 1), cv(w2, w3, 1)],
-                    [cv(w0, w1, 2), cv(w2, w3, 2)],
-                    [cv(w0, w1, 3), cv(w2, w3, 3)],
+                    [lo01[0], lo23[0]],
+                    [lo01[1], lo23[1]],
+                    [hi01[0], hi23[0]],
+                    [hi01[1], hi23[1]],
                 ]
             }
 
