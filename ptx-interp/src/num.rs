@@ -72,7 +72,7 @@ impl Format {
         let e = (mag >> self.man_bits) as i32;
         let m = (mag & ((1 << self.man_bits) - 1)) as f64;
         let emax = (1 << self.exp_bits) - 1;
-        let scale = |k: i32| 2f64.powi(k);
+        let scale = pow2;
         if self.inf_bits.is_none() {
             // E4M3: the all-ones exponent is finite except its all-ones mantissa.
             if mag == self.nan_bits {
@@ -124,9 +124,9 @@ impl Format {
         let bits = if e < min_e {
             // Subnormal in the target: units of 2^(min_e - man).
 
-            (a * 2f64.powi(man - min_e)).round_ties_even() as u32 // q == 2^man is the smallest normal, which these bits also encode
+            (a * pow2(man - min_e)).round_ties_even() as u32 // q == 2^man is the smallest normal, which these bits also encode
         } else {
-            let mut q = (a * 2f64.powi(man - e)).round_ties_even() as u32;
+            let mut q = (a * pow2(man - e)).round_ties_even() as u32;
             let mut e = e;
             if q == 1 << (man + 1) {
                 q >>= 1;
@@ -249,9 +249,25 @@ pub(crate) fn frag_c(lane: usize, j: usize) -> (usize, usize) {
     (g + 8 * (j / 2), 2 * t + (j % 2))
 }
 
+/// `2^k` exactly, for `k` in f64's normal range (every exponent the formats here
+/// need: they come from f16, bf16, fp8 and f32 values). Built from the bits: `powi`
+/// is a libm call, and the interpreter converts an element this way per lane.
+#[inline]
+fn pow2(k: i32) -> f64 {
+    debug_assert!((-1022..=1023).contains(&k));
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pow2_is_powi_over_the_normal_range() {
+        for k in -1022..=1023 {
+            assert_eq!(pow2(k), 2f64.powi(k), "2^{k}");
+        }
+    }
 
     #[test]
     fn f16_round_trip_and_rounding() {
