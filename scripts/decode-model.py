@@ -360,6 +360,8 @@ def counts(seq):
             c["lds_bytes"] += 128 * ldsm_matrices(ins.op)
         if ins.base in ("FFMA", "FMUL", "FADD", "HFMA2", "HADD2", "HMUL2"):
             c["fp"] += 1
+        if ins.base in ("FFMA", "FMUL"):
+            c[ins.base.lower()] += 1
         if ins.base == "HMMA":
             c["hmma"] += 1
         if ins.base in ("BAR", "DEPBAR"):
@@ -370,7 +372,8 @@ def counts(seq):
 
 
 def fmt(prefix, c):
-    keys = ["instr", "ldgsts", "ex2", "mufu", "shfl", "lds_bytes", "fp", "hmma", "bar", "depbar", "nop"]
+    keys = ["instr", "ldgsts", "ex2", "mufu", "shfl", "lds_bytes", "fp", "ffma", "fmul", "hmma", "bar",
+            "depbar", "nop"]
     return " ".join(f"{prefix}{k}={c.get(k, 0)}" for k in keys)
 
 

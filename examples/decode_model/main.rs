@@ -37,9 +37,13 @@
 //! and masked) at its residency, bounds a CTA-stage also by the L2-to-SM traffic
 //! ([`L2_BYTES_PER_CLK_SM`]), and list-schedules the causal grid onto the SMs.
 //!
+//! For the CUDA-core decode kernels (`fma_report`) it counts FFMA and FMUL in the loop
+//! that scores and accumulates tokens, straight from the SASS (a count, not a model).
+//!
 //! With `--enforce` it exits with status 1 when an anchor row's modelled figure is more
-//! than 15% from the published one or their mean error is above 10% (issue #50), or a
-//! bar of issue #29, #30 or #50 is missed (`bars` below lists them).
+//! than 15% from the published one or their mean error is above 10% (issue #50), a
+//! bar of issue #29, #30 or #50 is missed (`bars` below lists them), or a CUDA-core
+//! decode kernel's token loop issues more FMUL than FFMA.
 
 mod anchors;
 mod launch;
@@ -834,6 +838,7 @@ fn main() -> ExitCode {
     );
     missed.extend(decode);
     missed.extend(prefill);
+    missed.extend(fma_report(&loops));
     let key = |m: &String| m.split_once(": ").map_or(m.clone(), |(k, _)| k.to_string());
     let new: Vec<&String> = missed
         .iter()
@@ -859,6 +864,60 @@ fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// The CUDA-core (SIMT) decode kernels' token loop (issue #50): FFMA against FMUL per
+/// iteration of the loop that scores and accumulates tokens (the tile loop, else the
+/// stage loop), from the SASS. The accumulator's rescale is an FMUL an element a tile
+/// and a token's dot product and weighted sum two FFMAs an element, so an iteration
+/// with more FMUL than FFMA rescales (or converts) more than it accumulates: a miss.
+fn fma_report(loops: &[Loop]) -> Vec<String> {
+    let num = |l: &Loop, k: &str| l.get(k).and_then(|v| v.parse::<u32>().ok()).unwrap_or(0);
+    println!(
+        "\n## CUDA-core decode: FFMA and FMUL in the token loop (from the SASS)\n\n\
+         Per iteration of the loop that scores and accumulates a tile of tokens (the \
+         stage loop where there is no tile loop); the tensor-core kernels are not here.\n\n\
+         | arch | kernel | tokens a tile | FFMA | FMUL | check |\n|---|---|---|---|---|---|"
+    );
+    let mut missed = Vec::new();
+    for l in loops {
+        let kernel = l.get("kernel").map_or("", String::as_str);
+        if !kernel.starts_with("paged_decode_attention")
+            || l.get("kind").map(String::as_str) != Some("simt")
+        {
+            continue;
+        }
+        let arch = l.get("arch").map_or("", String::as_str);
+        // No exponential in the iteration: the scoring and accumulation are not in the
+        // loop the script found (a control-flow shape its natural loops do not nest),
+        // so its counts say nothing either way.
+        if l.get("tile")
+            .and_then(|v| v.parse::<i32>().ok())
+            .unwrap_or(0)
+            < 1
+        {
+            println!("| {arch} | {kernel} | - | - | - | token loop not found in the SASS |");
+            continue;
+        }
+        let pre = if l.get("tile_loop").map(String::as_str) == Some("yes") {
+            "tile_"
+        } else {
+            "stage_"
+        };
+        let (ffma, fmul) = (num(l, &format!("{pre}ffma")), num(l, &format!("{pre}fmul")));
+        let ok = fmul <= ffma;
+        println!(
+            "| {arch} | {kernel} | {} | {ffma} | {fmul} | {} |",
+            num(l, "tile"),
+            if ok { "ok" } else { "more FMUL" }
+        );
+        if !ok {
+            missed.push(format!(
+                "{arch} {kernel}: {fmul} FMUL > {ffma} FFMA in the token loop (issue #50)"
+            ));
+        }
+    }
+    missed
+}
+
 /// The bars and anchor rows this model shows missed when it was rebuilt (issue #50),
 /// by the key their report line starts with. `--enforce` fails on any other miss, and
 /// on one of these that holds (so the list only shrinks).
@@ -876,6 +935,23 @@ const OPEN: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_loop_with_more_fmul_than_ffma_is_a_miss() {
+        let loops = parse_lines(
+            "arch=sm_80 kernel=paged_decode_attention_f16_e4m3_d256 kind=simt tile=2 \
+             tile_loop=yes tile_ffma=66 tile_fmul=85\n\
+             arch=sm_90 kernel=paged_decode_attention_f16 kind=simt tile=1 tile_loop=no \
+             stage_ffma=17 stage_fmul=11\n\
+             arch=sm_80 kernel=paged_decode_attention_f16_e5m2 kind=simt tile=-1 \
+             tile_loop=no stage_ffma=0 stage_fmul=3\n\
+             arch=sm_90 kernel=paged_decode_attention_f16_d128 kind=mma tile=0 \
+             stage_ffma=0 stage_fmul=64\n",
+        );
+        let missed = fma_report(&loops);
+        assert_eq!(missed.len(), 1, "{missed:?}");
+        assert!(missed[0].starts_with("sm_80 paged_decode_attention_f16_e4m3_d256: 85 FMUL"));
+    }
 
     #[test]
     fn registers_are_read_by_name() {

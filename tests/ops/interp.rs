@@ -310,6 +310,42 @@ fn decode_all(a: &Arch) -> Outcome {
             i += 1;
         }
     }
+    // The runtime-geometry kernels over fp8 caches (tiles of 2) also with one token a
+    // tile: one query head a KV head at head_dim 32 (a thread's first piece may be V)
+    // and 256 (it is K) gives a token group each row of a stage (per_group 1); with
+    // soft-cap, ALiBi and a window, and without.
+    let mut k = 0;
+    for (dtype, cache) in DTYPES.into_iter().filter(|(_, c)| c.is_some()) {
+        for head_dim in [32, 256] {
+            let full = Params {
+                sinks: true,
+                dtype,
+                head_dim,
+                block_size: 8,
+                num_kv_heads: 2,
+                group: 1,
+                batch: 2,
+                max_len: 60,
+                window: Some(40),
+                softcap: Some(12.0),
+                alibi: true,
+                partition: Some(64),
+                narrow_heads: false,
+                seed: 650 + k,
+                full_length: true,
+            };
+            let plain = Params {
+                sinks: false,
+                window: None,
+                softcap: None,
+                alibi: false,
+                seed: 680 + k,
+                ..full
+            };
+            cases.extend([(full, cache), (plain, cache)]);
+            k += 1;
+        }
+    }
     // More partitions than the reduce has lanes per chunk (REDUCE_LANES), so a lane
     // folds several: 700 tokens in partitions of 64, for each reduce kernel; 3 query
     // heads of head_dim 32 (12 chunks of f16 / bf16: the reduce's last block has lanes

@@ -126,8 +126,9 @@ impl<T: Elem, K: KvElem> Block<'_, T, K> {
     /// Streams the partition's stages through the pipeline and returns this thread's
     /// online-softmax state and unnormalised accumulator over its token group. A token
     /// group owns `per_group = stage_tokens / bdz` consecutive rows of every stage and
-    /// scores them `N` at a time (a *tile*, `N` dividing `per_group`): one maximum and
-    /// one rescale of the accumulator per tile.
+    /// scores them `N` at a time (a *tile*, `N` dividing `per_group`, or a tile of 2
+    /// over a group of one row, the second row masked): one maximum and one rescale of
+    /// the accumulator per tile.
     #[inline(always)]
     fn stream<C: Ctx, const N: usize>(&self, ctx: &C) -> (SoftmaxState, Vecs) {
         let p = self.p;
@@ -221,6 +222,15 @@ impl<T: Elem, K: KvElem> Block<'_, T, K> {
         let mut state = SoftmaxState::EMPTY;
         let mut acc: Vecs = [0.0; ACC_WORDS as usize];
         let per_group = st / self.bdz;
+        // Rows a tile scores: N, or the group's one row when a tile of 2 serves a group
+        // of one (the runtime geometry over fp8); a row past them reads the tile's
+        // first row (finite, never the next group's) and is masked.
+        let rows = if per_group < N as u32 {
+            per_group
+        } else {
+            N as u32
+        };
+        let row_of = |j: usize| if (j as u32) < rows { j as u32 } else { 0 };
         // A thread without a token group (or a head) runs the loop too, for the
         // shuffles, on row 0 with nothing valid.
         let row_first = if self.tz < self.bdz {
@@ -248,7 +258,7 @@ impl<T: Elem, K: KvElem> Block<'_, T, K> {
                 // Which of them are attended, as bits: lo..hi.
                 let lo = self.start.saturating_sub(a);
                 let hi = self.end.saturating_sub(a);
-                let hi = if hi < N as u32 { hi } else { N as u32 };
+                let hi = if hi < rows { hi } else { rows };
                 let mask = if self.active && lo < hi {
                     ((1u32 << hi) - 1) & !((1u32 << lo) - 1)
                 } else {
@@ -263,7 +273,7 @@ impl<T: Elem, K: KvElem> Block<'_, T, K> {
                     each_vec::<K>(|v| {
                         let c = self.tx + v * bdx;
                         if c < chunks {
-                            let kk = ctx.smem_ld_v4(k_word + 4 * (j as u32 * chunks + v * bdx));
+                            let kk = ctx.smem_ld_v4(k_word + 4 * (row_of(j) * chunks + v * bdx));
                             each16(|e| {
                                 if e < kp {
                                     dot = ctx.fma(
@@ -319,7 +329,7 @@ impl<T: Elem, K: KvElem> Block<'_, T, K> {
                         let c = self.tx + v * bdx;
                         if c < chunks {
                             let vv =
-                                ctx.smem_ld_v4(k_word + 4 * (half + j as u32 * chunks + v * bdx));
+                                ctx.smem_ld_v4(k_word + 4 * (half + row_of(j) * chunks + v * bdx));
                             each16(|e| {
                                 if e < kp {
                                     let x = &mut acc[(v * kp + e) as usize];
@@ -451,12 +461,17 @@ pub(super) fn decode<T: Elem, K: KvElem, C: Ctx, const D: u32>(ctx: &C, p: &Deco
         inv_cap: p.inv_softcap * (1.0 / LOG2_E),
     };
     // Tiles of 8 tokens when a token group's rows of a stage fill one (one tile or
-    // several), else of 2 or 1 (`per_group` and `N` are powers of two); the runtime
-    // geometry takes one token at a time.
+    // several), else of 2 or 1 (`per_group` and `N` are powers of two). A tile costs
+    // one rescale of the accumulator (an FMUL an element) against two FFMAs an element
+    // a token. The runtime geometry over fp8 caches takes tiles of 2 (8 spills
+    // registers), a group of one row included (its second row masked: one loop, so
+    // every geometry runs the same blocks); over 16-bit caches (2 spills two words on
+    // sm_80) and f32 ones (already more FFMA than FMUL) tiles of 1.
     let per_group = st / bdz;
-    let (mut state, mut acc) = if D == 0 || per_group == 1 {
+    let tiles = D > 0 || K::PER_V4 == 16;
+    let (mut state, mut acc) = if !tiles || (D > 0 && per_group == 1) {
         blk.stream::<C, 1>(ctx)
-    } else if per_group >= 8 {
+    } else if D > 0 && per_group >= 8 {
         blk.stream::<C, 8>(ctx)
     } else {
         blk.stream::<C, 2>(ctx)
